@@ -1,0 +1,37 @@
+# Two commands on a fresh clone: `make demo` and `make test` (see README).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is installed before the project so that pip takes the CPU wheel on this machine; an
+# unpinned torch pulls a multi-GB CUDA build. GPU users override it, e.g.
+#   TORCH_SPEC="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124" make demo
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/stemdeck-watch demo
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/bench_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

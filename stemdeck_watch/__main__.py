@@ -1,0 +1,3 @@
+from stemdeck_watch.cli import main
+
+raise SystemExit(main())

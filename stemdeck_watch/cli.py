@@ -1,0 +1,135 @@
+"""Command line: `stemdeck-watch run | demo | status [--json] | doctor | config init [PATH]`.
+
+Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
+Only `run`, `demo` and `doctor` start the worker process (the only thing that imports torch);
+everything else answers in a fraction of a second, so modules are imported per command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from stemdeck_watch import __version__
+from stemdeck_watch.config import Settings, load_settings, write_default_config
+from stemdeck_watch.errors import ConfigError, StemdeckError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stemdeck-watch",
+        description="Turn songs dropped into an inbox folder into separated stems.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    config_help = "config file (default: ./stemdeck.toml, then the platform config dir)"
+    parser.add_argument("--config", type=Path, metavar="PATH", help=config_help)
+    # --config is accepted after the command too (`status --config x.toml`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, metavar="PATH", default=argparse.SUPPRESS,
+                        help=config_help)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add = lambda name, **kw: commands.add_parser(name, parents=[common], **kw)  # noqa: E731
+    run = add("run", help="run the service in the foreground (Ctrl-C stops it)")
+    run.add_argument("--no-tray", action="store_true", help="no tray icon (servers)")
+    run.add_argument("-v", "--verbose", action="store_true", help="debug output on the terminal")
+    demo = commands.add_parser("demo", help="offline demo: a tiny model on two synthetic songs")
+    demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
+    status = add("status", help="show the queue (works while stopped too)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    add("doctor", help="check folders, watcher, decoding and the model")
+    config = commands.add_parser("config", help="configuration file")
+    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
+    init = config_commands.add_parser("init", help="write a complete default stemdeck.toml")
+    init.add_argument("path", nargs="?", type=Path, default=Path("stemdeck.toml"))
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        if args.command == "config":
+            return _config(args, parser)
+        if args.command == "demo":
+            return _demo(args)
+        settings = load_settings(args.config)
+        return {"run": _run, "status": _status, "doctor": _doctor}[args.command](args, settings)
+    except ConfigError as exc:
+        print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except StemdeckError as exc:
+        print(f"stemdeck-watch: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_FAILED
+
+
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.config_command != "init":
+        parser.parse_args(["config", "--help"])
+        return EXIT_USAGE
+    try:
+        path = write_default_config(args.path, force=args.force)
+    except FileExistsError:
+        print(f"stemdeck-watch: {args.path} already exists; pass --force to overwrite it",
+              file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"stemdeck-watch: could not write {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.logs import setup_logging
+    from stemdeck_watch.service import Service
+
+    log_file = setup_logging(settings.paths.state, verbose=args.verbose)
+    print(f"stemdeck-watch {__version__}: logging to {log_file}; Ctrl-C stops", file=sys.stderr)
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    Service(settings).run_until(stop)
+    return EXIT_OK
+
+
+def _on_stop_signals(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set():  # a second Ctrl-C: the user really wants out
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    if hasattr(signal, "SIGBREAK"):
+        signal.signal(signal.SIGBREAK, handler)  # type: ignore[attr-defined]
+
+
+def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.status import collect, render
+
+    status = collect(settings)
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return EXIT_OK
+
+
+def _doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.doctor import run_doctor
+
+    return run_doctor(settings, print)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from stemdeck_watch.demo import run_demo
+    from stemdeck_watch.logs import setup_logging
+
+    setup_logging(None)
+    return run_demo(args.dir, print)

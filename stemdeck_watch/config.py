@@ -1,0 +1,463 @@
+"""`stemdeck.toml` → typed, validated settings.
+
+Every key is declared once, as a dataclass field whose metadata holds its check and its TOML
+default; the loader, `config init` and the README's key table all come from these fields.
+Unknown keys and bad values are errors that name the key, the value and what is allowed: a
+typo in a config file must never be silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from stemdeck_watch.errors import ConfigError
+from stemdeck_watch.paths import default_config_file, default_state_dir
+
+Check = Callable[[Any], Any]
+
+AUDIO_EXTENSIONS = (
+    "wav", "flac", "mp3", "m4a", "aac", "alac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
+    "wma", "mp4", "mkv", "webm", "mov",
+)
+NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low")
+LAYOUT_FIELDS = ("stem", "name", "ext", "model")
+
+
+# ---------------------------------------------------------------- value checks
+# Each returns the normalised value or raises ValueError with "what is allowed".
+
+def number(minimum: float | None = None, maximum: float | None = None, *,
+           integer: bool = False, below: float | None = None, unit: str = "") -> Check:
+    kind = "a whole number" if integer else "a number"
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"≥ {minimum:g}")
+    if maximum is not None:
+        bounds.append(f"≤ {maximum:g}")
+    if below is not None:
+        bounds.append(f"< {below:g}")
+    allowed = " ".join([kind, " and ".join(bounds), unit]).replace("  ", " ").strip()
+
+    def check(value: Any) -> Any:
+        ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok_type:
+            raise ValueError(allowed)
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) \
+                or (below is not None and value >= below):
+            raise ValueError(allowed)
+        return value if integer else float(value)
+
+    return check
+
+
+def choice(*allowed: Any) -> Check:
+    def check(value: Any) -> Any:
+        # type() and not ==: TOML's true must not pass for 1, nor 1 for true.
+        if any(type(a) is type(value) and a == value for a in allowed):
+            return value
+        raise ValueError("one of " + ", ".join(_show(a) for a in allowed))
+
+    return check
+
+
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("true or false")
+    return value
+
+
+def text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string")
+    return value
+
+
+def text_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("a list of strings")
+    return tuple(value)
+
+
+def extension_list(value: Any) -> tuple[str, ...]:
+    items = text_list(value)
+    cleaned = tuple(v.lower().lstrip(".") for v in items)
+    if not cleaned or any(not v or "/" in v for v in cleaned):
+        raise ValueError('a non-empty list of file extensions such as ["mp3", "wav"]')
+    return cleaned
+
+
+def stem_name(value: Any) -> str:
+    value = text(value)
+    if value and not value.replace("_", "").isalnum():
+        raise ValueError('"" (all stems) or a stem name such as "vocals"')
+    return value
+
+
+def layout_template(value: Any) -> str:
+    value = text(value)
+    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" ' \
+              f"(fields: {', '.join('{' + f + '}' for f in LAYOUT_FIELDS)})"
+    try:
+        sample = value.format(**{f: "x" for f in LAYOUT_FIELDS})
+    except (KeyError, IndexError, ValueError):
+        raise ValueError(allowed) from None
+    parts = Path(sample).parts
+    if "{stem}" not in value or not parts or Path(sample).is_absolute() or ".." in parts:
+        raise ValueError(allowed)
+    return value
+
+
+def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
+    allowed = 'a table of mix name = list of stems, e.g. instrumental = ["drums", "bass", "other"]'
+    if not isinstance(value, dict):
+        raise ValueError(allowed)
+    result = {}
+    for name, stems in value.items():
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(allowed + f" (bad mix name {name!r})")
+        try:
+            stems = text_list(stems)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if not stems or any(not stem_name(s) for s in stems):
+            raise ValueError(allowed)
+        result[name] = stems
+    return result
+
+
+def byte_size(value: Any) -> int:
+    allowed = 'a size such as "500MB" or "2GB", or a number of bytes'
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if not isinstance(value, str):
+        raise ValueError(allowed)
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "G": 1 << 30, "GB": 1 << 30}
+    stripped = value.strip().upper()
+    digits = stripped.rstrip("KMGB")
+    try:
+        amount = float(digits)
+    except ValueError:
+        raise ValueError(allowed) from None
+    unit = stripped[len(digits):].strip()
+    if unit not in units or amount <= 0:
+        raise ValueError(allowed)
+    return int(amount * units[unit])
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def key(default: Any, check: Check, doc: str) -> Any:
+    """Declare a config key: its TOML default, its check and a one-line meaning (README)."""
+    meta = {"check": check, "doc": doc, "toml": default}
+    checked = check(default)
+    if isinstance(checked, (dict, list)):
+        return dataclasses.field(default_factory=lambda: check(default), metadata=meta)
+    return dataclasses.field(default=checked, metadata=meta)
+
+
+# ---------------------------------------------------------------- sections
+
+@dataclasses.dataclass(frozen=True)
+class FolderSettings:
+    inbox: str = key("~/StemDeck/inbox", text, "watched folder; songs and link files dropped here become jobs")
+    outbox: str = key("~/StemDeck/outbox", text, "one folder of stems per finished song")
+    processed: str = key("~/StemDeck/processed", text, "inputs move here once their stems are published")
+    failed: str = key("~/StemDeck/failed", text, "inputs that failed, each with <file>.error.txt")
+    state: str = key("", text, 'registry, logs and scratch files; "" = the platform state dir')
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchSettings:
+    mode: str = key("auto", choice("auto", "native", "polling"),
+                    "auto: native events, polling on network filesystems or when native fails")
+    settle_seconds: float = key(3.0, number(0.1, unit="(seconds)"),
+                                "a file must stay unchanged this long before it is queued")
+    poll_interval: float = key(2.0, number(0.1, unit="(seconds)"), "polling observer interval")
+    rescan_seconds: float = key(300.0, number(0, unit="(seconds)"),
+                                "full rescan of the inbox every N seconds; 0 = only at start")
+    recursive: bool = key(True, boolean, "watch subfolders of the inbox too")
+    ignore: tuple[str, ...] = key([], text_list,
+                                  "extra glob patterns to ignore, added to the built-in ones")
+    extensions: tuple[str, ...] = key(list(AUDIO_EXTENSIONS), extension_list,
+                                      "file extensions that become jobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueSettings:
+    max_pending_files: int = key(20, number(1, integer=True),
+                                 "queued files beyond this wait in the inbox")
+    max_pending_links: int = key(200, number(1, integer=True), "the same for links")
+    resume_attempts: int = key(1, number(0, integer=True),
+                               "how often a job cut off by a crash is resumed before it fails")
+    start_paused_after_restore: bool = key(True, boolean,
+                                           "jobs restored after a restart wait for Start")
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparationSettings:
+    model: str = key("htdemucs", text, "Demucs model name (htdemucs, htdemucs_ft, htdemucs_6s, …)")
+    model_repo: str = key("", text, 'local folder of model files (offline); "" = download')
+    device: str = key("auto", choice("auto", "cpu", "cuda", "mps"), "where the model runs")
+    shifts: int = key(1, number(0, 20, integer=True), "random-shift passes averaged (quality vs time)")
+    overlap: float = key(0.25, number(0, below=1), "overlap between segments")
+    segment: float = key(0.0, number(0, unit="(seconds)"), "segment length; 0 = the model's own")
+    two_stems: str = key("", stem_name, 'a stem name for STEM + no_STEM output; "" = all stems')
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings:
+    format: str = key("wav", choice("wav", "flac", "mp3"), "file format of the stems")
+    bit_depth: int = key(16, choice(16, 24, 32), "16 or 24-bit integer; 32 = float (wav only)")
+    mp3_bitrate: int = key(320, choice(96, 128, 160, 192, 224, 256, 320), "kbit/s for mp3")
+    clip: str = key("rescale", choice("rescale", "clamp"),
+                    "avoid clipping by scaling the stem down (rescale) or clamping samples")
+    layout: str = key("{stem}.{ext}", layout_template, "file name of each stem inside the song folder")
+    mixes: dict = key({}, mix_table, 'extra mixes, e.g. instrumental = ["drums", "bass", "other"]')
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSettings:
+    enabled: bool = key(True, boolean, "accept .url/.webloc/.desktop link files (later release)")
+    max_duration: int = key(1800, number(0, integer=True, unit="(seconds)"),
+                            "longest download accepted; 0 = no limit")
+    max_filesize: int = key("500MB", byte_size, "largest download accepted")
+    playlists: bool = key(False, boolean, "download every item of a playlist link")
+
+
+@dataclasses.dataclass(frozen=True)
+class NotifySettings:
+    urls: tuple[str, ...] = key(["desktop"], text_list, 'apprise URLs; "desktop" = desktop notifications')
+    events: tuple[str, ...] = key(list(NOTIFY_EVENTS), text_list, "which events notify")
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiSettings:
+    enabled: bool = key(True, boolean, "local HTTP API on loopback")
+    host: str = key("127.0.0.1", choice("127.0.0.1", "localhost", "::1"), "loopback address")
+    port: int = key(0, number(0, 65535, integer=True), "0 = pick a free port")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraySettings:
+    enabled: bool | str = key("auto", choice(True, False, "auto"), "tray icon: true, false or auto")
+
+
+SECTIONS: dict[str, type] = {
+    "folders": FolderSettings, "watch": WatchSettings, "queue": QueueSettings,
+    "separation": SeparationSettings, "output": OutputSettings, "links": LinkSettings,
+    "notify": NotifySettings, "api": ApiSettings, "tray": TraySettings,
+}
+PRESET_SECTIONS = ("separation", "output")
+NOT_YET_ACTIVE = ("links", "notify", "api", "tray")
+
+
+@dataclasses.dataclass(frozen=True)
+class Folders:
+    """The folders after `~` and relative paths are resolved (relative to the config file)."""
+
+    inbox: Path
+    outbox: Path
+    processed: Path
+    failed: Path
+    state: Path
+
+    @property
+    def staging(self) -> Path:
+        return self.outbox / ".stemdeck-staging"
+
+    @property
+    def scratch(self) -> Path:
+        return self.state / "scratch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    folders: FolderSettings
+    watch: WatchSettings
+    queue: QueueSettings
+    separation: SeparationSettings
+    output: OutputSettings
+    links: LinkSettings
+    notify: NotifySettings
+    api: ApiSettings
+    tray: TraySettings
+    presets: Mapping[str, Mapping[str, Any]]
+    source: Path | None = None
+
+    @property
+    def paths(self) -> Folders:
+        base = self.source.parent if self.source else Path.cwd()
+        state = self.folders.state or str(default_state_dir())
+        return Folders(*(resolve_path(v, base) for v in (
+            self.folders.inbox, self.folders.outbox, self.folders.processed,
+            self.folders.failed, state)))
+
+    @property
+    def model_repo(self) -> Path | None:
+        return self.resolve_model_repo(self.separation)
+
+    def resolve_model_repo(self, separation: SeparationSettings) -> Path | None:
+        if not separation.model_repo:
+            return None
+        return resolve_path(separation.model_repo, self.source.parent if self.source else Path.cwd())
+
+    def for_preset(self, preset: str | None) -> tuple[SeparationSettings, OutputSettings]:
+        """The separation and output settings of a job, with its preset's overrides applied."""
+        overrides = self.presets.get(preset or "", {})
+        sep = dataclasses.replace(self.separation, **{
+            k: v for k, v in overrides.items() if k in _field_names(SeparationSettings)})
+        out = dataclasses.replace(self.output, **{
+            k: v for k, v in overrides.items() if k in _field_names(OutputSettings)})
+        return sep, out
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    path = Path(os.path.expandvars(os.path.expanduser(value)))
+    return (path if path.is_absolute() else base / path).resolve()
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown_key(where: str, name: str, allowed: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(name, allowed, n=1)
+    guess = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(f"unknown key {where}{name}{guess}; allowed: {', '.join(allowed)}")
+
+
+def _build_section(cls: type, table: Any, where: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{where.rstrip('.')}] must be a table of keys")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in table:
+        if name not in fields:
+            raise _unknown_key(where, name, list(fields))
+    return cls(**{name: _check(f, table.get(name, f.metadata["toml"]), where)
+                  for name, f in fields.items()})
+
+
+def _check(field: dataclasses.Field, value: Any, where: str) -> Any:
+    try:
+        return field.metadata["check"](value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}{field.name} = {_show_value(value)} is not allowed: "
+                          f"expected {exc}") from None
+
+
+def _show_value(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return repr(value)
+    return _show(value)
+
+
+def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(table, dict):
+        raise ConfigError("[presets] must hold tables such as [presets.karaoke]")
+    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
+    presets: dict[str, dict[str, Any]] = {}
+    for name, overrides in table.items():
+        where = f"presets.{name}."
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"presets.{name} must be a table, e.g. [presets.{name}]")
+        if not name or name.startswith(".") or any(c in name for c in '/\\:*?"<>|'):
+            raise ConfigError(f"presets.{name}: the preset name is also a folder name in the inbox; "
+                              "use letters, digits, spaces, '-' or '_'")
+        checked = {}
+        for k, v in overrides.items():
+            if k not in allowed:
+                raise _unknown_key(where, k, list(allowed))
+            checked[k] = _check(allowed[k], v, where)
+        presets[name] = checked
+    return presets
+
+
+def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Settings:
+    for name in data:
+        if name not in SECTIONS and name != "presets":
+            raise _unknown_key("", name, [*SECTIONS, "presets"])
+    sections = {name: _build_section(cls, data.get(name, {}), f"{name}.")
+                for name, cls in SECTIONS.items()}
+    settings = Settings(**sections, presets=_build_presets(data.get("presets", {})), source=source)
+    _check_folders(settings)
+    return settings
+
+
+def _check_folders(settings: Settings) -> None:
+    """The inbox must not contain the other folders (their files would become jobs) nor they it."""
+    paths = settings.paths
+    others = {"outbox": paths.outbox, "processed": paths.processed, "failed": paths.failed,
+              "state": paths.state}
+    for name, path in others.items():
+        if path == paths.inbox or paths.inbox in path.parents or path in paths.inbox.parents:
+            raise ConfigError(f"folders.{name} = {str(path)!r} overlaps folders.inbox = "
+                              f"{str(paths.inbox)!r}: choose folders outside each other")
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """Read the config: the given file, else ./stemdeck.toml, else the platform config file,
+    else the built-in defaults."""
+    if path is None:
+        for candidate in (Path.cwd() / "stemdeck.toml", default_config_file()):
+            if candidate.is_file():
+                path = candidate
+                break
+        else:
+            return settings_from_dict({})
+    path = Path(path).resolve()
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"could not read config {path}: no such file "
+                          "(create one with `stemdeck-watch config init`)") from None
+    except OSError as exc:
+        raise ConfigError(f"could not read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"could not parse config {path}: {exc}") from None
+    try:
+        return settings_from_dict(data, source=path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def default_toml() -> dict[str, Any]:
+    """The complete default configuration as TOML data (what `config init` writes)."""
+    data: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        data[name] = {f.name: _toml_value(f.metadata["toml"]) for f in dataclasses.fields(cls)}
+    return data
+
+
+def _toml_value(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def key_table() -> list[tuple[str, Any, str]]:
+    """(key, default, meaning) for every key; the README's table is checked against it."""
+    return [(f"{name}.{f.name}", f.metadata["toml"], f.metadata["doc"])
+            for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def write_default_config(path: Path, force: bool = False) -> Path:
+    import tomli_w
+
+    path = Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(tomli_w.dumps(default_toml()).encode())
+    os.replace(tmp, path)
+    return path

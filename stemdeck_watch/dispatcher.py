@@ -1,0 +1,123 @@
+"""The single consumer: takes one job at a time from the queue and sees it to an end.
+
+Every job that leaves the queue through here ends in exactly one of: done, failed (input
+quarantined), cancelled, or back at the head of the queue (the service is stopping). The loop
+catches and logs everything and goes on: one bad song must never stop the queue.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from stemdeck_watch.config import Settings
+from stemdeck_watch.errors import SHUTDOWN, Cancelled, StageError
+from stemdeck_watch.jobqueue import JobControl
+from stemdeck_watch.jobs import Job, JobState
+from stemdeck_watch.pipeline.quarantine import quarantine
+from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+class Dispatcher:
+    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: WorkerClient,
+                 settings: Settings):
+        self.scheduler = scheduler
+        self.pipeline = pipeline
+        self.client = client
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="dispatcher", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop taking jobs; a running job is cut off and goes back to the head of the queue."""
+        self._stop.set()
+        self.scheduler.queue.close()
+        self.scheduler.queue.cancel_running(SHUTDOWN)
+        self.client.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the dispatcher did not stop within %.0f s", timeout)
+
+    # ------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        self._warm_up()
+        while not self._stop.is_set():
+            try:
+                control = self.scheduler.next_job(timeout=0.5)
+                if control is not None:
+                    self._handle(control)
+            except Exception:
+                log.exception("the dispatcher loop failed; going on")
+                self._stop.wait(1.0)
+
+    def _warm_up(self) -> None:
+        """Load the default model before the first song arrives (it takes seconds)."""
+        sep = self.settings.separation
+        repo = self.settings.resolve_model_repo(sep)
+        try:
+            self.client.ensure_model(sep.model, str(repo) if repo else None)
+        except Cancelled:
+            pass
+        except Exception as exc:
+            if not self._stop.is_set():
+                log.error("%s", exc)
+
+    def _handle(self, control: JobControl) -> None:
+        queue = self.scheduler.queue
+        job = self.scheduler.registry.get(control.job_id)
+        if job is None:
+            log.error("job %s was queued but is not in the registry", control.job_id)
+            queue.finish(control)
+            return
+        if not queue.set_running(control):
+            # cancelled between take() and now: we own the job, so we close it out
+            self._cancelled(job, control.reason or "cancelled")
+            return
+        try:
+            self.pipeline.run(job, control)
+        except Cancelled as exc:
+            self._cancelled(job, exc.reason)
+        except StageError as exc:
+            self._failed(job, exc.stage, str(exc), exc.details)
+        except Exception as exc:
+            log.exception("job %s failed with an unexpected error", job.id)
+            self._failed(job, "internal", f"unexpected error: {type(exc).__name__}: {exc}",
+                         traceback.format_exc())
+        finally:
+            queue.finish(control)
+            self.scheduler.announce_if_drained()
+
+    def _cancelled(self, job: Job, reason: str) -> None:
+        if reason == SHUTDOWN:
+            log.info("%s was cut off by shutdown; it goes back to the head of the queue", job.name)
+            self.scheduler.requeue_front(job.id)
+            return
+        log.info("cancelled %s: %s", job.name, reason)
+        self.scheduler.update(job.id, state=JobState.CANCELLED, error=reason, stage=None,
+                              progress=0.0, finished_at=time.time())
+
+    def _failed(self, job: Job, stage: str, message: str, details: str) -> None:
+        log.error("%s failed while %s: %s", job.source, stage, message)
+        current = self.scheduler.registry.get(job.id) or job
+        tail = self.client.stderr_tail() if stage in ("separating", "internal") else ""
+        where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
+                           details=details, worker_tail=tail,
+                           worker_versions=self.client.versions)
+        self.scheduler.update(job.id, state=JobState.FAILED, error=message, stage=stage,
+                              source=str(where), finished_at=time.time())

@@ -1,0 +1,143 @@
+"""`doctor`: check, one line each, everything a working service needs.
+
+Each check says what it found and, when something is wrong, what to do. It loads the model in
+a real worker process (the only step that imports torch), so a model that `run` could not load
+shows up here first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from stemdeck_watch.config import Settings
+from stemdeck_watch.intake.watcher import choose_mode
+from stemdeck_watch.lock import running_pid
+from stemdeck_watch.paths import filesystem_type
+
+SYNC_FOLDER_HINTS = ("dropbox", "google drive", "googledrive", "onedrive", "icloud", "nextcloud",
+                     "syncthing", "mobile documents")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    ok: bool
+    title: str
+    detail: str
+    warning: bool = False
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok and not self.warning else ("warn" if self.ok else "FAIL")
+        return f"[{mark}] {self.title}: {self.detail}"
+
+
+def check_folders(settings: Settings) -> list[Finding]:
+    findings = []
+    folders = settings.paths
+    for name in ("inbox", "outbox", "processed", "failed", "state"):
+        path: Path = getattr(folders, name)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".stemdeck-doctor-"):
+                pass
+        except OSError as exc:
+            findings.append(Finding(False, f"folders.{name}", f"{path} is not writable "
+                                    f"({exc.strerror or exc}); fix its permissions or choose "
+                                    f"another folder"))
+            continue
+        fs = filesystem_type(path)
+        findings.append(Finding(True, f"folders.{name}", f"{path}{f' ({fs})' if fs else ''}"))
+    state = str(folders.state).lower()
+    if any(hint in state for hint in SYNC_FOLDER_HINTS):
+        findings.append(Finding(True, "state folder", f"{folders.state} looks like a sync "
+                                "folder; the registry database should stay on local disk — set "
+                                "folders.state elsewhere", warning=True))
+    return findings
+
+
+def check_watcher(settings: Settings) -> Finding:
+    mode, why = choose_mode(settings.watch, settings.paths.inbox)
+    detail = f"{mode} ({why})"
+    limit = Path("/proc/sys/fs/inotify/max_user_watches")
+    if mode == "native" and limit.exists():
+        try:
+            watches = int(limit.read_text())
+            folders = sum(1 for _ in os.walk(settings.paths.inbox)) if settings.watch.recursive else 1
+            detail += f"; {folders} folder(s) to watch, OS limit {watches}"
+            if folders > watches * 0.8:
+                return Finding(True, "watcher", detail + " — close to the limit; the service "
+                               "will fall back to polling", warning=True)
+        except (OSError, ValueError):
+            pass
+    return Finding(True, "watcher", detail)
+
+
+def check_decode(settings: Settings) -> Finding:
+    from stemdeck_watch.pipeline.decode import decode_to_file
+    from stemdeck_watch.synth import write_song
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="stemdeck-doctor-") as tmp:
+            source = write_song(Path(tmp) / "probe.flac", 1.5)
+            decoded = decode_to_file(source, Path(tmp) / "probe.npy", 44100, 2)
+        import av
+
+        return Finding(True, "decoding", f"PyAV {av.__version__} decoded a flac probe "
+                       f"({decoded.seconds:.1f} s)")
+    except Exception as exc:
+        return Finding(False, "decoding", f"could not decode a probe file: {exc}; reinstall "
+                       "with `pip install --force-reinstall av`")
+
+
+def check_models(settings: Settings) -> list[Finding]:
+    from stemdeck_watch.pipeline.separate import WorkerClient
+
+    wanted = {}
+    for preset in (None, *settings.presets):
+        sep, _ = settings.for_preset(preset)
+        repo = settings.resolve_model_repo(sep)
+        wanted.setdefault((sep.model, str(repo) if repo else None), preset)
+    findings = []
+    client = WorkerClient(settings.separation.device)
+    try:
+        for (model, repo), preset in wanted.items():
+            title = f"model {model}" + (f" (preset {preset})" if preset else "")
+            started = time.monotonic()
+            try:
+                info = client.ensure_model(model, repo)
+            except Exception as exc:
+                findings.append(Finding(False, title, str(exc)))
+                continue
+            findings.append(Finding(True, title, f"loaded in {time.monotonic() - started:.1f} s"
+                                    f" from {repo or 'the model hub cache'}; stems: "
+                                    f"{', '.join(info.sources)}"))
+    finally:
+        client.close()
+    return findings
+
+
+def check_service(settings: Settings) -> Finding:
+    pid = running_pid(settings.paths.state)
+    return Finding(True, "service", f"running (pid {pid})" if pid else "not running")
+
+
+def run_doctor(settings: Settings, emit: Callable[[str], None]) -> int:
+    """Print each finding as it comes; exit status 1 if anything failed."""
+    source = settings.source or "built-in defaults (no stemdeck.toml found)"
+    findings = [Finding(True, "config", str(source))]
+    emit(findings[0].line())
+    checks: list[Callable[[], list[Finding] | Finding]] = [
+        lambda: check_folders(settings), lambda: check_watcher(settings),
+        lambda: check_decode(settings), lambda: check_models(settings),
+        lambda: check_service(settings)]
+    for check in checks:
+        result = check()
+        for finding in result if isinstance(result, list) else [result]:
+            findings.append(finding)
+            emit(finding.line())
+    failed = [f for f in findings if not f.ok]
+    emit(f"{len(failed)} problem(s) found" if failed else "everything looks fine")
+    return 1 if failed else 0

@@ -1,0 +1,57 @@
+"""Which paths in the inbox may become jobs.
+
+Sync clients, NAS boxes, browsers and office suites leave temporary files, lock files and
+metadata folders beside real files; none of them is ever a song. The built-in rules below are
+always on; the user's `watch.ignore` patterns are added to them, never replace them.
+"""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import PurePosixPath
+from typing import Iterable
+
+IGNORED_NAMES = (
+    ".*",                 # AppleDouble ._x, Syncthing/Nextcloud temps, .DS_Store, hidden files
+    "~$*", ".~lock.*",    # Office / LibreOffice locks
+    "*.part", "*.crdownload", "*.download", "*.tmp", "*.!sync", "*.partial", "*.icloud",
+    "*.rsls", "thumbs.db", "desktop.ini", "*.sync-conflict-*",
+)
+IGNORED_FOLDERS = frozenset(name.lower() for name in (
+    ".stfolder", ".stversions", ".dropbox.cache", ".tmp.drivedownload", ".tmp.driveupload",
+    "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", ".Trashes", "__MACOSX",
+))
+
+
+class InboxFilter:
+    def __init__(self, extensions: Iterable[str], extra_patterns: Iterable[str] = (),
+                 recursive: bool = True):
+        self.extensions = frozenset(e.lower() for e in extensions)
+        self.extra = tuple(p.lower() for p in extra_patterns)
+        self.recursive = recursive
+
+    def folder_ignored(self, name: str) -> bool:
+        lowered = name.lower()
+        return lowered in IGNORED_FOLDERS or lowered.startswith(".") or self._matches_extra(lowered)
+
+    def name_ignored(self, name: str) -> bool:
+        lowered = name.lower()
+        return any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_NAMES) \
+            or self._matches_extra(lowered)
+
+    def eligible(self, rel_path: PurePosixPath) -> bool:
+        """True for an audio file the service should turn into a job."""
+        parts = rel_path.parts
+        if not parts or (len(parts) > 1 and not self.recursive):
+            return False
+        if any(self.folder_ignored(p) for p in parts[:-1]):
+            return False
+        if self._matches_extra(rel_path.as_posix().lower()):
+            return False
+        name = parts[-1]
+        if self.name_ignored(name):
+            return False
+        suffix = PurePosixPath(name).suffix.lower().lstrip(".")
+        return suffix in self.extensions
+
+    def _matches_extra(self, text: str) -> bool:
+        return any(fnmatch.fnmatchcase(text, p) for p in self.extra)

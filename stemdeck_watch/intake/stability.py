@@ -1,0 +1,94 @@
+"""When a dropped file is complete: the stability rule of design §1.
+
+A file is ready once it is non-empty and its (size, mtime_ns, inode) has not changed for
+`settle_seconds` with no watcher events in between. A close-after-write event (Linux) shortens
+the wait to `closed_settle_seconds` but is never proof on its own: the signature must still
+hold still for that long, because a writer that reopens the file per chunk closes it many times.
+A zero-byte file is not bad input but an unfinished one (browsers create it before the
+download lands): it waits as long as it takes.
+
+The clock is injected, so tests step time instead of sleeping.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from stemdeck_watch.jobs import FileSignature
+
+CLOSED_SETTLE_SECONDS = 1.0
+
+
+@dataclasses.dataclass
+class _Candidate:
+    signature: FileSignature | None
+    quiet_since: float
+    closed: bool = False
+
+
+class StabilityTracker:
+    def __init__(self, settle_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 closed_settle_seconds: float = CLOSED_SETTLE_SECONDS):
+        self.settle_seconds = settle_seconds
+        self.closed_settle_seconds = min(closed_settle_seconds, settle_seconds)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._candidates: dict[Path, _Candidate] = {}
+
+    def touch(self, path: Path, closed: bool = False) -> None:
+        """A watcher event (or a scan) saw `path`: restart its quiet period."""
+        now = self._clock()
+        with self._lock:
+            candidate = self._candidates.get(path)
+            if candidate is None:
+                self._candidates[path] = _Candidate(None, now, closed)
+            else:
+                candidate.quiet_since = now
+                candidate.closed = closed
+
+    def forget(self, path: Path) -> None:
+        with self._lock:
+            self._candidates.pop(path, None)
+            prefix = str(path) + os.sep  # a removed folder takes its files with it
+            for other in [p for p in self._candidates if str(p).startswith(prefix)]:
+                del self._candidates[other]
+
+    def pending(self) -> list[Path]:
+        with self._lock:
+            return list(self._candidates)
+
+    def ready(self) -> list[tuple[Path, FileSignature]]:
+        """Stat every candidate; return (and stop tracking) those that have settled."""
+        now = self._clock()
+        done: list[tuple[Path, FileSignature]] = []
+        with self._lock:
+            items = list(self._candidates.items())
+        for path, candidate in items:
+            try:
+                signature = FileSignature.of(os.stat(path))
+            except OSError:
+                with self._lock:
+                    self._candidates.pop(path, None)
+                continue
+            with self._lock:
+                if self._candidates.get(path) is not candidate:
+                    continue
+                if candidate.signature is None:  # first look: never ready on one stat
+                    candidate.signature = signature
+                    continue
+                if signature != candidate.signature:  # still being written
+                    candidate.signature = signature
+                    candidate.quiet_since = now
+                    candidate.closed = False
+                    continue
+                if signature.size == 0:
+                    continue
+                wait = self.closed_settle_seconds if candidate.closed else self.settle_seconds
+                if now - candidate.quiet_since >= wait:
+                    del self._candidates[path]
+                    done.append((path, signature))
+        return done

@@ -1,0 +1,203 @@
+"""Watch the inbox and hand complete, eligible files to the scheduler.
+
+Events are hints, not truth: they only (re)start a file's quiet period in the stability
+tracker, and a periodic full rescan — plus one at start and one after any watcher trouble —
+catches whatever events missed (inotify drops its overflow silently, network filesystems send
+none). On network filesystems, or when the OS refuses more native watches, the inbox is
+polled instead, and the log and `doctor` say so.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.polling import PollingObserver
+
+from stemdeck_watch.config import WatchSettings
+from stemdeck_watch.intake.filters import InboxFilter
+from stemdeck_watch.intake.stability import StabilityTracker
+from stemdeck_watch.paths import filesystem_type, is_network_filesystem
+from stemdeck_watch.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.25
+
+
+def choose_mode(settings: WatchSettings, inbox: Path) -> tuple[str, str]:
+    """("native" | "polling", why) for the configured mode and the inbox's filesystem."""
+    if settings.mode != "auto":
+        return settings.mode, f"watch.mode = {settings.mode!r}"
+    if is_network_filesystem(inbox):
+        return "polling", f"the inbox is on a network filesystem ({filesystem_type(inbox)})"
+    return "native", "native filesystem events"
+
+
+class _Handler(FileSystemEventHandler):
+    """Turns watchdog events into calls on the Intake; never lets an exception escape (a
+    handler that raises kills the observer thread)."""
+
+    def __init__(self, intake: "Intake"):
+        self.intake = intake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        try:
+            self.intake.on_event(event)
+        except Exception:
+            log.exception("handling %s failed; a rescan will follow", event)
+            self.intake.request_rescan()
+
+
+class Intake:
+    def __init__(self, settings: WatchSettings, inbox: Path, scheduler: Scheduler,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.inbox = inbox
+        self.scheduler = scheduler
+        self.filter = InboxFilter(settings.extensions, settings.ignore, settings.recursive)
+        self.tracker = StabilityTracker(settings.settle_seconds, clock)
+        self._clock = clock
+        self._observer: BaseObserver | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._rescan = threading.Event()
+        self._scan_dirs: list[Path] = []
+        self._lock = threading.Lock()
+        self.mode, self.mode_reason = choose_mode(settings, inbox)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._start_observer()
+        self._stop.clear()
+        self._rescan.set()  # files already in the inbox are picked up
+        self._thread = threading.Thread(target=self._loop, name="intake", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(5)
+            self._observer = None
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def check_health(self) -> None:
+        """Called by the service's supervisor: restart a dead observer or intake loop."""
+        if self._stop.is_set():
+            return
+        if self._observer is not None and not self._observer.is_alive():
+            log.error("the %s watcher stopped; restarting it and rescanning the inbox", self.mode)
+            self._start_observer()
+            self.request_rescan()
+        if self._thread is not None and not self._thread.is_alive():
+            log.error("the intake loop stopped; restarting it")
+            self._thread = threading.Thread(target=self._loop, name="intake", daemon=True)
+            self._thread.start()
+
+    def request_rescan(self) -> None:
+        self._rescan.set()
+
+    def _start_observer(self) -> None:
+        self.inbox.mkdir(parents=True, exist_ok=True)
+        if self.mode == "native":
+            try:
+                observer: BaseObserver = Observer()
+                observer.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
+                observer.start()
+                self._observer = observer
+                log.info("watching %s with %s", self.inbox, self.mode_reason)
+                return
+            except OSError as exc:  # ENOSPC / EMFILE: the OS watch limit is reached
+                self.mode, self.mode_reason = "polling", f"native watching failed ({exc})"
+                log.warning("could not watch %s natively (%s); polling every %.1f s instead",
+                            self.inbox, exc, self.settings.poll_interval)
+        observer = PollingObserver(timeout=self.settings.poll_interval)
+        observer.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
+        observer.start()
+        self._observer = observer
+        log.info("polling %s every %.1f s (%s)", self.inbox, self.settings.poll_interval,
+                 self.mode_reason)
+
+    # ------------------------------------------------------------ events
+
+    def on_event(self, event: FileSystemEvent) -> None:
+        kind = event.event_type
+        src = Path(os.fsdecode(event.src_path))
+        if kind in ("opened", "closed_no_write"):
+            return
+        if kind == "deleted" or kind == "moved":
+            self._gone(src)
+        if kind == "moved":
+            src = Path(os.fsdecode(event.dest_path))
+            if not self._inside(src):
+                return
+            kind = "created"
+        if event.is_directory:
+            if kind == "created":  # a folder moved in arrives as one event: look inside
+                with self._lock:
+                    self._scan_dirs.append(src)
+            return
+        if kind in ("created", "modified", "closed", "attrib") and self._eligible(src):
+            self.tracker.touch(src, closed=(kind == "closed"))
+
+    def _gone(self, path: Path) -> None:
+        self.tracker.forget(path)
+        self.scheduler.file_gone(path)
+
+    def _inside(self, path: Path) -> bool:
+        return path == self.inbox or self.inbox in path.parents
+
+    def _eligible(self, path: Path) -> bool:
+        try:
+            rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
+        except ValueError:
+            return False
+        return self.filter.eligible(rel)
+
+    # ------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        next_rescan = self._clock() + self.settings.rescan_seconds
+        while not self._stop.wait(TICK_SECONDS):
+            try:
+                if self._rescan.is_set() or (self.settings.rescan_seconds
+                                             and self._clock() >= next_rescan):
+                    self._rescan.clear()
+                    next_rescan = self._clock() + self.settings.rescan_seconds
+                    self.scan(self.inbox)
+                with self._lock:
+                    folders, self._scan_dirs = self._scan_dirs, []
+                for folder in folders:
+                    self.scan(folder)
+                for path, signature in self.tracker.ready():
+                    self._admit(path, signature)
+            except Exception:
+                log.exception("the intake loop failed; going on")
+
+    def scan(self, folder: Path) -> None:
+        """Walk `folder` and start tracking every eligible file in it."""
+        for root, dirs, files in os.walk(folder, onerror=lambda e: log.warning("scan: %s", e)):
+            root_path = Path(root)
+            if not self.settings.recursive and root_path != self.inbox:
+                dirs[:] = []
+                continue
+            dirs[:] = [d for d in dirs if not self.filter.folder_ignored(d)]
+            for name in files:
+                path = root_path / name
+                if self._eligible(path):
+                    self.tracker.touch(path)
+
+    def _admit(self, path: Path, signature) -> None:  # type: ignore[no-untyped-def]
+        if not self._eligible(path) or not self.scheduler.wants(path, signature):
+            return
+        rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
+        self.scheduler.submit_file(path, rel, signature)

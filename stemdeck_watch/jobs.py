@@ -1,0 +1,97 @@
+"""The job record every part of the service talks about.
+
+A Job is a plain value: the registry stores it, the queue orders its id, the pipeline moves it
+through the states below, and `status --json` prints it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import uuid
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    """Where a job is in its life; the values are the strings `status --json` prints."""
+
+    QUEUED = "queued"
+    DOWNLOADING = "downloading"
+    DECODING = "decoding"
+    SEPARATING = "separating"
+    PUBLISHING = "publishing"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+    @property
+    def is_running(self) -> bool:
+        return self in RUNNING_STATES
+
+
+RUNNING_STATES = frozenset(
+    {JobState.DOWNLOADING, JobState.DECODING, JobState.SEPARATING, JobState.PUBLISHING}
+)
+ACTIVE_STATES = RUNNING_STATES | {JobState.QUEUED}
+
+
+class JobKind(str, enum.Enum):
+    FILE = "file"
+    LINK = "link"
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSignature:
+    """What "the same file" means: unchanged size, modification time and inode."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, stat_result: Any) -> "FileSignature":
+        return cls(stat_result.st_size, stat_result.st_mtime_ns, stat_result.st_ino)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    id: str
+    name: str
+    kind: JobKind
+    state: JobState
+    source: str
+    rel_path: str
+    preset: str | None = None
+    progress: float = 0.0
+    output: str | None = None
+    error: str | None = None
+    stage: str | None = None
+    signature: FileSignature | None = None
+    attempts: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    finished_at: float | None = None
+    version: int = 0
+
+    def to_status(self) -> dict[str, Any]:
+        """The job object of `status --json` (design §1)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "kind": self.kind.value,
+            "state": self.state.value,
+            "progress": round(self.progress, 3),
+            "source": self.source,
+            "output": self.output,
+            "error": self.error,
+            "preset": self.preset,
+            "created_at": self.created_at,
+            "finished_at": self.finished_at,
+        }
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,163 @@
+"""Decode any input (audio or the audio track of a video) to float32 at the model's rate.
+
+PyAV decodes every input format from its own wheels, without a system ffmpeg, and hands us
+one frame at a time, so a cancel is honoured between frames. Files that decode "fine" but are
+cut short (a wav or flac copied half-way) are caught by comparing what the header promises
+with what came out: separating half a song and calling it done would lose the rest silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import struct
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from stemdeck_watch.errors import DecodeError
+
+log = logging.getLogger(__name__)
+
+MIN_SECONDS = 1.0
+COPY_AGAIN = "if it was cut off while copying or downloading, copy it into the inbox again"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedAudio:
+    path: Path
+    frames: int
+    samplerate: int
+    channels: int
+    source_codec: str
+    source_samplerate: int
+    source_channels: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.samplerate
+
+
+def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
+                   check_cancel: Callable[[], None] = lambda: None,
+                   on_progress: Callable[[float], None] = lambda _: None) -> DecodedAudio:
+    """Decode `source` into `target` (.npy, shape (channels, frames), float32)."""
+    import av  # imported here: commands that never decode should not pay for it
+
+    try:
+        container = av.open(str(source), metadata_errors="ignore")
+    except av.error.InvalidDataError:
+        raise DecodeError(f"could not decode {source}: it is not an audio or video file that "
+                          f"can be read (the data is not a known format); check that it plays "
+                          f"in a media player, or {COPY_AGAIN}") from None
+    except (av.error.FFmpegError, OSError) as exc:
+        raise DecodeError(f"could not open {source}: {exc}") from None
+    with container:
+        streams = [s for s in container.streams if s.type == "audio"]
+        if not streams:
+            kinds = ", ".join(sorted({s.type for s in container.streams})) or "nothing"
+            raise DecodeError(f"could not decode {source}: it has no audio stream (it contains "
+                              f"{kinds}); drop a file with a sound track")
+        stream = streams[0]
+        stream.thread_type = "AUTO"
+        codec = stream.codec_context.name
+        src_rate = stream.codec_context.sample_rate or stream.rate
+        src_channels = stream.codec_context.channels
+        total_seconds = float(container.duration / 1_000_000) if container.duration else None
+        layout = "stereo" if channels == 2 else "mono"
+        resampler = av.AudioResampler(format="fltp", layout=layout, rate=samplerate)
+        chunks: list[np.ndarray] = []
+        source_frames = 0
+        try:
+            for frame in container.decode(stream):
+                check_cancel()
+                source_frames += frame.samples
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray())
+                if total_seconds and frame.time is not None:
+                    on_progress(min(1.0, float(frame.time) / total_seconds))
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray())
+        except av.error.FFmpegError as exc:
+            done = source_frames / src_rate if src_rate else 0
+            raise DecodeError(f"could not decode {source}: the audio data is damaged after "
+                              f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}") from None
+    _check_complete(source, codec, source_frames, src_rate)
+    audio = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), np.float32)
+    audio = np.ascontiguousarray(audio[:channels], dtype=np.float32)
+    if audio.shape[1] < MIN_SECONDS * samplerate:
+        raise DecodeError(f"could not separate {source}: it holds only {audio.shape[1]} samples "
+                          f"({audio.shape[1] / samplerate:.2f} s) of audio; stemdeck-watch needs "
+                          f"at least {MIN_SECONDS:g} s")
+    if not np.isfinite(audio).all():
+        raise DecodeError(f"could not decode {source}: the decoded audio contains invalid "
+                          f"(NaN or infinite) samples; {COPY_AGAIN}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    np.save(target, audio)
+    on_progress(1.0)
+    return DecodedAudio(target, audio.shape[1], samplerate, channels, codec,
+                        src_rate, src_channels)
+
+
+def _check_complete(source: Path, codec: str, decoded: int, rate: int) -> None:
+    expected = _declared_frames(source, codec)
+    if expected is None or rate <= 0:
+        return
+    # a few frames of slack: some encoders round the header up to a whole block
+    if decoded + max(64, expected // 1000) < expected:
+        raise DecodeError(
+            f"could not decode {source}: the file is truncated — its header promises "
+            f"{expected / rate:.2f} s of audio but only {decoded / rate:.2f} s is there; "
+            f"{COPY_AGAIN}")
+
+
+def _declared_frames(source: Path, codec: str) -> int | None:
+    """How many frames the header of a wav, aiff or flac file promises; None if unknown."""
+    try:
+        with open(source, "rb") as f:
+            head = f.read(12)
+            if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+                return _riff_frames(f)
+            if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+                return _aiff_frames(f)
+            if head[:4] == b"fLaC":
+                f.seek(4)
+                block = f.read(4 + 34)
+                if len(block) == 38 and block[0] & 0x7F == 0:  # STREAMINFO
+                    info = block[4:]
+                    total = ((info[13] & 0x0F) << 32) | struct.unpack(">I", info[14:18])[0]
+                    return total or None
+    except OSError:
+        return None
+    return None
+
+
+def _riff_frames(f) -> int | None:  # type: ignore[no-untyped-def]
+    block_align = None
+    while True:
+        header = f.read(8)
+        if len(header) < 8:
+            return None
+        chunk_id, size = header[:4], struct.unpack("<I", header[4:])[0]
+        if chunk_id == b"fmt ":
+            fmt = f.read(size + (size & 1))
+            if len(fmt) >= 14:
+                block_align = struct.unpack("<H", fmt[12:14])[0]
+            continue
+        if chunk_id == b"data":
+            if not block_align or size in (0, 0xFFFFFFFF):  # streamed wav: size unknown
+                return None
+            return size // block_align
+        f.seek(size + (size & 1), 1)
+
+
+def _aiff_frames(f) -> int | None:  # type: ignore[no-untyped-def]
+    while True:
+        header = f.read(8)
+        if len(header) < 8:
+            return None
+        chunk_id, size = header[:4], struct.unpack(">I", header[4:])[0]
+        if chunk_id == b"COMM":
+            comm = f.read(size + (size & 1))
+            return struct.unpack(">I", comm[2:6])[0] if len(comm) >= 6 else None
+        f.seek(size + (size & 1), 1)

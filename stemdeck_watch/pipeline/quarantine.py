@@ -1,0 +1,84 @@
+"""A failed job's input goes to `failed/` with `<file>.error.txt` beside it.
+
+The diagnosis is written for two readers: the musician (first lines: what went wrong and
+what to do) and whoever debugs it (stage, traceback, the worker's last words, versions).
+The input is moved, never deleted; if even that fails it stays where it is and the diagnosis
+says so.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import platform
+import sys
+from pathlib import Path, PurePosixPath
+
+from stemdeck_watch import __version__
+from stemdeck_watch.errors import FilesystemError
+from stemdeck_watch.jobs import Job
+from stemdeck_watch.paths import move_file, unique_path
+
+log = logging.getLogger(__name__)
+
+
+def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
+    found = {"stemdeck-watch": __version__, "python": sys.version.split()[0],
+             "platform": platform.platform()}
+    for module in ("av", "numpy", "soundfile", "watchdog"):
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, "__version__"):
+            found[module] = str(mod.__version__)
+    found.update(worker_versions or {})
+    return found
+
+
+def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
+               worker_tail: str = "", worker_versions: dict[str, str] | None = None) -> Path:
+    """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
+    is now (its old place if it could not be moved)."""
+    source = Path(job.source)
+    target = failed_dir / PurePosixPath(job.rel_path)
+    where = source
+    move_note = ""
+    if source.exists():
+        try:
+            where = move_file(source, target)
+        except FilesystemError as exc:
+            move_note = f"\nThe input stays at {source}: {exc}.\n"
+            log.error("%s", exc)
+    else:
+        move_note = f"\nThe input {source} was no longer there to move.\n"
+    report = unique_path(where.with_name(where.name + ".error.txt")
+                         if where != source else target.with_name(target.name + ".error.txt"))
+    text = _diagnosis(job, stage=stage, message=message, details=details,
+                      worker_tail=worker_tail, versions=versions(worker_versions),
+                      where=where, move_note=move_note)
+    try:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        log.error("%s", FilesystemError("write", report, reason=exc))
+    return where
+
+
+def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,
+               versions: dict[str, str], where: Path, move_note: str) -> str:
+    lines = [
+        f"stemdeck-watch could not separate {Path(job.rel_path).name}",
+        "",
+        f"What went wrong: {message}",
+        "",
+        "To try again, fix the cause and drop the file into the inbox again.",
+        move_note,
+        f"Stage:   {stage}",
+        f"Job:     {job.id}{f' (preset {job.preset})' if job.preset else ''}",
+        f"Input:   {job.source}",
+        f"Now at:  {where}",
+        f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+    ]
+    if worker_tail.strip():
+        lines += ["", "Last lines from the separation worker:", worker_tail.rstrip()]
+    if details.strip():
+        lines += ["", "Details:", details.rstrip()]
+    return "\n".join(lines) + "\n"

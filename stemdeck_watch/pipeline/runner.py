@@ -1,0 +1,163 @@
+"""One job through its stages: decode → separate → publish → move the input.
+
+The pipeline lock is the second guard of "one job at a time": the queue's single consumer is
+the normal path, and the lock holds for any path that bypasses it (tests, re-runs). Between
+stages the job's cancel flag is checked; during the long steps the step itself is registered
+so a cancel stops it at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from stemdeck_watch.config import Settings
+from stemdeck_watch.errors import Cancelled, FilesystemError
+from stemdeck_watch.events import EventBus, JobSeparated
+from stemdeck_watch.jobqueue import JobControl
+from stemdeck_watch.jobs import FileSignature, Job, JobState
+from stemdeck_watch.paths import move_file
+from stemdeck_watch.pipeline import publish
+from stemdeck_watch.pipeline.decode import decode_to_file
+from stemdeck_watch.pipeline.separate import WorkerClient
+
+log = logging.getLogger(__name__)
+
+# Share of the job's progress bar each stage fills.
+DECODE_SHARE, SEPARATE_SHARE = 0.05, 0.90
+PROGRESS_EVERY = 0.5  # seconds between progress writes to the registry
+
+
+@dataclasses.dataclass
+class StageTimer:
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def measure(self, stage: str, started: float) -> None:
+        self.timings[stage] = round(time.monotonic() - started, 3)
+
+
+class Pipeline:
+    def __init__(self, settings: Settings, client: WorkerClient, bus: EventBus,
+                 update: Callable[..., Job]):
+        self.settings = settings
+        self.client = client
+        self.bus = bus
+        self._update = update
+        self._lock = threading.Lock()
+
+    def run(self, job: Job, control: JobControl) -> Job:
+        """Run every stage; returns the finished job. Raises StageError or Cancelled."""
+        with self._lock:
+            folders = self.settings.paths
+            scratch = folders.scratch / job.id
+            staging = folders.staging / job.id
+            try:
+                return self._run(job, control, scratch, staging)
+            finally:
+                publish.remove_tree(scratch)
+                publish.remove_tree(staging)
+
+    def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path) -> Job:
+        sep, out = self.settings.for_preset(job.preset)
+        repo = self.settings.resolve_model_repo(sep)
+        source = Path(job.source)
+        report = _Progress(self._update, job.id)
+        timer = StageTimer()
+
+        report.stage(JobState.DECODING, 0.0)
+        started = time.monotonic()
+        model = self.client.ensure_model(sep.model, str(repo) if repo else None, control)
+        timer.measure("model", started)
+        started = time.monotonic()
+        decoded = decode_to_file(source, scratch / "input.npy", model.samplerate,
+                                 model.audio_channels, control.check,
+                                 lambda v: report.progress(DECODE_SHARE * v))
+        timer.measure("decode", started)
+        control.check()
+
+        report.stage(JobState.SEPARATING, DECODE_SHARE)
+        result = self.client.separate(
+            job.id, sep.model, str(repo) if repo else None, decoded.path, scratch / "stems",
+            shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
+            control=control,
+            on_progress=lambda v: report.progress(DECODE_SHARE + SEPARATE_SHARE * v))
+        timer.timings["separate"] = round(result.seconds, 3)
+        self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
+        control.check()
+
+        report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
+        started = time.monotonic()
+        entries = publish.write_song(staging, result.stems, model.samplerate, job.name, sep, out)
+        timer.measure("write", started)
+        publish.write_manifest(staging, {
+            "job_id": job.id,
+            "input": {"name": source.name, "rel_path": job.rel_path,
+                      "sha256": publish.sha256_of(source), "size": source.stat().st_size,
+                      "codec": decoded.source_codec, "samplerate": decoded.source_samplerate,
+                      "channels": decoded.source_channels,
+                      "duration": round(decoded.seconds, 6)},
+            "model": {"name": sep.model, "repo": str(repo) if repo else None,
+                      "samplerate": model.samplerate, "sources": list(model.sources)},
+            "preset": job.preset,
+            "settings": {"separation": dataclasses.asdict(sep), "output": dataclasses.asdict(out)},
+            "stems": entries,
+            "timings": timer.timings,
+            "versions": self.client.versions,
+        })
+        if not control.commit():  # last chance for a cancel: after this the song is out
+            raise Cancelled(control.reason or "cancelled")
+        rel = PurePosixPath(job.rel_path)
+        target = self.settings.paths.outbox.joinpath(*rel.parent.parts, job.name)
+        output = publish.publish_folder(staging, target)
+        log.info("published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
+                 source.name, output, timer.timings["decode"], timer.timings["separate"],
+                 timer.timings["write"])
+        return self.finish_published(job, source, output)
+
+    def finish_published(self, job: Job, source: Path, output: Path) -> Job:
+        """Move the input to processed/ — only now that its stems are safely published."""
+        error = None
+        moved_to = source
+        try:
+            current = FileSignature.of(os.stat(source))
+        except OSError:
+            current = None
+        if current is None:
+            log.info("%s is no longer in the inbox; nothing to move", source)
+        elif job.signature is not None and current != job.signature:
+            error = (f"stems published, but {source} changed while it was separated, so it "
+                     f"stays in the inbox and will be separated again")
+            log.warning("%s", error)
+        else:
+            target = self.settings.paths.processed / PurePosixPath(job.rel_path)
+            try:
+                moved_to = move_file(source, target)
+            except FilesystemError as exc:
+                error = f"stems published, but {exc}; the input stays in the inbox"
+                log.error("%s", error)
+        return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
+                            source=str(moved_to), error=error, stage=None,
+                            finished_at=time.time())
+
+
+class _Progress:
+    """Writes state changes at once and progress at most every PROGRESS_EVERY seconds."""
+
+    def __init__(self, update: Callable[..., Job], job_id: str):
+        self._update = update
+        self._job_id = job_id
+        self._last = 0.0
+
+    def stage(self, state: JobState, progress: float) -> None:
+        self._update(self._job_id, state=state, stage=state.value, progress=progress)
+        self._last = time.monotonic()
+
+    def progress(self, value: float) -> None:
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_EVERY:
+            self._last = now
+            self._update(self._job_id, progress=value)

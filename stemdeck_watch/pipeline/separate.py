@@ -1,0 +1,298 @@
+"""The service's side of the resident worker: spawn it, talk to it, stop it, respawn it.
+
+The worker is registered on the running job's JobControl while a request is in flight, so a
+cancel terminates it at once; the next job gets a fresh worker. If the worker dies on its own
+(out of memory, a crash in torch), the job fails with the last lines the worker wrote to
+stderr, and the next job gets a fresh worker too: the queue never wedges.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stemdeck_watch.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.jobqueue import JobControl
+from stemdeck_watch.pipeline.worker import PROGRESS_PREFIX
+
+log = logging.getLogger(__name__)
+worker_log = logging.getLogger("stemdeck_watch.worker")
+
+STDERR_TAIL_LINES = 40
+START_TIMEOUT = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    repo: str | None
+    samplerate: int
+    audio_channels: int
+    sources: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Separation:
+    stems: dict[str, Path]
+    worker_pid: int
+    seconds: float
+
+
+class _Process:
+    """One worker process with its reader threads."""
+
+    def __init__(self, device: str, env: dict[str, str]):
+        kwargs: dict[str, Any] = {}
+        if sys.platform == "win32":
+            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
+        else:
+            kwargs["start_new_session"] = True  # Ctrl-C goes to the service, which stops us
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch.pipeline.worker", "--device", device],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1, **kwargs)
+        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.on_progress: Callable[[str, float], None] | None = None
+        self.ready: dict[str, Any] | None = None
+        self.model: ModelInfo | None = None
+        self._threads = [
+            threading.Thread(target=self._read_stdout, name=f"worker-{self.pid}-out", daemon=True),
+            threading.Thread(target=self._read_stderr, name=f"worker-{self.pid}-err", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def _read_stdout(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            try:
+                self.replies.put(json.loads(line))
+            except ValueError:
+                worker_log.warning("worker %d wrote a non-protocol line: %s", self.pid, line.rstrip())
+
+    def _read_stderr(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            line = line.rstrip("\n")
+            if line.startswith(PROGRESS_PREFIX):
+                try:
+                    data = json.loads(line[len(PROGRESS_PREFIX):])
+                    callback = self.on_progress
+                    if callback:
+                        callback(data["id"], float(data["value"]))
+                except Exception:
+                    worker_log.exception("bad progress line from worker %d", self.pid)
+                continue
+            self.tail.append(line)
+            worker_log.debug("[%d] %s", self.pid, line)
+
+    def send(self, request: dict[str, Any]) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(request) + "\n")
+        self.popen.stdin.flush()
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Terminate now (cancel or shutdown); reaps the process and its reader threads."""
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            try:
+                if pipe:
+                    pipe.close()
+            except OSError:
+                pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(2.0)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask politely (close stdin) and wait; terminate if it does not go."""
+        try:
+            if self.popen.stdin:
+                self.popen.stdin.close()
+            self.popen.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.stop()
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self.tail)
+
+
+class WorkerClient:
+    """Talks to the one worker. Only the pipeline (under its lock) calls request methods."""
+
+    def __init__(self, device: str = "auto", env: dict[str, str] | None = None):
+        self.device = device
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._lock = threading.Lock()
+        self._proc: _Process | None = None
+        self._shut = False
+        self.pids: list[int] = []  # every worker started, in order (diagnostics, tests)
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc and proc.alive() else None
+
+    @property
+    def versions(self) -> dict[str, str]:
+        proc = self._proc
+        return dict(proc.ready.get("versions", {})) if proc and proc.ready else {}
+
+    def stderr_tail(self) -> str:
+        proc = self._proc
+        return proc.stderr_tail() if proc else ""
+
+    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None) -> ModelInfo:
+        """Start the worker if needed and have it load `name`; cached while it lives."""
+        with self._lock:
+            proc = self._ensure_process(control)
+            if proc.model and (proc.model.name, proc.model.repo) == (name, repo):
+                return proc.model
+            reply = self._call(proc, {"op": "load", "model": name, "repo": repo}, control)
+            proc.model = ModelInfo(name, repo, reply["samplerate"], reply["audio_channels"],
+                                   tuple(reply["sources"]))
+            log.info("worker %d loaded model %s (%s)", proc.pid, name,
+                     ", ".join(proc.model.sources))
+            return proc.model
+
+    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
+                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
+                 control: JobControl, on_progress: Callable[[float], None]) -> Separation:
+        with self._lock:
+            proc = self._ensure_process(control)
+
+            def progress(owner: str, value: float) -> None:
+                if owner == job_id:  # progress belongs to the job that owns the worker
+                    on_progress(value)
+
+            proc.on_progress = progress
+            try:
+                reply = self._call(proc, {
+                    "op": "separate", "id": job_id, "model": model, "repo": repo,
+                    "input": str(input_path), "output": str(output_dir), "shifts": shifts,
+                    "overlap": overlap, "segment": segment}, control)
+            finally:
+                proc.on_progress = None
+            return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
+                              float(reply["seconds"]))
+
+    def stop(self) -> None:
+        """Terminate the worker now (cancel, shutdown). Safe from any thread."""
+        proc = self._proc
+        if proc is not None:
+            proc.stop()
+
+    def shutdown(self) -> None:
+        """Stop the worker and start no new one (the service is stopping)."""
+        self._shut = True
+        self.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None
+
+    # ------------------------------------------------------------ internals
+
+    def _ensure_process(self, control: JobControl | None) -> _Process:
+        if self._shut:
+            raise Cancelled(SHUTDOWN)
+        if self._proc is not None and self._proc.alive():
+            return self._proc
+        if self._proc is not None:
+            log.info("worker %d is gone (exit code %s); starting a new one",
+                        self._proc.pid, self._proc.popen.returncode)
+            self._proc.stop()
+        self._proc = proc = _Process(self.device, self._env)
+        self.pids.append(proc.pid)
+        log.info("started separation worker %d", proc.pid)
+        proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
+        return proc
+
+    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None) -> dict[str, Any]:
+        try:
+            proc.send(request)
+        except (BrokenPipeError, OSError):
+            pass  # the process died; _wait reports it with its stderr
+        reply = self._wait(proc, control, lambda m: m.get("op") == request["op"], None)
+        if not reply.get("ok"):
+            if reply.get("kind") == "model":
+                raise ModelError(reply["error"])
+            raise SeparationError(f"the separation worker failed: {reply.get('error')}",
+                                  details=reply.get("traceback", ""))
+        return reply
+
+    def _wait(self, proc: _Process, control: JobControl | None,
+              match: Callable[[dict[str, Any]], bool], timeout: float | None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with contextlib.ExitStack() as stack:
+            if control is not None:  # a cancel from any thread stops the worker at once
+                stack.enter_context(control.registered(proc.stop))
+            while True:
+                if control is not None:
+                    control.check()
+                try:
+                    message = proc.replies.get(timeout=0.1)
+                except queue.Empty:
+                    if not proc.alive() and proc.replies.empty():
+                        self._raise_died(proc, control)
+                    if deadline is not None and time.monotonic() > deadline:
+                        proc.stop()
+                        raise WorkerDied(f"the separation worker did not start within "
+                                         f"{timeout:.0f} s", details=proc.stderr_tail())
+                    continue
+                if match(message):
+                    return message
+                log.warning("unexpected message from worker %d: %s", proc.pid, message)
+
+    @staticmethod
+    def _raise_died(proc: _Process, control: JobControl | None) -> None:
+        proc.stop()
+        if control is not None:
+            control.check()  # we killed it for a cancel: that is not a failure
+        code = proc.popen.returncode
+        why = _describe_exit(code)
+        raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
+                         details=proc.stderr_tail())
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " — probably out of memory" if -code == 9 else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+

@@ -1,0 +1,245 @@
+"""The resident separation worker: `python -m stemdeck_watch.pipeline.worker`.
+
+Importing torch and demucs costs seconds, and loading a model more, so one worker process
+loads the model once and serves every job. Protocol (one JSON object per line):
+
+stdin, requests:
+    {"op": "load", "model": NAME, "repo": PATH|null}
+    {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
+     "output": DIR, "shifts": N, "overlap": F, "segment": F|null}
+stdout, replies (nothing else is ever written to stdout):
+    {"event": "ready", "pid": N, "versions": {...}}                       once, at start
+    {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
+     "sources": [...]}
+    {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
+    {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
+stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
+
+The worker exits when stdin closes or its parent dies, so a killed service never leaves a
+process holding gigabytes of model behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, TextIO
+
+PROGRESS_PREFIX = "@@progress "
+
+
+class ModelUnavailable(Exception):
+    """The model cannot be had; the message says how to get it."""
+
+
+def _reply(out: TextIO, message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def _progress(job_id: str, value: float) -> None:
+    sys.stderr.write(PROGRESS_PREFIX + json.dumps({"id": job_id, "value": round(value, 4)}) + "\n")
+    sys.stderr.flush()
+
+
+def _watch_parent() -> None:
+    parent = os.getppid()
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_cached(name: str) -> bool:
+    try:
+        from demucs.hf import DEFAULT_NAMESPACE, hf_repo_name
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    namespace, base = (name.split("/", 1) if "/" in name else (DEFAULT_NAMESPACE, name))
+    found = try_to_load_from_cache(f"{namespace}/{hf_repo_name(base)}", f"{base}.yaml")
+    return isinstance(found, str)
+
+
+def load_model(name: str, repo: str | None) -> Any:
+    """Load a model the way demucs does, failing fast and clearly when it cannot be had."""
+    from demucs.pretrained import ModelLoadingError, get_model
+
+    if repo:
+        folder = Path(repo)
+        if not folder.is_dir():
+            raise ModelUnavailable(
+                f"could not load model {name!r}: separation.model_repo = {repo!r} is not a "
+                f"folder; point it at the folder holding {name}.th or {name}.yaml")
+        try:
+            return get_model(name, repo=folder)
+        except Exception as exc:  # a missing name, a bad checksum, a corrupt or foreign pickle
+            present = sorted(p.name for p in folder.iterdir() if p.suffix in (".th", ".yaml"))
+            raise ModelUnavailable(
+                f"could not load model {name!r} from {folder} (separation.model_repo): "
+                f"{exc or type(exc).__name__}; model files there: "
+                f"{', '.join(present) or 'none'}") from None
+    if _hub_cached(name):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    elif os.environ.get("HF_HUB_OFFLINE") == "1" or not _network_reachable():
+        raise ModelUnavailable(
+            f"could not load model {name!r}: it is not downloaded yet and the model hub "
+            f"(huggingface.co) cannot be reached. Connect to the internet once so it can be "
+            f"downloaded, or put the model files in a folder and set separation.model_repo "
+            f"to that folder (see README, 'Using a real model offline')")
+    try:
+        return get_model(name)
+    except ModelLoadingError as exc:
+        raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
+    except OSError as exc:
+        raise ModelUnavailable(f"could not download model {name!r}: {exc}; set "
+                               f"separation.model_repo to a folder with the model files") from None
+
+
+class Worker:
+    def __init__(self, device: str, out: TextIO):
+        self.device = device
+        self.out = out
+        self._models: dict[tuple[str, str | None], Any] = {}
+
+    def model(self, name: str, repo: str | None) -> Any:
+        key = (name, repo)
+        if key not in self._models:
+            self._models.clear()  # one model resident at a time: memory matters more
+            model = load_model(name, repo)
+            model.to(self.device)
+            _warm_up(model, self.device)
+            self._models[key] = model
+        return self._models[key]
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "load":
+            model = self.model(request["model"], request.get("repo"))
+            return {"op": "load", "ok": True, "model": request["model"],
+                    "samplerate": int(model.samplerate), "audio_channels": int(model.audio_channels),
+                    "sources": list(model.sources)}
+        if op == "separate":
+            return self.separate(request)
+        raise ValueError(f"unknown request {op!r}")
+
+    def separate(self, request: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+        import torch
+        from demucs.apply import BagOfModels, apply_model
+
+        job_id = request["id"]
+        model = self.model(request["model"], request.get("repo"))
+        started = time.monotonic()
+        mix = torch.from_numpy(np.load(request["input"]))
+        ref = mix.mean(0)
+        mean, std = ref.mean(), ref.std()
+        if not torch.isfinite(std) or std < 1e-8:  # silence: nothing to normalise
+            std = torch.tensor(1.0)
+        shifts = int(request.get("shifts", 1))
+        overlap = float(request.get("overlap", 0.25))
+        segment = request.get("segment") or None
+        models = len(model.models) if isinstance(model, BagOfModels) else 1
+        seg_seconds = segment or float(getattr(model, "segment", 0) or
+                                       max(m.segment for m in model.models))
+        stride = max(1, int((1 - overlap) * int(model.samplerate * seg_seconds)))
+        total = max(1, -(-mix.shape[-1] // stride)) * max(1, shifts) * models
+        done = [0]
+
+        def callback(info: dict[str, Any]) -> None:
+            if info.get("state") == "end":
+                done[0] += 1
+                _progress(job_id, min(1.0, done[0] / total))
+
+        with torch.inference_mode():
+            sources = apply_model(model, ((mix - mean) / std)[None].to(self.device),
+                                  shifts=shifts, split=True, overlap=overlap, segment=segment,
+                                  progress=False, device=self.device, callback=callback)[0]
+        sources = (sources * std + mean).cpu().numpy()
+        out_dir = Path(request["output"])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stems = {}
+        for name, audio in zip(model.sources, sources):
+            path = out_dir / f"{name}.npy"
+            np.save(path, np.ascontiguousarray(audio, dtype=np.float32))
+            stems[name] = str(path)
+        return {"op": "separate", "id": job_id, "ok": True, "stems": stems,
+                "samplerate": int(model.samplerate), "seconds": time.monotonic() - started}
+
+
+def _warm_up(model: Any, device: str) -> None:
+    """Run one second of silence through the model: the first call pays seconds of one-off
+    setup (kernel selection, allocator growth) that would otherwise land on the first song."""
+    import torch
+    from demucs.apply import apply_model
+
+    silence = torch.zeros(1, int(model.audio_channels), int(model.samplerate), device=device)
+    with torch.inference_mode():
+        apply_model(model, silence, shifts=1, split=True, overlap=0.25, progress=False,
+                    device=device)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="stemdeck_watch.pipeline.worker")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    # the protocol owns stdout; anything a library prints goes to stderr instead
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    sys.stdout = sys.stderr
+    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+
+    import demucs
+    import torch
+
+    worker = Worker(_resolve_device(args.device), protocol)
+    _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
+                      "versions": {"torch": torch.__version__, "demucs": demucs.__version__,
+                                   "python": sys.version.split()[0]}})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request: dict[str, Any] = {}
+        try:
+            request = json.loads(line)
+            reply = worker.handle(request)
+        except ModelUnavailable as exc:
+            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
+                     "kind": "model", "error": str(exc)}
+        except Exception as exc:
+            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
+                     "kind": "error", "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()}
+        _reply(protocol, reply)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Start-up restore: decide the fate of every job the last run left unfinished.
+
+A job cut off by a crash, a power cut or a kill is in one of three situations:
+- its song folder was published (the crash hit between the rename and the registry write):
+  it is done — separating it again would only make a duplicate;
+- it was cut off half-way: partial output is removed and it goes back to the head of the queue,
+  with its attempt count written *before* it runs again;
+- it was already cut off `queue.resume_attempts` times: it fails, so a song that takes the
+  machine down every time cannot wedge the queue.
+Restored jobs wait in a paused queue: opening the computer must not start hours of separation
+on its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from stemdeck_watch.config import Settings
+from stemdeck_watch.events import JobsRestored
+from stemdeck_watch.jobs import RUNNING_STATES, Job, JobState
+from stemdeck_watch.paths import numbered
+from stemdeck_watch.pipeline.publish import read_manifest, remove_tree
+from stemdeck_watch.pipeline.quarantine import quarantine
+from stemdeck_watch.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def find_published(outbox: Path, job: Job) -> Path | None:
+    """The outbox folder a job published, found by the job id in its manifest."""
+    base = outbox.joinpath(*PurePosixPath(job.rel_path).parent.parts, job.name)
+    n = 1
+    while True:
+        candidate = numbered(base, n, keep_suffix=False)
+        if not candidate.exists():
+            return None
+        manifest = read_manifest(candidate)
+        if manifest and manifest.get("job_id") == job.id:
+            return candidate
+        n += 1
+
+
+def restore(scheduler: Scheduler, settings: Settings,
+            finish: Callable[[Job, Path, Path], Job]) -> int:
+    """Requeue what the last run left; returns how many jobs wait in the queue again."""
+    registry = scheduler.registry
+    folders = settings.paths
+    limit = settings.queue.resume_attempts
+    front: list[str] = []
+    for job in registry.jobs(RUNNING_STATES):
+        remove_tree(folders.staging / job.id)
+        remove_tree(folders.scratch / job.id)
+        published = find_published(folders.outbox, job)
+        if published is not None:
+            log.info("%s was published before the restart: marking it done", job.name)
+            finish(job, Path(job.source), published)
+        elif not Path(job.source).exists():
+            scheduler.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
+                             finished_at=time.time())
+        elif job.attempts >= limit:
+            times = "twice" if limit == 1 else f"{limit + 1} times"
+            message = f"interrupted by a restart {times} — drop the file again to retry"
+            where = quarantine(job, folders.failed, stage=job.stage or "restart", message=message)
+            scheduler.update(job.id, state=JobState.FAILED, error=message, source=str(where),
+                             finished_at=time.time())
+            log.error("%s: %s", job.name, message)
+        else:
+            # the attempt is counted before the job runs again
+            scheduler.update(job.id, state=JobState.QUEUED, attempts=job.attempts + 1,
+                             progress=0.0, stage=None)
+            front.append(job.id)
+    queued = []
+    for job_id in registry.queued_order():
+        if job_id in front:
+            continue
+        job = registry.get(job_id)
+        if job is not None and not os.path.exists(job.source):
+            scheduler.update(job_id, state=JobState.CANCELLED, error=INPUT_REMOVED,
+                             finished_at=time.time())
+        else:
+            queued.append(job_id)
+    _remove_leftovers(folders.scratch)
+    order = front + queued
+    scheduler.enqueue_restored(order)
+    previous_pause = registry.get_meta("pause_reason")
+    paused = False
+    if previous_pause == PAUSE_USER:
+        scheduler.pause(PAUSE_USER)
+        paused = True
+    elif order and settings.queue.start_paused_after_restore:
+        scheduler.pause(PAUSE_RESTORE)
+        paused = True
+    elif previous_pause:
+        scheduler.start()
+    if order:
+        log.info("%d job(s) restored%s", len(order),
+                 " — the queue is paused: press Start, or drop a new file" if paused else "")
+        scheduler.bus.publish(JobsRestored(len(order), paused))
+    return len(order)
+
+
+def _remove_leftovers(scratch: Path) -> None:
+    if scratch.is_dir():
+        for entry in scratch.iterdir():
+            remove_tree(entry)

@@ -1,0 +1,225 @@
+"""The durable record of every job: SQLite on disk in the state dir.
+
+The registry is what survives a crash, a power cut or an update: job states, the queue order,
+pause state and the files held back by the capacity lanes. It is written in WAL mode with full
+sync, so a state the service has reported is a state that is on disk. `status` opens the same
+file read-only, which is why it works while the service is stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
+
+REGISTRY_FILE = "registry.sqlite3"
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    source TEXT NOT NULL,
+    rel_path TEXT NOT NULL,
+    preset TEXT,
+    progress REAL NOT NULL DEFAULT 0,
+    output TEXT,
+    error TEXT,
+    stage TEXT,
+    size INTEGER,
+    mtime_ns INTEGER,
+    inode INTEGER,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    position INTEGER,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    finished_at REAL,
+    version INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS waiting (
+    source TEXT PRIMARY KEY, kind TEXT NOT NULL, since REAL NOT NULL
+);
+"""
+_JOB_COLUMNS = (
+    "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
+    "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version"
+)
+_UPDATABLE = {"name", "state", "source", "rel_path", "preset", "progress", "output", "error",
+              "stage", "signature", "attempts", "finished_at"}
+
+
+class Registry:
+    def __init__(self, connection: sqlite3.Connection, clock: Callable[[], float] = time.time,
+                 path: Path | None = None):
+        self._db = connection
+        self._lock = threading.RLock()
+        self._clock = clock
+        self.path = path
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(SCHEMA)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        return cls(db, clock, path)
+
+    @classmethod
+    def open_readonly(cls, path: Path) -> "Registry | None":
+        """For `status`: never creates or changes anything; None if there is no registry yet."""
+        if not path.is_file():
+            return None
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
+                             isolation_level=None, timeout=10)
+        return cls(db, path=path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------ jobs
+
+    def add(self, job: Job) -> Job:
+        now = self._clock()
+        job = dataclasses.replace(job, created_at=job.created_at or now, updated_at=now)
+        sig = job.signature
+        with self._lock:
+            self._db.execute(
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
+                 job.preset, job.progress, job.output, job.error, job.stage,
+                 sig.size if sig else None, sig.mtime_ns if sig else None,
+                 sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
+                 job.finished_at, job.version))
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?",
+                                   (job_id,)).fetchone()
+        return _job(row) if row else None
+
+    def update(self, job_id: str, **fields: Any) -> Job:
+        """Change some fields of a job in one transaction; bumps its version."""
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise TypeError(f"cannot update {sorted(unknown)}")
+        columns: dict[str, Any] = {}
+        for name, value in fields.items():
+            if name == "signature":
+                columns.update(size=value.size if value else None,
+                               mtime_ns=value.mtime_ns if value else None,
+                               inode=value.inode if value else None)
+            elif isinstance(value, (JobState, JobKind)):
+                columns[name] = value.value
+            else:
+                columns[name] = value
+        columns["updated_at"] = self._clock()
+        assignments = ", ".join(f"{name} = ?" for name in columns)
+        with self._lock:
+            cursor = self._db.execute(
+                f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ?",
+                (*columns.values(), job_id))
+            if cursor.rowcount != 1:
+                raise KeyError(job_id)
+            job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def jobs(self, states: Iterable[JobState] | None = None, limit: int | None = None) -> list[Job]:
+        """Jobs, newest first."""
+        query = f"SELECT {_JOB_COLUMNS} FROM jobs"
+        params: list[Any] = []
+        if states is not None:
+            states = list(states)
+            query += f" WHERE state IN ({', '.join('?' * len(states))})"
+            params += [s.value for s in states]
+        query += " ORDER BY created_at DESC, rowid DESC"
+        if limit is not None:
+            query += " LIMIT ?"
+            params.append(limit)
+        with self._lock:
+            rows = self._db.execute(query, params).fetchall()
+        return [_job(row) for row in rows]
+
+    def latest_for_source(self, source: str) -> Job | None:
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE source = ? "
+                "ORDER BY created_at DESC, rowid DESC LIMIT 1", (source,)).fetchone()
+        return _job(row) if row else None
+
+    # ------------------------------------------------------------ queue order, pause, waiting
+
+    def save_order(self, job_ids: list[str]) -> None:
+        with self._lock, self._transaction():
+            self._db.execute("UPDATE jobs SET position = NULL WHERE position IS NOT NULL")
+            self._db.executemany("UPDATE jobs SET position = ? WHERE id = ?",
+                                 [(i, job_id) for i, job_id in enumerate(job_ids)])
+
+    def queued_order(self) -> list[str]:
+        """Ids of queued jobs in their saved order (jobs without a position last, oldest first)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM jobs WHERE state = ? "
+                "ORDER BY position IS NULL, position, created_at, rowid",
+                (JobState.QUEUED.value,)).fetchall()
+        return [r[0] for r in rows]
+
+    def set_meta(self, key: str, value: str | None) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+
+    def get_meta(self, key: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def save_waiting(self, entries: list[tuple[str, JobKind, float]]) -> None:
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM waiting")
+            self._db.executemany("INSERT INTO waiting (source, kind, since) VALUES (?, ?, ?)",
+                                 [(s, k.value, t) for s, k, t in entries])
+
+    def waiting(self) -> list[tuple[str, JobKind, float]]:
+        with self._lock:
+            rows = self._db.execute("SELECT source, kind, since FROM waiting "
+                                    "ORDER BY since, source").fetchall()
+        return [(s, JobKind(k), t) for s, k, t in rows]
+
+    def _transaction(self) -> "_Transaction":
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection):
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _job(row: tuple) -> Job:
+    (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
+     mtime_ns, inode, attempts, created_at, updated_at, finished_at, version) = row
+    signature = FileSignature(size, mtime_ns, inode) if size is not None else None
+    return Job(id=job_id, name=name, kind=JobKind(kind), state=JobState(state), source=source,
+               rel_path=rel_path, preset=preset, progress=progress, output=output, error=error,
+               stage=stage, signature=signature, attempts=attempts, created_at=created_at,
+               updated_at=updated_at, finished_at=finished_at, version=version)

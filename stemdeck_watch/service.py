@@ -1,0 +1,127 @@
+"""Wiring: build the parts in data-flow order, restore, run, and shut down cleanly.
+
+intake → scheduler (registry + queue) → dispatcher → pipeline (decode, worker, publish) → outbox
+
+A supervisor tick (once a second, on the thread that owns the service) restarts any part that
+died: a dead thread must never leave songs sitting in the inbox unnoticed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from stemdeck_watch.config import NOT_YET_ACTIVE, Settings
+from stemdeck_watch.dispatcher import Dispatcher
+from stemdeck_watch.events import EventBus
+from stemdeck_watch.intake.watcher import Intake
+from stemdeck_watch.jobqueue import JobQueue
+from stemdeck_watch.lock import ServiceLock
+from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.recovery import restore
+from stemdeck_watch.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    def __init__(self, settings: Settings, *, bus: EventBus | None = None,
+                 worker_env: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.folders = settings.paths
+        self.bus = bus or EventBus()
+        self._worker_env = worker_env
+        self._clock = clock
+        self._lock: ServiceLock | None = None
+        self._started = False
+
+    def start(self) -> None:
+        folders = self.folders
+        for folder in (folders.inbox, folders.outbox, folders.processed, folders.failed,
+                       folders.state):
+            folder.mkdir(parents=True, exist_ok=True)
+        for preset in self.settings.presets:
+            (folders.inbox / preset).mkdir(exist_ok=True)
+        self._lock = ServiceLock.acquire(folders.state)
+        try:
+            self.registry = Registry.open(folders.state / REGISTRY_FILE, self._clock)
+            self.queue = JobQueue()
+            self.scheduler = Scheduler(self.registry, self.queue, self.bus, self.settings,
+                                       self._clock)
+            self.client = WorkerClient(self.settings.separation.device, self._worker_env)
+            self.pipeline = Pipeline(self.settings, self.client, self.bus, self.scheduler.update)
+            self.restored = restore(self.scheduler, self.settings, self.pipeline.finish_published)
+            self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings)
+            self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler)
+        except BaseException:
+            self._lock.release()
+            raise
+        self.dispatcher.start()
+        self.intake.start()
+        self._started = True
+        self._log_start()
+
+    def _log_start(self) -> None:
+        folders, sep = self.folders, self.settings.separation
+        log.info("stemdeck-watch is running: inbox %s → outbox %s", folders.inbox, folders.outbox)
+        log.info("model %s%s on %s; state in %s", sep.model,
+                 f" from {self.settings.model_repo}" if self.settings.model_repo else "",
+                 sep.device, folders.state)
+        for section in NOT_YET_ACTIVE:
+            log.debug("[%s] is validated but not active in this version", section)
+
+    def supervise(self) -> None:
+        """Notice dead parts and restart them."""
+        if not self._started:
+            return
+        if not self.dispatcher.alive():
+            log.error("the dispatcher thread died; restarting it")
+            self.dispatcher.start()
+        self.intake.check_health()
+
+    def run_until(self, stop: threading.Event) -> None:
+        """Run in the foreground until `stop` is set (by a signal handler or a test)."""
+        self.start()
+        try:
+            while not stop.wait(1.0):
+                try:
+                    self.supervise()
+                except Exception:
+                    log.exception("supervisor tick failed; going on")
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop watching, cut off the running job (it goes back to the head of the queue, its
+        partial output removed), stop the worker, close the registry."""
+        if not self._started:
+            return
+        self._started = False
+        log.info("stopping…")
+        self.intake.stop()
+        self.dispatcher.stop()
+        self.client.close()
+        _remove_if_empty(self.folders.staging)  # the hidden staging folder, once unused
+        self.registry.close()
+        if self._lock is not None:
+            self._lock.release()
+        log.info("stopped")
+
+    def __enter__(self) -> "Service":
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
