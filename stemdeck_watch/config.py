@@ -20,7 +20,7 @@ from stemdeck_watch.paths import default_config_file, default_state_dir
 Check = Callable[[Any], Any]
 
 AUDIO_EXTENSIONS = (
-    "wav", "flac", "mp3", "m4a", "aac", "alac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
+    "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
     "wma", "mp4", "mkv", "webm", "mov",
 )
 NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low")
@@ -391,7 +391,15 @@ def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> S
                 for name, cls in SECTIONS.items()}
     settings = Settings(**sections, presets=_build_presets(data.get("presets", {})), source=source)
     _check_folders(settings)
+    for preset in (None, *settings.presets):
+        _check_output(settings.for_preset(preset)[1], f"presets.{preset}." if preset else "output.")
     return settings
+
+
+def _check_output(out: OutputSettings, where: str) -> None:
+    if out.format == "flac" and out.bit_depth == 32:
+        raise ConfigError(f'{where}bit_depth = 32 is not allowed with format = "flac": flac holds '
+                          f'16 or 24-bit samples; use 24, or format = "wav" for float')
 
 
 def _check_folders(settings: Settings) -> None:

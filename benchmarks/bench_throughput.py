@@ -1,0 +1,265 @@
+"""Throughput of the watch-folder service against the plain ways of running Demucs.
+
+Ten synthetic clips, separated with the tiny untrained model on the CPU, four ways per run:
+
+(a) service  - a running Service: clips are renamed into the inbox once the worker holds the
+               model; from the last rename to the last job DONE (settle wait included).
+(b) limit    - one process that already holds the model: decode (PyAV), apply_model as the
+               worker calls it, write 4 x 16-bit wav; the loop only. The floor for (a).
+(c) cli x N  - `python -m demucs ... CLIP` once per clip: process start + model load each time.
+(d) cli x 1  - one `python -m demucs ... CLIP1 ... CLIP10` call.
+
+Why: the service's one resident worker should cost little over (b) (targets: a <= 1.15 b +
+settle), clearly beat a user running the CLI per song (c/a >= 2), and be no slower than a
+batch CLI call (a <= d). The main process stays torch-free; torch runs only in children.
+
+    python benchmarks/bench_throughput.py [--runs 5] [--clips 10] [--seconds 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+STEMS = ("drums", "bass", "other", "vocals")
+RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+CLI_ARGS = ["--shifts", "1", "--overlap", "0.25"]
+CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def run_service(clips: list[Path], repo: Path, root: Path, settle: float) -> dict[str, Any]:
+    """(a): seconds from the last rename into the inbox to the last job DONE, plus where the
+    time went (event times relative to the last rename, and each job's manifest timings)."""
+    from stemdeck_watch.config import default_toml, settings_from_dict
+    from stemdeck_watch.events import EventBus, JobChanged
+    from stemdeck_watch.jobs import JobState
+    from stemdeck_watch.service import Service
+
+    data = default_toml()  # as tests/conftest.py make_settings does
+    data["folders"] = {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed", "state")}
+    data["separation"].update(model="tiny", model_repo=str(repo), device="cpu")
+    data["watch"]["settle_seconds"] = settle
+    settings = settings_from_dict(data, source=root / "stemdeck.toml")
+    bus, lock, finished = EventBus(), threading.Lock(), threading.Event()
+    started: dict[str, float] = {}
+    done: dict[str, tuple[float, str]] = {}
+    failed: list[str] = []
+
+    def on_change(event: JobChanged) -> None:
+        now, job = time.monotonic(), event.job
+        with lock:
+            if job.state is JobState.DECODING:
+                started.setdefault(job.id, now)
+            elif job.state is JobState.DONE:
+                done[job.id] = (now, job.output or "")
+            elif job.state.is_final:
+                failed.append(f"{job.name}: {job.state.value} {job.error}")
+            if len(done) + len(failed) >= len(clips):
+                finished.set()
+
+    bus.subscribe(JobChanged, on_change)
+    service = Service(settings, bus=bus)
+    service.start()
+    try:
+        service.client.ensure_model("tiny", str(settings.model_repo))  # warm-up finished
+        drop = root / "drop"
+        drop.mkdir()
+        for clip in clips:  # complete files outside the inbox, same filesystem
+            shutil.copyfile(clip, drop / clip.name)
+        inbox = settings.paths.inbox
+        for clip in clips:
+            os.replace(drop / clip.name, inbox / clip.name)
+        t0 = time.monotonic()
+        if not finished.wait(900):
+            raise RuntimeError(f"(a) timed out: {len(done)} of {len(clips)} jobs done")
+        seconds = max(t for t, _ in done.values()) - t0
+    finally:
+        service.shutdown()
+    if failed:
+        raise RuntimeError(f"(a) jobs failed: {failed}")
+    outputs = [o for o in settings.paths.outbox.iterdir() if not o.name.startswith(".")]
+    if len(outputs) != len(clips) or any(sorted(p.stem for p in o.glob("*.wav")) != sorted(STEMS)
+                                         for o in outputs):
+        raise RuntimeError(f"(a) the outbox does not hold {len(clips)} folders of 4 stems")
+    stages = {k: 0.0 for k in ("model", "decode", "separate", "write")}
+    for out in outputs:
+        timings = json.loads((out / "stemdeck.json").read_text())["timings"]
+        stages = {k: v + float(timings.get(k, 0.0)) for k, v in stages.items()}
+    job_wall = sum(done[j][0] - started[j] for j in done)
+    return {"seconds": seconds, "first_start": min(started.values()) - t0,
+            "job_wall_sum": job_wall, "stage_sums": {k: round(v, 3) for k, v in stages.items()}}
+
+
+def child_limit(repo: str, out: str, clips: list[str]) -> None:
+    """(b), in a child process: load once (untimed, with the worker's 1 s warm-up), then time
+    decode -> normalise -> apply_model -> write 4 x 16-bit wav for every clip."""
+    import numpy as np
+    import soundfile
+    import torch
+    from demucs.apply import apply_model
+    from demucs.pretrained import get_model
+
+    from stemdeck_watch.pipeline.decode import decode_to_file
+
+    model = get_model("tiny", repo=Path(repo)).to("cpu")
+    rate, channels = int(model.samplerate), int(model.audio_channels)
+    with torch.inference_mode():
+        apply_model(model, torch.zeros(1, channels, rate), shifts=1, split=True, overlap=0.25,
+                    progress=False, device="cpu")
+    parts = {"decode": 0.0, "separate": 0.0, "write": 0.0}
+    t0 = time.monotonic()
+    for clip in map(Path, clips):
+        t = time.monotonic()
+        npy = decode_to_file(clip, Path(out) / f"{clip.stem}.npy", rate, channels).path
+        mix = torch.from_numpy(np.load(npy))
+        t1 = time.monotonic()
+        ref = mix.mean(0)
+        mean, std = ref.mean(), ref.std()
+        if not torch.isfinite(std) or std < 1e-8:
+            std = torch.tensor(1.0)
+        with torch.inference_mode():
+            sources = apply_model(model, ((mix - mean) / std)[None], shifts=1, split=True,
+                                  overlap=0.25, segment=None, progress=False, device="cpu")[0]
+        sources = (sources * std + mean).numpy()
+        t2 = time.monotonic()
+        folder = Path(out) / clip.stem
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, audio in zip(model.sources, sources):
+            audio = audio / max(1.01 * float(np.abs(audio).max()), 1.0)
+            soundfile.write(folder / f"{name}.wav", audio.T, rate, subtype="PCM_16")
+        t3 = time.monotonic()
+        parts["decode"] += t1 - t
+        parts["separate"] += t2 - t1
+        parts["write"] += t3 - t2
+    seconds = time.monotonic() - t0
+    print(json.dumps({"seconds": seconds, "parts": {k: round(v, 3) for k, v in parts.items()},
+                      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+
+
+def run_limit(clips: list[Path], repo: Path, out: Path) -> dict[str, Any]:
+    """(b): runs child_limit in a fresh process and returns what it printed."""
+    cmd = [sys.executable, __file__, "--child-limit", str(repo), str(out), *map(str, clips)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=CLI_ENV)
+    if proc.returncode != 0:
+        raise RuntimeError(f"(b) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_cli(clips: list[Path], repo: Path, out: Path) -> float:
+    """(c) with one clip per call, (d) with all clips in one call: wall seconds of all calls."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "demucs", "--repo", str(repo), "-n", "tiny",
+                           "-o", str(out), *CLI_ARGS, *map(str, clips)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=CLI_ENV)
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m demucs failed:\n{proc.stderr[-3000:]}")
+    for clip in clips:
+        if not all((out / "tiny" / clip.stem / f"{s}.wav").is_file() for s in STEMS):
+            raise RuntimeError(f"python -m demucs wrote no 4 stems for {clip.name}")
+    return seconds
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "executable": sys.executable,
+            "torch": metadata.version("torch"), "demucs": metadata.version("demucs")}
+
+
+def stats(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+RATIOS = {"a/b": lambda r, s: r["a"] / r["b"], "(a-settle)/b": lambda r, s: (r["a"] - s) / r["b"],
+          "c/a": lambda r, s: r["c"] / r["a"], "d/a": lambda r, s: r["d"] / r["a"]}
+
+
+def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, dict[str, Any]]:
+    labels = {"a": "(a) service (settle %.1f s)" % settle, "b": "(b) in-process limit",
+              "c": "(c) demucs CLI, one call per clip", "d": "(d) demucs CLI, one call"}
+    med = {k: stats([r[k] for r in runs])[0] for k in labels}
+    lines = ["| method | median s | min s | max s | median s/clip |", "|---|---:|---:|---:|---:|"]
+    for k, label in labels.items():
+        m, lo, hi = stats([r[k] for r in runs])
+        lines.append(f"| {label} | {m:.2f} | {lo:.2f} | {hi:.2f} | {m / clips:.2f} |")
+    ratios = {name: fn(med, settle) for name, fn in RATIOS.items()}
+    lines += ["", "| ratio (of medians) | value | per-run min-max |", "|---|---:|---:|"]
+    for name, fn in RATIOS.items():
+        _, lo, hi = stats([fn(r, settle) for r in runs])
+        lines.append(f"| {name} | {ratios[name]:.3f} | {lo:.3f}-{hi:.3f} |")
+    targets = {
+        f"a <= 1.15*b + settle ({med['a']:.2f} <= {1.15 * med['b'] + settle:.2f})":
+            med["a"] <= 1.15 * med["b"] + settle,
+        f"c/a >= 2 ({ratios['c/a']:.2f})": ratios["c/a"] >= 2,
+        f"a <= d ({med['a']:.2f} <= {med['d']:.2f})": med["a"] <= med["d"]}
+    lines += [""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in targets.items()]
+    return "\n".join(lines), {"medians": med, "ratios": ratios, "targets": targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--clips", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--settle", type=float, default=1.0, help="watch.settle_seconds for (a)")
+    parser.add_argument("--child-limit", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_limit:
+        child_limit(args.child_limit[0], args.child_limit[1], args.child_limit[2:])
+        return 0
+    from stemdeck_watch.synth import write_song
+
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="stemdeck-bench-"))
+    try:
+        repo = work / "models"
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        clips = [write_song(work / "clips" / f"clip{i:02d}.wav", args.seconds, seed=i)
+                 for i in range(args.clips)]
+        runs: list[dict[str, Any]] = []
+        for n in range(args.runs):
+            run = work / f"run{n}"
+            a = run_service(clips, repo, run / "a", args.settle)
+            b = run_limit(clips, repo, run / "b")
+            c = sum(run_cli([clip], repo, run / "c") for clip in clips)
+            d = run_cli(clips, repo, run / "d")
+            runs.append({"a": a["seconds"], "b": b["seconds"], "c": c, "d": d, "a_detail": a,
+                         "b_detail": b, "loadavg_1m_after": os.getloadavg()[0]})
+            print(f"run {n + 1}/{args.runs}: a {a['seconds']:.2f}  b {b['seconds']:.2f}  "
+                  f"c {c:.2f}  d {d:.2f} s", file=sys.stderr, flush=True)
+            shutil.rmtree(run, ignore_errors=True)
+        assert "torch" not in sys.modules, "the benchmark's main process imported torch"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info = machine()
+    table, summary = report(runs, args.settle, args.clips)
+    total = time.monotonic() - began
+    print(f"Separation throughput: {args.clips} clips x {args.seconds:g} s, tiny model, CPU, "
+          f"{args.runs} runs; {info['nproc']} cores ({info['cpu']}), Python {info['python']}, "
+          f"torch {info['torch']}, demucs {info['demucs']}\n")
+    print(table)
+    print(f"\ntotal benchmark time {total:.0f} s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": info, "args": {k: v for k, v in vars(args).items()
+                                   if k != "child_limit"}, "runs": runs, **summary,
+                                   "total_seconds": total}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Shared fixtures: test hygiene, the tiny model, settings on temporary folders, a service.
+
+Hygiene (after watchdog's own tests/conftest.py): every test must leave no thread and no
+child process behind — a leaked worker would hold a model in memory long after the service
+that owned it stopped.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from stemdeck_watch.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.events import EventBus, JobChanged
+from stemdeck_watch.jobs import Job
+from stemdeck_watch.service import Service
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
+             interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this test process (Linux /proc)."""
+    me = os.getpid()
+    children = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    threads_before = set(threading.enumerate())
+    children_before = child_pids() if sys.platform == "linux" else set()
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        leaked = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        children = (child_pids() - children_before) if sys.platform == "linux" else set()
+        if not leaked and not children:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"test leaked threads {leaked} / child processes {children}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with tiny untrained models `tiny` (4 stems) and `tiny6` (6 stems), saved in
+    demucs's local-repo format by the project's own code, in a subprocess (no torch here)."""
+    folder = tmp_path_factory.mktemp("models")
+    for args in (["--name", "tiny"], ["--name", "tiny6", "--six"]):
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(folder),
+                        *args], check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, model_repo: Path) -> Callable[..., Settings]:
+    """Settings on temporary folders with the tiny model; keyword args override sections,
+    e.g. make_settings(watch={"settle_seconds": 1.0})."""
+
+    def make(**sections: dict[str, Any]) -> Settings:
+        data = default_toml()
+        data["folders"] = {name: str(tmp_path / name)
+                           for name in ("inbox", "outbox", "processed", "failed", "state")}
+        data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
+        data["watch"]["settle_seconds"] = 0.3
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        return settings_from_dict(data, source=tmp_path / "stemdeck.toml")
+
+    return make
+
+
+class JobLog:
+    """Collects every job change the service announces."""
+
+    def __init__(self, bus: EventBus):
+        self._lock = threading.Lock()
+        self.latest: dict[str, Job] = {}
+        bus.subscribe(JobChanged, self._on_change)
+
+    def _on_change(self, event: JobChanged) -> None:
+        with self._lock:
+            self.latest[event.job.id] = event.job
+
+    def final(self) -> list[Job]:
+        with self._lock:
+            return [job for job in self.latest.values() if job.state.is_final]
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self.latest.values())
+
+    def wait_final(self, count: int, timeout: float = 120.0) -> list[Job]:
+        return wait_for(lambda: len(self.final()) >= count and self.final(), timeout,
+                        f"{count} job(s) to finish")
+
+
+@pytest.fixture
+def service_factory() -> Iterator[Callable[[Settings], tuple[Service, JobLog]]]:
+    """Start real services (watcher, registry, worker process); all are shut down after."""
+    started: list[Service] = []
+
+    def start(settings: Settings) -> tuple[Service, JobLog]:
+        bus = EventBus()
+        jobs = JobLog(bus)
+        service = Service(settings, bus=bus)
+        service.start()
+        started.append(service)
+        return service, jobs
+
+    yield start
+    for service in started:
+        service.shutdown()

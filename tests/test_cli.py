@@ -1,0 +1,169 @@
+"""The commands as a user types them: run (stopped with Ctrl-C, or killed), status, doctor, demo."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+
+from stemdeck_watch.config import default_toml
+from stemdeck_watch.synth import write_song
+
+from conftest import wait_for
+
+SR = 44100
+
+
+@pytest.fixture
+def config(tmp_path: Path, model_repo: Path) -> Path:
+    data = default_toml()
+    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
+                                                       "state")}
+    data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
+    data["watch"]["settle_seconds"] = 0.3
+    path = tmp_path / "stemdeck.toml"
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def cli(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def status(config: Path) -> dict[str, Any]:
+    result = cli(config, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+class RunningService:
+    def __init__(self, config: Path):
+        self.log = open(config.parent / f"run-{os.urandom(3).hex()}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
+                                      str(config), "run", "--no-tray"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.state = config.parent / "state"
+
+    def worker_pids(self) -> list[int]:
+        log = (self.state / "logs" / "stemdeck-watch.log").read_text()
+        return [int(p) for p in re.findall(r"started separation worker (\d+)", log)]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        self.log.close()
+        return code
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def separating(config: Path) -> dict[str, Any] | None:
+    running = status(config)["running"]
+    return running if running and running["state"] == "separating" else None
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_job_leaves_no_partial_song_and_the_job_resumes(config: Path, tmp_path: Path):
+    inbox, outbox = tmp_path / "inbox", tmp_path / "outbox"
+    service = RunningService(config)
+    try:
+        long_song = write_song(tmp_path / "long.wav", 60.0)
+        os.replace(long_song, inbox / "long.wav")
+        job = wait_for(lambda: separating(config), 90, "the job to start separating")
+        worker = service.worker_pids()[-1]
+        assert service.stop(signal.SIGINT) == 0
+    finally:
+        if service.proc.poll() is None:
+            service.proc.kill()
+            service.proc.wait()
+    assert [p.name for p in outbox.iterdir()] == []  # not even the hidden staging folder
+    assert (inbox / "long.wav").exists()
+    wait_for(lambda: gone(worker), 10, "the worker to exit")
+    after = status(config)
+    assert after["service"]["running"] is False
+    assert [j["id"] for j in after["queued"]] == [job["id"]]
+    assert after["queued"][0]["state"] == "queued"
+
+
+@pytest.mark.slow
+def test_a_killed_service_restores_its_job_paused_until_a_new_file_arrives(config, tmp_path):
+    inbox, outbox = tmp_path / "inbox", tmp_path / "outbox"
+    first = RunningService(config)
+    try:
+        os.replace(write_song(tmp_path / "long.wav", 60.0), inbox / "long.wav")
+        job = wait_for(lambda: separating(config), 90, "the job to start separating")
+        worker = first.worker_pids()[-1]
+        first.stop(signal.SIGKILL)  # power cut, OOM killer, kill -9
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+            first.proc.wait()
+    wait_for(lambda: gone(worker), 10, "the orphaned worker to exit on its own")
+    second = RunningService(config)
+    try:
+        restored = wait_for(lambda: (s := status(config))["service"]["running"] and
+                            s["pause_reason"] == "restore" and s, 60, "the restore pause")
+        assert [j["id"] for j in restored["queued"]] == [job["id"]]
+        assert not list(outbox.glob("long*"))  # the partial result is gone
+        os.replace(write_song(tmp_path / "short.wav", 2.0), inbox / "short.wav")
+        wait_for(lambda: {j["name"]: j["state"] for j in status(config)["jobs"]}
+                 == {"long": "done", "short": "done"}, 180, "both songs separated")
+        assert (outbox / "long" / "vocals.wav").is_file()
+    finally:
+        assert second.stop(signal.SIGTERM) == 0
+
+
+def test_status_is_fast_and_never_imports_torch(config: Path) -> None:
+    code = ("import sys, time; t = time.monotonic(); from stemdeck_watch.cli import main; "
+            f"rc = main(['--config', {str(config)!r}, 'status']); "
+            "assert rc == 0, rc; "
+            "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
+            "assert not heavy, heavy; print(time.monotonic() - t)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "service: stopped" in result.stdout
+
+
+def test_status_json_has_the_documented_shape(config: Path) -> None:
+    data = status(config)
+    assert {"paused", "pause_reason", "running", "queued", "waiting", "jobs"} <= set(data)
+    assert data["paused"] is False and data["running"] is None and data["jobs"] == []
+
+
+@pytest.mark.slow
+def test_doctor_checks_everything_and_fails_on_a_missing_model(config: Path, tmp_path: Path):
+    result = cli(config, "doctor")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[ok  ] model tiny" in result.stdout and "watcher: native" in result.stdout
+    assert "decoding: PyAV" in result.stdout
+    config.write_text(config.read_text().replace('model = "tiny"', 'model = "missing"'))
+    result = cli(config, "doctor")
+    assert result.returncode == 1
+    assert "[FAIL] model missing" in result.stdout and "separation.model_repo" in result.stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_offline_and_reports_where_the_stems_are(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "demo", "--dir",
+                             str(tmp_path / "demo")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in ("demo-song-1", "demo-song-2"):
+        assert f"{name} → {tmp_path / 'demo' / 'outbox' / name}" in result.stdout
+        assert (tmp_path / "demo" / "outbox" / name / "vocals.wav").is_file()
+    assert "never been trained" in result.stdout and "htdemucs" in result.stdout

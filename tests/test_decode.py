@@ -1,0 +1,108 @@
+"""PyAV decoding of real files the tests synthesise, and clear errors for bad ones."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from stemdeck_watch.errors import Cancelled, DecodeError
+from stemdeck_watch.pipeline.decode import decode_to_file
+from stemdeck_watch.synth import write_song
+
+SR = 44100
+
+
+@pytest.mark.parametrize("ext, slack", [
+    ("wav", 0), ("flac", 0), ("mp3", 0), ("ogg", 0), ("aiff", 0),
+    ("m4a", 1024),  # AAC pads its last packet; the decoder returns up to one packet more
+])
+def test_every_format_decodes_to_float32_stereo_at_the_model_rate(
+        tmp_path: Path, ext: str, slack: int) -> None:
+    source = write_song(tmp_path / f"song.{ext}", 3.0)
+    decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
+    audio = np.load(decoded.path)
+    assert audio.dtype == np.float32 and audio.shape[0] == 2
+    assert 3 * SR <= audio.shape[1] <= 3 * SR + slack
+    assert decoded.frames == audio.shape[1]
+    assert 0.05 < np.abs(audio).max() <= 1.0
+
+
+def test_other_rates_and_mono_are_converted(tmp_path: Path) -> None:
+    source = write_song(tmp_path / "mono48k.wav", 2.0, samplerate=48000, channels=1)
+    decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
+    audio = np.load(decoded.path)
+    assert audio.shape[0] == 2 and abs(audio.shape[1] - 2 * SR) <= 1
+    assert np.allclose(audio[0], audio[1])
+    assert decoded.source_samplerate == 48000 and decoded.source_channels == 1
+
+
+def test_opus_at_48k_decodes(tmp_path: Path) -> None:
+    source = write_song(tmp_path / "song.opus", 2.0)
+    decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
+    assert abs(decoded.frames - 2 * SR) < 0.05 * SR
+
+
+def _truncate(path: Path, keep: float) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return path
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: _write(d / "random.mp3", os.urandom(40_000)), ["random.mp3", "not an audio"]),
+    (lambda d: _write(d / "text.wav", b"just some notes\n" * 200), ["text.wav", "not an audio"]),
+    (lambda d: _truncate(write_song(d / "cut.wav", 4.0), 0.5), ["cut.wav", "truncated"]),
+    (lambda d: _truncate(write_song(d / "cut.flac", 4.0), 0.5), ["cut.flac", "copy it"]),
+    (lambda d: _one_sample(d / "one.wav"), ["one.wav", "1 samples", "at least"]),
+    (lambda d: _video_only(d / "silent.mp4"), ["silent.mp4", "no audio stream", "video"]),
+])
+def test_bad_input_gets_a_clear_error_naming_the_file(tmp_path: Path, make, words) -> None:
+    source = make(tmp_path)
+    with pytest.raises(DecodeError) as info:
+        decode_to_file(source, tmp_path / "out.npy", SR, 2)
+    for word in words:
+        assert word in str(info.value)
+    assert not (tmp_path / "out.npy").exists()
+
+
+def test_a_cancel_stops_decoding_between_frames(tmp_path: Path) -> None:
+    source = write_song(tmp_path / "long.flac", 20.0)
+    frames_seen = []
+
+    def check() -> None:
+        frames_seen.append(1)
+        if len(frames_seen) == 3:
+            raise Cancelled("removed")
+
+    with pytest.raises(Cancelled):
+        decode_to_file(source, tmp_path / "out.npy", SR, 2, check)
+    assert len(frames_seen) == 3
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _one_sample(path: Path) -> Path:
+    soundfile.write(path, np.zeros((1, 2), np.float32), SR)
+    return path
+
+
+def _video_only(path: Path) -> Path:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 20, np.uint8),
+                                               format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return path

@@ -1,0 +1,146 @@
+"""Which inbox paths become jobs, and when a file counts as complete (injected clock)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from stemdeck_watch.config import AUDIO_EXTENSIONS
+from stemdeck_watch.intake.filters import InboxFilter
+from stemdeck_watch.intake.stability import StabilityTracker
+
+
+@pytest.mark.parametrize("rel", [
+    "song.mp3", "Album/01 Intro.flac", "deep/er/still.M4A", "video.mkv", "take.opus",
+])
+def test_audio_files_are_eligible(rel: str) -> None:
+    assert InboxFilter(AUDIO_EXTENSIONS).eligible(PurePosixPath(rel))
+
+
+@pytest.mark.parametrize("rel", [
+    "._song.mp3", ".DS_Store", "~$notes.wav", ".~lock.song.wav#", "song.mp3.part",
+    "song.mp3.crdownload", "song.download", "song.tmp", "song.mp3.!sync", "song.partial",
+    ".song.mp3.icloud", "song.mp3.icloud", "song.rsls", "Thumbs.db", "desktop.ini",
+    "song.sync-conflict-20260101-120000-ABCDEF.mp3", ".stfolder/song.mp3",
+    ".stversions/song.mp3", ".dropbox.cache/song.mp3", ".tmp.drivedownload/x.mp3",
+    ".tmp.driveupload/x.mp3", "@eaDir/song.mp3", "#recycle/song.mp3", "#snapshot/a/song.mp3",
+    "$RECYCLE.BIN/song.mp3", ".Trashes/song.mp3", "__MACOSX/song.mp3", "notes.txt",
+    "cover.jpg", "song",
+])
+def test_temporary_lock_and_metadata_files_are_never_jobs(rel: str) -> None:
+    assert not InboxFilter(AUDIO_EXTENSIONS).eligible(PurePosixPath(rel))
+
+
+def test_user_patterns_add_to_the_builtin_rules() -> None:
+    rules = InboxFilter(AUDIO_EXTENSIONS, ["*demo*", "drafts/*"])
+    assert not rules.eligible(PurePosixPath("my demo.mp3"))
+    assert not rules.eligible(PurePosixPath("drafts/a.mp3"))
+    assert not rules.eligible(PurePosixPath("._x.mp3"))  # built-ins still apply
+    assert rules.eligible(PurePosixPath("final.mp3"))
+
+
+def test_non_recursive_ignores_subfolders() -> None:
+    rules = InboxFilter(AUDIO_EXTENSIONS, recursive=False)
+    assert rules.eligible(PurePosixPath("a.mp3"))
+    assert not rules.eligible(PurePosixPath("sub/a.mp3"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def ready_names(tracker: StabilityTracker) -> list[str]:
+    return [path.name for path, _ in tracker.ready()]
+
+
+def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(3.0, clock)
+    song = tmp_path / "song.wav"
+    song.write_bytes(b"x" * 100)
+    tracker.touch(song)
+    assert ready_names(tracker) == []           # first look never decides
+    clock.advance(2.9)
+    assert ready_names(tracker) == []
+    clock.advance(0.2)
+    assert ready_names(tracker) == ["song.wav"]
+    assert tracker.pending() == []
+
+
+def test_growth_or_events_restart_the_wait(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(3.0, clock)
+    song = tmp_path / "song.wav"
+    song.write_bytes(b"x" * 100)
+    tracker.touch(song)
+    tracker.ready()
+    clock.advance(2.0)
+    with open(song, "ab") as handle:
+        handle.write(b"more")
+    assert ready_names(tracker) == []           # size changed: quiet period restarts now
+    clock.advance(2.0)
+    tracker.touch(song)                         # an event: restarts again
+    clock.advance(2.9)
+    assert ready_names(tracker) == []
+    clock.advance(0.2)
+    assert ready_names(tracker) == ["song.wav"]
+
+
+def test_a_zero_byte_file_waits_as_long_as_it_takes(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(1.0, clock)
+    download = tmp_path / "download.mp3"
+    download.touch()
+    tracker.touch(download)
+    for _ in range(5):
+        clock.advance(3600)
+        assert ready_names(tracker) == []
+    download.write_bytes(b"data")
+    assert ready_names(tracker) == []
+    clock.advance(1.0)
+    assert ready_names(tracker) == ["download.mp3"]
+
+
+def test_close_after_write_shortens_the_wait_but_is_not_proof(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(5.0, clock, closed_settle_seconds=1.0)
+    song = tmp_path / "song.wav"
+    song.write_bytes(b"x" * 10)
+    tracker.touch(song, closed=True)
+    tracker.ready()
+    clock.advance(0.5)
+    with open(song, "ab") as handle:            # reopened and written after the close
+        handle.write(b"y")
+    assert ready_names(tracker) == []
+    clock.advance(1.5)
+    assert ready_names(tracker) == []           # the close no longer counts: full settle
+    clock.advance(3.6)
+    assert ready_names(tracker) == ["song.wav"]
+    other = tmp_path / "other.wav"
+    other.write_bytes(b"x")
+    tracker.touch(other, closed=True)
+    tracker.ready()
+    clock.advance(1.0)
+    assert ready_names(tracker) == ["other.wav"]
+
+
+def test_vanished_and_forgotten_files_are_dropped(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(1.0, clock)
+    a, b = tmp_path / "a.wav", tmp_path / "sub" / "b.wav"
+    b.parent.mkdir()
+    for path in (a, b):
+        path.write_bytes(b"x")
+        tracker.touch(path)
+    os.unlink(a)
+    tracker.forget(b.parent)
+    clock.advance(5)
+    assert tracker.ready() == [] and tracker.pending() == []

@@ -1,0 +1,181 @@
+"""The registry on disk, and what a restart makes of the jobs the last run left behind."""
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from stemdeck_watch.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.events import EventBus
+from stemdeck_watch.jobqueue import JobQueue
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.recovery import restore
+from stemdeck_watch.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.scheduler import PAUSE_RESTORE, PAUSE_USER, Scheduler
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    data = default_toml()
+    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
+                                                       "state")}
+    settings = settings_from_dict(data)
+    for folder in ("inbox", "outbox", "processed", "failed", "state"):
+        getattr(settings.paths, folder).mkdir()
+    return settings
+
+
+def open_scheduler(settings: Settings) -> Scheduler:
+    registry = Registry.open(settings.paths.state / REGISTRY_FILE)
+    return Scheduler(registry, JobQueue(), EventBus(), settings)
+
+
+def add_job(scheduler: Scheduler, settings: Settings, name: str, state: JobState,
+            attempts: int = 0) -> Job:
+    source = settings.paths.inbox / f"{name}.wav"
+    source.write_bytes(b"RIFF....WAVE")
+    sig = FileSignature.of(source.stat())
+    job = scheduler.registry.add(Job(
+        id=f"job-{name}", name=name, kind=JobKind.FILE, state=state, source=str(source),
+        rel_path=f"{name}.wav", signature=sig, attempts=attempts))
+    return job
+
+
+def run_restore(settings: Settings) -> tuple[Scheduler, int]:
+    scheduler = open_scheduler(settings)
+    pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
+    return scheduler, restore(scheduler, settings, pipeline.finish_published)
+
+
+def test_registry_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    registry = Registry.open(path)
+    job = registry.add(Job(id="a", name="a", kind=JobKind.FILE, state=JobState.QUEUED,
+                           source="/x/a.wav", rel_path="a.wav",
+                           signature=FileSignature(1, 2, 3)))
+    updated = registry.update("a", state=JobState.SEPARATING, progress=0.5)
+    assert updated.version == job.version + 1 and updated.progress == 0.5
+    registry.save_order(["a"])
+    registry.set_meta("pause_reason", "user")
+    registry.close()
+    again = Registry.open_readonly(path)
+    assert again is not None
+    assert again.get("a") == updated
+    assert again.latest_for_source("/x/a.wav").signature == FileSignature(1, 2, 3)
+    assert again.get_meta("pause_reason") == "user"
+    again.close()
+    assert Registry.open_readonly(tmp_path / "missing.sqlite3") is None
+
+
+def test_a_job_published_before_the_crash_is_done_not_separated_again(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    job = add_job(scheduler, settings, "song", JobState.PUBLISHING)
+    (settings.paths.outbox / "song").mkdir()  # someone else's song of the same name
+    folder = settings.paths.outbox / "song (2)"
+    folder.mkdir()
+    (folder / "vocals.wav").write_bytes(b"x")
+    (folder / "stemdeck.json").write_text(json.dumps(
+        {"job_id": job.id, "stems": [{"file": "vocals.wav"}]}))
+    scheduler.registry.close()
+
+    scheduler, restored = run_restore(settings)
+    done = scheduler.registry.get(job.id)
+    assert restored == 0
+    assert done.state is JobState.DONE and done.output == str(folder)
+    assert (settings.paths.processed / "song.wav").exists()
+    assert not (settings.paths.inbox / "song.wav").exists()
+    scheduler.registry.close()
+
+
+def test_a_job_cut_off_half_way_goes_back_to_the_head_paused(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    waiting = add_job(scheduler, settings, "waiting", JobState.QUEUED)
+    cut = add_job(scheduler, settings, "cut", JobState.SEPARATING)
+    scheduler.registry.save_order([waiting.id])
+    partial = settings.paths.staging / cut.id
+    partial.mkdir(parents=True)
+    (partial / "drums.wav").write_bytes(b"half")
+    scratch = settings.paths.scratch / cut.id
+    scratch.mkdir(parents=True)
+    scheduler.registry.close()
+
+    scheduler, restored = run_restore(settings)
+    assert restored == 2
+    assert scheduler.queue.order() == [cut.id, waiting.id]
+    job = scheduler.registry.get(cut.id)
+    assert job.state is JobState.QUEUED and job.attempts == 1  # counted before it runs again
+    assert not partial.exists() and not scratch.exists()
+    assert scheduler.queue.paused and scheduler.queue.pause_reason == PAUSE_RESTORE
+    # a new file lifts the restore pause
+    new = settings.paths.inbox / "new.wav"
+    new.write_bytes(b"x")
+    scheduler.submit_file(new, PurePosixPath("new.wav"), FileSignature.of(new.stat()))
+    assert not scheduler.queue.paused
+    scheduler.registry.close()
+
+
+def test_a_job_cut_off_twice_fails_with_instructions(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    job = add_job(scheduler, settings, "crasher", JobState.SEPARATING, attempts=1)
+    scheduler.registry.close()
+
+    scheduler, restored = run_restore(settings)
+    failed = scheduler.registry.get(job.id)
+    assert restored == 0 and failed.state is JobState.FAILED
+    assert "interrupted by a restart twice — drop the file again to retry" in failed.error
+    assert (settings.paths.failed / "crasher.wav").exists()
+    report = (settings.paths.failed / "crasher.wav.error.txt").read_text()
+    assert "interrupted by a restart twice" in report
+    assert not scheduler.queue.paused
+    scheduler.registry.close()
+
+
+def test_jobs_whose_input_vanished_while_stopped_are_cancelled(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    gone = add_job(scheduler, settings, "gone", JobState.QUEUED)
+    Path(gone.source).unlink()
+    scheduler.registry.close()
+    scheduler, restored = run_restore(settings)
+    assert restored == 0
+    assert scheduler.registry.get(gone.id).state is JobState.CANCELLED
+    scheduler.registry.close()
+
+
+def test_a_pause_the_user_chose_survives_a_restart(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    scheduler.pause(PAUSE_USER)
+    scheduler.registry.close()
+    scheduler, _ = run_restore(settings)
+    assert scheduler.queue.paused and scheduler.queue.pause_reason == PAUSE_USER
+    new = settings.paths.inbox / "new.wav"
+    new.write_bytes(b"x")
+    scheduler.submit_file(new, PurePosixPath("new.wav"), FileSignature.of(new.stat()))
+    assert scheduler.queue.paused  # only the user's Start lifts the user's pause
+    scheduler.registry.close()
+
+
+def test_capacity_lane_holds_files_back_in_arrival_order(settings: Settings, tmp_path: Path) -> None:
+    data = default_toml()
+    data["folders"] = {n: str(getattr(settings.paths, n)) for n in
+                       ("inbox", "outbox", "processed", "failed", "state")}
+    data["queue"]["max_pending_files"] = 2
+    small = settings_from_dict(data)
+    scheduler = open_scheduler(small)
+    jobs = []
+    for name in ("a", "b", "c", "d"):
+        path = small.paths.inbox / f"{name}.wav"
+        path.write_bytes(b"x")
+        jobs.append(scheduler.submit_file(path, PurePosixPath(path.name),
+                                          FileSignature.of(path.stat())))
+    assert [j is not None for j in jobs] == [True, True, False, False]
+    assert [Path(s).name for s in scheduler.waiting()] == ["c.wav", "d.wav"]
+    assert [Path(s).name for s, _, _ in scheduler.registry.waiting()] == ["c.wav", "d.wav"]
+    control = scheduler.next_job(timeout=0)  # a job leaves the queue: room for one more
+    assert control is not None
+    assert [Path(s).name for s in scheduler.waiting()] == ["d.wav"]
+    names = [scheduler.registry.get(i).name for i in scheduler.queue.order()]
+    assert names == ["b", "c"]
+    scheduler.registry.close()

@@ -1,0 +1,183 @@
+"""The whole path as a user meets it: real folders, real watchdog, the real worker process."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from stemdeck_watch.events import JobSeparated
+from stemdeck_watch.jobs import JobState
+from stemdeck_watch.synth import song, write_song
+
+from conftest import wait_for
+
+pytestmark = pytest.mark.slow
+SR = 44100
+
+
+def stem_frames(folder: Path) -> dict[str, int]:
+    return {p.stem: soundfile.info(p).frames for p in folder.glob("*.wav")}
+
+
+def test_three_songs_dropped_at_once_become_stems_in_one_worker(make_settings, service_factory,
+                                                                tmp_path):
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    pids: list[int] = []
+    service.bus.subscribe(JobSeparated, lambda e: pids.append(e.worker_pid))
+    lengths = {"alpha.wav": 3.0, "beta.flac": 2.5, "gamma.mp3": 2.0}
+    staging = tmp_path / "elsewhere"
+    for i, (name, seconds) in enumerate(lengths.items()):
+        write_song(staging / name, seconds, seed=i)
+    for name in lengths:
+        shutil.copy(staging / name, settings.paths.inbox / name)
+
+    finished = jobs.wait_final(3)
+    assert sorted(j.state for j in finished) == [JobState.DONE] * 3
+    for name, seconds in lengths.items():
+        folder = settings.paths.outbox / Path(name).stem
+        frames = stem_frames(folder)
+        assert sorted(frames) == ["bass", "drums", "other", "vocals"]
+        for stem, count in frames.items():
+            assert abs(count - int(seconds * SR)) <= 1, (name, stem, count)
+        assert (folder / "stemdeck.json").is_file()
+        assert (settings.paths.processed / name).is_file()
+        assert not (settings.paths.inbox / name).exists()
+    assert len(pids) == 3 and len(set(pids)) == 1  # one resident worker served all three
+    assert not any(settings.paths.staging.glob("*"))
+
+
+def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_factory):
+    settings = make_settings(watch={"settle_seconds": 1.0})
+    service, jobs = service_factory(settings)
+    audio = song(4.0)
+    target = settings.paths.inbox / "slow.wav"
+    reopening = settings.paths.inbox / "reopened.wav"
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, SR, subtype="PCM_16", format="WAV")
+    data = buffer.getvalue()
+    chunks = [data[i:i + len(data) // 12 + 1] for i in range(0, len(data), len(data) // 12 + 1)]
+
+    def keep_open() -> None:  # one open file, written over ~3.5 s
+        with open(target, "wb") as handle:
+            for chunk in chunks:
+                handle.write(chunk)
+                handle.flush()
+                time.sleep(0.3)
+
+    def reopen_each_time() -> None:  # closes between chunks: close events are no proof
+        for chunk in chunks:
+            with open(reopening, "ab") as handle:
+                handle.write(chunk)
+            time.sleep(0.3)
+
+    writers = [threading.Thread(target=keep_open), threading.Thread(target=reopen_each_time)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    finished = jobs.wait_final(2)
+    assert len(jobs.jobs()) == 2
+    assert [j.state for j in finished] == [JobState.DONE, JobState.DONE]
+    for name in ("slow", "reopened"):
+        frames = stem_frames(settings.paths.outbox / name)
+        assert set(frames.values()) == {len(audio)}
+
+
+def test_bad_inputs_end_in_failed_with_a_reason_and_the_service_goes_on(
+        make_settings, service_factory, tmp_path):
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    inbox, failed = settings.paths.inbox, settings.paths.failed
+    good = write_song(tmp_path / "good.flac", 2.0)
+    truncated = write_song(tmp_path / "truncated.wav", 3.0)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    cut_flac = write_song(tmp_path / "cut.flac", 3.0)
+    cut_flac.write_bytes(cut_flac.read_bytes()[: cut_flac.stat().st_size // 2])
+    one = tmp_path / "one.wav"
+    soundfile.write(one, np.zeros((1, 2), np.float32), SR)
+    bad = {
+        "noise.mp3": os.urandom(30_000),
+        "notes.wav": b"these are my lyrics\n" * 100,
+        "truncated.wav": truncated.read_bytes(),
+        "cut.flac": cut_flac.read_bytes(),
+        "one.wav": one.read_bytes(),
+    }
+    for name, data in bad.items():
+        (inbox / name).write_bytes(data)
+    (inbox / "download.mp3").touch()  # a browser's placeholder: unfinished, not bad
+    shutil.copy(good, inbox / "good.flac")
+
+    finished = jobs.wait_final(len(bad) + 1)
+    states = {Path(j.rel_path).name: j.state for j in finished}
+    assert states.pop("good.flac") is JobState.DONE
+    assert set(states.values()) == {JobState.FAILED}
+    reasons = {"noise.mp3": "not an audio", "notes.wav": "not an audio",
+               "truncated.wav": "truncated", "cut.flac": "cut.flac", "one.wav": "at least"}
+    for name, reason in reasons.items():
+        assert (failed / name).read_bytes() == bad[name]  # the input is kept, byte for byte
+        report = (failed / f"{name}.error.txt").read_text()
+        assert reason in report and "Stage:   decoding" in report and name in report
+        assert not (inbox / name).exists()
+    # the empty download is still waiting, never failed; once it lands it is separated
+    assert (inbox / "download.mp3").exists() and not (failed / "download.mp3").exists()
+    shutil.copy(write_song(tmp_path / "landed.mp3", 2.0), inbox / "download.mp3")
+    later = jobs.wait_final(len(bad) + 2)
+    assert any(j.rel_path == "download.mp3" and j.state is JobState.DONE for j in later)
+
+
+def test_a_model_that_cannot_load_fails_the_job_not_the_service(make_settings, service_factory,
+                                                                tmp_path):
+    settings = make_settings(separation={"model": "htdemucs_ft"},
+                             presets={"good": {"model": "tiny"}})
+    service, jobs = service_factory(settings)
+    write_song(settings.paths.inbox / "first.wav", 2.0)
+    failed = jobs.wait_final(1)[0]
+    assert failed.state is JobState.FAILED and failed.stage == "separating"
+    assert "htdemucs_ft" in failed.error and "separation.model_repo" in failed.error
+    report = (settings.paths.failed / "first.wav.error.txt").read_text()
+    assert "could not load model 'htdemucs_ft'" in report
+    write_song(settings.paths.inbox / "good" / "second.wav", 2.0)  # preset folder
+    done = wait_for(lambda: [j for j in jobs.final() if j.rel_path == "good/second.wav"], 60)[0]
+    assert done.state is JobState.DONE and done.preset == "good"
+    assert (settings.paths.outbox / "good" / "second" / "vocals.wav").is_file()
+
+
+def test_deleting_or_renaming_an_input_cancels_its_job(make_settings, service_factory):
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    service.scheduler.pause("user")  # keep both queued while we act on them
+    inbox = settings.paths.inbox
+    write_song(inbox / "drop.wav", 2.0)
+    write_song(inbox / "rename.wav", 2.0)
+    wait_for(lambda: len(service.queue.order()) == 2, 30, "two queued jobs")
+    (inbox / "drop.wav").unlink()
+    os.rename(inbox / "rename.wav", inbox / "renamed.wav")
+    wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.CANCELLED]) == 2,
+             30, "both jobs cancelled")
+    wait_for(lambda: len(service.queue.order()) == 1, 30, "the renamed file queued")
+    service.scheduler.start()
+    done = wait_for(lambda: [j for j in jobs.final() if j.state is JobState.DONE], 60)
+    assert done[0].name == "renamed"
+
+
+def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, service_factory):
+    settings = make_settings(queue={"max_pending_files": 1})
+    service, jobs = service_factory(settings)
+    service.scheduler.pause("user")
+    for i, name in enumerate(("one", "two", "three")):
+        write_song(settings.paths.inbox / f"{name}.wav", 1.5, seed=i)
+        wait_for(lambda n=i: len(service.queue.order()) + len(service.scheduler.waiting()) > n,
+                 30, f"{name} seen")
+    assert len(service.queue.order()) == 1 and len(service.scheduler.waiting()) == 2
+    service.scheduler.start()
+    finished = jobs.wait_final(3)
+    order = [j.name for j in sorted(finished, key=lambda j: j.finished_at)]
+    assert order == ["one", "two", "three"]
