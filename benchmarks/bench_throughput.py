@@ -30,12 +30,55 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 STEMS = ("drums", "bass", "other", "vocals")
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 CLI_ARGS = ["--shifts", "1", "--overlap", "0.25"]
 CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process, its reaped children
+    and its live children); other users of the machine = the difference of the deltas."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / tick
+    t, me = os.times(), str(os.getpid())
+    ours = t.user + t.system + t.children_user + t.children_system
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parts = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if parts[1] == me:
+            ours += (int(parts[11]) + int(parts[12])) / tick
+    return busy, ours
+
+
+def other_cores(before: tuple[float, float], wall: float) -> float:
+    """Cores that processes outside this benchmark kept busy, on average, since `before`."""
+    after = cpu_snapshot()
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
+
+
+def wait_quiet(limit: float, patience: float) -> float:
+    """Wait (at most `patience` s) until other processes use under `limit` cores, measured over
+    2 s; the machine may be shared. Returns the last measurement."""
+    deadline = time.monotonic() + patience
+    while True:
+        before = cpu_snapshot()
+        time.sleep(2.0)
+        other = other_cores(before, 2.0)
+        if other < limit or time.monotonic() > deadline:
+            return other
+
+
+def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """fn(*args) and the cores other processes kept busy meanwhile."""
+    t, cpu = time.monotonic(), cpu_snapshot()
+    result = fn(*args)
+    return result, other_cores(cpu, time.monotonic() - t)
 
 
 def run_service(clips: list[Path], repo: Path, root: Path, settle: float) -> dict[str, Any]:
@@ -80,10 +123,11 @@ def run_service(clips: list[Path], repo: Path, root: Path, settle: float) -> dic
         inbox = settings.paths.inbox
         for clip in clips:
             os.replace(drop / clip.name, inbox / clip.name)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_snapshot()
         if not finished.wait(900):
             raise RuntimeError(f"(a) timed out: {len(done)} of {len(clips)} jobs done")
         seconds = max(t for t, _ in done.values()) - t0
+        other = other_cores(cpu0, time.monotonic() - t0)
     finally:
         service.shutdown()
     if failed:
@@ -97,7 +141,7 @@ def run_service(clips: list[Path], repo: Path, root: Path, settle: float) -> dic
         timings = json.loads((out / "stemdeck.json").read_text())["timings"]
         stages = {k: v + float(timings.get(k, 0.0)) for k, v in stages.items()}
     job_wall = sum(done[j][0] - started[j] for j in done)
-    return {"seconds": seconds, "first_start": min(started.values()) - t0,
+    return {"seconds": seconds, "other_cores": other, "first_start": min(started.values()) - t0,
             "job_wall_sum": job_wall, "stage_sums": {k: round(v, 3) for k, v in stages.items()}}
 
 
@@ -120,7 +164,7 @@ def child_limit(repo: str, out: str, clips: list[str]) -> None:
     parts = {"decode": 0.0, "separate": 0.0, "write": 0.0}
     t0 = time.monotonic()
     for clip in map(Path, clips):
-        t = time.monotonic()
+        t0_clip = time.monotonic()
         npy = decode_to_file(clip, Path(out) / f"{clip.stem}.npy", rate, channels).path
         mix = torch.from_numpy(np.load(npy))
         t1 = time.monotonic()
@@ -138,10 +182,9 @@ def child_limit(repo: str, out: str, clips: list[str]) -> None:
         for name, audio in zip(model.sources, sources):
             audio = audio / max(1.01 * float(np.abs(audio).max()), 1.0)
             soundfile.write(folder / f"{name}.wav", audio.T, rate, subtype="PCM_16")
-        t3 = time.monotonic()
-        parts["decode"] += t1 - t
-        parts["separate"] += t2 - t1
-        parts["write"] += t3 - t2
+        for part, since, until in (("decode", t0_clip, t1), ("separate", t1, t2),
+                                   ("write", t2, time.monotonic())):
+            parts[part] += until - since
     seconds = time.monotonic() - t0
     print(json.dumps({"seconds": seconds, "parts": {k: round(v, 3) for k, v in parts.items()},
                       "torch": torch.__version__, "threads": torch.get_num_threads()}))
@@ -192,10 +235,12 @@ def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, 
     labels = {"a": "(a) service (settle %.1f s)" % settle, "b": "(b) in-process limit",
               "c": "(c) demucs CLI, one call per clip", "d": "(d) demucs CLI, one call"}
     med = {k: stats([r[k] for r in runs])[0] for k in labels}
-    lines = ["| method | median s | min s | max s | median s/clip |", "|---|---:|---:|---:|---:|"]
+    lines = ["| method | median s | min s | max s | median s/clip | other procs, cores |",
+             "|---|---:|---:|---:|---:|---:|"]
     for k, label in labels.items():
         m, lo, hi = stats([r[k] for r in runs])
-        lines.append(f"| {label} | {m:.2f} | {lo:.2f} | {hi:.2f} | {m / clips:.2f} |")
+        other = stats([r["other_cores"][k] for r in runs])[0]
+        lines.append(f"| {label} | {m:.2f} | {lo:.2f} | {hi:.2f} | {m / clips:.2f} | {other:.2f} |")
     ratios = {name: fn(med, settle) for name, fn in RATIOS.items()}
     lines += ["", "| ratio (of medians) | value | per-run min-max |", "|---|---:|---:|"]
     for name, fn in RATIOS.items():
@@ -207,6 +252,19 @@ def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, 
         f"c/a >= 2 ({ratios['c/a']:.2f})": ratios["c/a"] >= 2,
         f"a <= d ({med['a']:.2f} <= {med['d']:.2f})": med["a"] <= med["d"]}
     lines += [""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in targets.items()]
+    lines += ["", "| where the time goes, s (median over runs, summed over clips) | (a) | (b) |",
+              "|---|---:|---:|"]
+    for part in ("decode", "separate", "write"):
+        a_part = stats([r["a_detail"]["stage_sums"][part] for r in runs])[0]
+        b_part = stats([r["b_detail"]["parts"][part] for r in runs])[0]
+        lines.append(f"| {part} | {a_part:.2f} | {b_part:.2f} |")
+    for label, fn in (("(a) last rename -> first job starts (settle wait)",
+                       lambda d: d["first_start"]),
+                      ("(a) rest of each job (IPC, manifest, fsync, publish, move, registry)",
+                       lambda d: d["job_wall_sum"] - sum(d["stage_sums"].values())),
+                      ("(a) gaps between jobs", lambda d: d["seconds"] - d["first_start"]
+                       - d["job_wall_sum"])):
+        lines.append(f"| {label} | {stats([fn(r['a_detail']) for r in runs])[0]:.2f} | |")
     return "\n".join(lines), {"medians": med, "ratios": ratios, "targets": targets}
 
 
@@ -216,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--settle", type=float, default=1.0, help="watch.settle_seconds for (a)")
+    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
+                        help="before each run wait until other processes use fewer cores")
+    parser.add_argument("--patience", type=float, default=300, help="longest such wait, s")
     parser.add_argument("--child-limit", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_limit:
@@ -233,15 +294,18 @@ def main(argv: list[str] | None = None) -> int:
                  for i in range(args.clips)]
         runs: list[dict[str, Any]] = []
         for n in range(args.runs):
-            run = work / f"run{n}"
+            run, waited = work / f"run{n}", time.monotonic()
+            quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+            waited = time.monotonic() - waited
             a = run_service(clips, repo, run / "a", args.settle)
-            b = run_limit(clips, repo, run / "b")
-            c = sum(run_cli([clip], repo, run / "c") for clip in clips)
-            d = run_cli(clips, repo, run / "d")
-            runs.append({"a": a["seconds"], "b": b["seconds"], "c": c, "d": d, "a_detail": a,
-                         "b_detail": b, "loadavg_1m_after": os.getloadavg()[0]})
-            print(f"run {n + 1}/{args.runs}: a {a['seconds']:.2f}  b {b['seconds']:.2f}  "
-                  f"c {c:.2f}  d {d:.2f} s", file=sys.stderr, flush=True)
+            b, other_b = with_load(run_limit, clips, repo, run / "b")
+            c, other_c = with_load(lambda: sum(run_cli([x], repo, run / "c") for x in clips))
+            d, other_d = with_load(run_cli, clips, repo, run / "d")
+            runs.append({"a": a["seconds"], "b": b["seconds"], "c": c, "d": d, "other_cores": {
+                "a": a["other_cores"], "b": other_b, "c": other_c, "d": other_d},
+                "quiet_before": quiet, "waited": waited, "a_detail": a, "b_detail": b})
+            print(f"run {n + 1}/{args.runs} (waited {waited:.0f} s for quiet): a {a['seconds']:.2f}"
+                  f"  b {b['seconds']:.2f}  c {c:.2f}  d {d:.2f} s", file=sys.stderr, flush=True)
             shutil.rmtree(run, ignore_errors=True)
         assert "torch" not in sys.modules, "the benchmark's main process imported torch"
     finally:

@@ -48,7 +48,8 @@ class Scheduler:
 
         Not if a job already holds it (a changed file keeps its place and just takes the new
         signature), nor if a finished job left the same content there (its input could not be
-        moved away); any other content at that path is a new song.
+        moved away); any other content at that path is a new song, and so is a file dropped
+        again after it was taken away.
         """
         key = str(source)
         with self._lock:
@@ -64,6 +65,8 @@ class Scheduler:
                 return False
             if job.state.is_running:
                 return False
+            if job.state is JobState.CANCELLED and job.error == INPUT_REMOVED:
+                return True  # it was taken away and has been dropped again
             return job.signature != signature
 
     def submit_file(self, source: Path, rel_path: PurePosixPath,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from stemdeck_watch.config import NOT_YET_ACTIVE, Settings
@@ -106,7 +105,6 @@ class Service:
         self.intake.stop()
         self.dispatcher.stop()
         self.client.close()
-        _remove_if_empty(self.folders.staging)  # the hidden staging folder, once unused
         self.registry.close()
         if self._lock is not None:
             self._lock.release()
@@ -118,10 +116,3 @@ class Service:
 
     def __exit__(self, *_: object) -> None:
         self.shutdown()
-
-
-def _remove_if_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass

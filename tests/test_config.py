@@ -126,3 +126,10 @@ def test_write_default_config_refuses_to_overwrite(tmp_path: Path) -> None:
     path = write_default_config(tmp_path / "x.toml")
     with pytest.raises(FileExistsError):
         write_default_config(path)
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_example_configs_are_valid(example: Path) -> None:
+    settings = load_settings(example)
+    assert settings.source == example

@@ -150,22 +150,27 @@ def test_a_model_that_cannot_load_fails_the_job_not_the_service(make_settings, s
     assert (settings.paths.outbox / "good" / "second" / "vocals.wav").is_file()
 
 
-def test_deleting_or_renaming_an_input_cancels_its_job(make_settings, service_factory):
+def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_factory,
+                                                      tmp_path):
     settings = make_settings()
     service, jobs = service_factory(settings)
     service.scheduler.pause("user")  # keep both queued while we act on them
     inbox = settings.paths.inbox
     write_song(inbox / "drop.wav", 2.0)
-    write_song(inbox / "rename.wav", 2.0)
+    write_song(inbox / "rename.wav", 2.0, seed=1)
     wait_for(lambda: len(service.queue.order()) == 2, 30, "two queued jobs")
-    (inbox / "drop.wav").unlink()
+    os.rename(inbox / "drop.wav", tmp_path / "drop.wav")  # moved out of the inbox
     os.rename(inbox / "rename.wav", inbox / "renamed.wav")
     wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.CANCELLED]) == 2,
              30, "both jobs cancelled")
+    assert all(j.error == "the input was removed from the inbox" for j in jobs.final())
     wait_for(lambda: len(service.queue.order()) == 1, 30, "the renamed file queued")
+    os.rename(tmp_path / "drop.wav", inbox / "drop.wav")  # dropped again, same file
+    wait_for(lambda: len(service.queue.order()) == 2, 30, "the returned file queued again")
     service.scheduler.start()
-    done = wait_for(lambda: [j for j in jobs.final() if j.state is JobState.DONE], 60)
-    assert done[0].name == "renamed"
+    wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.DONE]) == 2, 60,
+             "both separated")
+    assert {p.name for p in settings.paths.outbox.iterdir()} == {"renamed", "drop"}
 
 
 def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, service_factory):

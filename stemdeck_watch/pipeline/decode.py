@@ -82,7 +82,7 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
             done = source_frames / src_rate if src_rate else 0
             raise DecodeError(f"could not decode {source}: the audio data is damaged after "
                               f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}") from None
-    _check_complete(source, codec, source_frames, src_rate)
+    _check_complete(source, source_frames, src_rate)
     audio = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), np.float32)
     audio = np.ascontiguousarray(audio[:channels], dtype=np.float32)
     if audio.shape[1] < MIN_SECONDS * samplerate:
@@ -99,8 +99,8 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
                         src_rate, src_channels)
 
 
-def _check_complete(source: Path, codec: str, decoded: int, rate: int) -> None:
-    expected = _declared_frames(source, codec)
+def _check_complete(source: Path, decoded: int, rate: int) -> None:
+    expected = _declared_frames(source)
     if expected is None or rate <= 0:
         return
     # a few frames of slack: some encoders round the header up to a whole block
@@ -111,7 +111,7 @@ def _check_complete(source: Path, codec: str, decoded: int, rate: int) -> None:
             f"{COPY_AGAIN}")
 
 
-def _declared_frames(source: Path, codec: str) -> int | None:
+def _declared_frames(source: Path) -> int | None:
     """How many frames the header of a wav, aiff or flac file promises; None if unknown."""
     try:
         with open(source, "rb") as f:
@@ -132,32 +132,35 @@ def _declared_frames(source: Path, codec: str) -> int | None:
     return None
 
 
-def _riff_frames(f) -> int | None:  # type: ignore[no-untyped-def]
-    block_align = None
+def _chunks(f, endian: str):  # type: ignore[no-untyped-def]
+    """Walk the chunks of a RIFF (little-endian) or IFF (big-endian) file: (id, size, read)."""
     while True:
         header = f.read(8)
         if len(header) < 8:
-            return None
-        chunk_id, size = header[:4], struct.unpack("<I", header[4:])[0]
+            return
+        chunk_id, size = header[:4], struct.unpack(endian + "I", header[4:])[0]
+        start = f.tell()
+        yield chunk_id, size, lambda: f.read(size + (size & 1))
+        f.seek(start + size + (size & 1))
+
+
+def _riff_frames(f) -> int | None:  # type: ignore[no-untyped-def]
+    block_align = None
+    for chunk_id, size, read in _chunks(f, "<"):
         if chunk_id == b"fmt ":
-            fmt = f.read(size + (size & 1))
+            fmt = read()
             if len(fmt) >= 14:
                 block_align = struct.unpack("<H", fmt[12:14])[0]
-            continue
-        if chunk_id == b"data":
+        elif chunk_id == b"data":
             if not block_align or size in (0, 0xFFFFFFFF):  # streamed wav: size unknown
                 return None
             return size // block_align
-        f.seek(size + (size & 1), 1)
+    return None
 
 
 def _aiff_frames(f) -> int | None:  # type: ignore[no-untyped-def]
-    while True:
-        header = f.read(8)
-        if len(header) < 8:
-            return None
-        chunk_id, size = header[:4], struct.unpack(">I", header[4:])[0]
+    for chunk_id, _size, read in _chunks(f, ">"):
         if chunk_id == b"COMM":
-            comm = f.read(size + (size & 1))
+            comm = read()
             return struct.unpack(">I", comm[2:6])[0] if len(comm) >= 6 else None
-        f.seek(size + (size & 1), 1)
+    return None

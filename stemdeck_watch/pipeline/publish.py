@@ -172,3 +172,11 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():
             log.warning("could not remove %s completely", path)
+
+
+def remove_if_empty(path: Path) -> None:
+    """Drop the hidden staging folder between songs, so the outbox shows only songs."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass

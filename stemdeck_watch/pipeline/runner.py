@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from stemdeck_watch.config import Settings
-from stemdeck_watch.errors import Cancelled, FilesystemError
+from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.events import EventBus, JobSeparated
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import FileSignature, Job, JobState
@@ -60,6 +60,7 @@ class Pipeline:
             finally:
                 publish.remove_tree(scratch)
                 publish.remove_tree(staging)
+                publish.remove_if_empty(folders.staging)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path) -> Job:
         sep, out = self.settings.for_preset(job.preset)
@@ -77,6 +78,11 @@ class Pipeline:
                                  model.audio_channels, control.check,
                                  lambda v: report.progress(DECODE_SHARE * v))
         timer.measure("decode", started)
+        try:
+            digest, size = publish.sha256_of(source), source.stat().st_size
+        except OSError as exc:
+            control.check()  # taken away while we read it: a cancel, not a failure
+            raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
         control.check()
 
         report.stage(JobState.SEPARATING, DECODE_SHARE)
@@ -96,7 +102,7 @@ class Pipeline:
         publish.write_manifest(staging, {
             "job_id": job.id,
             "input": {"name": source.name, "rel_path": job.rel_path,
-                      "sha256": publish.sha256_of(source), "size": source.stat().st_size,
+                      "sha256": digest, "size": size,
                       "codec": decoded.source_codec, "samplerate": decoded.source_samplerate,
                       "channels": decoded.source_channels,
                       "duration": round(decoded.seconds, 6)},
