@@ -186,3 +186,29 @@ def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, s
     finished = jobs.wait_final(3)
     order = [j.name for j in sorted(finished, key=lambda j: j.finished_at)]
     assert order == ["one", "two", "three"]
+
+
+def test_a_folder_moved_into_the_inbox_keeps_its_structure(make_settings, service_factory,
+                                                           tmp_path):
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    album = tmp_path / "Album Name"
+    write_song(album / "01 Intro.wav", 1.5)
+    write_song(album / "02 Song.mp3", 1.5, seed=1)
+    (album / "cover.jpg").write_bytes(b"\xff\xd8")  # not audio: ignored
+    os.rename(album, settings.paths.inbox / "Album Name")  # one event for the whole folder
+    finished = jobs.wait_final(2)
+    assert [j.state for j in finished] == [JobState.DONE, JobState.DONE]
+    assert (settings.paths.outbox / "Album Name" / "01 Intro" / "vocals.wav").is_file()
+    assert (settings.paths.outbox / "Album Name" / "02 Song" / "drums.wav").is_file()
+    assert (settings.paths.processed / "Album Name" / "02 Song.mp3").is_file()
+    assert (settings.paths.inbox / "Album Name" / "cover.jpg").is_file()
+
+
+def test_polling_mode_finds_dropped_files(make_settings, service_factory):
+    settings = make_settings(watch={"mode": "polling", "poll_interval": 0.2})
+    service, jobs = service_factory(settings)
+    assert service.intake.mode == "polling"
+    write_song(settings.paths.inbox / "polled.flac", 1.5)
+    assert jobs.wait_final(1)[0].state is JobState.DONE
+    assert (settings.paths.outbox / "polled" / "bass.wav").is_file()
