@@ -12,149 +12,19 @@ import difflib
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.paths import default_config_file, default_state_dir
-
-Check = Callable[[Any], Any]
+from stemdeck_watch.validators import (Check, boolean, byte_size, choice, extension_list,
+                                       layout_template, mix_table, number, show, stem_name,
+                                       text, text_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
     "wma", "mp4", "mkv", "webm", "mov",
 )
 NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low")
-LAYOUT_FIELDS = ("stem", "name", "ext", "model")
-
-
-# ---------------------------------------------------------------- value checks
-# Each returns the normalised value or raises ValueError with "what is allowed".
-
-def number(minimum: float | None = None, maximum: float | None = None, *,
-           integer: bool = False, below: float | None = None, unit: str = "") -> Check:
-    kind = "a whole number" if integer else "a number"
-    bounds = []
-    if minimum is not None:
-        bounds.append(f"≥ {minimum:g}")
-    if maximum is not None:
-        bounds.append(f"≤ {maximum:g}")
-    if below is not None:
-        bounds.append(f"< {below:g}")
-    allowed = " ".join([kind, " and ".join(bounds), unit]).replace("  ", " ").strip()
-
-    def check(value: Any) -> Any:
-        ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok_type:
-            raise ValueError(allowed)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) \
-                or (below is not None and value >= below):
-            raise ValueError(allowed)
-        return value if integer else float(value)
-
-    return check
-
-
-def choice(*allowed: Any) -> Check:
-    def check(value: Any) -> Any:
-        # type() and not ==: TOML's true must not pass for 1, nor 1 for true.
-        if any(type(a) is type(value) and a == value for a in allowed):
-            return value
-        raise ValueError("one of " + ", ".join(_show(a) for a in allowed))
-
-    return check
-
-
-def boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("true or false")
-    return value
-
-
-def text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError("a string")
-    return value
-
-
-def text_list(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError("a list of strings")
-    return tuple(value)
-
-
-def extension_list(value: Any) -> tuple[str, ...]:
-    items = text_list(value)
-    cleaned = tuple(v.lower().lstrip(".") for v in items)
-    if not cleaned or any(not v or "/" in v for v in cleaned):
-        raise ValueError('a non-empty list of file extensions such as ["mp3", "wav"]')
-    return cleaned
-
-
-def stem_name(value: Any) -> str:
-    value = text(value)
-    if value and not value.replace("_", "").isalnum():
-        raise ValueError('"" (all stems) or a stem name such as "vocals"')
-    return value
-
-
-def layout_template(value: Any) -> str:
-    value = text(value)
-    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" ' \
-              f"(fields: {', '.join('{' + f + '}' for f in LAYOUT_FIELDS)})"
-    try:
-        sample = value.format(**{f: "x" for f in LAYOUT_FIELDS})
-    except (KeyError, IndexError, ValueError):
-        raise ValueError(allowed) from None
-    parts = Path(sample).parts
-    if "{stem}" not in value or not parts or Path(sample).is_absolute() or ".." in parts:
-        raise ValueError(allowed)
-    return value
-
-
-def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
-    allowed = 'a table of mix name = list of stems, e.g. instrumental = ["drums", "bass", "other"]'
-    if not isinstance(value, dict):
-        raise ValueError(allowed)
-    result = {}
-    for name, stems in value.items():
-        if not name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(allowed + f" (bad mix name {name!r})")
-        try:
-            stems = text_list(stems)
-        except ValueError:
-            raise ValueError(allowed) from None
-        if not stems or any(not stem_name(s) for s in stems):
-            raise ValueError(allowed)
-        result[name] = stems
-    return result
-
-
-def byte_size(value: Any) -> int:
-    allowed = 'a size such as "500MB" or "2GB", or a number of bytes'
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if not isinstance(value, str):
-        raise ValueError(allowed)
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "G": 1 << 30, "GB": 1 << 30}
-    stripped = value.strip().upper()
-    digits = stripped.rstrip("KMGB")
-    try:
-        amount = float(digits)
-    except ValueError:
-        raise ValueError(allowed) from None
-    unit = stripped[len(digits):].strip()
-    if unit not in units or amount <= 0:
-        raise ValueError(allowed)
-    return int(amount * units[unit])
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return str(value)
 
 
 def key(default: Any, check: Check, doc: str) -> Any:
@@ -359,7 +229,7 @@ def _check(field: dataclasses.Field, value: Any, where: str) -> Any:
 def _show_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return repr(value)
-    return _show(value)
+    return show(value)
 
 
 def _build_presets(table: Any) -> dict[str, dict[str, Any]]:

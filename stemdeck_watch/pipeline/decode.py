@@ -140,7 +140,7 @@ def _chunks(f, endian: str):  # type: ignore[no-untyped-def]
             return
         chunk_id, size = header[:4], struct.unpack(endian + "I", header[4:])[0]
         start = f.tell()
-        yield chunk_id, size, lambda: f.read(size + (size & 1))
+        yield chunk_id, size, lambda n=size: f.read(n + (n & 1))
         f.seek(start + size + (size & 1))
 
 
