@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             waited = time.monotonic() - waited
             a = run_service(clips, repo, run / "a", args.settle)
             b, other_b = with_load(run_limit, clips, repo, run / "b")
-            c, other_c = with_load(lambda: sum(run_cli([x], repo, run / "c") for x in clips))
+            c, other_c = with_load(lambda run=run: sum(run_cli([x], repo, run / "c") for x in clips))
             d, other_d = with_load(run_cli, clips, repo, run / "d")
             runs.append({"a": a["seconds"], "b": b["seconds"], "c": c, "d": d, "other_cores": {
                 "a": a["other_cores"], "b": other_b, "c": other_c, "d": other_d},
