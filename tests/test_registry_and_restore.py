@@ -179,3 +179,17 @@ def test_capacity_lane_holds_files_back_in_arrival_order(settings: Settings, tmp
     names = [scheduler.registry.get(i).name for i in scheduler.queue.order()]
     assert names == ["b", "c"]
     scheduler.registry.close()
+
+
+def test_files_held_back_before_a_restart_are_admitted_after_it(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    held = settings.paths.inbox / "held.wav"
+    held.write_bytes(b"x")
+    scheduler.registry.save_waiting([(str(held), JobKind.FILE, 1.0)])
+    scheduler.registry.close()
+    scheduler = open_scheduler(settings)  # what Service.start does after restore
+    assert scheduler.waiting() == [str(held)]
+    scheduler.admit_waiting()
+    assert scheduler.waiting() == []
+    assert [scheduler.registry.get(i).name for i in scheduler.queue.order()] == ["held"]
+    scheduler.registry.close()
