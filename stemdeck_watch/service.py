@@ -54,7 +54,7 @@ class Service:
                                        self._clock)
             self.client = WorkerClient(self.settings.separation.device, self._worker_env)
             self.pipeline = Pipeline(self.settings, self.client, self.bus, self.scheduler.update)
-            self.restored = restore(self.scheduler, self.settings, self.pipeline.finish_published)
+            restore(self.scheduler, self.settings, self.pipeline.finish_published)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
             self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings)
             self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler)

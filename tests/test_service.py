@@ -65,6 +65,7 @@ def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_f
     data = buffer.getvalue()
     chunks = [data[i:i + len(data) // 12 + 1] for i in range(0, len(data), len(data) // 12 + 1)]
 
+    # The writers pace themselves on purpose: a slow copy is the behaviour under test.
     def keep_open() -> None:  # one open file, written over ~3.5 s
         with open(target, "wb") as handle:
             for chunk in chunks:

@@ -14,6 +14,8 @@ from stemdeck_watch.errors import Cancelled, ModelError, WorkerDied
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.pipeline.separate import WorkerClient
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.slow
 SR = 44100
 
@@ -91,11 +93,9 @@ def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
 
     thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not progress and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: progress, 60, "separation progress")
     pid = client.pid
-    assert progress and pid
+    assert pid
     cancelled_at = time.monotonic()
     control.cancel("input removed")
     thread.join(10)
@@ -114,9 +114,7 @@ def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_
     thread = threading.Thread(target=lambda: _capture(
         errors, separate, client, model_repo, source, tmp_path / "o", JobControl("job"), progress))
     thread.start()
-    deadline = time.monotonic() + 60
-    while not progress and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: progress, 60, "separation progress")
     os.kill(client.pid, signal.SIGKILL)  # what the OOM killer does
     thread.join(20)
     assert len(errors) == 1 and isinstance(errors[0], WorkerDied)
