@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tomllib
 from pathlib import Path
@@ -165,8 +166,9 @@ class Settings:
     presets: Mapping[str, Mapping[str, Any]]
     source: Path | None = None
 
-    @property
+    @functools.cached_property
     def paths(self) -> Folders:
+        """Resolved once: the pipeline and scheduler ask for it on every job."""
         base = self.source.parent if self.source else Path.cwd()
         state = self.folders.state or str(default_state_dir())
         return Folders(*(resolve_path(v, base) for v in (

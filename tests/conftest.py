@@ -59,15 +59,36 @@ def no_leaks() -> Iterator[None]:
     threads_before = set(threading.enumerate())
     children_before = child_pids() if sys.platform == "linux" else set()
     yield
-    deadline = time.monotonic() + 10
-    while True:
-        leaked = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+
+    def leaks() -> tuple[list[threading.Thread], set[int]]:
+        threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         children = (child_pids() - children_before) if sys.platform == "linux" else set()
-        if not leaked and not children:
-            break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"test leaked threads {leaked} / child processes {children}")
-        time.sleep(0.05)
+        return threads, children
+
+    try:
+        wait_for(lambda: leaks() == ([], set()), 10, "threads and child processes to end")
+    except AssertionError:
+        raise AssertionError("test leaked threads / child processes: %r" % (leaks(),)) from None
+
+
+def write_paced(path: Path, chunks: list[bytes], interval: float, reopen: bool) -> None:
+    """Write `chunks` into `path` on a fixed schedule (chunk i at i × interval): a slow copy.
+    `reopen` opens and closes the file for every chunk, as some sync clients do."""
+    pace = threading.Event()  # never set: waiting on it keeps the schedule
+    start = time.monotonic()
+    handle = None if reopen else open(path, "wb")
+    try:
+        for i, chunk in enumerate(chunks):
+            pace.wait(max(0.0, start + i * interval - time.monotonic()))
+            if reopen:
+                with open(path, "ab") as each:
+                    each.write(chunk)
+            else:
+                handle.write(chunk)
+                handle.flush()
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 @pytest.fixture(scope="session")

@@ -61,12 +61,18 @@ def ready_names(tracker: StabilityTracker) -> list[str]:
     return [path.name for path, _ in tracker.ready()]
 
 
-def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
+def tracked_song(tmp_path: Path, settle: float) -> tuple[Clock, StabilityTracker, Path]:
+    """A tracker on an injected clock, already watching a 100-byte song.wav."""
     clock = Clock()
-    tracker = StabilityTracker(3.0, clock)
+    tracker = StabilityTracker(settle, clock)
     song = tmp_path / "song.wav"
     song.write_bytes(b"x" * 100)
     tracker.touch(song)
+    return clock, tracker, song
+
+
+def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
+    clock, tracker, _ = tracked_song(tmp_path, 3.0)
     assert ready_names(tracker) == []           # first look never decides
     clock.advance(2.9)
     assert ready_names(tracker) == []
@@ -76,11 +82,7 @@ def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
 
 
 def test_growth_or_events_restart_the_wait(tmp_path: Path) -> None:
-    clock = Clock()
-    tracker = StabilityTracker(3.0, clock)
-    song = tmp_path / "song.wav"
-    song.write_bytes(b"x" * 100)
-    tracker.touch(song)
+    clock, tracker, song = tracked_song(tmp_path, 3.0)
     tracker.ready()
     clock.advance(2.0)
     with open(song, "ab") as handle:

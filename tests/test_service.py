@@ -5,7 +5,6 @@ import io
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from stemdeck_watch.events import JobSeparated
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.synth import song, write_song
 
-from conftest import wait_for
+from conftest import wait_for, write_paced
 
 pytestmark = pytest.mark.slow
 SR = 44100
@@ -65,21 +64,9 @@ def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_f
     data = buffer.getvalue()
     chunks = [data[i:i + len(data) // 12 + 1] for i in range(0, len(data), len(data) // 12 + 1)]
 
-    # The writers pace themselves on purpose: a slow copy is the behaviour under test.
-    def keep_open() -> None:  # one open file, written over ~3.5 s
-        with open(target, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-                handle.flush()
-                time.sleep(0.3)
-
-    def reopen_each_time() -> None:  # closes between chunks: close events are no proof
-        for chunk in chunks:
-            with open(reopening, "ab") as handle:
-                handle.write(chunk)
-            time.sleep(0.3)
-
-    writers = [threading.Thread(target=keep_open), threading.Thread(target=reopen_each_time)]
+    # written over ~3.5 s, once through one open file and once reopening it for every chunk
+    writers = [threading.Thread(target=write_paced, args=(target, chunks, 0.3, False)),
+               threading.Thread(target=write_paced, args=(reopening, chunks, 0.3, True))]
     for writer in writers:
         writer.start()
     for writer in writers:
