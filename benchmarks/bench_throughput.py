@@ -36,6 +36,7 @@ STEMS = ("drums", "bass", "other", "vocals")
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 CLI_ARGS = ["--shifts", "1", "--overlap", "0.25"]
 CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+LOAD_SAMPLE_SECONDS = 2.0
 
 
 def cpu_snapshot() -> tuple[float, float]:
@@ -64,12 +65,12 @@ def other_cores(before: tuple[float, float], wall: float) -> float:
 
 def wait_quiet(limit: float, patience: float) -> float:
     """Wait (at most `patience` s) until other processes use under `limit` cores, measured over
-    2 s; the machine may be shared. Returns the last measurement."""
+    LOAD_SAMPLE_SECONDS; the machine may be shared. Returns the last measurement."""
     deadline = time.monotonic() + patience
     while True:
         before = cpu_snapshot()
-        time.sleep(2.0)
-        other = other_cores(before, 2.0)
+        time.sleep(LOAD_SAMPLE_SECONDS)  # the measurement window, not a wait for a condition
+        other = other_cores(before, LOAD_SAMPLE_SECONDS)
         if other < limit or time.monotonic() > deadline:
             return other
 
