@@ -114,7 +114,9 @@ class Dispatcher:
 
     def _failed(self, job: Job, stage: str, message: str, details: str) -> None:
         log.error("%s failed while %s: %s", job.source, stage, message)
-        current = self.scheduler.registry.get(job.id) or job
+        # the diagnosis is on record before the input moves: a crash in between still ends
+        # with the input in failed/ and its report (recovery.find_quarantined)
+        current = self.scheduler.update(job.id, error=message, stage=stage)
         tail = self.client.stderr_tail() if stage in ("separating", "internal") else ""
         where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
                            details=details, worker_tail=tail,

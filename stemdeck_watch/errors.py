@@ -71,3 +71,25 @@ class Cancelled(Exception):
     def __init__(self, reason: str = "cancelled"):
         super().__init__(reason)
         self.reason = reason
+
+
+class ControlError(StemdeckError):
+    """A control request (CLI, API, tray, page) that cannot be carried out; `status` is the
+    HTTP status the API answers with, and nothing in the queue has changed."""
+
+    status = 400
+
+
+class JobNotFound(ControlError):
+    status = 404
+
+
+class AmbiguousJob(ControlError):
+    status = 400
+
+
+class Conflict(ControlError):
+    """The job is in a state where the request makes no sense (moving the running job,
+    cancelling a finished one, retrying one that did not fail)."""
+
+    status = 409

@@ -45,6 +45,15 @@ class QueueChanged(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class QueueFull(Event):
+    """A capacity lane just filled: further files of this kind wait in the inbox. Raised once
+    each time the lane fills, not for every file held back."""
+
+    kind: str
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True)
 class QueueDrained(Event):
     """The last job ended and nothing is queued or waiting."""
 

@@ -36,6 +36,9 @@ class JobControl:
     def __init__(self, job_id: str):
         self.job_id = job_id
         self._lock = threading.Lock()
+        # held while a cancel stops the registered steps: the step's owner cannot leave
+        # `registered()` (and hand a half-killed worker to the next job) until they are stopped
+        self._kill_lock = threading.Lock()
         self._event = threading.Event()
         self._reason: str | None = None
         self._killers: list[Killer] = []
@@ -50,17 +53,18 @@ class JobControl:
         return self._reason
 
     def cancel(self, reason: str) -> bool:
-        with self._lock:
-            if self._committed or self._event.is_set():
-                return False
-            self._reason = reason
-            self._event.set()
-            killers = list(self._killers)
-        for kill in killers:
-            try:
-                kill()
-            except Exception:
-                log.exception("stopping the step of job %s failed", self.job_id)
+        with self._kill_lock:
+            with self._lock:
+                if self._committed or self._event.is_set():
+                    return False
+                self._reason = reason
+                self._event.set()
+                killers = list(self._killers)
+            for kill in killers:
+                try:
+                    kill()
+                except Exception:
+                    log.exception("stopping the step of job %s failed", self.job_id)
         return True
 
     def check(self) -> None:
@@ -87,7 +91,7 @@ class JobControl:
         try:
             yield
         finally:
-            with self._lock:
+            with self._kill_lock, self._lock:
                 self._killers.remove(kill)
 
 
@@ -121,6 +125,21 @@ class JobQueue:
             except ValueError:
                 return False
             return True
+
+    def move(self, job_id: str, after: str | None) -> list[str] | None:
+        """Put `job_id` right after `after` (first when None; last when `after` is no longer
+        queued); returns the new order, or None if `job_id` is not queued."""
+        with self._lock:
+            if job_id not in self._order:
+                return None
+            self._order.remove(job_id)
+            if after is None:
+                self._order.appendleft(job_id)
+            elif after in self._order:
+                self._order.insert(self._order.index(after) + 1, job_id)
+            else:
+                self._order.append(job_id)
+            return list(self._order)
 
     def cancel(self, job_id: str, reason: str) -> str | None:
         """Cancel wherever the job is: "queued" (removed), "running" or "claimed" (flag set and

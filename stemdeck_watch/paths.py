@@ -7,11 +7,14 @@ filesystems (inbox on a NAS, processed/ on the local disk).
 from __future__ import annotations
 
 import errno
+import filecmp
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import platformdirs
 
@@ -79,17 +82,31 @@ def _rename_no_replace(src: Path, dst: Path) -> None:
     os.rename(src, dst)  # on Windows, rename itself refuses to replace
 
 
-def move_file(src: Path, dst: Path) -> Path:
+def report_path(path: Path) -> Path:
+    """Where a failed input's diagnosis lives: `song.mp3` → `song.mp3.error.txt`."""
+    return path.with_name(path.name + ".error.txt")
+
+
+def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = None) -> Path:
     """Move `src` to `dst`, or `dst (2)`… if taken; returns where it went.
 
-    Across filesystems the file is copied to a hidden temporary name beside the target,
-    flushed, renamed into place, and only then is the source removed: a failure at any point
-    leaves the source where it was.
+    `companion` names a file that will sit beside the target (a failed input's report): a
+    number is only taken when the companion's name is free too, so the pair shares it and a
+    stale report never describes a new failure.
+
+    A move cut off by a crash (the target already is the source, hard-linked or fully
+    copied) is finished instead of making a second copy under a new number. Across
+    filesystems the file is copied to a hidden temporary name beside the target, flushed,
+    renamed into place, and only then is the source removed: a failure at any point leaves
+    the source where it was.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
+        finished = _finish_interrupted(src, dst)
+        if finished is not None:
+            return finished
         while True:
-            target = unique_path(dst)
+            target = _free_target(dst, companion)
             try:
                 _rename_no_replace(src, target)
                 return target
@@ -99,14 +116,63 @@ def move_file(src: Path, dst: Path) -> Path:
                 if exc.errno != errno.EXDEV:
                     raise
                 break
-        return _copy_then_remove(src, dst)
+        return _copy_then_remove(src, dst, companion)
     except FilesystemError:
         raise
     except OSError as exc:
         raise FilesystemError("move", src, dst, reason=exc) from exc
 
 
-def _copy_then_remove(src: Path, dst: Path) -> Path:
+def _free_target(dst: Path, companion: Callable[[Path], Path] | None) -> Path:
+    n = 1
+    while True:
+        candidate = numbered(dst, n)
+        if not os.path.lexists(candidate) and (
+                companion is None or not os.path.lexists(companion(candidate))):
+            return candidate
+        n += 1
+
+
+def _finish_interrupted(src: Path, dst: Path) -> Path | None:
+    """If `dst` (or a numbered sibling) already is `src`, drop the source and return it."""
+    for candidate in numbered_siblings(dst):
+        if os.path.abspath(candidate) == os.path.abspath(src):
+            return candidate  # it is there already
+        if _same_file(src, candidate):
+            os.unlink(src)
+            log.info("finished an interrupted move of %s to %s", src, candidate)
+            return candidate
+    return None
+
+
+def numbered_siblings(path: Path, keep_suffix: bool = True) -> list[Path]:
+    """Every existing `path`, `path (2)`, `path (N)`… — all of them, not just the run up to
+    the first gap (an earlier number may have been moved away since)."""
+    stem, suffix = (path.stem, path.suffix) if keep_suffix and path.suffix else (path.name, "")
+    pattern = re.compile(re.escape(stem) + r"(?: \((\d+)\))?" + re.escape(suffix))
+    try:
+        names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]
+    except OSError:
+        return []
+    number = lambda name: int(pattern.fullmatch(name).group(1) or 1)  # noqa: E731
+    return [path.parent / name for name in sorted(names, key=number)]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same inode, or a complete copy of it (same size, mtime and bytes): a copy made by
+    `_copy_then_remove` keeps the mtime, which a different file of the same size hardly has."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return True
+    if sa.st_size != sb.st_size or sa.st_mtime_ns != sb.st_mtime_ns:
+        return False
+    return filecmp.cmp(a, b, shallow=False)
+
+
+def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | None) -> Path:
     tmp = dst.with_name(f".{dst.name}.stemdeck-tmp")
     try:
         with open(src, "rb") as reader, open(tmp, "wb") as writer:
@@ -115,7 +181,7 @@ def _copy_then_remove(src: Path, dst: Path) -> Path:
             os.fsync(writer.fileno())
         shutil.copystat(src, tmp)
         while True:
-            target = unique_path(dst)
+            target = _free_target(dst, companion)
             try:
                 _rename_no_replace(tmp, target)
                 break
@@ -124,6 +190,7 @@ def _copy_then_remove(src: Path, dst: Path) -> Path:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise FilesystemError("copy", src, dst, reason=exc) from exc
+    fsync_dir(target.parent)
     try:
         os.unlink(src)
     except OSError as exc:

@@ -12,6 +12,7 @@ on its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Callable
 from stemdeck_watch.config import Settings
 from stemdeck_watch.events import JobsRestored
 from stemdeck_watch.jobs import RUNNING_STATES, Job, JobState
-from stemdeck_watch.paths import numbered
+from stemdeck_watch.paths import numbered_siblings, report_path
 from stemdeck_watch.pipeline.publish import read_manifest, remove_tree
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
@@ -30,17 +31,32 @@ log = logging.getLogger(__name__)
 
 
 def find_published(outbox: Path, job: Job) -> Path | None:
-    """The outbox folder a job published, found by the job id in its manifest."""
+    """The outbox folder a job published, found by the job id in its manifest.
+
+    Every `name`, `name (N)` sibling is looked at, not just the run of existing numbers: the
+    job may have published to `song (2)` while `song` existed, and `song` may be gone now.
+    """
     base = outbox.joinpath(*PurePosixPath(job.rel_path).parent.parts, job.name)
-    n = 1
-    while True:
-        candidate = numbered(base, n, keep_suffix=False)
-        if not candidate.exists():
-            return None
-        manifest = read_manifest(candidate)
+    for folder in numbered_siblings(base, keep_suffix=False):
+        manifest = read_manifest(folder)
         if manifest and manifest.get("job_id") == job.id:
+            return folder
+    return None
+
+
+def find_quarantined(failed: Path, job: Job) -> Path | None:
+    """The input of a job that was moved into failed/ just before a crash (before the
+    registry heard of it): same relative path, same size and modification time."""
+    if job.signature is None:
+        return None
+    for candidate in numbered_siblings(failed / PurePosixPath(job.rel_path)):
+        try:
+            stat = os.stat(candidate)
+        except OSError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) == (job.signature.size, job.signature.mtime_ns):
             return candidate
-        n += 1
+    return None
 
 
 def restore(scheduler: Scheduler, settings: Settings,
@@ -58,8 +74,18 @@ def restore(scheduler: Scheduler, settings: Settings,
             log.info("%s was published before the restart: marking it done", job.name)
             finish(job, Path(job.source), published)
         elif not Path(job.source).exists():
-            scheduler.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
-                             finished_at=time.time())
+            moved = find_quarantined(folders.failed, job)
+            if moved is None:
+                scheduler.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
+                                 finished_at=time.time())
+            else:
+                # it failed and was quarantined, then the crash hit before the registry write
+                message = job.error or "failed just before the service stopped"
+                if not report_path(moved).exists():
+                    quarantine(dataclasses.replace(job, source=str(moved)), folders.failed,
+                               stage=job.stage or "restart", message=message)
+                scheduler.update(job.id, state=JobState.FAILED, error=message,
+                                 source=str(moved), finished_at=time.time())
         elif job.attempts >= limit:
             times = "twice" if limit == 1 else f"{limit + 1} times"
             message = f"interrupted by a restart {times} — drop the file again to retry"

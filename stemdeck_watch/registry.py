@@ -161,6 +161,22 @@ class Registry:
                 "ORDER BY created_at DESC, rowid DESC LIMIT 1", (source,)).fetchone()
         return _job(row) if row else None
 
+    def find(self, ref: str, limit: int = 20) -> list[Job]:
+        """Jobs whose id starts with `ref` or whose song name is `ref`, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE substr(id, 1, ?) = ? OR name = ? "
+                "ORDER BY created_at DESC, rowid DESC LIMIT ?",
+                (len(ref), ref, ref, limit)).fetchall()
+        return [_job(row) for row in rows]
+
+    def sources_under(self, prefix: str) -> list[str]:
+        """Every job source inside the folder `prefix` (which ends with a separator)."""
+        with self._lock:
+            rows = self._db.execute("SELECT DISTINCT source FROM jobs WHERE substr(source, 1, ?) = ?",
+                                    (len(prefix), prefix)).fetchall()
+        return [r[0] for r in rows]
+
     # ------------------------------------------------------------ queue order, pause, waiting
 
     def save_order(self, job_ids: list[str]) -> None:

@@ -15,17 +15,22 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
+from stemdeck_watch import status
 from stemdeck_watch.config import Settings
-from stemdeck_watch.events import EventBus, JobChanged, QueueChanged, QueueDrained
+from stemdeck_watch.errors import AmbiguousJob, Conflict, FilesystemError, JobNotFound
+from stemdeck_watch.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
 from stemdeck_watch.jobqueue import JobControl, JobQueue
 from stemdeck_watch.jobs import ACTIVE_STATES, FileSignature, Job, JobKind, JobState, new_job_id
+from stemdeck_watch.paths import move_file, report_path
 from stemdeck_watch.registry import Registry
 
 log = logging.getLogger(__name__)
 
 INPUT_REMOVED = "the input was removed from the inbox"
+CANCELLED_BY_USER = "cancelled by you; change the file or drop it again to queue it again"
 PAUSE_USER = "user"
 PAUSE_RESTORE = "restore"
+PAUSE_FOLDER = "folder"
 
 
 class Scheduler:
@@ -40,6 +45,9 @@ class Scheduler:
         # files held back by the capacity lane, in arrival order: source → (kind, since)
         self._waiting: collections.OrderedDict[str, tuple[JobKind, float]] = \
             collections.OrderedDict((s, (k, t)) for s, k, t in registry.waiting())
+        # inputs seen leaving the inbox after their job ended: dropped again, they are new
+        self._left: set[str] = set()
+        self._full: set[JobKind] = set()  # lanes that announced "queue full" and are still full
 
     # ------------------------------------------------------------ intake side
 
@@ -65,14 +73,31 @@ class Scheduler:
                 return False
             if job.state.is_running:
                 return False
-            if job.state is JobState.CANCELLED and job.error == INPUT_REMOVED:
+            if key in self._left or job.error == INPUT_REMOVED:
                 return True  # it was taken away and has been dropped again
             return job.signature != signature
 
     def submit_file(self, source: Path, rel_path: PurePosixPath,
                     signature: FileSignature) -> Job | None:
-        """Queue a stable file, or hold it back as waiting when the file lane is full."""
+        """Queue a stable file, or hold it back as waiting when the file lane is full.
+
+        The check and the creation are one step under the lock, with the file looked at
+        again: a file deleted between the intake's decision and now (its delete event found
+        no job to cancel) must not become a job that fails for a song the user removed.
+        """
         with self._lock:
+            try:
+                current = FileSignature.of(os.stat(source))
+            except OSError:
+                log.info("%s left the inbox before it was queued", source)
+                return None
+            if current != signature or not self.wants(source, signature):
+                return None  # changed again (the intake will settle it anew) or already held
+            self._left.discard(str(source))
+            # a new file lifts a restore-pause, whether it is queued or held back
+            if self.queue.paused and self.queue.pause_reason == PAUSE_RESTORE:
+                log.info("a new file arrived: starting the restored queue")
+                self.start()
             if self._lane_full(JobKind.FILE):
                 if str(source) not in self._waiting:
                     self._waiting[str(source)] = (JobKind.FILE, self._clock())
@@ -81,11 +106,7 @@ class Scheduler:
                              self.settings.queue.max_pending_files, source)
                     self._announce_queue()
                 return None
-            job = self._create(source, rel_path, signature)
-            if self.queue.paused and self.queue.pause_reason == PAUSE_RESTORE:
-                log.info("a new file arrived: starting the restored queue")
-                self.start()
-            return job
+            return self._create(source, rel_path, signature)
 
     def _create(self, source: Path, rel_path: PurePosixPath, signature: FileSignature) -> Job:
         preset = rel_path.parts[0] if len(rel_path.parts) > 1 else None
@@ -102,11 +123,18 @@ class Scheduler:
         return job
 
     def _lane_full(self, kind: JobKind) -> bool:
+        """Whether the lane has no room; announces QueueFull once each time a lane fills."""
         limit = (self.settings.queue.max_pending_files if kind is JobKind.FILE
                  else self.settings.queue.max_pending_links)
         pending = sum(1 for job_id in self.queue.order()
                       if (job := self.registry.get(job_id)) and job.kind is kind)
-        return pending >= limit
+        full = pending >= limit
+        if full and kind not in self._full:
+            self._full.add(kind)
+            self.bus.publish(QueueFull(kind.value, limit))
+        elif not full:
+            self._full.discard(kind)
+        return full
 
     def admit_waiting(self) -> None:
         """Move files from waiting into the queue, in arrival order, while the lane has room."""
@@ -126,6 +154,7 @@ class Scheduler:
                     log.info("%s left the inbox while waiting", source)
                     continue
                 if self.wants(path, signature):
+                    self._left.discard(source)
                     self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()),
                                  signature)
             if changed:
@@ -145,6 +174,7 @@ class Scheduler:
                 self._announce_queue()
             jobs = [job for job in self.registry.jobs(ACTIVE_STATES)
                     if job.source == str(source) or job.source.startswith(prefix)]
+            self._note_left(source, prefix)
         for job in jobs:
             where = self.queue.cancel(job.id, INPUT_REMOVED)
             if where == "queued":
@@ -153,6 +183,17 @@ class Scheduler:
                             finished_at=self._clock())
                 self._save_order()
                 self.admit_waiting()
+
+    def _note_left(self, source: Path, prefix: str) -> None:
+        """Remember inputs of finished jobs that left the inbox: dropped again, the same
+        content is a new request (a retry), not the file the finished job already saw."""
+        inbox = str(self.settings.paths.inbox) + os.sep
+        if not str(source).startswith(inbox):
+            return
+        if self.registry.latest_for_source(str(source)) is not None:
+            self._left.add(str(source))
+        for key in self.registry.sources_under(prefix):
+            self._left.add(key)
 
     # ------------------------------------------------------------ dispatcher side
 
@@ -184,27 +225,144 @@ class Scheduler:
         self._save_order()
 
     # ------------------------------------------------------------ control
+    # The CLI (through the API), the page and the tray all steer the queue through these
+    # calls and nothing else. A refused request raises a ControlError and changes nothing.
 
     def pause(self, reason: str = PAUSE_USER) -> None:
-        self.queue.pause(reason)
-        self.registry.set_meta("pause_reason", reason)
+        with self._lock:
+            if self.queue.paused and self.queue.pause_reason == reason:
+                return
+            self.queue.pause(reason)
+            self.registry.set_meta("pause_reason", reason)
         log.info("queue paused (%s)", reason)
         self._announce_queue()
 
     def start(self) -> None:
-        self.queue.start()
-        self.registry.set_meta("pause_reason", "")
+        """Start the queue, whatever paused it (the user, a restore, the PAUSE file)."""
+        with self._lock:
+            if not self.queue.paused:
+                return
+            self.queue.start()
+            self.registry.set_meta("pause_reason", "")
         log.info("queue started")
         self._announce_queue()
+
+    def find(self, ref: str) -> Job:
+        """The job a person means by `ref`: an id, a unique id prefix or a unique song name."""
+        ref = ref.strip()
+        if not ref:
+            raise JobNotFound("no job given: name a job by its id or its song name")
+        job = self.registry.get(ref)
+        if job is not None:
+            return job
+        matches = self.registry.find(ref)
+        if not matches:
+            raise JobNotFound(f"no job {ref!r}: `stemdeck-watch status` lists the jobs")
+        by_name = [job for job in matches if job.name == ref]
+        active = [job for job in by_name if not job.state.is_final]
+        for candidates in (active, by_name, matches):
+            if len(candidates) == 1:
+                return candidates[0]
+            if len(candidates) > 1:
+                ids = ", ".join(f"{job.id} ({job.name}, {job.state.value})"
+                                for job in candidates[:6])
+                raise AmbiguousJob(f"{ref!r} matches several jobs: {ids}; use the id")
+        raise JobNotFound(f"no job {ref!r}")  # unreachable: matches is not empty
+
+    def cancel_job(self, job_id: str) -> Job:
+        """Cancel on a person's request: the input stays where it is, and neither a rescan
+        nor a restart queues it again (changing the file or dropping it again does)."""
+        with self._lock:
+            job = self._get(job_id)
+            if job.state.is_final:
+                raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel")
+            where = self.queue.cancel(job.id, CANCELLED_BY_USER)
+            if where == "queued":
+                job = self.update(job.id, state=JobState.CANCELLED, error=CANCELLED_BY_USER,
+                                  finished_at=self._clock())
+                self._save_order()
+        log.info("cancelled %s (job %s) on request", job.name, job.id)
+        if where == "queued":
+            self.admit_waiting()
+        return job
+
+    def move(self, job_id: str, *, after: str | None = None, first: bool = False) -> list[str]:
+        """Put a queued job after another one (or first); returns the order after the move.
+        If `after` has left the queue meanwhile, the job goes to the end."""
+        with self._lock:
+            job = self._get(job_id)
+            if job.state is not JobState.QUEUED:
+                raise Conflict(f"{job.name} is {job.state.value}, not queued; only queued "
+                               f"jobs can be moved")
+            if after is not None and after == job.id:
+                raise Conflict(f"cannot move {job.name} after itself")
+            order = self.queue.move(job.id, after=None if first else after)
+            if order is None:
+                raise Conflict(f"{job.name} has just left the queue")
+            self._save_order()
+        self._announce_queue()
+        log.info("moved %s %s", job.name, "first" if first else
+                 f"after {after}" if after in order else "to the end")
+        return order
+
+    def retry(self, job_id: str) -> Job | None:
+        """Queue a failed or cancelled job's input again, as a new job at the end.
+
+        A failed job's input goes back from failed/ to its place in the inbox (never over
+        another file) and its report is removed. Returns the new job, or None when the
+        file lane is full and the input waits.
+        """
+        with self._lock:
+            job = self._get(job_id)
+            if job.state not in (JobState.FAILED, JobState.CANCELLED):
+                raise Conflict(f"{job.name} is {job.state.value}; only failed or cancelled "
+                               f"jobs can be retried")
+            source = Path(job.source)
+            if not source.is_file():
+                raise Conflict(f"cannot retry {job.name}: its input {source} is gone; drop the "
+                               f"file into the inbox again")
+            latest = self.registry.latest_for_source(job.source)
+            if latest is not None and latest.id != job.id:
+                raise Conflict(f"{job.name} was queued again already (job {latest.id})")
+            inbox = self.settings.paths.inbox
+            if inbox not in source.parents:
+                report = report_path(source)
+                try:
+                    source = move_file(source, inbox / PurePosixPath(job.rel_path))
+                except FilesystemError as exc:
+                    raise Conflict(f"cannot retry {job.name}: {exc}") from None
+                report.unlink(missing_ok=True)
+            signature = FileSignature.of(os.stat(source))
+            self._left.add(str(source))
+            rel = PurePosixPath(source.relative_to(inbox).as_posix())
+            new = self.submit_file(source, rel, signature)
+        log.info("retrying %s as %s", job.name, new.id if new else "a waiting file")
+        return new
+
+    def snapshot(self) -> dict[str, Any]:
+        """The live `status --json` object (the API's GET /api/queue)."""
+        with self._lock:
+            waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
+            return status.build(self.registry.jobs(), self.queue.order(), waiting,
+                                self.queue.pause_reason if self.queue.paused else None,
+                                self.settings.paths, {"running": True, "pid": os.getpid()})
 
     def waiting(self) -> list[str]:
         with self._lock:
             return list(self._waiting)
 
+    def _get(self, job_id: str) -> Job:
+        job = self.registry.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id!r}")
+        return job
+
     # ------------------------------------------------------------ persistence
 
     def _save_order(self) -> None:
-        self.registry.save_order(self.queue.order())
+        # read and written under the lock: two savers must not store an older order last
+        with self._lock:
+            self.registry.save_order(self.queue.order())
 
     def _save_waiting(self) -> None:
         self.registry.save_waiting([(s, k, t) for s, (k, t) in self._waiting.items()])

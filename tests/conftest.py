@@ -18,7 +18,13 @@ import pytest
 
 from stemdeck_watch.config import Settings, default_toml, settings_from_dict
 from stemdeck_watch.events import EventBus, JobChanged
-from stemdeck_watch.jobs import Job
+from stemdeck_watch.jobqueue import JobQueue
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.recovery import restore
+from stemdeck_watch.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.scheduler import Scheduler
 from stemdeck_watch.service import Service
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,3 +167,41 @@ def service_factory() -> Iterator[Callable[[Settings], tuple[Service, JobLog]]]:
     yield start
     for service in started:
         service.shutdown()
+
+
+# ---------------------------------------------------------------- a scheduler without a service
+# For tests of the registry, restore and the control calls: the real registry on disk, the
+# real queue and scheduler, no watcher and no worker.
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Default settings on temporary folders (created), for tests without a service."""
+    data = default_toml()
+    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
+                                                       "state")}
+    settings = settings_from_dict(data)
+    for folder in ("inbox", "outbox", "processed", "failed", "state"):
+        getattr(settings.paths, folder).mkdir()
+    return settings
+
+
+def open_scheduler(settings: Settings) -> Scheduler:
+    registry = Registry.open(settings.paths.state / REGISTRY_FILE)
+    return Scheduler(registry, JobQueue(), EventBus(), settings)
+
+
+def add_job(scheduler: Scheduler, settings: Settings, name: str, state: JobState,
+            attempts: int = 0) -> Job:
+    """A job as a previous run left it, with a (fake) input file in the inbox."""
+    source = settings.paths.inbox / f"{name}.wav"
+    source.write_bytes(b"RIFF....WAVE")
+    sig = FileSignature.of(source.stat())
+    return scheduler.registry.add(Job(
+        id=f"job-{name}", name=name, kind=JobKind.FILE, state=state, source=str(source),
+        rel_path=f"{name}.wav", signature=sig, attempts=attempts))
+
+
+def run_restore(settings: Settings) -> tuple[Scheduler, int]:
+    scheduler = open_scheduler(settings)
+    pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
+    return scheduler, restore(scheduler, settings, pipeline.finish_published)

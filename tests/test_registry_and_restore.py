@@ -4,50 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePosixPath
 
-import pytest
 
 from stemdeck_watch.config import Settings, default_toml, settings_from_dict
-from stemdeck_watch.events import EventBus
-from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
-from stemdeck_watch.pipeline.runner import Pipeline
-from stemdeck_watch.pipeline.separate import WorkerClient
-from stemdeck_watch.recovery import restore
-from stemdeck_watch.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.scheduler import PAUSE_RESTORE, PAUSE_USER, Scheduler
+from stemdeck_watch.registry import Registry
+from stemdeck_watch.scheduler import PAUSE_RESTORE, PAUSE_USER
 
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    data = default_toml()
-    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                       "state")}
-    settings = settings_from_dict(data)
-    for folder in ("inbox", "outbox", "processed", "failed", "state"):
-        getattr(settings.paths, folder).mkdir()
-    return settings
-
-
-def open_scheduler(settings: Settings) -> Scheduler:
-    registry = Registry.open(settings.paths.state / REGISTRY_FILE)
-    return Scheduler(registry, JobQueue(), EventBus(), settings)
-
-
-def add_job(scheduler: Scheduler, settings: Settings, name: str, state: JobState,
-            attempts: int = 0) -> Job:
-    source = settings.paths.inbox / f"{name}.wav"
-    source.write_bytes(b"RIFF....WAVE")
-    sig = FileSignature.of(source.stat())
-    job = scheduler.registry.add(Job(
-        id=f"job-{name}", name=name, kind=JobKind.FILE, state=state, source=str(source),
-        rel_path=f"{name}.wav", signature=sig, attempts=attempts))
-    return job
-
-
-def run_restore(settings: Settings) -> tuple[Scheduler, int]:
-    scheduler = open_scheduler(settings)
-    pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
-    return scheduler, restore(scheduler, settings, pipeline.finish_published)
+from conftest import add_job, open_scheduler, run_restore
 
 
 def test_registry_survives_reopening(tmp_path: Path) -> None:

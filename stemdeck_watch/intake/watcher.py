@@ -21,6 +21,7 @@ from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 from stemdeck_watch.config import WatchSettings
+from stemdeck_watch.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter
 from stemdeck_watch.intake.stability import StabilityTracker
 from stemdeck_watch.paths import filesystem_type, is_network_filesystem
@@ -70,11 +71,13 @@ class Intake:
         self._rescan = threading.Event()
         self._scan_dirs: list[Path] = []
         self._lock = threading.Lock()
+        self._unsubscribe: Callable[[], None] | None = None
         self.mode, self.mode_reason = choose_mode(settings, inbox)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        self._unsubscribe = self.scheduler.bus.subscribe(JobChanged, self._job_changed)
         self._start_observer()
         self._stop.clear()
         self._rescan.set()  # files already in the inbox are picked up
@@ -83,6 +86,9 @@ class Intake:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         if self._observer is not None:
             self._observer.stop()
             self._observer.join(5)
@@ -148,6 +154,16 @@ class Intake:
             return
         if kind in ("created", "modified", "closed", "attrib") and self._eligible(src):
             self.tracker.touch(src, closed=(kind == "closed"))
+
+    def _job_changed(self, event: JobChanged) -> None:
+        """A job ended: if its input is still in the inbox (it changed while the job ran, or
+        it could not be moved), look at it again now rather than at the next full rescan —
+        the scheduler decides whether it is new content."""
+        job = event.job
+        if job.state.is_final:
+            path = Path(job.source)
+            if self._inside(path) and self._eligible(path) and path.is_file():
+                self.tracker.touch(path)
 
     def _gone(self, path: Path) -> None:
         self.tracker.forget(path)

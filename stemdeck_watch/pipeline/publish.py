@@ -79,6 +79,8 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
             _write_audio(path, _prevent_clip(audio, out), samplerate, out)
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
+        if path.parent != staging:
+            fsync_dir(path.parent)  # a song subfolder made by output.layout
         entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
                         "samplerate": samplerate, "channels": int(audio.shape[0]),
                         "frames": int(audio.shape[1]),

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import platform
 import sys
 from pathlib import Path, PurePosixPath
 
 from stemdeck_watch import __version__
 from stemdeck_watch.errors import FilesystemError
-from stemdeck_watch.jobs import Job
-from stemdeck_watch.paths import move_file, unique_path
+from stemdeck_watch.jobs import FileSignature, Job
+from stemdeck_watch.paths import move_file, report_path, unique_path
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +36,34 @@ def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
 def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
                worker_tail: str = "", worker_versions: dict[str, str] | None = None) -> Path:
     """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
-    is now (its old place if it could not be moved)."""
+    is now (its old place if it could not be moved).
+
+    Only the file the job took is moved: a new version saved over it while the job ran was
+    never separated, so it stays in the inbox (the intake queues it as new content) and the
+    report says so.
+    """
     source = Path(job.source)
     target = failed_dir / PurePosixPath(job.rel_path)
     where = source
     move_note = ""
-    if source.exists():
+    try:
+        current: FileSignature | None = FileSignature.of(os.stat(source))
+    except OSError:
+        current = None
+    if current is None:
+        move_note = f"\nThe input {source} was no longer there to move.\n"
+    elif job.signature is not None and current != job.signature:
+        move_note = (f"\nThe input {source} was replaced by a new version after this job took "
+                     f"it. The new version stays in the inbox and is separated as a new job; "
+                     f"this report is about the old version.\n")
+        log.info("%s changed while its job ran; the new version stays in the inbox", source)
+    else:
         try:
-            where = move_file(source, target)
+            where = move_file(source, target, companion=report_path)
         except FilesystemError as exc:
             move_note = f"\nThe input stays at {source}: {exc}.\n"
             log.error("%s", exc)
-    else:
-        move_note = f"\nThe input {source} was no longer there to move.\n"
-    report = unique_path(where.with_name(where.name + ".error.txt")
-                         if where != source else target.with_name(target.name + ".error.txt"))
+    report = report_path(where) if where != source else unique_path(report_path(target))
     text = _diagnosis(job, stage=stage, message=message, details=details,
                       worker_tail=worker_tail, versions=versions(worker_versions),
                       where=where, move_note=move_note)

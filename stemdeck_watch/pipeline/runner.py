@@ -56,13 +56,16 @@ class Pipeline:
             scratch = folders.scratch / job.id
             staging = folders.staging / job.id
             try:
-                return self._run(job, control, scratch, staging)
+                output = self._run(job, control, scratch, staging)
             finally:
                 publish.remove_tree(scratch)
                 publish.remove_tree(staging)
                 publish.remove_if_empty(folders.staging)
+            # announced as done only once the hidden staging folder is gone too
+            return self.finish_published(job, Path(job.source), output)
 
-    def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path) -> Job:
+    def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path) -> Path:
+        """Decode, separate and publish; returns the published song folder."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
@@ -122,7 +125,7 @@ class Pipeline:
         log.info("published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
                  source.name, output, timer.timings["decode"], timer.timings["separate"],
                  timer.timings["write"])
-        return self.finish_published(job, source, output)
+        return output
 
     def finish_published(self, job: Job, source: Path, output: Path) -> Job:
         """Move the input to processed/ — only now that its stems are safely published."""

@@ -151,6 +151,7 @@ class WorkerClient:
         self._lock = threading.Lock()
         self._proc: _Process | None = None
         self._shut = False
+        self._requests = 0
         self.pids: list[int] = []  # every worker started, in order (diagnostics, tests)
 
     @property
@@ -236,11 +237,15 @@ class WorkerClient:
         return proc
 
     def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None) -> dict[str, Any]:
+        # every request carries a fresh number that the worker echoes: a late reply to an
+        # earlier request (one cut off by a cancel) can never be taken for this one's
+        self._requests += 1
+        request = {**request, "req": self._requests}
         try:
             proc.send(request)
         except (BrokenPipeError, OSError):
             pass  # the process died; _wait reports it with its stderr
-        reply = self._wait(proc, control, lambda m: m.get("op") == request["op"], None)
+        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None)
         if not reply.get("ok"):
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])

@@ -3,7 +3,7 @@
 Importing torch and demucs costs seconds, and loading a model more, so one worker process
 loads the model once and serves every job. Protocol (one JSON object per line):
 
-stdin, requests:
+stdin, requests (each may carry "req": N, which its reply echoes):
     {"op": "load", "model": NAME, "repo": PATH|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null}
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
                      "kind": "error", "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
+        reply["req"] = request.get("req")  # the client matches replies on it
         _reply(protocol, reply)
     return 0
 
