@@ -1,8 +1,11 @@
-"""Command line: `stemdeck-watch run | demo | status [--json] | doctor | config init [PATH]`.
+"""Command line: `stemdeck-watch run | demo | status [--json] | pause | start | cancel JOB |
+move JOB --after JOB|--first | retry JOB | open | doctor | config init [PATH]`.
 
 Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
 Only `run`, `demo` and `doctor` start the worker process (the only thing that imports torch);
 everything else answers in a fraction of a second, so modules are imported per command.
+The control commands (pause … open) talk to the running service through its local API, found
+via the discovery file in the state folder; `status` reads the registry and works while stopped.
 """
 from __future__ import annotations
 
@@ -40,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
     status = add("status", help="show the queue (works while stopped too)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    add("pause", help="pause the queue: the running song finishes, no new one starts")
+    add("start", help="start the queue (also a queue restored after a restart)")
+    job_help = "a job id, a unique id prefix or a unique song name"
+    add("cancel", help="cancel a job; its file stays where it is").add_argument(
+        "job", metavar="JOB", help=job_help)
+    move = add("move", help="move a queued job after another one, or first")
+    move.add_argument("job", metavar="JOB", help=job_help)
+    where = move.add_mutually_exclusive_group(required=True)
+    where.add_argument("--after", metavar="JOB", help="put it right after this job")
+    where.add_argument("--first", action="store_true", help="put it at the head of the queue")
+    add("retry", help="queue a failed or cancelled job again").add_argument(
+        "job", metavar="JOB", help=job_help)
+    add("open", help="open the queue page in the default browser")
     add("doctor", help="check folders, watcher, decoding and the model")
     config = commands.add_parser("config", help="configuration file")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
@@ -61,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         settings = load_settings(args.config)
+        if args.command in CONTROL_COMMANDS:
+            return _control(args, settings)
         return {"run": _run, "status": _status, "doctor": _doctor}[args.command](args, settings)
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
@@ -119,6 +137,62 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     status = collect(settings)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return EXIT_OK
+
+
+CONTROL_COMMANDS = ("pause", "start", "cancel", "move", "retry", "open")
+
+
+def _control(args: argparse.Namespace, settings: Settings) -> int:
+    """The commands that steer the running service through its local API."""
+    from stemdeck_watch.control.client import Client, job_path
+
+    client = Client.connect(settings.paths.state)
+    command = args.command
+    if command == "open":
+        import webbrowser
+
+        client.get("/api/queue")  # the service answers and the token is right
+        url = client.page_url
+        print(url)
+        if not webbrowser.open(url):
+            print("stemdeck-watch: could not start a browser; open the address above",
+                  file=sys.stderr)
+        return EXIT_OK
+    if command in ("pause", "start"):
+        queue = client.post(f"/api/queue/{command}")
+        print(_queue_line(queue))
+    elif command == "move":
+        body = {"first": True} if args.first else {"after": args.after}
+        reply = client.post(job_path(args.job, "move"), body)
+        print(f"moved {_name_of(reply)} {'first' if args.first else 'after ' + args.after}")
+        if reply.get("note"):
+            print(reply["note"])
+        for i, job in enumerate(reply["queued"], 1):
+            print(f"  {i:>2}. {job['name']}  ({job['id']})")
+    else:
+        reply = client.post(job_path(args.job, command))
+        job = reply["job"]
+        if command == "cancel":
+            print(f"cancelled {job['name']} (job {job['id']})")
+        elif job is None:
+            print(reply.get("note") or "the file waits in the inbox until the queue has room")
+        else:
+            print(f"queued {job['name']} again as job {job['id']}")
+    return EXIT_OK
+
+
+def _queue_line(queue: dict) -> str:
+    queued, running = len(queue["queued"]), queue["running"]
+    if queue["paused"]:
+        finishing = f"{running['name']} finishes, " if running else ""
+        what = "paused" if queue["pause_reason"] == "user" else f"paused ({queue['pause_reason']})"
+        return f"{what}: {finishing}{queued} queued; `stemdeck-watch start` starts again"
+    return f"started: {'running ' + running['name'] + ', ' if running else ''}{queued} queued"
+
+
+def _name_of(reply: dict) -> str:
+    job_id = reply["job"]
+    return next((j["name"] for j in reply["queued"] if j["id"] == job_id), job_id)
 
 
 def _doctor(args: argparse.Namespace, settings: Settings) -> int:

@@ -130,7 +130,7 @@ SECTIONS: dict[str, type] = {
     "notify": NotifySettings, "api": ApiSettings, "tray": TraySettings,
 }
 PRESET_SECTIONS = ("separation", "output")
-NOT_YET_ACTIVE = ("links", "notify", "api", "tray")
+NOT_YET_ACTIVE = ("links", "notify", "tray")
 
 
 @dataclasses.dataclass(frozen=True)

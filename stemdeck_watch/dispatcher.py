@@ -7,6 +7,7 @@ catches and logs everything and goes on: one bad song must never stop the queue.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -18,7 +19,7 @@ from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
-from stemdeck_watch.scheduler import Scheduler
+from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,12 @@ class Dispatcher:
                               progress=0.0, finished_at=time.time())
 
     def _failed(self, job: Job, stage: str, message: str, details: str) -> None:
+        if not os.path.lexists(job.source):
+            # taken away while the step ran (its delete event may still be on the way): the
+            # user removed the song, so this is a cancel, with nothing to quarantine
+            log.info("%s left the inbox while %s; cancelled", job.source, stage)
+            self._cancelled(job, INPUT_REMOVED)
+            return
         log.error("%s failed while %s: %s", job.source, stage, message)
         # the diagnosis is on record before the input moves: a crash in between still ends
         # with the input in failed/ and its report (recovery.find_quarantined)

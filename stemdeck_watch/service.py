@@ -13,6 +13,8 @@ import time
 from typing import Callable
 
 from stemdeck_watch.config import NOT_YET_ACTIVE, Settings
+from stemdeck_watch.control.api import ApiServer
+from stemdeck_watch.control.folder import FolderControl
 from stemdeck_watch.dispatcher import Dispatcher
 from stemdeck_watch.events import EventBus
 from stemdeck_watch.intake.watcher import Intake
@@ -38,6 +40,7 @@ class Service:
         self._clock = clock
         self._lock: ServiceLock | None = None
         self._started = False
+        self.api: ApiServer | None = None  # the local API, once started (api.enabled)
 
     def start(self) -> None:
         folders = self.folders
@@ -58,13 +61,34 @@ class Service:
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
             self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings)
             self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler)
+            self.folder_control = FolderControl(self.scheduler, folders.inbox, folders.outbox)
+            self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
+                        if self.settings.api.enabled else None)
         except BaseException:
             self._lock.release()
             raise
         self.dispatcher.start()
         self.intake.start()
+        self.folder_control.start()
         self._started = True
+        self._start_api()
         self._log_start()
+
+    def _start_api(self) -> None:
+        """The API is a control surface beside the data flow: if it cannot listen (the
+        configured port is taken), songs are still separated; the log says why control is
+        unavailable, and the CLI's control commands say the API is off."""
+        api = self.api
+        if api is None:
+            return
+        try:
+            api.start()
+        except OSError as exc:
+            api.stop()
+            self.api = None
+            log.error("could not start the local API on %s port %d: %s; the queue page and the "
+                      "CLI's pause/start/cancel/move/retry are unavailable", self.settings.api.host,
+                      self.settings.api.port, exc.strerror or exc)
 
     def _log_start(self) -> None:
         folders, sep = self.folders, self.settings.separation
@@ -83,6 +107,9 @@ class Service:
             log.error("the dispatcher thread died; restarting it")
             self.dispatcher.start()
         self.intake.check_health()
+        if not self.folder_control.alive():
+            log.error("the folder control thread died; restarting it")
+            self.folder_control.start()
 
     def run_until(self, stop: threading.Event) -> None:
         """Run in the foreground until `stop` is set (by a signal handler or a test)."""
@@ -103,8 +130,12 @@ class Service:
             return
         self._started = False
         log.info("stopping…")
+        if self.api is not None:  # first: no control request may land on a closing service
+            self.api.stop()
+            self.api = None
         self.intake.stop()
         self.dispatcher.stop()
+        self.folder_control.stop()
         self.client.close()
         self.registry.close()
         if self._lock is not None:

@@ -43,6 +43,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "c
         time.sleep(interval)
 
 
+def outbox_entries(outbox: Path) -> set[str]:
+    """What the outbox holds besides the service's own STATUS.txt: song folders, and any
+    hidden leftovers (which must not be there)."""
+    return {p.name for p in outbox.iterdir() if p.name != "STATUS.txt"}
+
+
 def child_pids() -> set[int]:
     """Live (non-zombie) child processes of this test process (Linux /proc)."""
     me = os.getpid()
@@ -108,20 +114,35 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A complete config on folders under `folder` with the tiny model; keyword args
+    override sections, e.g. config_data(tmp, repo, watch={"settle_seconds": 1.0})."""
+    data = default_toml()
+    data["folders"] = {name: str(folder / name)
+                       for name in ("inbox", "outbox", "processed", "failed", "state")}
+    data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
+    data["watch"]["settle_seconds"] = 0.3
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+def write_config(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> Path:
+    """The same config as a `stemdeck.toml` file, for tests that drive the CLI."""
+    import tomli_w
+
+    path = folder / "stemdeck.toml"
+    path.write_text(tomli_w.dumps(config_data(folder, model_repo, **sections)))
+    return path
+
+
 @pytest.fixture
 def make_settings(tmp_path: Path, model_repo: Path) -> Callable[..., Settings]:
-    """Settings on temporary folders with the tiny model; keyword args override sections,
-    e.g. make_settings(watch={"settle_seconds": 1.0})."""
+    """Settings on temporary folders with the tiny model (see config_data)."""
 
     def make(**sections: dict[str, Any]) -> Settings:
-        data = default_toml()
-        data["folders"] = {name: str(tmp_path / name)
-                           for name in ("inbox", "outbox", "processed", "failed", "state")}
-        data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
-        data["watch"]["settle_seconds"] = 0.3
-        for section, values in sections.items():
-            data.setdefault(section, {}).update(values)
-        return settings_from_dict(data, source=tmp_path / "stemdeck.toml")
+        return settings_from_dict(config_data(tmp_path, model_repo, **sections),
+                                  source=tmp_path / "stemdeck.toml")
 
     return make
 

@@ -23,7 +23,7 @@ from stemdeck_watch.registry import REGISTRY_FILE
 from stemdeck_watch.scheduler import PAUSE_RESTORE
 from stemdeck_watch.synth import write_song
 
-from conftest import add_job, open_scheduler, run_restore, wait_for
+from conftest import add_job, open_scheduler, run_restore, wait_for, write_config
 
 
 def drop(settings: Settings, name: str) -> tuple[Path, FileSignature]:
@@ -205,15 +205,8 @@ def test_a_retried_file_that_fails_again_gets_a_fresh_report_beside_it(settings:
 # 8 ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def config_file(settings: Settings, tmp_path: Path) -> Path:
-    import tomli_w
-
-    data = default_toml()
-    data["folders"] = {n: str(getattr(settings.paths, n)) for n in
-                       ("inbox", "outbox", "processed", "failed", "state")}
-    path = tmp_path / "stemdeck.toml"
-    path.write_text(tomli_w.dumps(data))
-    return path
+def config_file(tmp_path: Path, model_repo: Path) -> Path:
+    return write_config(tmp_path, model_repo)
 
 
 def test_status_of_a_registry_created_a_moment_ago_says_no_jobs(settings, config_file, capsys):
@@ -279,3 +272,21 @@ def test_a_job_quarantined_just_before_a_crash_is_failed_with_its_report(setting
     report = (settings.paths.failed / "song.wav.error.txt").read_text()
     assert "the separation worker stopped unexpectedly" in report
     scheduler.registry.close()
+
+
+# found by the stress test: a song taken away just as its job starts --------------------------
+
+@pytest.mark.slow
+def test_a_song_taken_away_as_its_job_starts_is_cancelled_not_quarantined(make_settings,
+                                                                          service_factory):
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    service.scheduler.pause("user")
+    song = write_song(settings.paths.inbox / "song.wav", 2.0)
+    wait_for(lambda: service.queue.order(), 30, "the song queued")
+    service.intake.stop()  # its delete event is late (a `mv` out is reported ~0.5 s later)
+    song.unlink()
+    service.scheduler.start()
+    job = jobs.wait_final(1)[0]
+    assert job.state is JobState.CANCELLED and job.error == "the input was removed from the inbox"
+    assert list(settings.paths.failed.iterdir()) == []

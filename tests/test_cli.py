@@ -11,26 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomli_w
 
-from stemdeck_watch.config import default_toml
 from stemdeck_watch.synth import write_song
 
-from conftest import wait_for
+from conftest import outbox_entries, wait_for, write_config
 
 SR = 44100
 
 
 @pytest.fixture
 def config(tmp_path: Path, model_repo: Path) -> Path:
-    data = default_toml()
-    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                       "state")}
-    data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
-    data["watch"]["settle_seconds"] = 0.3
-    path = tmp_path / "stemdeck.toml"
-    path.write_text(tomli_w.dumps(data))
-    return path
+    return write_config(tmp_path, model_repo)
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess:
@@ -91,7 +82,7 @@ def test_ctrl_c_mid_job_leaves_no_partial_song_and_the_job_resumes(config: Path,
         if service.proc.poll() is None:
             service.proc.kill()
             service.proc.wait()
-    assert [p.name for p in outbox.iterdir()] == []  # not even the hidden staging folder
+    assert outbox_entries(outbox) == set()  # not even the hidden staging folder
     assert (inbox / "long.wav").exists()
     wait_for(lambda: gone(worker), 10, "the worker to exit")
     after = status(config)

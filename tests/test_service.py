@@ -15,7 +15,7 @@ from stemdeck_watch.events import JobSeparated
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.synth import song, write_song
 
-from conftest import wait_for, write_paced
+from conftest import outbox_entries, wait_for, write_paced
 
 pytestmark = pytest.mark.slow
 SR = 44100
@@ -158,7 +158,7 @@ def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_fa
     service.scheduler.start()
     wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.DONE]) == 2, 60,
              "both separated")
-    assert {p.name for p in settings.paths.outbox.iterdir()} == {"renamed", "drop"}
+    assert outbox_entries(settings.paths.outbox) == {"renamed", "drop"}
 
 
 def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, service_factory):

@@ -22,6 +22,11 @@ IGNORED_FOLDERS = frozenset(name.lower() for name in (
 ))
 
 
+def is_pause_file(name: str) -> bool:
+    """`PAUSE`, `pause.txt`, `Pause.mp3`…: any case, any extension, at the top of the inbox."""
+    return PurePosixPath(name).stem.lower() == "pause" or name.lower() == "pause"
+
+
 class InboxFilter:
     def __init__(self, extensions: Iterable[str], extra_patterns: Iterable[str] = (),
                  recursive: bool = True):
@@ -43,6 +48,8 @@ class InboxFilter:
         parts = rel_path.parts
         if not parts or (len(parts) > 1 and not self.recursive):
             return False
+        if len(parts) == 1 and is_pause_file(parts[0]):
+            return False  # the PAUSE switch (control from the synced folder), never a song
         if any(self.folder_ignored(p) for p in parts[:-1]):
             return False
         if self._matches_extra(rel_path.as_posix().lower()):

@@ -82,7 +82,8 @@ def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail:
         "",
         f"What went wrong: {message}",
         "",
-        "To try again, fix the cause and drop the file into the inbox again.",
+        f"To try again, fix the cause, then run `stemdeck-watch retry {job.id}` (or drop the "
+        f"file into the inbox again).",
         move_note,
         f"Stage:   {stage}",
         f"Job:     {job.id}{f' (preset {job.preset})' if job.preset else ''}",

@@ -1,0 +1,5 @@
+"""What a person touches: the local API and its queue page, (later) the tray and notifications.
+
+Everything here talks only to the scheduler (the one door into the queue) and the event bus;
+nothing here reaches into the pipeline, the registry or the intake.
+"""

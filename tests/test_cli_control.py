@@ -1,0 +1,191 @@
+"""`pause`, `start`, `cancel`, `move`, `retry`, `open` as a user types them, against a real
+service (started in this process, so the test can see its queue) through its real local API."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stemdeck_watch.cli import main
+from stemdeck_watch.config import load_settings
+from stemdeck_watch.control import discovery
+from stemdeck_watch.synth import write_song
+
+from conftest import wait_for, write_config
+
+
+@pytest.fixture
+def config(tmp_path: Path, model_repo: Path) -> Path:
+    return write_config(tmp_path, model_repo)
+
+
+class Cli:
+    def __init__(self, config: Path, capsys: pytest.CaptureFixture[str]):
+        self.config, self.capsys = config, capsys
+
+    def __call__(self, *args: str) -> tuple[int, str, str]:
+        self.capsys.readouterr()
+        code = main([*args, "--config", str(self.config)])
+        out, err = self.capsys.readouterr()
+        return code, out, err
+
+    def ok(self, *args: str) -> str:
+        code, out, err = self(*args)
+        assert code == 0, (args, out, err)
+        return out
+
+
+def drop(inbox: Path, tmp_path: Path, name: str, seconds: float, seed: int = 0) -> Path:
+    staged = write_song(tmp_path / "staging" / name, seconds, seed=seed)
+    os.replace(staged, inbox / name)
+    return inbox / name
+
+
+def queue(service: Any) -> dict[str, Any]:
+    return service.scheduler.snapshot()
+
+
+def queued_names(service: Any) -> list[str]:
+    return [j["name"] for j in queue(service)["queued"]]
+
+
+def jobs_named(service: Any, name: str) -> list[dict[str, Any]]:
+    return [j for j in queue(service)["jobs"] if j["name"] == name]
+
+
+COMMANDS = (["pause"], ["start"], ["cancel", "x"], ["move", "x", "--first"], ["retry", "x"],
+            ["open"])
+
+
+def test_control_commands_say_in_one_line_that_no_service_runs(config, capsys, tmp_path):
+    cli = Cli(config, capsys)
+    state = tmp_path / "state"
+    for args in COMMANDS:
+        code, out, err = cli(*args)
+        assert code == 1 and out == "", args
+        assert err == (f"stemdeck-watch: the service is not running (state folder {state}); "
+                       f"start it with `stemdeck-watch run`\n")
+    # left behind by a service that was killed: its pid is gone, so is the service
+    discovery.publish(state, "127.0.0.1", 9, 2**22 + 12345, "stale-token")
+    code, _, err = cli("pause")
+    assert code == 1 and "the service is not running" in err
+    assert cli.ok("status").startswith("service: stopped")
+
+
+def test_control_usage_errors_exit_2(config, capsys):
+    for args in (["move", "x"], ["move", "x", "--first", "--after", "y"], ["cancel"],
+                 ["retry"], ["move", "--first"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--config", str(config)])
+        assert exit_info.value.code == 2, args
+    capsys.readouterr()
+
+
+def test_control_commands_never_import_the_heavy_modules(config):
+    code = ("import sys; from stemdeck_watch.cli import main; "
+            f"rc = main(['--config', {str(config)!r}, 'pause']); "
+            "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
+            "assert not heavy, heavy; sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    assert "the service is not running" in result.stderr
+
+
+@pytest.mark.slow
+def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path, monkeypatch):
+    settings = load_settings(config)
+    service, _ = service_factory(settings)
+    cli = Cli(config, capsys)
+    inbox = settings.paths.inbox
+
+    out = cli.ok("pause")
+    assert out.startswith("paused") and "stemdeck-watch start" in out
+    assert queue(service)["pause_reason"] == "user"
+    for i, name in enumerate(("a.wav", "b.wav", "c.wav")):
+        drop(inbox, tmp_path, name, 1.0, seed=i)
+    wait_for(lambda: queued_names(service) == ["a", "b", "c"], 30, "a, b, c queued in order")
+
+    out = cli.ok("move", "c", "--first")
+    assert out.splitlines()[0] == "moved c first"
+    assert queued_names(service) == ["c", "a", "b"]
+    assert [line.split()[1] for line in out.splitlines()[1:]] == ["c", "a", "b"]
+    b_id = jobs_named(service, "b")[0]["id"]
+    cli.ok("move", b_id[:5], "--after", "c")  # an id prefix works as well as a name
+    assert queued_names(service) == ["c", "b", "a"]
+
+    out = cli.ok("cancel", "a")
+    a_id = jobs_named(service, "a")[0]["id"]
+    assert out == f"cancelled a (job {a_id})\n"
+    assert jobs_named(service, "a")[0]["state"] == "cancelled"
+    assert (inbox / "a.wav").is_file()  # the file stays where it is
+    out = cli.ok("move", "b", "--after", "a")  # a has left the queue: b goes to the end
+    assert "a is not queued any more, so b went to the end" in out
+    assert queued_names(service) == ["c", "b"]
+
+    out = cli.ok("retry", "a")
+    new_a = next(j for j in jobs_named(service, "a") if j["state"] == "queued")
+    assert out == f"queued a again as job {new_a['id']}\n"
+    assert queued_names(service) == ["c", "b", "a"]
+
+    opened: list[str] = []
+    monkeypatch.setattr("webbrowser.open", lambda url, *a, **k: opened.append(url) or True)
+    out = cli.ok("open")
+    port, token = service.api.port, service.api.token
+    assert opened == [f"http://127.0.0.1:{port}/#token={token}"] and out == opened[0] + "\n"
+
+    out = cli.ok("start")
+    assert out.startswith("started")
+    wait_for(lambda: [j["state"] for j in queue(service)["jobs"]].count("done") == 3, 120,
+             "c, b and a separated")
+
+    for args, message in ((("cancel", "c"), "already done"),
+                          (("retry", "c"), "only failed or cancelled jobs can be retried"),
+                          (("cancel", "nosuch"), "no job 'nosuch'"),
+                          (("move", "c", "--first"), "only queued jobs can be moved"),
+                          (("retry", "a"), "'a' matches several jobs")):
+        code, out, err = cli(*args)
+        assert code == 1 and out == "" and message in err, (args, err)
+        assert err.startswith("stemdeck-watch: ") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_cli_cancel_survives_a_rescan_and_a_restart_but_not_a_changed_file(
+        config, capsys, service_factory, tmp_path):
+    settings = load_settings(config)
+    service, _ = service_factory(settings)
+    cli = Cli(config, capsys)
+    cli.ok("pause")
+    song = drop(settings.paths.inbox, tmp_path, "song.wav", 1.0)
+    wait_for(lambda: queued_names(service) == ["song"], 30, "the song queued")
+    cli.ok("cancel", "song")
+    service.intake.request_rescan()
+    drop(settings.paths.inbox, tmp_path, "marker.wav", 1.0, seed=1)
+    wait_for(lambda: queued_names(service) == ["marker"], 30, "a later file queued")
+    service.shutdown()
+
+    service, _ = service_factory(settings)  # the start-up scan sees song.wav again
+    assert queue(service)["pause_reason"] == "user"  # the user's pause survives a restart
+    drop(settings.paths.inbox, tmp_path, "marker2.wav", 1.0, seed=2)
+    wait_for(lambda: queued_names(service) == ["marker", "marker2"], 30, "a later file queued")
+    assert [j["state"] for j in jobs_named(service, "song")] == ["cancelled"]
+    assert song.is_file()
+    cli.ok("start")
+    os.utime(song, ns=(song.stat().st_atime_ns, song.stat().st_mtime_ns + 10**9))
+    wait_for(lambda: [j["state"] for j in jobs_named(service, "song")].count("done") == 1, 120,
+             "the changed file queued again and separated")
+    assert [j["state"] for j in jobs_named(service, "song")] == ["done", "cancelled"]
+
+
+@pytest.mark.slow
+def test_with_the_api_off_the_cli_says_so(tmp_path, model_repo, capsys, service_factory):
+    config = write_config(tmp_path, model_repo, api={"enabled": False})
+    settings = load_settings(config)
+    assert settings.api.enabled is False
+    service, _ = service_factory(settings)
+    assert service.api is None
+    code, _, err = Cli(config, capsys)("pause")
+    assert code == 1 and f"pid {os.getpid()}" in err and "local API is not" in err
