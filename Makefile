@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench bench-control clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py
+	$(BIN)/python benchmarks/bench_control.py
+
+bench-control: install
+	$(BIN)/python benchmarks/bench_control.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
