@@ -99,7 +99,7 @@ class OutputSettings:
 
 @dataclasses.dataclass(frozen=True)
 class LinkSettings:
-    enabled: bool = key(True, boolean, "accept .url/.webloc/.desktop link files (later release)")
+    enabled: bool = key(True, boolean, "accept .url/.webloc/.desktop link files")
     max_duration: int = key(1800, number(0, integer=True, unit="(seconds)"),
                             "longest download accepted; 0 = no limit")
     max_filesize: int = key("500MB", byte_size, "largest download accepted")
@@ -130,7 +130,6 @@ SECTIONS: dict[str, type] = {
     "notify": NotifySettings, "api": ApiSettings, "tray": TraySettings,
 }
 PRESET_SECTIONS = ("separation", "output")
-NOT_YET_ACTIVE = ("links", "notify", "tray")
 
 
 @dataclasses.dataclass(frozen=True)

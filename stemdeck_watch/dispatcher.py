@@ -17,6 +17,7 @@ from stemdeck_watch.errors import SHUTDOWN, Cancelled, StageError
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
+from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
 from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
@@ -25,9 +26,10 @@ log = logging.getLogger(__name__)
 
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: WorkerClient,
-                 settings: Settings):
+                 settings: Settings, prefetcher: Prefetcher | None = None):
         self.scheduler = scheduler
         self.pipeline = pipeline
+        self.prefetcher = prefetcher
         self.client = client
         self.settings = settings
         self._stop = threading.Event()
@@ -90,8 +92,10 @@ class Dispatcher:
             # cancelled between take() and now: we own the job, so we close it out
             self._cancelled(job, control.reason or "cancelled")
             return
+        prefetcher = self.prefetcher
+        claim = (lambda report: prefetcher.claim(job, control, report)) if prefetcher else None
         try:
-            self.pipeline.run(job, control)
+            self.pipeline.run(job, control, claim)
         except Cancelled as exc:
             self._cancelled(job, exc.reason)
         except StageError as exc:

@@ -119,6 +119,17 @@ def check_models(settings: Settings) -> list[Finding]:
     return findings
 
 
+def check_links(settings: Settings) -> Finding:
+    if not settings.links.enabled:
+        return Finding(True, "links", "link files are off (links.enabled = false)")
+    try:
+        from yt_dlp.version import __version__ as version
+    except ImportError:
+        return Finding(False, "links", "yt-dlp is not installed: pip install yt-dlp")
+    return Finding(True, "links", f"yt-dlp {version} downloads .url/.webloc/.desktop links "
+                   f"(sites change often: `pip install -U yt-dlp` keeps it working)")
+
+
 def check_service(settings: Settings) -> Finding:
     pid = running_pid(settings.paths.state)
     return Finding(True, "service", f"running (pid {pid})" if pid else "not running")
@@ -132,7 +143,7 @@ def run_doctor(settings: Settings, emit: Callable[[str], None]) -> int:
     checks: list[Callable[[], list[Finding] | Finding]] = [
         lambda: check_folders(settings), lambda: check_watcher(settings),
         lambda: check_decode(settings), lambda: check_models(settings),
-        lambda: check_service(settings)]
+        lambda: check_links(settings), lambda: check_service(settings)]
     for check in checks:
         result = check()
         for finding in result if isinstance(result, list) else [result]:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from stemdeck_watch import status
 from stemdeck_watch.config import Settings
 from stemdeck_watch.errors import AmbiguousJob, Conflict, FilesystemError, JobNotFound
+from stemdeck_watch.intake.links import is_link_file
 from stemdeck_watch.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
 from stemdeck_watch.jobqueue import JobControl, JobQueue
 from stemdeck_watch.jobs import ACTIVE_STATES, FileSignature, Job, JobKind, JobState, new_job_id
@@ -98,12 +99,13 @@ class Scheduler:
             if self.queue.paused and self.queue.pause_reason == PAUSE_RESTORE:
                 log.info("a new file arrived: starting the restored queue")
                 self.start()
-            if self._lane_full(JobKind.FILE):
+            kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
+            if self._lane_full(kind):
                 if str(source) not in self._waiting:
-                    self._waiting[str(source)] = (JobKind.FILE, self._clock())
+                    self._waiting[str(source)] = (kind, self._clock())
                     self._save_waiting()
-                    log.info("queue full (%d files pending): %s waits in the inbox",
-                             self.settings.queue.max_pending_files, source)
+                    log.info("queue full (%d %ss pending): %s waits in the inbox",
+                             self._limit(kind), kind.value, source)
                     self._announce_queue()
                 return None
             return self._create(source, rel_path, signature)
@@ -113,8 +115,9 @@ class Scheduler:
         if preset not in self.settings.presets:
             preset = None
         name = source.stem if source.suffix else source.name
+        kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
         job = self.registry.add(Job(
-            id=new_job_id(), name=name, kind=JobKind.FILE, state=JobState.QUEUED,
+            id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,
             source=str(source), rel_path=str(rel_path), preset=preset, signature=signature))
         self.queue.put(job.id)
         self._save_order()
@@ -124,8 +127,7 @@ class Scheduler:
 
     def _lane_full(self, kind: JobKind) -> bool:
         """Whether the lane has no room; announces QueueFull once each time a lane fills."""
-        limit = (self.settings.queue.max_pending_files if kind is JobKind.FILE
-                 else self.settings.queue.max_pending_links)
+        limit = self._limit(kind)
         pending = sum(1 for job_id in self.queue.order()
                       if (job := self.registry.get(job_id)) and job.kind is kind)
         full = pending >= limit
@@ -136,15 +138,19 @@ class Scheduler:
             self._full.discard(kind)
         return full
 
+    def _limit(self, kind: JobKind) -> int:
+        return (self.settings.queue.max_pending_files if kind is JobKind.FILE
+                else self.settings.queue.max_pending_links)
+
     def admit_waiting(self) -> None:
-        """Move files from waiting into the queue, in arrival order, while the lane has room."""
+        """Move files from waiting into the queue, in arrival order, while their lane has
+        room (a full file lane does not hold back a waiting link, nor the reverse)."""
         with self._lock:
             changed = False
             inbox = self.settings.paths.inbox
-            while self._waiting:
-                source, (kind, _since) = next(iter(self._waiting.items()))
+            for source, (kind, _since) in list(self._waiting.items()):
                 if self._lane_full(kind):
-                    break
+                    continue
                 del self._waiting[source]
                 changed = True
                 path = Path(source)

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable
 
-from stemdeck_watch.config import NOT_YET_ACTIVE, Settings
+from stemdeck_watch.config import Settings
 from stemdeck_watch.control.api import ApiServer
 from stemdeck_watch.control.folder import FolderControl
 from stemdeck_watch.dispatcher import Dispatcher
@@ -22,6 +22,7 @@ from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.lock import ServiceLock
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.recovery import restore
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.scheduler import Scheduler
@@ -59,8 +60,11 @@ class Service:
             self.pipeline = Pipeline(self.settings, self.client, self.bus, self.scheduler.update)
             restore(self.scheduler, self.settings, self.pipeline.finish_published)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
-            self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings)
-            self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler)
+            self.prefetcher = Prefetcher(self.scheduler, self.pipeline)
+            self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings,
+                                         self.prefetcher)
+            self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler,
+                                 links=self.settings.links.enabled)
             self.folder_control = FolderControl(self.scheduler, folders.inbox, folders.outbox)
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
                         if self.settings.api.enabled else None)
@@ -68,6 +72,7 @@ class Service:
             self._lock.release()
             raise
         self.dispatcher.start()
+        self.prefetcher.start()
         self.intake.start()
         self.folder_control.start()
         self._started = True
@@ -96,8 +101,9 @@ class Service:
         log.info("model %s%s on %s; state in %s", sep.model,
                  f" from {self.settings.model_repo}" if self.settings.model_repo else "",
                  sep.device, folders.state)
-        for section in NOT_YET_ACTIVE:
-            log.debug("[%s] is validated but not active in this version", section)
+        if self.settings.links.playlists:
+            log.warning("links.playlists = true is not supported yet: a playlist link gives "
+                        "its first item only")
 
     def supervise(self) -> None:
         """Notice dead parts and restart them."""
@@ -106,6 +112,9 @@ class Service:
         if not self.dispatcher.alive():
             log.error("the dispatcher thread died; restarting it")
             self.dispatcher.start()
+        if not self.prefetcher.alive():
+            log.error("the prefetch thread died; restarting it")
+            self.prefetcher.start()
         self.intake.check_health()
         if not self.folder_control.alive():
             log.error("the folder control thread died; restarting it")
@@ -134,6 +143,7 @@ class Service:
             self.api.stop()
             self.api = None
         self.intake.stop()
+        self.prefetcher.stop()
         self.dispatcher.stop()
         self.folder_control.stop()
         self.client.close()

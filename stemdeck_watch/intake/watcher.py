@@ -23,6 +23,7 @@ from watchdog.observers.polling import PollingObserver
 from stemdeck_watch.config import WatchSettings
 from stemdeck_watch.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter
+from stemdeck_watch.intake.links import LINK_EXTENSIONS
 from stemdeck_watch.intake.stability import StabilityTracker
 from stemdeck_watch.paths import filesystem_type, is_network_filesystem
 from stemdeck_watch.scheduler import Scheduler
@@ -58,11 +59,12 @@ class _Handler(FileSystemEventHandler):
 
 class Intake:
     def __init__(self, settings: WatchSettings, inbox: Path, scheduler: Scheduler,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, links: bool = False):
         self.settings = settings
         self.inbox = inbox
         self.scheduler = scheduler
-        self.filter = InboxFilter(settings.extensions, settings.ignore, settings.recursive)
+        extensions = (*settings.extensions, *(LINK_EXTENSIONS if links else ()))
+        self.filter = InboxFilter(extensions, settings.ignore, settings.recursive)
         self.tracker = StabilityTracker(settings.settle_seconds, clock)
         self._clock = clock
         self._observer: BaseObserver | None = None

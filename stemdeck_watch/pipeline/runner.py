@@ -13,23 +13,29 @@ import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Callable, Optional
 
 from stemdeck_watch.config import Settings
 from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.events import EventBus, JobSeparated
 from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.jobs import FileSignature, Job, JobState
+from stemdeck_watch.intake.links import read_link
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
 from stemdeck_watch.paths import move_file
 from stemdeck_watch.pipeline import publish
 from stemdeck_watch.pipeline.decode import decode_to_file
+from stemdeck_watch.pipeline.fetch import Downloaded, download
 from stemdeck_watch.pipeline.separate import WorkerClient
 
 log = logging.getLogger(__name__)
 
-# Share of the job's progress bar each stage fills.
-DECODE_SHARE, SEPARATE_SHARE = 0.05, 0.90
+# Share of the job's progress bar each stage fills (a link's download takes its share from
+# the separation's, so the bar only ever moves forward).
+DOWNLOAD_SHARE, DECODE_SHARE, SEPARATE_SHARE = 0.15, 0.05, 0.90
 PROGRESS_EVERY = 0.5  # seconds between progress writes to the registry
+
+
+Claim = Callable[[Callable[[float], None]], Optional[Downloaded]]
 
 
 @dataclasses.dataclass
@@ -49,14 +55,29 @@ class Pipeline:
         self._update = update
         self._lock = threading.Lock()
 
-    def run(self, job: Job, control: JobControl) -> Job:
-        """Run every stage; returns the finished job. Raises StageError or Cancelled."""
+    def prepare(self, job: Job, control: JobControl,
+                on_progress: Callable[[float], None]) -> Downloaded | None:
+        """What a job needs before the worker: for a link, its download (into the job's
+        scratch folder). Safe to run ahead, off the pipeline lock, while another job holds the
+        worker: it touches neither the worker nor the outbox."""
+        if job.kind is not JobKind.LINK:
+            return None
+        link = Path(job.source)
+        url = read_link(link)
+        return download(url, self.settings.paths.scratch / job.id / "download",
+                        self.settings.links, check=control.check, on_progress=on_progress,
+                        link_name=link.name)
+
+    def run(self, job: Job, control: JobControl, claim: Claim | None = None) -> Job:
+        """Run every stage; returns the finished job. Raises StageError or Cancelled.
+        `claim` hands over what `prepare` made (or is making) ahead of time for this job,
+        reporting its progress from now on; None from it means nothing was prepared."""
         with self._lock:
             folders = self.settings.paths
             scratch = folders.scratch / job.id
             staging = folders.staging / job.id
             try:
-                output = self._run(job, control, scratch, staging)
+                output = self._run(job, control, scratch, staging, claim)
             finally:
                 publish.remove_tree(scratch)
                 publish.remove_tree(staging)
@@ -64,22 +85,36 @@ class Pipeline:
             # announced as done only once the hidden staging folder is gone too
             return self.finish_published(job, Path(job.source), output)
 
-    def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path) -> Path:
-        """Decode, separate and publish; returns the published song folder."""
+    def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
+             claim: Claim | None) -> Path:
+        """Download (links), decode, separate and publish; returns the published folder."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
         report = _Progress(self._update, job.id)
         timer = StageTimer()
+        start = 0.0  # where decoding starts on the progress bar (after a download)
 
-        report.stage(JobState.DECODING, 0.0)
+        link: Downloaded | None = None
+        if job.kind is JobKind.LINK:
+            start = DOWNLOAD_SHARE
+            report.stage(JobState.DOWNLOADING, 0.0)
+            started = time.monotonic()
+            progress = lambda v: report.progress(DOWNLOAD_SHARE * v)  # noqa: E731
+            link = (claim(progress) if claim else None) or self.prepare(job, control, progress)
+            timer.measure("download", started)
+            control.check()
+            job = self._update(job.id, name=link.title)  # the song is named by its title
+            source = link.path
+
+        report.stage(JobState.DECODING, start)
         started = time.monotonic()
         model = self.client.ensure_model(sep.model, str(repo) if repo else None, control)
         timer.measure("model", started)
         started = time.monotonic()
         decoded = decode_to_file(source, scratch / "input.npy", model.samplerate,
                                  model.audio_channels, control.check,
-                                 lambda v: report.progress(DECODE_SHARE * v))
+                                 lambda v: report.progress(start + DECODE_SHARE * v))
         timer.measure("decode", started)
         try:
             digest, size = publish.sha256_of(source), source.stat().st_size
@@ -88,12 +123,13 @@ class Pipeline:
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
         control.check()
 
-        report.stage(JobState.SEPARATING, DECODE_SHARE)
+        separate_share = SEPARATE_SHARE - start
+        report.stage(JobState.SEPARATING, start + DECODE_SHARE)
         result = self.client.separate(
             job.id, sep.model, str(repo) if repo else None, decoded.path, scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
             control=control,
-            on_progress=lambda v: report.progress(DECODE_SHARE + SEPARATE_SHARE * v))
+            on_progress=lambda v: report.progress(start + DECODE_SHARE + separate_share * v))
         timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
@@ -104,7 +140,7 @@ class Pipeline:
         timer.measure("write", started)
         publish.write_manifest(staging, {
             "job_id": job.id,
-            "input": {"name": source.name, "rel_path": job.rel_path,
+            "input": {"name": Path(job.source).name, "rel_path": job.rel_path,
                       "sha256": digest, "size": size,
                       "codec": decoded.source_codec, "samplerate": decoded.source_samplerate,
                       "channels": decoded.source_channels,
@@ -112,6 +148,7 @@ class Pipeline:
             "model": {"name": sep.model, "repo": str(repo) if repo else None,
                       "samplerate": model.samplerate, "sources": list(model.sources)},
             "preset": job.preset,
+            **({"link": link.manifest()} if link else {}),
             "settings": {"separation": dataclasses.asdict(sep), "output": dataclasses.asdict(out)},
             "stems": entries,
             "timings": timer.timings,
