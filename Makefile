@@ -7,8 +7,13 @@ BIN := $(VENV)/bin
 #   TORCH_SPEC="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124" make demo
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# the project's extras to install; .ci/run adds the Linux desktop ones (tray, dbus), which
+# build from source against system packages — `make demo` never needs them
+EXTRAS ?= test
+comma := ,
+INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-control clean
+.PHONY: demo test install bench bench-control bench-links bench-notify clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +23,11 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+$(INSTALLED): pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(INSTALLED)
 
 demo: install
 	$(BIN)/stemdeck-watch demo
@@ -33,9 +38,17 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py
 	$(BIN)/python benchmarks/bench_control.py
+	$(BIN)/python benchmarks/bench_links.py
+	$(BIN)/python benchmarks/bench_notify.py
 
 bench-control: install
 	$(BIN)/python benchmarks/bench_control.py
+
+bench-links: install
+	$(BIN)/python benchmarks/bench_links.py
+
+bench-notify: install
+	$(BIN)/python benchmarks/bench_notify.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,5 +1,6 @@
 """Command line: `stemdeck-watch run | demo | status [--json] | pause | start | cancel JOB |
-move JOB --after JOB|--first | retry JOB | open | doctor | config init [PATH]`.
+move JOB --after JOB|--first | retry JOB | remove JOB | open | doctor |
+autostart [--remove] [--headless] | config init [PATH]`.
 
 Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
 Only `run`, `demo` and `doctor` start the worker process (the only thing that imports torch);
@@ -55,8 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--first", action="store_true", help="put it at the head of the queue")
     add("retry", help="queue a failed or cancelled job again").add_argument(
         "job", metavar="JOB", help=job_help)
+    add("remove", help="delete a finished job's stems and forget it for good").add_argument(
+        "job", metavar="JOB", help=job_help)
     add("open", help="open the queue page in the default browser")
     add("doctor", help="check folders, watcher, decoding and the model")
+    autostart = add("autostart", help="start the service at login (the platform's own way)")
+    autostart.add_argument("--remove", action="store_true",
+                           help="remove what `autostart` installed")
+    autostart.add_argument("--headless", action="store_true",
+                           help="without the tray (Linux: a systemd user unit)")
     config = commands.add_parser("config", help="configuration file")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
     init = config_commands.add_parser("init", help="write a complete default stemdeck.toml")
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             return _config(args, parser)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "autostart":
+            return _autostart(args)
         settings = load_settings(args.config)
         if args.command in CONTROL_COMMANDS:
             return _control(args, settings)
@@ -108,14 +118,26 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> int:
+    import logging
+
+    from stemdeck_watch.control.notify import check_urls
+    from stemdeck_watch.control.tray import choose, run_with_tray
     from stemdeck_watch.logs import setup_logging
     from stemdeck_watch.service import Service
 
+    check_urls(settings.notify)  # a URL apprise cannot use: exit 2, before anything starts
+    tray = choose(settings.tray.enabled, no_tray=args.no_tray)  # tray.enabled = true: or exit 2
     log_file = setup_logging(settings.paths.state, verbose=args.verbose)
     print(f"stemdeck-watch {__version__}: logging to {log_file}; Ctrl-C stops", file=sys.stderr)
     stop = threading.Event()
     _on_stop_signals(stop)
-    Service(settings).run_until(stop)
+    if tray.backend is None:
+        if settings.tray.enabled == "auto" and not args.no_tray:
+            logging.getLogger("stemdeck_watch.control.tray").info(
+                "no tray icon: %s; running headless", tray.reason)
+        Service(settings).run_until(stop)
+    else:
+        run_with_tray(Service(settings), stop, tray.backend)
     return EXIT_OK
 
 
@@ -139,7 +161,7 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-CONTROL_COMMANDS = ("pause", "start", "cancel", "move", "retry", "open")
+CONTROL_COMMANDS = ("pause", "start", "cancel", "move", "retry", "remove", "open")
 
 
 def _control(args: argparse.Namespace, settings: Settings) -> int:
@@ -169,6 +191,12 @@ def _control(args: argparse.Namespace, settings: Settings) -> int:
             print(reply["note"])
         for i, job in enumerate(reply["queued"], 1):
             print(f"  {i:>2}. {job['name']}  ({job['id']})")
+    elif command == "remove":
+        reply = client.post(job_path(args.job, "remove"))
+        print(f"removed {reply['removed']['name']} (job {reply['removed']['id']})")
+        if reply["not_deleted"]:
+            print("could not delete: " + "; ".join(reply["not_deleted"]), file=sys.stderr)
+            return EXIT_FAILED
     else:
         reply = client.post(job_path(args.job, command))
         job = reply["job"]
@@ -193,6 +221,45 @@ def _queue_line(queue: dict) -> str:
 def _name_of(reply: dict) -> str:
     job_id = reply["job"]
     return next((j["name"] for j in reply["queued"] if j["id"] == job_id), job_id)
+
+
+def _autostart(args: argparse.Namespace) -> int:
+    """Install (or remove) what starts the service at login; see control/autostart.py."""
+    from stemdeck_watch.control import autostart
+
+    home = Path.home()
+    if args.remove:
+        removed, foreign = autostart.remove(autostart.all_places(sys.platform, home))
+        for path in removed:
+            print(f"removed {path}")
+        for path in foreign:
+            print(f"left {path} alone: it was not written by `stemdeck-watch autostart`")
+        if not removed and not foreign:
+            print("nothing to remove: `stemdeck-watch autostart` has not installed anything")
+        if any(path.name == autostart.UNIT for path in removed):
+            print(f"if it was enabled: systemctl --user disable --now {autostart.UNIT}")
+        return EXIT_OK
+    settings = load_settings(args.config)
+    entry = autostart.entry_for(sys.platform, home, autostart.command(
+        settings.source, args.headless), settings.source, args.headless)
+    try:
+        done = autostart.install(entry)
+    except autostart.NotOurs as exc:
+        print(f"stemdeck-watch: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"stemdeck-watch: could not write {entry.path}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{done} {entry.path}")
+    if settings.source:
+        print(f"it runs with the config {settings.source}")
+    else:
+        print("no stemdeck.toml was found, so it runs with the built-in defaults; "
+              "`stemdeck-watch config init` writes one (then run `autostart` again)")
+    if entry.after:
+        print(entry.after)
+    return EXIT_OK
 
 
 def _doctor(args: argparse.Namespace, settings: Settings) -> int:

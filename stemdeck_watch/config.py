@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.paths import default_config_file, default_state_dir
-from stemdeck_watch.validators import (Check, boolean, byte_size, choice, extension_list,
-                                       layout_template, mix_table, number, show, stem_name,
-                                       text, text_list)
+from stemdeck_watch.validators import (Check, boolean, byte_size, choice, choice_list,
+                                       extension_list, layout_template, mix_table, number, show,
+                                       stem_name, text, text_list, url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -73,6 +73,8 @@ class QueueSettings:
                                "how often a job cut off by a crash is resumed before it fails")
     start_paused_after_restore: bool = key(True, boolean,
                                            "jobs restored after a restart wait for Start")
+    on_duplicate: str = key("skip", choice("skip", "separate"),
+                            "a song already separated with the same settings: skip or separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +110,9 @@ class LinkSettings:
 
 @dataclasses.dataclass(frozen=True)
 class NotifySettings:
-    urls: tuple[str, ...] = key(["desktop"], text_list, 'apprise URLs; "desktop" = desktop notifications')
-    events: tuple[str, ...] = key(list(NOTIFY_EVENTS), text_list, "which events notify")
+    urls: tuple[str, ...] = key(["desktop"], url_list, 'apprise URLs; "desktop" = desktop notifications')
+    events: tuple[str, ...] = key(list(NOTIFY_EVENTS), choice_list(*NOTIFY_EVENTS, what="events"),
+                                  "which events notify")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from stemdeck_watch.errors import SHUTDOWN, Cancelled, StageError
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
+from stemdeck_watch.diskguard import DiskGuard
 from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
@@ -24,16 +25,21 @@ from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
 
 log = logging.getLogger(__name__)
 
+DISK_RECHECK_SECONDS = 3.0
+
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: WorkerClient,
-                 settings: Settings, prefetcher: Prefetcher | None = None):
+                 settings: Settings, prefetcher: Prefetcher | None = None,
+                 guard: DiskGuard | None = None):
         self.scheduler = scheduler
+        self.guard = guard
         self.pipeline = pipeline
         self.prefetcher = prefetcher
         self.client = client
         self.settings = settings
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._disk_checked = 0.0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -65,9 +71,19 @@ class Dispatcher:
                 control = self.scheduler.next_job(timeout=0.5)
                 if control is not None:
                     self._handle(control)
+                elif self.guard is not None:
+                    self._recheck_disk()
             except Exception:
                 log.exception("the dispatcher loop failed; going on")
                 self._stop.wait(1.0)
+
+    def _recheck_disk(self) -> None:
+        """While paused for disk, look again every few seconds."""
+        now = time.monotonic()
+        if now - self._disk_checked >= DISK_RECHECK_SECONDS:
+            self._disk_checked = now
+            assert self.guard is not None
+            self.guard.room_again()
 
     def _warm_up(self) -> None:
         """Load the default model before the first song arrives (it takes seconds)."""
@@ -87,6 +103,10 @@ class Dispatcher:
         if job is None:
             log.error("job %s was queued but is not in the registry", control.job_id)
             queue.finish(control)
+            return
+        if self.guard is not None and not control.cancelled and self.guard.hold(job):
+            queue.finish(control)  # it waits at the head of the paused queue for room
+            self.scheduler.requeue_front(job.id)
             return
         if not queue.set_running(control):
             # cancelled between take() and now: we own the job, so we close it out

@@ -119,6 +119,44 @@ def check_models(settings: Settings) -> list[Finding]:
     return findings
 
 
+def check_tray(settings: Settings) -> Finding:
+    """Whether `run` would show a tray icon here, and why not."""
+    from stemdeck_watch.control.tray import detect
+
+    choice = detect(settings.tray.enabled)
+    if choice.backend is not None:
+        return Finding(True, "tray", f"an icon would be shown ({choice.reason})")
+    if settings.tray.enabled is True:
+        return Finding(False, "tray", f"tray.enabled = true, but {choice.reason}")
+    if settings.tray.enabled is False:
+        return Finding(True, "tray", "off (tray.enabled = false)")
+    return Finding(True, "tray", f"none — `run` goes headless: {choice.reason}", warning=True)
+
+
+def check_notify(settings: Settings) -> list[Finding]:
+    """Each notification target apprise can use; "desktop" says what it reaches or what is
+    missing."""
+    from stemdeck_watch.control.notify import DESKTOP, check_urls, resolve_desktop
+    from stemdeck_watch.errors import ConfigError
+
+    notify = settings.notify
+    if not notify.urls or not notify.events:
+        return [Finding(True, "notifications", "off (notify.urls or notify.events is empty)")]
+    findings = []
+    try:
+        check_urls(notify)
+    except ConfigError as exc:
+        findings.append(Finding(False, "notifications", str(exc)))
+    others = [u for u in notify.urls if u != DESKTOP]
+    if others and not findings:
+        findings.append(Finding(True, "notifications", f"{len(others)} apprise URL(s) accepted"))
+    if DESKTOP in notify.urls:
+        url, why = resolve_desktop()
+        findings.append(Finding(True, "desktop notifications", f"through {url}") if url else
+                        Finding(True, "desktop notifications", f"off: {why}", warning=True))
+    return findings
+
+
 def check_links(settings: Settings) -> Finding:
     if not settings.links.enabled:
         return Finding(True, "links", "link files are off (links.enabled = false)")
@@ -143,6 +181,7 @@ def run_doctor(settings: Settings, emit: Callable[[str], None]) -> int:
     checks: list[Callable[[], list[Finding] | Finding]] = [
         lambda: check_folders(settings), lambda: check_watcher(settings),
         lambda: check_decode(settings), lambda: check_models(settings),
+        lambda: check_tray(settings), lambda: check_notify(settings),
         lambda: check_links(settings), lambda: check_service(settings)]
     for check in checks:
         result = check()

@@ -1,6 +1,6 @@
 """An in-process event bus: the pipeline says what happened, anyone may listen.
 
-Listeners (logging, later the tray, notifications and the API stream, and tests) subscribe to
+Listeners (logging, the tray, notifications, the API stream, and tests) subscribe to
 event types; a listener that raises is logged and never disturbs the publisher.
 """
 from __future__ import annotations
@@ -25,6 +25,13 @@ class JobChanged(Event):
     """A job's stored record changed (state, progress, output, error)."""
 
     job: Job
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRemoved(Event):
+    """A finished job was removed on request: its record and outbox folder are gone."""
+
+    job_id: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,16 @@ class JobsRestored(Event):
 
     count: int
     paused: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskLow(Event):
+    """The disk holding `path` (the outbox) is almost full: `free_bytes` left, below
+    `threshold_bytes`; the queue pauses until there is room (raised by the disk check)."""
+
+    path: str
+    free_bytes: int
+    threshold_bytes: int = 0
 
 
 E = TypeVar("E", bound=Event)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import json
 import uuid
 from typing import Any
 
@@ -75,6 +77,8 @@ class Job:
     updated_at: float = 0.0
     finished_at: float | None = None
     version: int = 0
+    sha256: str | None = None  # of the input, once read: duplicates are found by it
+    settings_key: str | None = None  # the separation and output settings, hashed
 
     def to_status(self) -> dict[str, Any]:
         """The job object of `status --json` (design §1)."""
@@ -95,3 +99,12 @@ class Job:
 
 def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def settings_key_of(settings: dict[str, Any] | None) -> str | None:
+    """A short hash of a song's separation and output settings (as its manifest records them):
+    the same content with the same key gives the same stems, which is how a duplicate is told."""
+    if not settings:
+        return None
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

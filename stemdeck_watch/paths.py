@@ -158,6 +158,20 @@ def numbered_siblings(path: Path, keep_suffix: bool = True) -> list[Path]:
     return [path.parent / name for name in sorted(names, key=number)]
 
 
+def find_moved(target: Path, size: int, mtime_ns: int) -> Path | None:
+    """Where a file moved to `target` (or a numbered sibling) went, told by its size and
+    modification time (a move keeps both, also across filesystems): how a restart finds an
+    input whose move finished just before the crash, before the registry heard of it."""
+    for candidate in numbered_siblings(target):
+        try:
+            stat = os.stat(candidate)
+        except OSError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) == (size, mtime_ns):
+            return candidate
+    return None
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """The same inode, or a complete copy of it (same size, mtime and bytes): a copy made by
     `_copy_then_remove` keeps the mtime, which a different file of the same size hardly has."""

@@ -153,11 +153,13 @@ class Prefetcher:
         head = order[0] if order else None
         with self._lock:
             ahead = self._ahead
-            if ahead is not None:
-                if ahead.job.id != head:
-                    self._drop(ahead, NOT_AHEAD)  # moved, cancelled, or taken by the dispatcher
-                return
             running = queue.running()
+            if ahead is not None:
+                # taken by the dispatcher: no longer the head, but about to be claimed
+                taken = running is not None and running.job_id == ahead.job.id
+                if ahead.job.id != head and not taken:
+                    self._drop(ahead, NOT_AHEAD)  # moved or cancelled
+                return
             current = registry.get(running.job_id) if running is not None else None
             if head is None or current is None or current.state is not JobState.SEPARATING:
                 return

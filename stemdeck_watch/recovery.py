@@ -17,13 +17,14 @@ import logging
 import os
 import time
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from stemdeck_watch.config import Settings
 from stemdeck_watch.events import JobsRestored
-from stemdeck_watch.jobs import RUNNING_STATES, Job, JobState
-from stemdeck_watch.paths import numbered_siblings, report_path
-from stemdeck_watch.pipeline.publish import read_manifest, remove_tree
+from stemdeck_watch.jobs import (RUNNING_STATES, Job, JobKind, JobState, new_job_id,
+                                 settings_key_of)
+from stemdeck_watch.paths import find_moved, numbered_siblings, report_path
+from stemdeck_watch.pipeline.publish import MANIFEST, read_manifest, remove_tree
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
 
@@ -45,18 +46,11 @@ def find_published(outbox: Path, job: Job) -> Path | None:
 
 
 def find_quarantined(failed: Path, job: Job) -> Path | None:
-    """The input of a job that was moved into failed/ just before a crash (before the
-    registry heard of it): same relative path, same size and modification time."""
+    """The input of a job that was moved into failed/ just before a crash."""
     if job.signature is None:
         return None
-    for candidate in numbered_siblings(failed / PurePosixPath(job.rel_path)):
-        try:
-            stat = os.stat(candidate)
-        except OSError:
-            continue
-        if (stat.st_size, stat.st_mtime_ns) == (job.signature.size, job.signature.mtime_ns):
-            return candidate
-    return None
+    return find_moved(failed / PurePosixPath(job.rel_path), job.signature.size,
+                      job.signature.mtime_ns)
 
 
 def restore(scheduler: Scheduler, settings: Settings,
@@ -132,3 +126,49 @@ def _remove_leftovers(scratch: Path) -> None:
     if scratch.is_dir():
         for entry in scratch.iterdir():
             remove_tree(entry)
+
+
+def adopt_orphans(scheduler: Scheduler, settings: Settings) -> int:
+    """Adopt outbox song folders the registry does not know as done jobs; returns how many.
+
+    A registry restored from a backup, rebuilt after damage, or a crash at the wrong instant
+    leaves published songs without a job: adopted, they count as separated (no duplicate work)
+    and show in `status`. A folder whose manifest is damaged or incomplete is left alone and
+    named in the log; a folder the user removed (a tombstone) never comes back.
+    """
+    registry = scheduler.registry
+    folders = settings.paths
+    known = registry.outputs()
+    adopted = 0
+    for folder, manifest in _song_folders(folders.outbox):
+        if str(folder) in known or registry.tombstone(str(folder), "output") is not False:
+            continue
+        if manifest is None:
+            log.warning("%s has a damaged or incomplete stemdeck.json; leaving it alone", folder)
+            continue
+        job_id = str(manifest.get("job_id") or new_job_id())
+        if registry.get(job_id) is not None:
+            continue  # its job published it under another name: already accounted for
+        source = manifest.get("input", {})
+        rel_path = str(source.get("rel_path") or folder.name)
+        processed = folders.processed / PurePosixPath(rel_path)
+        registry.add(Job(
+            id=job_id, name=folder.name, kind=JobKind.LINK if "link" in manifest else JobKind.FILE,
+            state=JobState.DONE, source=str(processed), rel_path=rel_path,
+            preset=manifest.get("preset"), progress=1.0, output=str(folder),
+            finished_at=folder.stat().st_mtime, sha256=source.get("sha256"),
+            settings_key=settings_key_of(manifest.get("settings"))))
+        adopted += 1
+    if adopted:
+        log.info("adopted %d song folder(s) in the outbox that the registry did not know",
+                 adopted)
+    return adopted
+
+
+def _song_folders(outbox: Path) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+    """Every folder holding a stemdeck.json (not below it), with its manifest if complete."""
+    for root, dirs, files in os.walk(outbox):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # staging and hidden folders
+        if MANIFEST in files:
+            dirs[:] = []
+            yield Path(root), read_manifest(Path(root))

@@ -8,6 +8,8 @@ file read-only, which is why it works while the service is stopped.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -16,8 +18,10 @@ from typing import Any, Callable, Iterable
 
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
 
+log = logging.getLogger(__name__)
+
 REGISTRY_FILE = "registry.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -39,20 +43,30 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     finished_at REAL,
-    version INTEGER NOT NULL DEFAULT 0
+    version INTEGER NOT NULL DEFAULT 0,
+    sha256 TEXT,
+    settings_key TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
+CREATE TABLE IF NOT EXISTS tombstones (
+    path TEXT NOT NULL, kind TEXT NOT NULL, size INTEGER, mtime_ns INTEGER, inode INTEGER,
+    job_id TEXT, removed_at REAL NOT NULL, PRIMARY KEY (path, kind)
+);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS waiting (
     source TEXT PRIMARY KEY, kind TEXT NOT NULL, since REAL NOT NULL
 );
 """
+# Columns added after the first release: an older registry file gains them on open.
+MIGRATIONS = {2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT",
+                  "ALTER TABLE jobs ADD COLUMN settings_key TEXT")}
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
-    "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version"
+    "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
+    "settings_key"
 )
 _UPDATABLE = {"name", "state", "source", "rel_path", "preset", "progress", "output", "error",
-              "stage", "signature", "attempts", "finished_at"}
+              "stage", "signature", "attempts", "finished_at", "sha256", "settings_key"}
 
 
 class Registry:
@@ -69,11 +83,42 @@ class Registry:
     def open(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(SCHEMA)
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            has_jobs = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'jobs'").fetchone()
+            if has_jobs:
+                for step in range(max(version, 1) + 1, SCHEMA_VERSION + 1):
+                    for statement in MIGRATIONS.get(step, ()):
+                        db.execute(statement)
+            db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("SELECT count(*) FROM jobs").fetchone()  # reads the pages: damage shows
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
         return cls(db, clock, path)
+
+    @classmethod
+    def open_or_rebuild(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
+        """Open the registry; a damaged file never stops the service for good: it is moved
+        aside with a timestamp (named in the log and in `status`) and a new one starts, which
+        orphan adoption and the inbox rescan fill again — only the queue order is lost."""
+        try:
+            return cls.open(path, clock)
+        except sqlite3.DatabaseError as exc:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(clock()))
+            aside = path.with_name(f"{path.name}.damaged-{stamp}")
+            for suffix in ("", "-wal", "-shm"):
+                part = Path(str(path) + suffix)
+                if part.exists():
+                    os.replace(part, Path(str(aside) + suffix))
+            log.error("the job registry %s is damaged (%s); moved it to %s and started a new "
+                      "one from the outbox and the inbox", path, exc, aside)
+            registry = cls.open(path, clock)
+            registry.set_meta("rebuilt_from", f"{aside} ({exc})")
+            return registry
 
     @classmethod
     def open_readonly(cls, path: Path) -> "Registry | None":
@@ -97,12 +142,12 @@ class Registry:
         with self._lock:
             self._db.execute(
                 f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
                  job.preset, job.progress, job.output, job.error, job.stage,
                  sig.size if sig else None, sig.mtime_ns if sig else None,
                  sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
-                 job.finished_at, job.version))
+                 job.finished_at, job.version, job.sha256, job.settings_key))
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -177,6 +222,41 @@ class Registry:
                                     (len(prefix), prefix)).fetchall()
         return [r[0] for r in rows]
 
+    def done_with(self, sha256: str, settings_key: str) -> list[Job]:
+        """Done jobs that separated this content with these settings, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE sha256 = ? AND settings_key = ? "
+                "AND state = ? ORDER BY created_at DESC, rowid DESC",
+                (sha256, settings_key, JobState.DONE.value)).fetchall()
+        return [_job(row) for row in rows]
+
+    def outputs(self) -> set[str]:
+        """Every outbox folder a job has published."""
+        with self._lock:
+            rows = self._db.execute("SELECT output FROM jobs WHERE output IS NOT NULL").fetchall()
+        return {r[0] for r in rows}
+
+    def remove(self, job_id: str, tombstones: list[tuple[str, str, FileSignature | None]]) -> None:
+        """Forget a finished job, leaving tombstones (path, kind, signature) in one step."""
+        now = self._clock()
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT OR REPLACE INTO tombstones (path, kind, size, mtime_ns, inode, job_id, "
+                "removed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(path, kind, sig.size if sig else None, sig.mtime_ns if sig else None,
+                  sig.inode if sig else None, job_id, now) for path, kind, sig in tombstones])
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def tombstone(self, path: str, kind: str) -> FileSignature | None | bool:
+        """False if `path` has no tombstone of `kind`; else its signature (None if none)."""
+        with self._lock:
+            row = self._db.execute("SELECT size, mtime_ns, inode FROM tombstones "
+                                   "WHERE path = ? AND kind = ?", (path, kind)).fetchone()
+        if row is None:
+            return False
+        return FileSignature(*row) if row[0] is not None else None
+
     # ------------------------------------------------------------ queue order, pause, waiting
 
     def save_order(self, job_ids: list[str]) -> None:
@@ -205,10 +285,23 @@ class Registry:
         return row[0] if row else None
 
     def save_waiting(self, entries: list[tuple[str, JobKind, float]]) -> None:
+        """Replace the whole waiting list (tests, repairs); the service changes it row by
+        row with `add_waiting` and `remove_waiting`, so a library of 10,000 files dropped at
+        once costs 10,000 small writes, not 10,000 rewrites of a growing list."""
         with self._lock, self._transaction():
             self._db.execute("DELETE FROM waiting")
             self._db.executemany("INSERT INTO waiting (source, kind, since) VALUES (?, ?, ?)",
                                  [(s, k.value, t) for s, k, t in entries])
+
+    def add_waiting(self, entries: list[tuple[str, JobKind, float]]) -> None:
+        with self._lock, self._transaction():
+            self._db.executemany("INSERT OR REPLACE INTO waiting (source, kind, since) "
+                                 "VALUES (?, ?, ?)", [(s, k.value, t) for s, k, t in entries])
+
+    def remove_waiting(self, sources: list[str]) -> None:
+        with self._lock, self._transaction():
+            self._db.executemany("DELETE FROM waiting WHERE source = ?",
+                                 [(s,) for s in sources])
 
     def waiting(self) -> list[tuple[str, JobKind, float]]:
         with self._lock:
@@ -233,9 +326,11 @@ class _Transaction:
 
 def _job(row: tuple) -> Job:
     (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
-     mtime_ns, inode, attempts, created_at, updated_at, finished_at, version) = row
+     mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256,
+     settings_key) = row
     signature = FileSignature(size, mtime_ns, inode) if size is not None else None
     return Job(id=job_id, name=name, kind=JobKind(kind), state=JobState(state), source=source,
                rel_path=rel_path, preset=preset, progress=progress, output=output, error=error,
                stage=stage, signature=signature, attempts=attempts, created_at=created_at,
-               updated_at=updated_at, finished_at=finished_at, version=version)
+               updated_at=updated_at, finished_at=finished_at, version=version, sha256=sha256,
+               settings_key=settings_key)

@@ -8,18 +8,21 @@ would find.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stemdeck_watch import status
 from stemdeck_watch.config import Settings
 from stemdeck_watch.errors import AmbiguousJob, Conflict, FilesystemError, JobNotFound
 from stemdeck_watch.intake.links import is_link_file
-from stemdeck_watch.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
+from stemdeck_watch.events import (EventBus, JobChanged, JobRemoved, QueueChanged, QueueDrained,
+                                   QueueFull)
 from stemdeck_watch.jobqueue import JobControl, JobQueue
 from stemdeck_watch.jobs import ACTIVE_STATES, FileSignature, Job, JobKind, JobState, new_job_id
 from stemdeck_watch.paths import move_file, report_path
@@ -32,6 +35,7 @@ CANCELLED_BY_USER = "cancelled by you; change the file or drop it again to queue
 PAUSE_USER = "user"
 PAUSE_RESTORE = "restore"
 PAUSE_FOLDER = "folder"
+PAUSE_DISK = "disk"
 
 
 class Scheduler:
@@ -49,6 +53,9 @@ class Scheduler:
         # inputs seen leaving the inbox after their job ended: dropped again, they are new
         self._left: set[str] = set()
         self._full: set[JobKind] = set()  # lanes that announced "queue full" and are still full
+        self._unsaved: list[tuple[str, JobKind, float]] = []  # waiting files not yet on disk
+        self._batch = threading.local()
+        self._kinds: dict[str, JobKind | None] = {}
 
     # ------------------------------------------------------------ intake side
 
@@ -66,7 +73,8 @@ class Scheduler:
                 return False
             job = self.registry.latest_for_source(key)
             if job is None:
-                return True
+                # a song the user removed stays removed until its content changes
+                return self.registry.tombstone(key, "input") != signature
             if job.state is JobState.QUEUED:
                 if job.signature != signature:
                     log.info("%s changed while queued; it keeps its place", source)
@@ -102,8 +110,11 @@ class Scheduler:
             kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
             if self._lane_full(kind):
                 if str(source) not in self._waiting:
-                    self._waiting[str(source)] = (kind, self._clock())
-                    self._save_waiting()
+                    since = self._clock()
+                    self._waiting[str(source)] = (kind, since)
+                    self._unsaved.append((str(source), kind, since))
+                    if not getattr(self._batch, "open", False):
+                        self._flush_waiting()
                     log.info("queue full (%d %ss pending): %s waits in the inbox",
                              self._limit(kind), kind.value, source)
                     self._announce_queue()
@@ -125,11 +136,39 @@ class Scheduler:
         self.bus.publish(JobChanged(job))
         return job
 
+    def _kind_of(self, job_id: str) -> JobKind | None:
+        """A job's kind never changes: remembered, so the lane check per arriving file reads
+        no registry rows (a library dropped at once asks it thousands of times)."""
+        kind = self._kinds.get(job_id)
+        if kind is None:
+            job = self.registry.get(job_id)
+            kind = self._kinds[job_id] = job.kind if job else None
+        return kind
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Admit many files (one intake tick) with one registry write for all that wait: a
+        library of 10,000 files dropped at once must not cost 10,000 disk syncs. A crash
+        before the write loses nothing — the files are still in the inbox and the start-up
+        scan finds them again."""
+        self._batch.open = True
+        try:
+            yield
+        finally:
+            self._batch.open = False
+            self._flush_waiting()
+
+    def _flush_waiting(self) -> None:
+        with self._lock:
+            entries = [e for e in self._unsaved if e[0] in self._waiting]
+            self._unsaved = []
+            if entries:
+                self.registry.add_waiting(entries)
+
     def _lane_full(self, kind: JobKind) -> bool:
         """Whether the lane has no room; announces QueueFull once each time a lane fills."""
         limit = self._limit(kind)
-        pending = sum(1 for job_id in self.queue.order()
-                      if (job := self.registry.get(job_id)) and job.kind is kind)
+        pending = sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind)
         full = pending >= limit
         if full and kind not in self._full:
             self._full.add(kind)
@@ -146,13 +185,17 @@ class Scheduler:
         """Move files from waiting into the queue, in arrival order, while their lane has
         room (a full file lane does not hold back a waiting link, nor the reverse)."""
         with self._lock:
-            changed = False
+            admitted: list[str] = []
             inbox = self.settings.paths.inbox
+            full: set[JobKind] = set()
             for source, (kind, _since) in list(self._waiting.items()):
-                if self._lane_full(kind):
+                if kind in full or self._lane_full(kind):
+                    full.add(kind)
+                    if len(full) == 2:
+                        break
                     continue
                 del self._waiting[source]
-                changed = True
+                admitted.append(source)
                 path = Path(source)
                 try:
                     signature = FileSignature.of(os.stat(path))
@@ -163,8 +206,9 @@ class Scheduler:
                     self._left.discard(source)
                     self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()),
                                  signature)
-            if changed:
-                self._save_waiting()
+            if admitted:
+                self._flush_waiting()
+                self.registry.remove_waiting(admitted)
                 self._announce_queue()
 
     def file_gone(self, source: Path) -> None:
@@ -176,7 +220,8 @@ class Scheduler:
             for waiting in gone:
                 del self._waiting[waiting]
             if gone:
-                self._save_waiting()
+                self._flush_waiting()
+                self.registry.remove_waiting(gone)
                 self._announce_queue()
             jobs = [job for job in self.registry.jobs(ACTIVE_STATES)
                     if job.source == str(source) or job.source.startswith(prefix)]
@@ -345,6 +390,32 @@ class Scheduler:
         log.info("retrying %s as %s", job.name, new.id if new else "a waiting file")
         return new
 
+    def remove(self, job_id: str) -> list[str]:
+        """Forget a finished job: delete its outbox folder and leave tombstones, so neither
+        orphan adoption nor a rescan brings it back. Returns what could not be deleted."""
+        with self._lock:
+            job = self._get(job_id)
+            if not job.state.is_final:
+                raise Conflict(f"{job.name} is {job.state.value}; cancel it first, then remove it")
+            left: list[str] = []
+            if job.output:
+                shutil.rmtree(job.output, onerror=lambda _f, path, exc: left.append(
+                    f"{path} ({exc[1].strerror if isinstance(exc[1], OSError) else exc[1]})"))
+            try:
+                signature = FileSignature.of(os.stat(job.source))
+            except OSError:
+                signature = job.signature
+            tombstones = [(job.source, "input", signature)]
+            if job.output:
+                tombstones.append((job.output, "output", None))
+            self.registry.remove(job.id, tombstones)
+            self._left.discard(job.source)
+        log.info("removed %s (job %s)%s", job.name, job.id,
+                 f"; could not delete {', '.join(left)}" if left else "")
+        self.bus.publish(JobRemoved(job.id))
+        self._announce_queue()
+        return left
+
     def snapshot(self) -> dict[str, Any]:
         """The live `status --json` object (the API's GET /api/queue)."""
         with self._lock:
@@ -370,8 +441,6 @@ class Scheduler:
         with self._lock:
             self.registry.save_order(self.queue.order())
 
-    def _save_waiting(self) -> None:
-        self.registry.save_waiting([(s, k, t) for s, (k, t) in self._waiting.items()])
 
     def _announce_queue(self) -> None:
         self.bus.publish(QueueChanged(paused=self.queue.paused,

@@ -13,8 +13,11 @@ import time
 from typing import Callable
 
 from stemdeck_watch.config import Settings
+from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.control.api import ApiServer
 from stemdeck_watch.control.folder import FolderControl
+from stemdeck_watch.control.notify import Notifier
+from stemdeck_watch.diskguard import DiskGuard
 from stemdeck_watch.dispatcher import Dispatcher
 from stemdeck_watch.events import EventBus
 from stemdeck_watch.intake.watcher import Intake
@@ -23,7 +26,8 @@ from stemdeck_watch.lock import ServiceLock
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
 from stemdeck_watch.prefetch import Prefetcher
-from stemdeck_watch.recovery import restore
+from stemdeck_watch.paths import default_state_dir, filesystem_type, is_network_filesystem
+from stemdeck_watch.recovery import adopt_orphans, restore
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.scheduler import Scheduler
 
@@ -42,6 +46,7 @@ class Service:
         self._lock: ServiceLock | None = None
         self._started = False
         self.api: ApiServer | None = None  # the local API, once started (api.enabled)
+        self.notifier: Notifier | None = None  # notify.urls, on threads of their own
 
     def start(self) -> None:
         folders = self.folders
@@ -50,25 +55,39 @@ class Service:
             folder.mkdir(parents=True, exist_ok=True)
         for preset in self.settings.presets:
             (folders.inbox / preset).mkdir(exist_ok=True)
+        if is_network_filesystem(folders.state):
+            raise ConfigError(
+                f"folders.state = {folders.state} is on a network filesystem "
+                f"({filesystem_type(folders.state)}), where SQLite's locking is unreliable; "
+                f"choose a local folder (the default is {default_state_dir()})")
         self._lock = ServiceLock.acquire(folders.state)
         try:
-            self.registry = Registry.open(folders.state / REGISTRY_FILE, self._clock)
+            self.registry = Registry.open_or_rebuild(folders.state / REGISTRY_FILE, self._clock)
             self.queue = JobQueue()
             self.scheduler = Scheduler(self.registry, self.queue, self.bus, self.settings,
                                        self._clock)
             self.client = WorkerClient(self.settings.separation.device, self._worker_env)
-            self.pipeline = Pipeline(self.settings, self.client, self.bus, self.scheduler.update)
+            self.pipeline = Pipeline(
+                self.settings, self.client, self.bus, self.scheduler.update,
+                lambda sha, key: [job.output for job in self.registry.done_with(sha, key)
+                                  if job.output])
+            self.notifier = Notifier(self.bus, self.settings)
+            self.notifier.start()  # before restore, which announces the restored jobs
             restore(self.scheduler, self.settings, self.pipeline.finish_published)
+            adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
             self.prefetcher = Prefetcher(self.scheduler, self.pipeline)
             self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings,
-                                         self.prefetcher)
+                                         self.prefetcher, DiskGuard(self.scheduler, self.settings))
             self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
             self.folder_control = FolderControl(self.scheduler, folders.inbox, folders.outbox)
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
                         if self.settings.api.enabled else None)
         except BaseException:
+            if self.notifier is not None:
+                self.notifier.stop()
+                self.notifier = None
             self._lock.release()
             raise
         self.dispatcher.start()
@@ -119,18 +138,25 @@ class Service:
         if not self.folder_control.alive():
             log.error("the folder control thread died; restarting it")
             self.folder_control.start()
+        if self.notifier is not None:
+            self.notifier.restart_dead()
 
     def run_until(self, stop: threading.Event) -> None:
         """Run in the foreground until `stop` is set (by a signal handler or a test)."""
         self.start()
         try:
-            while not stop.wait(1.0):
-                try:
-                    self.supervise()
-                except Exception:
-                    log.exception("supervisor tick failed; going on")
+            self.supervise_until(stop)
         finally:
             self.shutdown()
+
+    def supervise_until(self, stop: threading.Event) -> None:
+        """The supervisor tick, once a second, until `stop` is set (on whichever thread: the
+        tray owns the main thread while it runs)."""
+        while not stop.wait(1.0):
+            try:
+                self.supervise()
+            except Exception:
+                log.exception("supervisor tick failed; going on")
 
     def shutdown(self) -> None:
         """Stop watching, cut off the running job (it goes back to the head of the queue, its
@@ -147,6 +173,9 @@ class Service:
         self.dispatcher.stop()
         self.folder_control.stop()
         self.client.close()
+        if self.notifier is not None:  # last: it sends what it still holds
+            self.notifier.stop()
+            self.notifier = None
         self.registry.close()
         if self._lock is not None:
             self._lock.release()

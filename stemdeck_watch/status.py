@@ -23,7 +23,7 @@ class RegistryDamaged(StemdeckError):
 
 def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
           pause_reason: str | None, folders: Folders,
-          service: dict[str, Any]) -> dict[str, Any]:
+          service: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
     """The `status --json` object of design §1 (plus `service` and `folders`).
 
     One builder for the stopped service (read from disk) and the running one (the API), so
@@ -41,6 +41,7 @@ def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, f
         "jobs": [job.to_status() for job in jobs],
         "folders": {name: str(getattr(folders, name))
                     for name in ("inbox", "outbox", "processed", "failed", "state")},
+        "notes": notes or [],
     }
 
 
@@ -57,6 +58,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     order: list[str] = []
     waiting: list[tuple[str, JobKind, float]] = []
     pause_reason = None
+    notes: list[str] = []
     try:
         registry = Registry.open_readonly(path)
         if registry is not None:
@@ -65,6 +67,10 @@ def collect(settings: Settings) -> dict[str, Any]:
                 order = registry.queued_order()
                 waiting = registry.waiting()
                 pause_reason = registry.get_meta("pause_reason") or None
+                rebuilt = registry.get_meta("rebuilt_from")
+                if rebuilt:
+                    notes.append(f"the job registry was damaged and rebuilt; the old file is "
+                                 f"{rebuilt}")
             finally:
                 registry.close()
     except sqlite3.OperationalError as exc:
@@ -74,7 +80,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
     return build(jobs, order, waiting, pause_reason, folders,
-                 {"running": pid is not None, "pid": pid})
+                 {"running": pid is not None, "pid": pid}, notes)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -95,6 +101,7 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
     else:
         lines.append("queue:   running" if service["running"] else "queue:   not paused")
+    lines += [f"note:    {note}" for note in status.get("notes", [])]
     folders = status["folders"]
     lines.append(f"inbox:   {folders['inbox']}")
     lines.append(f"outbox:  {folders['outbox']}")

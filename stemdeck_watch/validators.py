@@ -63,6 +63,35 @@ def text_list(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def choice_list(*allowed: str, what: str = "names") -> Check:
+    """A list of strings, each one of `allowed`; the error lists the valid ones."""
+    valid = ", ".join(show(a) for a in allowed)
+
+    def check(value: Any) -> tuple[str, ...]:
+        try:
+            items = text_list(value)
+        except ValueError:
+            raise ValueError(f"a list of {what} from {valid}") from None
+        unknown = [v for v in items if v not in allowed]
+        if unknown:
+            raise ValueError(f"a list of {what} from {valid} (unknown: "
+                             f"{', '.join(show(v) for v in unknown)})")
+        return tuple(dict.fromkeys(items))
+
+    return check
+
+
+def url_list(value: Any) -> tuple[str, ...]:
+    """Notification targets: "desktop" or URLs with a scheme (apprise checks the rest when
+    the service starts; importing it here would slow every command down)."""
+    items = text_list(value)
+    bad = [v for v in items if v.strip() != "desktop" and "://" not in v]
+    if bad:
+        raise ValueError('a list of apprise URLs such as "json://host/" or "mailto://…", or '
+                         f'"desktop" (not a URL: {", ".join(show(v) for v in bad)})')
+    return tuple(v.strip() for v in items)
+
+
 def extension_list(value: Any) -> tuple[str, ...]:
     items = text_list(value)
     cleaned = tuple(v.lower().lstrip(".") for v in items)

@@ -122,6 +122,7 @@ def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> d
                        for name in ("inbox", "outbox", "processed", "failed", "state")}
     data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
     data["watch"]["settle_seconds"] = 0.3
+    data["notify"]["urls"] = []  # no desktop notifications from the tests (they set their own)
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return data

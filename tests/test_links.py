@@ -312,5 +312,7 @@ def test_the_next_link_downloads_while_the_worker_separates(make_settings, servi
     states = {j.id: j.state for j in finished}
     assert states[first.id] is JobState.DONE and states[a_id] is JobState.DONE
     assert states[b_id] is JobState.CANCELLED
+    # a's prefetched download was used, not fetched again: yt-dlp's probe + one download
+    assert media.requests.count("/song.wav") == 2, media.requests
     wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
     assert outbox_entries(settings.paths.outbox) == {"first", "song"}

@@ -156,3 +156,48 @@ def test_files_held_back_before_a_restart_are_admitted_after_it(settings: Settin
     assert scheduler.waiting() == []
     assert [scheduler.registry.get(i).name for i in scheduler.queue.order()] == ["held"]
     scheduler.registry.close()
+
+
+def test_a_registry_from_the_first_release_gains_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, kind TEXT NOT NULL,
+            state TEXT NOT NULL, source TEXT NOT NULL, rel_path TEXT NOT NULL, preset TEXT,
+            progress REAL NOT NULL DEFAULT 0, output TEXT, error TEXT, stage TEXT, size INTEGER,
+            mtime_ns INTEGER, inode INTEGER, attempts INTEGER NOT NULL DEFAULT 0,
+            position INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            finished_at REAL, version INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+        CREATE TABLE waiting (source TEXT PRIMARY KEY, kind TEXT NOT NULL, since REAL NOT NULL);
+        INSERT INTO jobs (id, name, kind, state, source, rel_path, created_at, updated_at)
+            VALUES ('old', 'song', 'file', 'done', '/x/song.wav', 'song.wav', 1, 1);
+        PRAGMA user_version = 1;
+    """)
+    db.close()
+    registry = Registry.open(path)
+    job = registry.get("old")
+    assert job is not None and job.state is JobState.DONE and job.sha256 is None
+    registry.update("old", sha256="ab", settings_key="cd")
+    assert [j.id for j in registry.done_with("ab", "cd")] == ["old"]
+    registry.close()
+
+
+def test_a_crash_after_the_input_moved_but_before_done_was_stored(settings: Settings) -> None:
+    scheduler = open_scheduler(settings)
+    job = add_job(scheduler, settings, "song", JobState.PUBLISHING)
+    folder = settings.paths.outbox / "song"
+    folder.mkdir()
+    (folder / "vocals.wav").write_bytes(b"x")
+    (folder / "stemdeck.json").write_text(json.dumps(
+        {"job_id": job.id, "stems": [{"file": "vocals.wav"}]}))
+    Path(job.source).rename(settings.paths.processed / "song.wav")  # moved; then the crash
+    scheduler.registry.close()
+
+    scheduler, restored = run_restore(settings)
+    done = scheduler.registry.get(job.id)
+    assert restored == 0 and done.state is JobState.DONE
+    assert done.source == str(settings.paths.processed / "song.wav")  # where it really is
+    scheduler.registry.close()

@@ -59,14 +59,17 @@ def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_f
     audio = song(4.0)
     target = settings.paths.inbox / "slow.wav"
     reopening = settings.paths.inbox / "reopened.wav"
-    buffer = io.BytesIO()
-    soundfile.write(buffer, audio, SR, subtype="PCM_16", format="WAV")
-    data = buffer.getvalue()
-    chunks = [data[i:i + len(data) // 12 + 1] for i in range(0, len(data), len(data) // 12 + 1)]
+
+    def chunks_of(seed: int) -> list[bytes]:  # two different songs: the same one is a duplicate
+        buffer = io.BytesIO()
+        soundfile.write(buffer, song(4.0, seed=seed), SR, subtype="PCM_16", format="WAV")
+        data = buffer.getvalue()
+        step = len(data) // 12 + 1
+        return [data[i:i + step] for i in range(0, len(data), step)]
 
     # written over ~3.5 s, once through one open file and once reopening it for every chunk
-    writers = [threading.Thread(target=write_paced, args=(target, chunks, 0.3, False)),
-               threading.Thread(target=write_paced, args=(reopening, chunks, 0.3, True))]
+    writers = [threading.Thread(target=write_paced, args=(target, chunks_of(0), 0.3, False)),
+               threading.Thread(target=write_paced, args=(reopening, chunks_of(1), 0.3, True))]
     for writer in writers:
         writer.start()
     for writer in writers:

@@ -64,6 +64,7 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
         (JOB, {"GET": "job"}),
         (JOB + r"/cancel", {"POST": "cancel"}),
         (JOB + r"/retry", {"POST": "retry"}),
+        (JOB + r"/remove", {"POST": "remove"}),
         (JOB + r"/move", {"POST": "move"}),
     )
 ]
@@ -328,6 +329,11 @@ class _Handler(BaseHTTPRequestHandler):
         if new is None:
             reply["note"] = f"the queue is full: {old.name} waits in the inbox until there is room"
         return reply
+
+    def _api_remove(self, scheduler: Any, body: dict[str, Any], ref: str) -> dict[str, Any]:
+        _only(body)
+        job = scheduler.find(ref)
+        return {"removed": job.to_status(), "not_deleted": scheduler.remove(job.id)}
 
     def _api_move(self, scheduler: Any, body: dict[str, Any], ref: str) -> dict[str, Any]:
         return self._move(scheduler, ref, *_move_target(body))

@@ -196,8 +196,9 @@ class Intake:
                     folders, self._scan_dirs = self._scan_dirs, []
                 for folder in folders:
                     self.scan(folder)
-                for path, signature in self.tracker.ready():
-                    self._admit(path, signature)
+                with self.scheduler.admitting():
+                    for path, signature in self.tracker.ready():
+                        self._admit(path, signature)
             except Exception:
                 log.exception("the intake loop failed; going on")
 

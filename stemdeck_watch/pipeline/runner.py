@@ -20,8 +20,8 @@ from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.events import EventBus, JobSeparated
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.intake.links import read_link
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
-from stemdeck_watch.paths import move_file
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
+from stemdeck_watch.paths import find_moved, move_file
 from stemdeck_watch.pipeline import publish
 from stemdeck_watch.pipeline.decode import decode_to_file
 from stemdeck_watch.pipeline.fetch import Downloaded, download
@@ -48,11 +48,13 @@ class StageTimer:
 
 class Pipeline:
     def __init__(self, settings: Settings, client: WorkerClient, bus: EventBus,
-                 update: Callable[..., Job]):
+                 update: Callable[..., Job],
+                 published: Callable[[str, str], list[str]] = lambda _sha, _key: []):
         self.settings = settings
         self.client = client
         self.bus = bus
         self._update = update
+        self._published = published  # outbox folders of done jobs with this content + settings
         self._lock = threading.Lock()
 
     def prepare(self, job: Job, control: JobControl,
@@ -77,17 +79,18 @@ class Pipeline:
             scratch = folders.scratch / job.id
             staging = folders.staging / job.id
             try:
-                output = self._run(job, control, scratch, staging, claim)
+                output, note = self._run(job, control, scratch, staging, claim)
             finally:
                 publish.remove_tree(scratch)
                 publish.remove_tree(staging)
                 publish.remove_if_empty(folders.staging)
             # announced as done only once the hidden staging folder is gone too
-            return self.finish_published(job, Path(job.source), output)
+            return self.finish_published(job, Path(job.source), output, note)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
-             claim: Claim | None) -> Path:
-        """Download (links), decode, separate and publish; returns the published folder."""
+             claim: Claim | None) -> tuple[Path, str | None]:
+        """Download (links), decode, separate and publish; returns the published folder (or
+        the existing one of a duplicate) and a note for the job."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
@@ -108,6 +111,19 @@ class Pipeline:
             source = link.path
 
         report.stage(JobState.DECODING, start)
+        try:
+            digest, size = publish.sha256_of(source), source.stat().st_size
+        except OSError as exc:
+            control.check()  # taken away while we read it: a cancel, not a failure
+            raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
+        settings = {"separation": dataclasses.asdict(sep), "output": dataclasses.asdict(out)}
+        key = settings_key_of(settings) or ""
+        copy = self._duplicate_of(digest, key)
+        if copy is not None:
+            log.info("%s was separated before with the same settings: the stems are in %s",
+                     Path(job.source).name, copy)
+            return copy, f"already separated with the same settings: the stems are in {copy}"
+        self._update(job.id, sha256=digest, settings_key=key)
         started = time.monotonic()
         model = self.client.ensure_model(sep.model, str(repo) if repo else None, control)
         timer.measure("model", started)
@@ -116,11 +132,6 @@ class Pipeline:
                                  model.audio_channels, control.check,
                                  lambda v: report.progress(start + DECODE_SHARE * v))
         timer.measure("decode", started)
-        try:
-            digest, size = publish.sha256_of(source), source.stat().st_size
-        except OSError as exc:
-            control.check()  # taken away while we read it: a cancel, not a failure
-            raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
         control.check()
 
         separate_share = SEPARATE_SHARE - start
@@ -149,7 +160,7 @@ class Pipeline:
                       "samplerate": model.samplerate, "sources": list(model.sources)},
             "preset": job.preset,
             **({"link": link.manifest()} if link else {}),
-            "settings": {"separation": dataclasses.asdict(sep), "output": dataclasses.asdict(out)},
+            "settings": settings,
             "stems": entries,
             "timings": timer.timings,
             "versions": self.client.versions,
@@ -162,24 +173,40 @@ class Pipeline:
         log.info("published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
                  source.name, output, timer.timings["decode"], timer.timings["separate"],
                  timer.timings["write"])
-        return output
+        return output, None
 
-    def finish_published(self, job: Job, source: Path, output: Path) -> Job:
+    def _duplicate_of(self, digest: str, key: str) -> Path | None:
+        """A complete outbox folder of a done job with the same content and settings, if
+        duplicates are skipped (`queue.on_duplicate`)."""
+        if self.settings.queue.on_duplicate != "skip":
+            return None
+        for folder in self._published(digest, key):
+            if publish.read_manifest(Path(folder)) is not None:
+                return Path(folder)
+        return None
+
+    def finish_published(self, job: Job, source: Path, output: Path,
+                         note: str | None = None) -> Job:
         """Move the input to processed/ — only now that its stems are safely published."""
-        error = None
+        error = note
         moved_to = source
         try:
             current = FileSignature.of(os.stat(source))
         except OSError:
             current = None
+        target = self.settings.paths.processed / PurePosixPath(job.rel_path)
         if current is None:
-            log.info("%s is no longer in the inbox; nothing to move", source)
+            # gone: taken away, or moved here just before a crash cut off the registry write
+            sig = job.signature
+            moved = find_moved(target, sig.size, sig.mtime_ns) if sig else None
+            moved_to = moved or source
+            log.info("%s is no longer in the inbox; %s", source,
+                     f"it is at {moved}" if moved else "nothing to move")
         elif job.signature is not None and current != job.signature:
             error = (f"stems published, but {source} changed while it was separated, so it "
                      f"stays in the inbox and will be separated again")
             log.warning("%s", error)
         else:
-            target = self.settings.paths.processed / PurePosixPath(job.rel_path)
             try:
                 moved_to = move_file(source, target)
             except FilesystemError as exc:

@@ -1,0 +1,3 @@
+@echo off
+rem Written by `stemdeck-watch autostart`; config: C:\Users\you\AppData\Local\stemdeck-watch\stemdeck.toml
+start "stemdeck-watch" /min C:\Users\you\stemdeck-watch\.venv\Scripts\stemdeck-watch.exe --config C:\Users\you\AppData\Local\stemdeck-watch\stemdeck.toml run
