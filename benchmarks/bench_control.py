@@ -53,6 +53,9 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import cpu_snapshot, machine, other_cores, wait_quiet  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import child_pids  # noqa: E402,F401  (bench_links imports it from here)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "control.json"
 SONG_SECONDS = 30.0    # the songs that are cancelled while they separate
 SHIFTS = 2             # [separation] shifts: ~4 s of separation per song on a quiet 2-core box
@@ -93,21 +96,6 @@ def poll_until(predicate: Callable[[], Any], timeout: float, what: str,
             raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
         pace.wait(interval)
     return value
-
-
-def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this process, as tests/conftest.py looks."""
-    me, children = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                children.add(int(entry))
-    return children
 
 
 class JobWatch:
