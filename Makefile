@@ -13,7 +13,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-control bench-links bench-notify clean
+.PHONY: demo test install bench bench-intake bench-control bench-links bench-notify bench-restore clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ bench: install
 	$(BIN)/python benchmarks/bench_control.py
 	$(BIN)/python benchmarks/bench_links.py
 	$(BIN)/python benchmarks/bench_notify.py
+	$(BIN)/python benchmarks/bench_restore.py
+	$(BIN)/python benchmarks/bench_intake.py
+
+bench-intake: install
+	$(BIN)/python benchmarks/bench_intake.py
 
 bench-control: install
 	$(BIN)/python benchmarks/bench_control.py
@@ -49,6 +54,9 @@ bench-links: install
 
 bench-notify: install
 	$(BIN)/python benchmarks/bench_notify.py
+
+bench-restore: install
+	$(BIN)/python benchmarks/bench_restore.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 import time
 import traceback
 
@@ -19,6 +20,7 @@ from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.diskguard import DiskGuard
 from stemdeck_watch.prefetch import Prefetcher
+from stemdeck_watch.recovery import find_published
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
 from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
@@ -138,6 +140,13 @@ class Dispatcher:
                               progress=0.0, finished_at=time.time())
 
     def _failed(self, job: Job, stage: str, message: str, details: str) -> None:
+        published = find_published(self.settings.paths.outbox, job)
+        if published is not None:
+            # the song is out; only recording it failed (a registry write): record it again
+            log.error("%s was published to %s but recording it failed (%s); recording again",
+                      job.name, published, message)
+            self.pipeline.finish_published(job, Path(job.source), published)
+            return
         if not os.path.lexists(job.source):
             # taken away while the step ran (its delete event may still be on the way): the
             # user removed the song, so this is a cancel, with nothing to quarantine

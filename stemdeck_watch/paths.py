@@ -75,7 +75,14 @@ def _rename_no_replace(src: Path, dst: Path) -> None:
                                  errno.EMLINK, errno.ENOSYS):
                 raise
         else:
-            os.unlink(src)
+            try:
+                os.unlink(src)
+            except OSError:  # the move did not happen: never leave the file in two places
+                try:
+                    os.unlink(dst)
+                except OSError:
+                    pass
+                raise
             return
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, "exists", str(dst))

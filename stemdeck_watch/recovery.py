@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from stemdeck_watch.config import Settings
 from stemdeck_watch.events import JobsRestored
@@ -140,9 +140,10 @@ def adopt_orphans(scheduler: Scheduler, settings: Settings) -> int:
     folders = settings.paths
     known = registry.outputs()
     adopted = 0
-    for folder, manifest in _song_folders(folders.outbox):
+    for folder in _song_folders(folders.outbox):
         if str(folder) in known or registry.tombstone(str(folder), "output") is not False:
             continue
+        manifest = read_manifest(folder)  # only for folders nobody knows: start-up stays fast
         if manifest is None:
             log.warning("%s has a damaged or incomplete stemdeck.json; leaving it alone", folder)
             continue
@@ -165,10 +166,10 @@ def adopt_orphans(scheduler: Scheduler, settings: Settings) -> int:
     return adopted
 
 
-def _song_folders(outbox: Path) -> Iterator[tuple[Path, dict[str, Any] | None]]:
-    """Every folder holding a stemdeck.json (not below it), with its manifest if complete."""
+def _song_folders(outbox: Path) -> Iterator[Path]:
+    """Every folder holding a stemdeck.json (not below it)."""
     for root, dirs, files in os.walk(outbox):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # staging and hidden folders
         if MANIFEST in files:
             dirs[:] = []
-            yield Path(root), read_manifest(Path(root))
+            yield Path(root)

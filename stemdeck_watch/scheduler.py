@@ -437,9 +437,15 @@ class Scheduler:
     # ------------------------------------------------------------ persistence
 
     def _save_order(self) -> None:
-        # read and written under the lock: two savers must not store an older order last
+        # read and written under the lock: two savers must not store an older order last.
+        # A job just taken but not started yet is still "queued" on disk: it keeps the head,
+        # or a crash in that instant would restore it last.
         with self._lock:
-            self.registry.save_order(self.queue.order())
+            order = self.queue.order()
+            taken = self.queue.running()
+            if taken is not None and taken.job_id not in order:
+                order.insert(0, taken.job_id)
+            self.registry.save_order(order)
 
 
     def _announce_queue(self) -> None:
