@@ -13,7 +13,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-intake bench-control bench-links bench-notify bench-restore clean
+.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench: install
 	$(BIN)/python benchmarks/bench_notify.py
 	$(BIN)/python benchmarks/bench_restore.py
 	$(BIN)/python benchmarks/bench_intake.py
+	$(BIN)/python benchmarks/bench_memory.py
+
+bench-memory: install
+	$(BIN)/python benchmarks/bench_memory.py
 
 bench-intake: install
 	$(BIN)/python benchmarks/bench_intake.py

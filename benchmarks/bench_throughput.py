@@ -133,7 +133,8 @@ def run_service(clips: list[Path], repo: Path, root: Path, settle: float) -> dic
         service.shutdown()
     if failed:
         raise RuntimeError(f"(a) jobs failed: {failed}")
-    outputs = [o for o in settings.paths.outbox.iterdir() if not o.name.startswith(".")]
+    outputs = [o for o in settings.paths.outbox.iterdir()
+               if o.is_dir() and not o.name.startswith(".")]
     if len(outputs) != len(clips) or any(sorted(p.stem for p in o.glob("*.wav")) != sorted(STEMS)
                                          for o in outputs):
         raise RuntimeError(f"(a) the outbox does not hold {len(clips)} folders of 4 stems")

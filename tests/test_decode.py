@@ -1,7 +1,6 @@
 """PyAV decoding of real files the tests synthesise, and clear errors for bad ones."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +51,9 @@ def _truncate(path: Path, keep: float) -> Path:
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda d: _write(d / "random.mp3", os.urandom(40_000)), ["random.mp3", "not an audio"]),
+    # seeded: about 1 in 100 random buffers probes as a subtitle or video container
+    (lambda d: _write(d / "random.mp3", np.random.default_rng(0).bytes(40_000)),
+     ["random.mp3", "not an audio"]),
     (lambda d: _write(d / "text.wav", b"just some notes\n" * 200), ["text.wav", "not an audio"]),
     (lambda d: _truncate(write_song(d / "cut.wav", 4.0), 0.5), ["cut.wav", "truncated"]),
     (lambda d: _truncate(write_song(d / "cut.flac", 4.0), 0.5), ["cut.flac", "copy it"]),
@@ -106,3 +107,31 @@ def _video_only(path: Path) -> Path:
         for packet in stream.encode(None):
             container.mux(packet)
     return path
+
+
+def test_decoding_streams_to_disk_and_accumulates_the_normalisation_statistics(
+        tmp_path: Path) -> None:
+    source = write_song(tmp_path / "song.flac", 7.3)
+    decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
+    audio = np.load(decoded.path)
+    # frame-major on disk (each block one append), still (channels, frames) when loaded
+    assert audio.shape == (2, decoded.frames) and audio.flags.f_contiguous
+    mono = audio.astype(np.float64).mean(axis=0)
+    assert decoded.mean == pytest.approx(mono.mean(), rel=1e-9, abs=1e-12)
+    assert decoded.std == pytest.approx(mono.std(ddof=1), rel=1e-9)
+    assert decoded.stats == (decoded.mean, decoded.std)
+
+
+def test_a_cancel_removes_the_partly_written_file(tmp_path: Path) -> None:
+    source = write_song(tmp_path / "long.wav", 20.0)
+    target = tmp_path / "out.npy"
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if target.exists() and target.stat().st_size > 1 << 20:  # well into the song
+            raise Cancelled("removed")
+
+    with pytest.raises(Cancelled):
+        decode_to_file(source, target, SR, 2, check)
+    assert len(calls) > 3 and not target.exists()

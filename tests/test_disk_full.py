@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from stemdeck_watch.events import DiskLow
+from stemdeck_watch.events import DiskLow, JobChanged
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.synth import write_song
 
@@ -62,3 +62,26 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
     write_song(settings.paths.inbox / "big.wav", 1.2)
     done = wait_for(lambda: [j for j in jobs.final() if j.state is JobState.DONE], 60, "done")
     assert done and not service.queue.paused
+
+
+def test_a_write_that_fails_mid_song_leaves_no_partial_folder(make_settings, service_factory,
+                                                             small_outbox: Path, monkeypatch):
+    from stemdeck_watch import diskguard
+
+    monkeypatch.setattr(diskguard, "MARGIN", 0)
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+
+    def fill_the_disk(event: JobChanged) -> None:  # after the check, before the write
+        if event.job.state is JobState.SEPARATING:
+            filler = small_outbox / "filler.bin"
+            if not filler.exists():
+                free = os.statvfs(small_outbox).f_bavail * os.statvfs(small_outbox).f_frsize
+                filler.write_bytes(b"\0" * max(0, free - 64 * 1024))
+
+    service.bus.subscribe(JobChanged, fill_the_disk)
+    write_song(settings.paths.inbox / "song.wav", 2.0)
+    job = jobs.wait_final(1)[0]
+    assert job.state is JobState.FAILED and "No space left" in job.error, job.error
+    assert outbox_entries(small_outbox) - {"filler.bin"} == set()
+    assert (settings.paths.failed / "song.wav").is_file()  # the input is safe

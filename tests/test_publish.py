@@ -13,6 +13,7 @@ from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import PublishError
 from stemdeck_watch.pipeline.publish import (publish_folder, read_manifest, write_manifest,
                                              write_song)
+from stemdeck_watch.pipeline.scratch import AudioWriter
 
 SR = 44100
 SOURCES = ("drums", "bass", "other", "vocals")
@@ -109,3 +110,109 @@ def test_publish_never_overwrites_and_the_manifest_marks_completion(tmp_path: Pa
     (final / "bass.wav").unlink()
     assert read_manifest(final) is None  # a listed stem is missing: incomplete
     assert json.loads((final / "stemdeck.json").read_text())["stemdeck_watch"]
+
+
+def _whole_song_reference(stems: dict[str, Path], members: list[str],
+                          o: OutputSettings) -> np.ndarray:
+    """What publish wrote before it streamed: the whole output in memory, one clip rule."""
+    audio = np.array(np.load(stems[members[0]]), dtype=np.float32)
+    for member in members[1:]:
+        audio += np.load(stems[member])
+    if o.format == "wav" and o.bit_depth == 32:
+        return audio
+    if o.clip == "clamp":
+        return np.clip(audio, -1.0, 1.0)
+    return audio / max(1.01 * float(np.abs(audio).max()), 1.0)
+
+
+@pytest.fixture
+def worker_stems(tmp_path: Path) -> dict[str, Path]:
+    """Stems as the worker writes them (frame-major, appended window by window), with the
+    loudest moment of every stem in the last block."""
+    rng = np.random.default_rng(2)
+    result = {}
+    for i, name in enumerate(SOURCES):
+        path = tmp_path / "wstems" / f"{name}.npy"
+        path.parent.mkdir(exist_ok=True)
+        audio = (0.3 * (i + 1) * rng.standard_normal((2, 3 * SR + 77))).astype(np.float32)
+        audio[:, -5] = 2.5 + i  # the peak comes late: every earlier block must wait for it
+        with AudioWriter(path, 2) as writer:
+            for start in range(0, audio.shape[1], SR // 3):
+                writer.write(audio[:, start:start + SR // 3])
+        result[name] = path
+    return result
+
+
+@pytest.mark.parametrize("o", [
+    out(format="wav", bit_depth=16), out(format="wav", bit_depth=24, clip="clamp"),
+    out(format="wav", bit_depth=32), out(format="flac", bit_depth=16),
+    out(format="flac", bit_depth=24, clip="clamp"),
+], ids=["wav16-rescale", "wav24-clamp", "wav32", "flac16-rescale", "flac24-clamp"])
+def test_streamed_outputs_equal_the_whole_song_written_at_once(tmp_path, worker_stems, o):
+    o = dataclasses.replace(o, mixes={"instrumental": ("drums", "bass", "other")})
+    entries = write_song(tmp_path / "s", worker_stems, SR, "song", sep(two_stems="vocals"), o,
+                         block_frames=10_000)  # many blocks, the last one short
+    plan = {"vocals": ["vocals"], "no_vocals": ["drums", "bass", "other"],
+            "instrumental": ["drums", "bass", "other"]}
+    assert [e["name"] for e in entries] == list(plan)
+    for entry in entries:
+        assert entry["frames"] == 3 * SR + 77 and entry["channels"] == 2
+        expected = _whole_song_reference(worker_stems, plan[entry["name"]], o)
+        reference = tmp_path / f"ref-{entry['file']}"
+        soundfile.write(reference, expected.T, SR, format=o.format.upper(),
+                        subtype={16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[o.bit_depth])
+        got, _ = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
+        want, _ = soundfile.read(reference, dtype="float32")
+        assert np.array_equal(got, want), entry["name"]
+        if o.clip == "rescale" and o.bit_depth != 32:
+            assert 0.98 < np.abs(got).max() < 1.0  # one factor, from the late peak
+
+
+def test_streamed_mp3_is_the_same_encoding_as_the_whole_song_at_once(tmp_path, worker_stems):
+    import lameenc
+
+    o = out(format="mp3", mp3_bitrate=192)
+    write_song(tmp_path / "s", worker_stems, SR, "song", sep(), o, block_frames=10_000)
+    audio = _whole_song_reference(worker_stems, ["bass"], o)
+    encoder = lameenc.Encoder()
+    encoder.set_bit_rate(192)
+    encoder.set_in_sample_rate(SR)
+    encoder.set_channels(2)
+    encoder.set_quality(2)
+    whole = encoder.encode((np.clip(audio.T, -1, 1) * 32767).astype("<i2").tobytes())
+    assert (tmp_path / "s" / "bass.mp3").read_bytes() == whole + encoder.flush()
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
+        tmp_path: Path, stems, fmt, monkeypatch) -> None:
+    import errno
+
+    from stemdeck_watch.pipeline import publish
+
+    class FillingUp:
+        """A raw file on a disk with 100 kB left: one short write, then ENOSPC."""
+
+        def __init__(self, handle):
+            self._handle, self._left = handle, 100_000
+
+        def write(self, data) -> int:
+            if self._left <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = self._handle.write(memoryview(data)[:self._left])
+            self._left -= n
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+    monkeypatch.setattr(publish, "open", lambda *a, **k: FillingUp(open(*a, **k)),
+                        raising=False)
+    with pytest.raises(PublishError, match="could not write .*drums.* No space left"):
+        write_song(tmp_path / "s", stems, SR, "song", sep(), out(format=fmt), block_frames=4096)

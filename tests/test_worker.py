@@ -127,3 +127,24 @@ def _capture(errors: list[BaseException], fn, *args) -> None:
         fn(*args)
     except BaseException as exc:
         errors.append(exc)
+
+
+def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model_repo, tmp_path):
+    from stemdeck_watch.pipeline.scratch import stats_of
+
+    client.ensure_model("tiny", str(model_repo))
+    source = mix(tmp_path, 12.0)
+    kwargs = dict(shifts=0, overlap=0.25, segment=None)  # no random shifts: comparable runs
+    whole = client.separate("job", "tiny", str(model_repo), source, tmp_path / "whole",
+                            control=JobControl("job"), on_progress=lambda v: None, **kwargs)
+    progress: list[float] = []
+    windows = client.separate("job", "tiny", str(model_repo), source, tmp_path / "win",
+                              control=JobControl("job"), on_progress=progress.append,
+                              stats=stats_of(source), window=2.5, **kwargs)  # 5 windows
+    assert len(progress) >= 4 and progress == sorted(progress)  # one per 4 s segment
+    assert progress[-1] == pytest.approx(1.0)
+    for name, path in windows.stems.items():
+        got, want = np.load(path), np.load(whole.stems[name])
+        assert got.shape == want.shape == (2, 12 * SR)
+        snr = 10 * np.log10(np.square(want).sum() / max(np.square(got - want).sum(), 1e-30))
+        assert snr > 100, f"{name}: {snr:.1f} dB"

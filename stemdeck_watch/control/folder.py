@@ -121,6 +121,10 @@ class FolderControl:
                 os.fsync(handle.fileno())
             os.replace(tmp, self.status_path)
         except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)  # never leave a half-written status beside the songs
+            except OSError:
+                pass
             log.warning("could not write %s: %s", self.status_path, exc)
 
 

@@ -4,6 +4,10 @@ PyAV decodes every input format from its own wheels, without a system ffmpeg, an
 one frame at a time, so a cancel is honoured between frames. Files that decode "fine" but are
 cut short (a wav or flac copied half-way) are caught by comparing what the header promises
 with what came out: separating half a song and calling it done would lose the rest silently.
+
+Decoding streams: resampled blocks are appended to the scratch file as they come (see
+pipeline/scratch.py) and the normalisation statistics demucs needs are accumulated on the way,
+so the service never holds the whole song, however long it is.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from stemdeck_watch.errors import DecodeError
+from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioWriter, RunningStats
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +37,29 @@ class DecodedAudio:
     source_codec: str
     source_samplerate: int
     source_channels: int
+    # demucs's normalisation statistics of the decoded audio: mean and (unbiased) standard
+    # deviation of its mono mix, accumulated while decoding
+    mean: float | None = None
+    std: float | None = None
 
     @property
     def seconds(self) -> float:
         return self.frames / self.samplerate
 
+    @property
+    def stats(self) -> tuple[float, float] | None:
+        """(mean, std) for the worker (`WorkerClient.separate(stats=...)`), or None."""
+        if self.mean is None or self.std is None:
+            return None
+        return self.mean, self.std
+
 
 def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
                    check_cancel: Callable[[], None] = lambda: None,
                    on_progress: Callable[[float], None] = lambda _: None) -> DecodedAudio:
-    """Decode `source` into `target` (.npy, shape (channels, frames), float32)."""
+    """Decode `source` into `target` (.npy, shape (channels, frames), float32), streaming:
+    frames go to disk in blocks as they are decoded (see pipeline/scratch.py), so memory does
+    not grow with the song. On any failure or cancel `target` is removed."""
     import av  # imported here: commands that never decode should not pay for it
 
     try:
@@ -65,38 +83,67 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
         src_channels = stream.codec_context.channels
         total_seconds = float(container.duration / 1_000_000) if container.duration else None
         layout = "stereo" if channels == 2 else "mono"
+        out_channels = 2 if channels == 2 else 1
         resampler = av.AudioResampler(format="fltp", layout=layout, rate=samplerate)
-        chunks: list[np.ndarray] = []
-        source_frames = 0
-        try:
-            for frame in container.decode(stream):
-                check_cancel()
-                source_frames += frame.samples
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray())
-                if total_seconds and frame.time is not None:
-                    on_progress(min(1.0, float(frame.time) / total_seconds))
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray())
-        except av.error.FFmpegError as exc:
-            done = source_frames / src_rate if src_rate else 0
-            raise DecodeError(f"could not decode {source}: the audio data is damaged after "
-                              f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}") from None
-    _check_complete(source, source_frames, src_rate)
-    audio = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), np.float32)
-    audio = np.ascontiguousarray(audio[:channels], dtype=np.float32)
-    if audio.shape[1] < MIN_SECONDS * samplerate:
-        raise DecodeError(f"could not separate {source}: it holds only {audio.shape[1]} samples "
-                          f"({audio.shape[1] / samplerate:.2f} s) of audio; stemdeck-watch needs "
-                          f"at least {MIN_SECONDS:g} s")
-    if not np.isfinite(audio).all():
-        raise DecodeError(f"could not decode {source}: the decoded audio contains invalid "
-                          f"(NaN or infinite) samples; {COPY_AGAIN}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    np.save(target, audio)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with AudioWriter(target, out_channels) as writer:
+            sink = _Sink(source, writer)
+            source_frames = 0
+            try:
+                for frame in container.decode(stream):
+                    check_cancel()
+                    source_frames += frame.samples
+                    for out in resampler.resample(frame):
+                        sink.add(out.to_ndarray())
+                    if total_seconds and frame.time is not None:
+                        on_progress(min(1.0, float(frame.time) / total_seconds))
+                for out in resampler.resample(None):
+                    sink.add(out.to_ndarray())
+                sink.flush()
+            except av.error.FFmpegError as exc:
+                done = source_frames / src_rate if src_rate else 0
+                raise DecodeError(f"could not decode {source}: the audio data is damaged after "
+                                  f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}") from None
+            _check_complete(source, source_frames, src_rate)
+            if writer.frames < MIN_SECONDS * samplerate:
+                raise DecodeError(f"could not separate {source}: it holds only {writer.frames} "
+                                  f"samples ({writer.frames / samplerate:.2f} s) of audio; "
+                                  f"stemdeck-watch needs at least {MIN_SECONDS:g} s")
+        frames = writer.frames
     on_progress(1.0)
-    return DecodedAudio(target, audio.shape[1], samplerate, channels, codec,
-                        src_rate, src_channels)
+    return DecodedAudio(target, frames, samplerate, out_channels, codec, src_rate, src_channels,
+                        mean=sink.stats.mean, std=sink.stats.std)
+
+
+class _Sink:
+    """Collects resampled frames into blocks of BLOCK_FRAMES, checks them, adds them to the
+    statistics and appends them to the scratch file."""
+
+    def __init__(self, source: Path, writer: AudioWriter):
+        self.source = source
+        self.writer = writer
+        self.stats = RunningStats()
+        self._pending: list[np.ndarray] = []
+        self._pending_frames = 0
+
+    def add(self, planar: np.ndarray) -> None:
+        self._pending.append(planar[:self.writer.channels])
+        self._pending_frames += planar.shape[1]
+        if self._pending_frames >= BLOCK_FRAMES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        block = (self._pending[0] if len(self._pending) == 1
+                 else np.concatenate(self._pending, axis=1))
+        self._pending, self._pending_frames = [], 0
+        block = np.asarray(block, dtype=np.float32)
+        if not np.isfinite(block).all():
+            raise DecodeError(f"could not decode {self.source}: the decoded audio contains "
+                              f"invalid (NaN or infinite) samples; {COPY_AGAIN}")
+        self.stats.add_audio(block)
+        self.writer.write(block)
 
 
 def _check_complete(source: Path, decoded: int, rate: int) -> None:

@@ -5,6 +5,9 @@ folder inside the outbox (same filesystem), flushed, and renamed into `outbox/<n
 step, so a sync client never uploads half a result. The manifest is written last and names the
 job: a folder with a complete manifest is a published song, which is how a restart tells
 "published, then crashed" from "crashed while writing".
+
+Stems are read from the worker's scratch files and written block by block (mixes summed block
+by block), so publishing a song of any length takes the same memory.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -23,11 +26,13 @@ from stemdeck_watch import __version__
 from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import FilesystemError, PublishError
 from stemdeck_watch.paths import fsync_dir, unique_path
+from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
+PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
 
 
 def sha256_of(path: Path) -> str:
@@ -62,65 +67,155 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
 
 
 def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str,
-               sep: SeparationSettings, out: OutputSettings) -> list[dict[str, Any]]:
-    """Write every stem and mix into `staging`; returns the manifest's file entries."""
+               sep: SeparationSettings, out: OutputSettings,
+               block_frames: int = PUBLISH_BLOCK) -> list[dict[str, Any]]:
+    """Write every stem and mix into `staging`; returns the manifest's file entries.
+
+    Streams: each output is read, summed (mixes, `no_<stem>`) and written `block_frames` at a
+    time, so memory does not grow with the song. With `output.clip = "rescale"` each file is
+    scaled by one factor from its own peak, so the peaks of every output are found first, in
+    one pass over the stems, before anything is written."""
     staging.mkdir(parents=True, exist_ok=True)
-    loaded = {stem: np.load(path, mmap_mode="r") for stem, path in stems.items()}
+    plan = plan_outputs(stems, sep, out)
+    readers = {stem: AudioReader(path) for stem, path in stems.items()}
+    frames = min((r.frames for r in readers.values()), default=0)
+    gains = _gains(plan, readers, frames, out, block_frames)
     entries = []
-    for output, (kind, members) in plan_outputs(stems, sep, out).items():
-        audio = np.array(loaded[members[0]], dtype=np.float32)
-        for member in members[1:]:
-            audio += loaded[member]
+    for output, (kind, members) in plan.items():
         filename = out.layout.format(stem=output, name=name, ext=EXTENSIONS[out.format],
                                      model=sep.model)
         path = staging / filename
         path.parent.mkdir(parents=True, exist_ok=True)
+        channels = readers[members[0]].channels
+        blocks = (_prevent_clip(_sum_block(readers, members, start, stop), out, gains[output])
+                  for start, stop in _spans(frames, block_frames))
         try:
-            _write_audio(path, _prevent_clip(audio, out), samplerate, out)
+            _write_audio(path, blocks, channels, samplerate, out)
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
         if path.parent != staging:
             fsync_dir(path.parent)  # a song subfolder made by output.layout
         entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
-                        "samplerate": samplerate, "channels": int(audio.shape[0]),
-                        "frames": int(audio.shape[1]),
-                        "duration": round(audio.shape[1] / samplerate, 6)})
+                        "samplerate": samplerate, "channels": channels, "frames": frames,
+                        "duration": round(frames / samplerate, 6)})
     return entries
 
 
-def _prevent_clip(audio: np.ndarray, out: OutputSettings) -> np.ndarray:
+def _spans(frames: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(frames, start + size)) for start in range(0, frames, size)]
+
+
+def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
+               stop: int) -> np.ndarray:
+    """One block of an output: its first member plus the others, in order (float32)."""
+    audio = readers[members[0]].read(start, stop)
+    for member in members[1:]:
+        audio += readers[member].read(start, stop)
+    return audio
+
+
+def _gains(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReader],
+           frames: int, out: OutputSettings, block_frames: int) -> dict[str, float]:
+    """The one factor each output is multiplied by: 1 unless `rescale` must bring its peak
+    below full scale. The rescale pass reads every stem once, block by block, and sums the
+    mixes on the way."""
+    gains = {output: 1.0 for output in plan}
+    if (out.format == "wav" and out.bit_depth == 32) or out.clip != "rescale":
+        return gains
+    peaks = {output: 0.0 for output in plan}
+    for start, stop in _spans(frames, block_frames):
+        blocks = {stem: reader.read(start, stop) for stem, reader in readers.items()}
+        for output, (_kind, members) in plan.items():
+            audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks, members)
+            if audio.size:
+                peaks[output] = max(peaks[output], float(np.abs(audio).max()))
+    return {output: max(1.01 * peak, 1.0) for output, peak in peaks.items()}
+
+
+def _sum_loaded(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
+    audio = blocks[members[0]].copy()
+    for member in members[1:]:
+        audio += blocks[member]
+    return audio
+
+
+def _prevent_clip(audio: np.ndarray, out: OutputSettings, divisor: float = 1.0) -> np.ndarray:
+    """`divisor` is the whole file's (from `_gains`): one block never decides it alone."""
     if out.format == "wav" and out.bit_depth == 32:
         return audio  # float samples hold values beyond ±1 without damage
     if out.clip == "clamp":
         return np.clip(audio, -1.0, 1.0)
-    peak = float(np.abs(audio).max()) if audio.size else 0.0
-    return audio / max(1.01 * peak, 1.0)
+    return audio / divisor
 
 
-def _write_audio(path: Path, audio: np.ndarray, samplerate: int, out: OutputSettings) -> None:
+def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, samplerate: int,
+                 out: OutputSettings) -> None:
+    """Write (channels, n) float blocks to `path` in the configured format, as they come."""
     if out.format == "mp3":
         import lameenc
 
         encoder = lameenc.Encoder()
         encoder.set_bit_rate(out.mp3_bitrate)
         encoder.set_in_sample_rate(samplerate)
-        encoder.set_channels(audio.shape[0])
+        encoder.set_channels(channels)
         encoder.set_quality(2)
-        pcm = (np.clip(audio.T, -1, 1) * 32767).astype("<i2").tobytes()
-        data = encoder.encode(pcm) + encoder.flush()
         with open(path, "wb") as handle:
-            handle.write(data)
+            for audio in blocks:
+                pcm = (np.clip(audio.T, -1, 1) * 32767).astype("<i2").tobytes()
+                handle.write(encoder.encode(pcm))
+            handle.write(encoder.flush())
             handle.flush()
             os.fsync(handle.fileno())
         return
     import soundfile
 
     subtype = {16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[out.bit_depth]
-    with open(path, "wb") as handle:
-        soundfile.write(handle, audio.T, samplerate, subtype=subtype,
-                        format=out.format.upper())
-        handle.flush()
+    # unbuffered, so that seeking never flushes (and fails) inside libsndfile's callbacks
+    with open(path, "wb", buffering=0) as handle:
+        guarded = _GuardedFile(handle)
+        try:
+            with soundfile.SoundFile(guarded, "w", samplerate, channels, subtype=subtype,
+                                     format=out.format.upper()) as sound:
+                for audio in blocks:
+                    sound.write(audio.T)
+        except Exception:
+            if guarded.error is not None:
+                raise guarded.error from None
+            raise
+        if guarded.error is not None:  # the header, rewritten at close
+            raise guarded.error
         os.fsync(handle.fileno())
+
+
+class _GuardedFile:
+    """The file soundfile writes through (its virtual I/O): an OSError (a full disk) must not
+    be raised inside libsndfile's C callbacks, where Python can only print it and soundfile
+    then fails with a bare AssertionError. Short writes are completed; the first error is
+    kept, the write reports what got written, and `_write_audio` raises the kept error with
+    its errno and message."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view) and self.error is None:
+            try:  # an unbuffered write may be short (the disk filling up): go on
+                done += self._handle.write(view[done:]) or 0
+            except OSError as exc:
+                self.error = exc
+        return done
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        return self._handle.read(size)
 
 
 def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:

@@ -139,7 +139,7 @@ class Pipeline:
         result = self.client.separate(
             job.id, sep.model, str(repo) if repo else None, decoded.path, scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
-            control=control,
+            control=control, stats=decoded.stats,
             on_progress=lambda v: report.progress(start + DECODE_SHARE + separate_share * v))
         timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))

@@ -59,7 +59,11 @@ class AudioWriter:
         self.channels = channels
         self.frames = 0
         self._file = open(self.path, "wb", buffering=buffering)
-        self._file.write(_header(channels, 0))
+        try:
+            self._file.write(_header(channels, 0))
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, block: np.ndarray) -> None:
         if block.ndim != 2 or block.shape[0] != self.channels:
@@ -69,18 +73,25 @@ class AudioWriter:
         self.frames += block.shape[1]
 
     def close(self) -> None:
+        """Complete the header and close; the file is closed even if that fails."""
         if self._file.closed:
             return
-        self._file.seek(0)
-        self._file.write(_header(self.channels, self.frames))
-        self._file.close()
+        try:
+            self._file.seek(0)
+            self._file.write(_header(self.channels, self.frames))
+        finally:
+            self._file.close()
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        """Close and remove the file; never raises (the scratch folder goes with the job)."""
+        try:
+            if not self._file.closed:
+                self._file.close()  # flushing may fail (disk full): it is closed anyway
+        except OSError:
+            pass
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
+        except OSError:
             pass
 
     def __enter__(self) -> AudioWriter:

@@ -183,7 +183,23 @@ class WorkerClient:
 
     def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
-                 control: JobControl, on_progress: Callable[[float], None]) -> Separation:
+                 control: JobControl, on_progress: Callable[[float], None],
+                 stats: tuple[float, float] | None = None,
+                 window: float | None = None) -> Separation:
+        """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
+
+        `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
+        accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
+        streamed pass over the input. `window`: seconds of output the worker separates at a
+        time (default: the worker's, 30 s); memory grows with it, never with the song."""
+        request: dict[str, Any] = {
+            "op": "separate", "id": job_id, "model": model, "repo": repo,
+            "input": str(input_path), "output": str(output_dir), "shifts": shifts,
+            "overlap": overlap, "segment": segment}
+        if stats is not None:
+            request["mean"], request["std"] = float(stats[0]), float(stats[1])
+        if window is not None:
+            request["window"] = float(window)
         with self._lock:
             proc = self._ensure_process(control)
 
@@ -193,10 +209,7 @@ class WorkerClient:
 
             proc.on_progress = progress
             try:
-                reply = self._call(proc, {
-                    "op": "separate", "id": job_id, "model": model, "repo": repo,
-                    "input": str(input_path), "output": str(output_dir), "shifts": shifts,
-                    "overlap": overlap, "segment": segment}, control)
+                reply = self._call(proc, request, control)
             finally:
                 proc.on_progress = None
             return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,

@@ -6,7 +6,8 @@ loads the model once and serves every job. Protocol (one JSON object per line):
 stdin, requests (each may carry "req": N, which its reply echoes):
     {"op": "load", "model": NAME, "repo": PATH|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
-     "output": DIR, "shifts": N, "overlap": F, "segment": F|null}
+     "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
+     "mean": F, "std": F, "window": F}      (the last three optional)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "versions": {...}}                       once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
@@ -14,6 +15,13 @@ stdout, replies (nothing else is ever written to stdout):
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
     {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
 stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
+
+A song is separated window by window (pipeline/chunked.py: `window` seconds of output at a
+time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and appended to one
+`<stem>.npy` per stem in "output", so memory does not grow with the song; the samples are
+those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation statistics of
+the mono mix (decode accumulates them); without them the worker computes them with one
+streamed pass. A song of at most one window is read whole and normalised exactly as before.
 
 The worker exits when stdin closes or its parent dies, so a killed service never leaves a
 process holding gigabytes of model behind.
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 PROGRESS_PREFIX = "@@progress "
+WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
 
 
 class ModelUnavailable(Exception):
@@ -138,46 +147,23 @@ class Worker:
         raise ValueError(f"unknown request {op!r}")
 
     def separate(self, request: dict[str, Any]) -> dict[str, Any]:
-        import numpy as np
-        import torch
-        from demucs.apply import BagOfModels, apply_model
+        from stemdeck_watch.pipeline.chunked import WINDOW_SECONDS, separate_to_files
 
         job_id = request["id"]
         model = self.model(request["model"], request.get("repo"))
         started = time.monotonic()
-        mix = torch.from_numpy(np.load(request["input"]))
-        ref = mix.mean(0)
-        mean, std = ref.mean(), ref.std()
-        if not torch.isfinite(std) or std < 1e-8:  # silence: nothing to normalise
-            std = torch.tensor(1.0)
-        shifts = int(request.get("shifts", 1))
-        overlap = float(request.get("overlap", 0.25))
-        segment = request.get("segment") or None
-        models = len(model.models) if isinstance(model, BagOfModels) else 1
-        seg_seconds = segment or float(getattr(model, "segment", 0) or
-                                       max(m.segment for m in model.models))
-        stride = max(1, int((1 - overlap) * int(model.samplerate * seg_seconds)))
-        total = max(1, -(-mix.shape[-1] // stride)) * max(1, shifts) * models
-        done = [0]
-
-        def callback(info: dict[str, Any]) -> None:
-            if info.get("state") == "end":
-                done[0] += 1
-                _progress(job_id, min(1.0, done[0] / total))
-
-        with torch.inference_mode():
-            sources = apply_model(model, ((mix - mean) / std)[None].to(self.device),
-                                  shifts=shifts, split=True, overlap=overlap, segment=segment,
-                                  progress=False, device=self.device, callback=callback)[0]
-        sources = (sources * std + mean).cpu().numpy()
-        out_dir = Path(request["output"])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stems = {}
-        for name, audio in zip(model.sources, sources):
-            path = out_dir / f"{name}.npy"
-            np.save(path, np.ascontiguousarray(audio, dtype=np.float32))
-            stems[name] = str(path)
-        return {"op": "separate", "id": job_id, "ok": True, "stems": stems,
+        stats = None
+        if request.get("mean") is not None and request.get("std") is not None:
+            stats = (float(request["mean"]), float(request["std"]))
+        paths = separate_to_files(
+            model, Path(request["input"]), Path(request["output"]),
+            shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
+            segment=request.get("segment") or None, device=self.device, stats=stats,
+            window=float(request.get("window") or os.environ.get(WINDOW_ENV)
+                         or WINDOW_SECONDS),
+            on_progress=lambda value: _progress(job_id, value))
+        return {"op": "separate", "id": job_id, "ok": True,
+                "stems": {name: str(path) for name, path in paths.items()},
                 "samplerate": int(model.samplerate), "seconds": time.monotonic() - started}
 
 

@@ -1,0 +1,328 @@
+"""Peak memory of the service and of its worker against the length of the song.
+
+One synthetic song per fresh service (a child process: Service + its worker, tiny model, CPU):
+the song is renamed into the inbox once the worker holds the model, and the child reports,
+when the job is DONE, the kernel's peak resident set (`VmHWM` in /proc/PID/status) of itself
+(the service) and of the worker. The parent also samples `VmRSS` of both every 0.2 s as a
+cross-check. Target: at 60 minutes each peak is at most 300 MB above its own 1-minute figure.
+
+Speed: a 5-minute song, job wall time (decoding -> done) per minute of audio, the current
+code against a copy of an earlier tree (`--before DIR`, e.g. `git archive HEAD | tar -x -C
+/tmp/before`), runs interleaved, medians compared. Target: no more than 5 % slower.
+
+    python benchmarks/bench_memory.py [--minutes 1 10 30 60] [--speed-runs 3]
+                                      [--before /tmp/before] [--before-minutes 1 5]
+
+The parent never imports torch; 60 minutes of audio take ~10 minutes of CPU on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "memory.json"
+SR = 44100
+PIECE_SECONDS = 60
+sys.path.insert(0, str(HERE))
+
+
+def status_kb(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc/*/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- the child side
+
+def child_service(song: str, root: str, repo: str) -> None:
+    """One fresh service, one song: print peaks and timings as JSON."""
+    from stemdeck_watch.config import default_toml, settings_from_dict
+    from stemdeck_watch.events import EventBus, JobChanged
+    from stemdeck_watch.jobs import JobState
+    from stemdeck_watch.service import Service
+
+    import stemdeck_watch
+
+    base = Path(root)
+    data = default_toml()
+    data["folders"] = {n: str(base / n) for n in ("inbox", "outbox", "processed", "failed",
+                                                   "state")}
+    data["separation"].update(model="tiny", model_repo=repo, device="cpu")
+    data["watch"]["settle_seconds"] = 0.5
+    settings = settings_from_dict(data, source=base / "stemdeck.toml")
+    bus, done = EventBus(), threading.Event()
+    marks: dict[str, float] = {}
+    final: list[Any] = []
+
+    def on_change(event: JobChanged) -> None:
+        job = event.job
+        if job.state is JobState.DECODING:
+            marks.setdefault("decoding", time.monotonic())
+        elif job.state.is_final:
+            marks["final"] = time.monotonic()
+            final.append(job)
+            done.set()
+
+    bus.subscribe(JobChanged, on_change)
+    service = Service(settings, bus=bus)
+    service.start()
+    try:
+        service.client.ensure_model("tiny", repo)
+        worker = service.client.pid
+        print(json.dumps({"event": "ready", "worker": worker}), flush=True)
+        song_path = Path(song)
+        cpu0 = (cpu_seconds(os.getpid()), cpu_seconds(worker) if worker else None)
+        os.replace(song_path, settings.paths.inbox / song_path.name)
+        if not done.wait(4 * 3600):
+            raise RuntimeError("the job did not finish")
+        job = final[0]
+        cpu1 = (cpu_seconds(os.getpid()), cpu_seconds(worker) if worker else None)
+        peaks = {"service_hwm_kb": status_kb(os.getpid(), "VmHWM"),
+                 "worker_hwm_kb": status_kb(worker, "VmHWM") if worker else None,
+                 "service_cpu": (cpu1[0] or 0) - (cpu0[0] or 0),
+                 "worker_cpu": (cpu1[1] or 0) - (cpu0[1] or 0)}
+    finally:
+        service.shutdown()
+    if job.state is not JobState.DONE:
+        raise RuntimeError(f"job ended {job.state.value}: {job.error}")
+    output = Path(job.output)
+    manifest = json.loads((output / "stemdeck.json").read_text())
+    # hand the song back for the next run, remove the outputs (disk)
+    os.replace(settings.paths.processed / song_path.name, song_path)
+    shutil.rmtree(output)
+    print(json.dumps({"event": "done", **peaks, "job_seconds": marks["final"] - marks["decoding"],
+                      "timings": manifest["timings"],
+                      "duration": manifest["input"]["duration"],
+                      "package": str(Path(stemdeck_watch.__file__).parent)}), flush=True)
+
+
+def child_songs(folder: str, minutes: list[int]) -> None:
+    """Write one 16-bit wav per length, piece by piece (a minute at a time), never whole."""
+    import soundfile
+
+    from stemdeck_watch.synth import song
+
+    files = {m: soundfile.SoundFile(Path(folder) / f"song-{m:03d}min.wav", "w", SR, 2,
+                                    subtype="PCM_16") for m in minutes}
+    try:
+        for i in range(max(minutes)):
+            piece = song(PIECE_SECONDS, seed=i)
+            for m, handle in files.items():
+                if i < m:
+                    handle.write(piece)
+    finally:
+        for handle in files.values():
+            handle.close()
+
+
+# -------------------------------------------------------------------------- the parent side
+
+def run_one(song: Path, repo: Path, work: Path, pythonpath: str | None) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="svc-", dir=work))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.Popen([sys.executable, __file__, "--child-service", str(song), str(root),
+                             str(repo)], stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=pythonpath or str(ROOT))
+    sampled = {"service": 0, "worker": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            rss = status_kb(proc.pid, "VmRSS")
+            if rss:
+                sampled["service"] = max(sampled["service"], rss)
+            for child in children(proc.pid):
+                rss = status_kb(child, "VmRSS")
+                if rss:
+                    sampled["worker"] = max(sampled["worker"], rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    assert proc.stdout is not None
+    lines = [json.loads(line) for line in proc.stdout if line.startswith("{")]
+    code = proc.wait()
+    stop.set()
+    sampler.join()
+    shutil.rmtree(root, ignore_errors=True)
+    if code != 0 or not lines or lines[-1].get("event") != "done":
+        raise RuntimeError(f"child failed ({code}) for {song.name}: {lines}")
+    return {**lines[-1], "service_sampled_kb": sampled["service"],
+            "worker_sampled_kb": sampled["worker"]}
+
+
+def mb(kb: int | None) -> float:
+    return (kb or 0) / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=int, nargs="*", default=[1, 10, 30, 60])
+    parser.add_argument("--speed-minutes", type=int, default=5)
+    parser.add_argument("--speed-runs", type=int, default=3)
+    parser.add_argument("--before", type=Path, help="an earlier source tree to compare speed")
+    parser.add_argument("--before-minutes", type=int, nargs="*", default=[],
+                        help="also measure the earlier tree's peaks at these lengths")
+    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
+                        help="before each speed run wait until other processes use fewer cores")
+    parser.add_argument("--patience", type=float, default=300)
+    parser.add_argument("--work", type=Path, help="working folder (default: a temp folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="raw results (JSON)")
+    parser.add_argument("--child-service", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child-songs", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_service:
+        child_service(*args.child_service)
+        return 0
+    if args.child_songs:
+        child_songs(args.child_songs[0], [int(m) for m in args.child_songs[1:]])
+        return 0
+    from bench_throughput import machine, wait_quiet
+
+    began = time.monotonic()
+    work = args.work or Path(tempfile.mkdtemp(prefix="stemdeck-mem-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"machine": machine(), "memory": {}, "memory_before": {},
+                               "speed": {}}
+    try:
+        repo = work / "models"
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        lengths = sorted(set(args.minutes) | set(args.before_minutes)
+                         | ({args.speed_minutes} if args.speed_runs else set()))
+        songs = work / "songs"
+        songs.mkdir(exist_ok=True)
+        missing = [m for m in lengths if not (songs / f"song-{m:03d}min.wav").exists()]
+        if missing:
+            t = time.monotonic()
+            subprocess.run([sys.executable, __file__, "--child-songs", str(songs),
+                            *map(str, missing)], check=True)
+            print(f"wrote songs {missing} min in {time.monotonic() - t:.0f} s", file=sys.stderr)
+
+        def song(minutes: int) -> Path:
+            return songs / f"song-{minutes:03d}min.wav"
+
+        for minutes in args.minutes:
+            r = run_one(song(minutes), repo, work, None)
+            results["memory"][minutes] = r
+            print(f"{minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, worker "
+                  f"{mb(r['worker_hwm_kb']):7.0f} MB, job {r['job_seconds']:.1f} s "
+                  f"({r['job_seconds'] / minutes:.2f} s/min)", file=sys.stderr, flush=True)
+        if args.before:
+            for minutes in args.before_minutes:
+                r = run_one(song(minutes), repo, work, str(args.before))
+                results["memory_before"][minutes] = r
+                print(f"before {minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, "
+                      f"worker {mb(r['worker_hwm_kb']):7.0f} MB", file=sys.stderr, flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {"now": [], "before": []}
+            for n in range(args.speed_runs):
+                for label, path in (("now", None), ("before", str(args.before))):
+                    quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+                    r = run_one(song(args.speed_minutes), repo, work, path)
+                    r["other_cores_before"] = quiet
+                    runs[label].append(r)
+                    print(f"speed run {n + 1} {label}: {r['job_seconds']:.2f} s "
+                          f"(separate {r['timings'].get('separate')} s)", file=sys.stderr,
+                          flush=True)
+            results["speed"] = runs
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    results["total_seconds"] = time.monotonic() - began
+    print(report(results, args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> str:
+    info = results["machine"]
+    lines = [f"One song per fresh service, tiny model, CPU; {info['nproc']} cores "
+             f"({info['cpu']}), Python {info['python']}, torch {info['torch']}"]
+    memory = results["memory"]
+    if memory:
+        lines += ["", "| song | service peak (VmHWM) | worker peak (VmHWM) | service sampled | "
+                  "worker sampled | job s | s per min of audio |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+    for minutes, r in sorted(memory.items()):
+        lines.append(f"| {minutes} min | {mb(r['service_hwm_kb']):,.0f} MB | "
+                     f"{mb(r['worker_hwm_kb']):,.0f} MB | {mb(r['service_sampled_kb']):,.0f} MB"
+                     f" | {mb(r['worker_sampled_kb']):,.0f} MB | {r['job_seconds']:.1f} | "
+                     f"{r['job_seconds'] / minutes:.2f} |")
+    if 1 in memory and len(memory) > 1:
+        longest = max(memory)
+        for who in ("service", "worker"):
+            grow = mb(memory[longest][f"{who}_hwm_kb"]) - mb(memory[1][f"{who}_hwm_kb"])
+            lines.append(f"- {'PASS' if grow <= 300 else 'FAIL'}: {who} at {longest} min is "
+                         f"{grow:+.0f} MB over its 1-minute peak (target <= 300 MB)")
+    for minutes, r in sorted(results["memory_before"].items()):
+        lines.append(f"- before: {minutes} min: service {mb(r['service_hwm_kb']):,.0f} MB, "
+                     f"worker {mb(r['worker_hwm_kb']):,.0f} MB")
+    speed = results["speed"]
+    if speed and speed.get("now") and speed.get("before"):
+        minutes = args.speed_minutes
+        lines += ["", f"| {minutes}-minute song, {len(speed['now'])} runs each | wall s per "
+                  f"minute of audio, min | median | max | separate s (min) | write s (min) | "
+                  f"worker CPU s (min) |", "|---|---:|---:|---:|---:|---:|---:|"]
+        best, middle = {}, {}
+        for label in ("now", "before"):
+            runs = speed[label]
+            walls = [r["job_seconds"] / minutes for r in runs]
+            best[label], middle[label] = min(walls), statistics.median(walls)
+            lines.append(f"| {label} | {min(walls):.2f} | {statistics.median(walls):.2f} | "
+                         f"{max(walls):.2f} | "
+                         f"{min(float(r['timings'].get('separate', 0)) for r in runs):.1f} | "
+                         f"{min(float(r['timings'].get('write', 0)) for r in runs):.2f} | "
+                         f"{min(r['worker_cpu'] for r in runs):.1f} |")
+        change = best["now"] / best["before"] - 1
+        lines.append(f"- {'PASS' if change <= 0.05 else 'FAIL'}: fastest run now/before = "
+                     f"{best['now'] / best['before']:.3f} ({change:+.1%}; target <= +5 %); "
+                     f"medians {middle['now'] / middle['before']:.3f}. The fastest run is the "
+                     f"one least disturbed by other processes on a shared machine.")
+    lines.append(f"\ntotal benchmark time {results['total_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
