@@ -24,6 +24,7 @@ from stemdeck_watch.recovery import find_published
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
 from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
+from stemdeck_watch.settle import until_stored
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class Dispatcher:
             return
         if self.guard is not None and not control.cancelled and self.guard.hold(job):
             queue.finish(control)  # it waits at the head of the paused queue for room
-            self.scheduler.requeue_front(job.id)
+            until_stored(lambda: self.scheduler.requeue_front(job.id),
+                         f"{job.name} back at the head of the queue", self._stop)
             return
         if not queue.set_running(control):
             # cancelled between take() and now: we own the job, so we close it out
@@ -131,6 +133,10 @@ class Dispatcher:
             self.scheduler.announce_if_drained()
 
     def _cancelled(self, job: Job, reason: str) -> None:
+        until_stored(lambda: self._record_cancel(job, reason), f"the end of {job.name}",
+                     self._stop)
+
+    def _record_cancel(self, job: Job, reason: str) -> None:
         if reason == SHUTDOWN:
             log.info("%s was cut off by shutdown; it goes back to the head of the queue", job.name)
             self.scheduler.requeue_front(job.id)
@@ -145,7 +151,8 @@ class Dispatcher:
             # the song is out; only recording it failed (a registry write): record it again
             log.error("%s was published to %s but recording it failed (%s); recording again",
                       job.name, published, message)
-            self.pipeline.finish_published(job, Path(job.source), published)
+            until_stored(lambda: self.pipeline.finish_published(job, Path(job.source), published),
+                         f"{job.name} as done", self._stop)
             return
         if not os.path.lexists(job.source):
             # taken away while the step ran (its delete event may still be on the way): the
@@ -156,10 +163,15 @@ class Dispatcher:
         log.error("%s failed while %s: %s", job.source, stage, message)
         # the diagnosis is on record before the input moves: a crash in between still ends
         # with the input in failed/ and its report (recovery.find_quarantined)
-        current = self.scheduler.update(job.id, error=message, stage=stage)
+        current = until_stored(lambda: self.scheduler.update(job.id, error=message, stage=stage),
+                               f"why {job.name} failed", self._stop)
+        if current is None:
+            return  # stopping: the input stays in the inbox and the restore retries it
         tail = self.client.stderr_tail() if stage in ("separating", "internal") else ""
         where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
                            details=details, worker_tail=tail,
                            worker_versions=self.client.versions)
-        self.scheduler.update(job.id, state=JobState.FAILED, error=message, stage=stage,
-                              source=str(where), finished_at=time.time())
+        until_stored(lambda: self.scheduler.update(job.id, state=JobState.FAILED, error=message,
+                                                   stage=stage, source=str(where),
+                                                   finished_at=time.time()),
+                     f"{job.name} as failed", self._stop)

@@ -251,8 +251,14 @@ class Scheduler:
     def next_job(self, timeout: float | None = None) -> JobControl | None:
         control = self.queue.take(timeout)
         if control is not None:
-            self._save_order()
-            self.admit_waiting()
+            # the job is taken whatever happens next: a failed write here must not drop it.
+            # The order on disk still has it first, so a restore finds it where it was.
+            try:
+                self._save_order()
+                self.admit_waiting()
+            except Exception:
+                log.exception("could not record the queue after taking job %s; going on",
+                              control.job_id)
         return control
 
     def update(self, job_id: str, **fields: Any) -> Job:

@@ -265,9 +265,10 @@ class Run:
         jobs = [j for j in self.service.registry.jobs() if Path(j.rel_path).name == name]
         return jobs[0] if jobs else None  # newest first
 
-    def one_job(self, kind: str, nth: int, seconds: float = 1.2) -> Job | None:
+    def one_job(self, kind: str, nth: int, seconds: float = 1.2,
+                stuck_ok: bool = True) -> Job | None:
         """Drop a song with the N-th call of `kind` armed to fail; wait until its job is
-        final, or the fault fired and nothing changed for SETTLE seconds."""
+        final, or (`stuck_ok`) the fault fired and nothing changed for SETTLE seconds."""
         name = f"{kind}-{nth}.wav"
         song = write_song(self.folders.state.parent / "songs" / name, seconds,
                           seed=zlib.crc32(name.encode()))
@@ -286,7 +287,8 @@ class Run:
                 view = (job and (job.state, job.version), self.faults.fired, busy)
                 if view != last:
                     last, since = view, time.monotonic()
-                elif self.faults.fired and not busy and time.monotonic() - since > SETTLE:
+                elif stuck_ok and self.faults.fired and not busy \
+                        and time.monotonic() - since > SETTLE:
                     break  # stuck: the fault stopped it, and no job is running
                 assert time.monotonic() < deadline, f"{name}: no end in 90 s ({job})"
                 time.sleep(0.05)
@@ -410,3 +412,23 @@ def test_an_io_error_at_any_call_loses_nothing(group: str, make_settings, servic
     if left_open:
         print(f"files the service left open after a failed write: {left_open}")
     assert not problems, "once everything ran:\n" + "\n".join(problems + ["", *outcomes])
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_registry_write_holds_no_song_up_until_a_restart(
+        make_settings, service_factory, injector: Injector) -> None:
+    """A registry write failing while the service runs — a flaky share, a disk full for a
+    moment — must not leave a song stuck (running in the registry, in no queue; or seen by
+    the intake but never recorded) until someone restarts the service: every song still
+    ends done or failed, in the same run, with the invariants intact."""
+    settings = make_settings(queue={"start_paused_after_restore": False})
+    (settings.paths.state.parent / "songs").mkdir(exist_ok=True)
+    run = Run(settings, service_factory, injector)
+    outcomes = []
+    for kind, n in [("commit", n) for n in range(1, 7)] + [("commit-done", 1)]:
+        job = run.one_job(kind, n, stuck_ok=False)
+        outcomes.append(f"{kind} #{n}: {run.fired[f'{kind}-{n}.wav'] or 'not fired'} -> "
+                        f"{job.state.value if job else 'no job'}")
+    assert all(run.fired.values()), "\n".join(outcomes)
+    problems = run.check(final=True)
+    assert not problems, "without a restart:\n" + "\n".join(problems + ["", *outcomes])

@@ -17,9 +17,7 @@ straight from the SQLite file, read-only) and the folders are checked:
 
 `STEMDECK_KILL_SEED=N` replays a run (the kill instants and phases; the service's own timing
 varies a little), `STEMDECK_KILLS=N` changes the number of kills (20), and
-`STEMDECK_KILL_SUMMARY=1` writes the totals to benchmarks/results/kill.json. One known defect
-(KNOWN_TAKEN_HEAD_DEFECT, below) is counted in the totals' notes rather than failing the run;
-`STEMDECK_KILL_STRICT=1` makes it a violation.
+`STEMDECK_KILL_SUMMARY=1` writes the totals to benchmarks/results/kill.json.
 
 The deterministic windows run the service under tests/crash_seam.py, which SIGKILLs the
 process at one exact point (published but `done` not stored; hard-linked into processed/ but
@@ -60,12 +58,6 @@ STARTED = "stemdeck-watch is running"
 SUMMARY = REPO / "benchmarks" / "results" / "kill.json"
 STAGING = ".stemdeck-staging"
 STATUS_TMP = ".STATUS.txt.tmp"  # the service's own temp file for STATUS.txt (rewritten)
-# Known defect (see test_window_taken): the dispatcher's take() saves the queue order without
-# the job it took, and the job's state stays `queued` until its first stage is written; a kill
-# in between restores that job at the END of the queue. The random run counts these hits in
-# its notes instead of failing (STEMDECK_KILL_STRICT=1 makes them violations); set this to
-# False once the defect is fixed.
-KNOWN_TAKEN_HEAD_DEFECT = False  # fixed: the taken job keeps the head in the saved order
 
 
 # ---------------------------------------------------------------- reading what is on disk
@@ -355,7 +347,8 @@ class Invariants:
     def order(self, before: Snapshot, seen: list[str], after: Snapshot) -> None:
         queued = after.order
         # A queued job without a position in the registry was taken by the dispatcher (the
-        # head) and not yet started when the kill hit: see KNOWN_TAKEN_HEAD_DEFECT.
+        # head) and not yet started when the kill hit (see test_window_taken): it must be
+        # restored at the head, not behind the others.
         taken = [j for j in seen if j in before.jobs and before.jobs[j]["state"] == "queued"
                  and before.jobs[j]["position"] is None]
         rest = [j for j in seen if j not in taken]
@@ -366,13 +359,9 @@ class Invariants:
         for job_id in taken:
             ahead = [j for j in queued if j in rest][:1]
             if job_id in queued and ahead and queued.index(job_id) > queued.index(ahead[0]):
-                message = (f"the head of the queue ({before.jobs[job_id]['name']}), taken but "
-                           f"not started when the kill hit, was restored behind "
-                           f"{self.names(queued, after)}")
-                if KNOWN_TAKEN_HEAD_DEFECT and not os.environ.get("STEMDECK_KILL_STRICT"):
-                    self.notes["known defect: a taken, not yet started head restored last"] += 1
-                else:
-                    self.expect(False, message)
+                self.expect(False, f"the head of the queue ({before.jobs[job_id]['name']}), "
+                                   f"taken but not started when the kill hit, was restored "
+                                   f"behind {self.names(queued, after)}")
         for job_id in before.running():
             if job_id in queued:
                 self.expect(queued[0] == job_id,
@@ -419,8 +408,8 @@ def watch(life: Life, state: Path, deadline: float, changes: int | None = None,
     """Poll the registry until `deadline` or, with `changes`, until that many job state
     changes were seen; returns the last queue order seen — what "before the kill" means for
     the order check. `known` collects the jobs seen queued with a place in the order: one
-    that loses its place while still `queued` was taken by the dispatcher (the head; see
-    KNOWN_TAKEN_HEAD_DEFECT), and counts as first, not last as the registry lists it."""
+    that loses its place while still `queued` was taken by the dispatcher (the head), and
+    counts as first, not last as the registry lists it."""
     seen: list[str] = []
     states: dict[str, str] = {}
     known = set() if known is None else known

@@ -31,6 +31,7 @@ from stemdeck_watch.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.25
+RETRY_SECONDS = 5.0  # after a failure in the loop, the next rescan comes this soon
 
 
 def choose_mode(settings: WatchSettings, inbox: Path) -> tuple[str, str]:
@@ -185,8 +186,12 @@ class Intake:
 
     def _loop(self) -> None:
         next_rescan = self._clock() + self.settings.rescan_seconds
+        retry_at: float | None = None
         while not self._stop.wait(TICK_SECONDS):
             try:
+                if retry_at is not None and self._clock() >= retry_at:
+                    retry_at = None
+                    self._rescan.set()
                 if self._rescan.is_set() or (self.settings.rescan_seconds
                                              and self._clock() >= next_rescan):
                     self._rescan.clear()
@@ -200,7 +205,10 @@ class Intake:
                     for path, signature in self.tracker.ready():
                         self._admit(path, signature)
             except Exception:
-                log.exception("the intake loop failed; going on")
+                # a file whose job could not be recorded (a failed registry write) is ready no
+                # more: a rescan soon offers it again, without hammering a failing disk
+                log.exception("the intake loop failed; rescanning in %.0f s", RETRY_SECONDS)
+                retry_at = retry_at or self._clock() + RETRY_SECONDS
 
     def scan(self, folder: Path) -> None:
         """Walk `folder` and start tracking every eligible file in it."""
