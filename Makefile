@@ -8,12 +8,13 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # the project's extras to install; .ci/run adds the Linux desktop ones (tray, dbus), which
-# build from source against system packages — `make demo` never needs them
+# build from source against system packages, and ray (the Ray executor's tests) — `make demo`
+# never needs them
 EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore clean
+.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-ray clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,8 @@ bench: install
 	$(BIN)/python benchmarks/bench_restore.py
 	$(BIN)/python benchmarks/bench_intake.py
 	$(BIN)/python benchmarks/bench_memory.py
+	$(BIN)/python benchmarks/bench_output.py
+	$(BIN)/python benchmarks/bench_precision.py
 
 bench-memory: install
 	$(BIN)/python benchmarks/bench_memory.py
@@ -61,6 +64,17 @@ bench-notify: install
 
 bench-restore: install
 	$(BIN)/python benchmarks/bench_restore.py
+
+bench-output: install
+	$(BIN)/python benchmarks/bench_output.py
+
+bench-precision: install
+	$(BIN)/python benchmarks/bench_precision.py
+
+# the Ray executor against the local worker (needs the ray extra)
+bench-ray:
+	$(MAKE) install EXTRAS=$(EXTRAS),ray
+	$(BIN)/python benchmarks/bench_ray.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -11,7 +11,6 @@ via the discovery file in the state folder; `status` reads the registry and work
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -154,10 +153,10 @@ def _on_stop_signals(stop: threading.Event) -> None:
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from stemdeck_watch.status import collect, render
+    from stemdeck_watch.status import collect, render, to_json
 
     status = collect(settings)
-    print(json.dumps(status, indent=2) if args.json else render(status))
+    print(to_json(status) if args.json else render(status))
     return EXIT_OK
 
 

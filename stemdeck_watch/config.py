@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from stemdeck_watch.errors import ConfigError
+from stemdeck_watch.executor import KINDS as EXECUTOR_KINDS, ray_address
 from stemdeck_watch.paths import default_config_file, default_state_dir
-from stemdeck_watch.validators import (Check, boolean, byte_size, choice, choice_list,
-                                       extension_list, layout_template, mix_table, number, show,
-                                       stem_name, text, text_list, url_list)
+from stemdeck_watch.validators import (MP3_RATES, Check, boolean, byte_size, choice, choice_list,
+                                       check_model_stems, extension_list, layout_template,
+                                       mix_table, number, sample_rate, show, stem_name, text,
+                                       text_list, url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -62,6 +64,8 @@ class WatchSettings:
                                   "extra glob patterns to ignore, added to the built-in ones")
     extensions: tuple[str, ...] = key(list(AUDIO_EXTENSIONS), extension_list,
                                       "file extensions that become jobs")
+    standby: bool = key(False, boolean, "another computer owns this (synced) inbox: wait and "
+                        "take over when its heartbeat goes stale instead of refusing to start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,10 @@ class QueueSettings:
                                            "jobs restored after a restart wait for Start")
     on_duplicate: str = key("skip", choice("skip", "separate"),
                             "a song already separated with the same settings: skip or separate")
+    work_beside: str = key("auto", choice("auto", "on", "off"),
+                           "decode the next song and publish the last one while the worker "
+                           "separates; auto: only where the worker leaves a core free or "
+                           "runs on a GPU")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,11 @@ class SeparationSettings:
     overlap: float = key(0.25, number(0, below=1), "overlap between segments")
     segment: float = key(0.0, number(0, unit="(seconds)"), "segment length; 0 = the model's own")
     two_stems: str = key("", stem_name, 'a stem name for STEM + no_STEM output; "" = all stems')
+    precision: str = key("auto", choice("auto", "float32", "bfloat16", "float16"),
+                         "auto: measured once per model load (bfloat16 kept only if ≥ 1.2× "
+                         "faster and ≥ 35 dB SNR on every stem); float16 needs CUDA")
+    threads: int = key(0, number(0, 1024, integer=True),
+                       "threads the worker separates with; 0 = one per physical core")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,12 @@ class OutputSettings:
                     "avoid clipping by scaling the stem down (rescale) or clamping samples")
     layout: str = key("{stem}.{ext}", layout_template, "file name of each stem inside the song folder")
     mixes: dict = key({}, mix_table, 'extra mixes, e.g. instrumental = ["drums", "bass", "other"]')
+    samplerate: str | int = key("model", sample_rate,
+                                '"model" (44100 for demucs), "input" (the input\'s rate and '
+                                'exact length) or a rate in Hz')
+    beat_grid: bool = key(True, boolean, "beats.json: tempo and beat times (librosa)")
+    preview: bool = key(True, boolean, "preview.png: the stems' waveforms with title and length")
+    tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +124,10 @@ class LinkSettings:
     max_duration: int = key(1800, number(0, integer=True, unit="(seconds)"),
                             "longest download accepted; 0 = no limit")
     max_filesize: int = key("500MB", byte_size, "largest download accepted")
-    playlists: bool = key(False, boolean, "download every item of a playlist link")
+    playlists: bool = key(False, boolean, "a playlist link becomes one job per entry, in "
+                          "playlist order; false = its first item only")
+    max_entries: int = key(50, number(1, 1000, integer=True),
+                           "a playlist longer than this queues its first N entries only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +149,26 @@ class TraySettings:
     enabled: bool | str = key("auto", choice(True, False, "auto"), "tray icon: true, false or auto")
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecutorSettings:
+    kind: str = key("local", choice(*EXECUTOR_KINDS), 'where separation runs: "local" (one '
+                    'worker process here) or "ray" (resident workers on a Ray cluster)')
+    address: str = key("auto", ray_address, 'the Ray cluster: "auto", "local" (a private one '
+                       'on this machine), "ray://HOST:10001" or "HOST:6379"')
+    workers: int = key(1, number(1, 256, integer=True),
+                       "resident workers (Ray actors), one job in flight on each")
+    gpus_per_worker: float = key(0.0, number(0, 64),
+                                 "GPUs each worker reserves: 1 on GPU machines, 0 for CPU")
+    cpus_per_worker: float = key(1.0, number(0.5, 1024),
+                                 "CPU cores each worker reserves; with separation.threads = 0 "
+                                 "it separates with that many threads")
+
+
 SECTIONS: dict[str, type] = {
     "folders": FolderSettings, "watch": WatchSettings, "queue": QueueSettings,
     "separation": SeparationSettings, "output": OutputSettings, "links": LinkSettings,
     "notify": NotifySettings, "api": ApiSettings, "tray": TraySettings,
+    "executor": ExecutorSettings,
 }
 PRESET_SECTIONS = ("separation", "output")
 
@@ -167,6 +205,7 @@ class Settings:
     tray: TraySettings
     presets: Mapping[str, Mapping[str, Any]]
     source: Path | None = None
+    executor: ExecutorSettings = dataclasses.field(default_factory=ExecutorSettings)
 
     @functools.cached_property
     def paths(self) -> Folders:
@@ -266,7 +305,12 @@ def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> S
     settings = Settings(**sections, presets=_build_presets(data.get("presets", {})), source=source)
     _check_folders(settings)
     for preset in (None, *settings.presets):
-        _check_output(settings.for_preset(preset)[1], f"presets.{preset}." if preset else "output.")
+        sep, out = settings.for_preset(preset)
+        _check_output(out, f"presets.{preset}." if preset else "output.")
+        try:
+            check_model_stems(sep.model, sep.two_stems, out.mixes)
+        except ValueError as exc:
+            raise ConfigError(f"presets.{preset}: {exc}" if preset else str(exc)) from None
     return settings
 
 
@@ -274,6 +318,10 @@ def _check_output(out: OutputSettings, where: str) -> None:
     if out.format == "flac" and out.bit_depth == 32:
         raise ConfigError(f'{where}bit_depth = 32 is not allowed with format = "flac": flac holds '
                           f'16 or 24-bit samples; use 24, or format = "wav" for float')
+    if out.format == "mp3" and isinstance(out.samplerate, int) and out.samplerate not in MP3_RATES:
+        raise ConfigError(f'{where}samplerate = {out.samplerate} is not allowed with format = '
+                          f'"mp3": mp3 holds {", ".join(map(str, MP3_RATES))} Hz; choose one '
+                          f'of those, or "wav"/"flac" for any rate')
 
 
 def _check_folders(settings: Settings) -> None:

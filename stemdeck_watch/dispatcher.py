@@ -6,12 +6,14 @@ catches and logs everything and goes on: one bad song must never stop the queue.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from pathlib import Path
 import time
 import traceback
+from typing import Callable
 
 from stemdeck_watch.config import Settings
 from stemdeck_watch.errors import SHUTDOWN, Cancelled, StageError
@@ -19,11 +21,12 @@ from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.diskguard import DiskGuard
-from stemdeck_watch.prefetch import Prefetcher
+from stemdeck_watch.prefetch import Prefetcher, lower_thread_priority
 from stemdeck_watch.recovery import find_published
-from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.runner import Pipeline, PublishStep
 from stemdeck_watch.pipeline.separate import WorkerClient
 from stemdeck_watch.scheduler import INPUT_REMOVED, Scheduler
+from stemdeck_watch.status import WORKER_META
 from stemdeck_watch.settle import until_stored
 
 log = logging.getLogger(__name__)
@@ -33,22 +36,31 @@ DISK_RECHECK_SECONDS = 3.0
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: WorkerClient,
                  settings: Settings, prefetcher: Prefetcher | None = None,
-                 guard: DiskGuard | None = None):
+                 guard: DiskGuard | None = None, slot: int = 0,
+                 record: Callable[[int, str | None], None] | None = None):
         self.scheduler = scheduler
         self.guard = guard
         self.pipeline = pipeline
         self.prefetcher = prefetcher
         self.client = client
         self.settings = settings
+        # this dispatcher's worker and queue slot: one dispatcher per worker
+        # (executor.workers); with several, `record` notes which song each worker holds
+        self.slot = slot
+        self._record = record
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._disk_checked = 0.0
+        self._behind: threading.Thread | None = None  # the previous job's publish step
+        self._recorded: str | None = None  # the worker state last written for status
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="dispatcher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name="dispatcher" if self.slot == 0 else f"dispatcher-{self.slot}",
+            daemon=True)
         self._thread.start()
 
     def alive(self) -> bool:
@@ -64,6 +76,46 @@ class Dispatcher:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("the dispatcher did not stop within %.0f s", timeout)
+        self._wait_behind(timeout)
+
+    def _wait_behind(self, timeout: float | None = None) -> None:
+        """Wait for the previous job's publish step (one publish at a time, in order)."""
+        behind = self._behind
+        if behind is not None and behind is not threading.current_thread():
+            behind.join(timeout)
+            if behind.is_alive():
+                log.error("publishing the previous song did not end within %.0f s", timeout)
+            else:
+                self._behind = None
+
+    def idle(self) -> bool:
+        """No job is separating or publishing here (tests, benchmarks)."""
+        behind = self._behind
+        return self.scheduler.queue.running() is None and (behind is None
+                                                            or not behind.is_alive())
+
+    def _record_worker(self) -> None:
+        """The worker's state for `status --json` (read from the registry, also by the CLI);
+        written only when it changed: a registry write between two jobs is worker idle time."""
+        self._note_job(None)
+        if self.slot:
+            return  # status has every worker in `workers` (the executor records them)
+        try:
+            text = json.dumps(self.client.info())
+            if text != self._recorded:
+                self.scheduler.registry.set_meta(WORKER_META, text)
+                self._recorded = text
+        except Exception as exc:  # status is a view: never fail a job for it
+            log.warning("could not record the worker's state for status: %s", exc)
+
+    def _note_job(self, name: str | None) -> None:
+        """Which song this worker holds now (several workers: status shows each)."""
+        if self._record is None:
+            return
+        try:
+            self._record(self.slot, name)
+        except Exception as exc:  # status is a view: never fail a job for it
+            log.warning("could not record worker %d's state for status: %s", self.slot, exc)
 
     # ------------------------------------------------------------ the loop
 
@@ -71,7 +123,7 @@ class Dispatcher:
         self._warm_up()
         while not self._stop.is_set():
             try:
-                control = self.scheduler.next_job(timeout=0.5)
+                control = self.scheduler.next_job(timeout=0.5, slot=self.slot)
                 if control is not None:
                     self._handle(control)
                 elif self.guard is not None:
@@ -93,7 +145,9 @@ class Dispatcher:
         sep = self.settings.separation
         repo = self.settings.resolve_model_repo(sep)
         try:
-            self.client.ensure_model(sep.model, str(repo) if repo else None)
+            self.client.ensure_model(sep.model, str(repo) if repo else None,
+                                     precision=sep.precision)
+            self._record_worker()
         except Cancelled:
             pass
         except Exception as exc:
@@ -112,14 +166,47 @@ class Dispatcher:
             until_stored(lambda: self.scheduler.requeue_front(job.id),
                          f"{job.name} back at the head of the queue", self._stop)
             return
-        if not queue.set_running(control):
+        if not queue.set_running(control, self.slot):
             # cancelled between take() and now: we own the job, so we close it out
             self._cancelled(job, control.reason or "cancelled")
             return
+        self._note_job(job.name)
         prefetcher = self.prefetcher
         claim = (lambda report: prefetcher.claim(job, control, report)) if prefetcher else None
+        step: PublishStep | None = None
+
+        def separate() -> None:
+            nonlocal step
+            try:
+                step = self.pipeline.start(job, control, claim)
+            finally:
+                self._record_worker()
+
+        if not self._conclude(job, control, separate, final=False):
+            return
+        assert step is not None
+        if not self.pipeline.works_beside():
+            self._wait_behind()  # (a publish started before the setting's answer changed)
+            self._conclude(job, control, step, final=True)
+            return
+        # publish behind: the worker is free, so the next job may start separating while
+        # this one is written out; publishes still run one at a time, in queue order
+        self._wait_behind()
+        self._behind = threading.Thread(target=self._publish_behind, args=(job, control, step),
+                                        name=f"publish-{job.id}", daemon=True)
+        self._behind.start()
+
+    def _publish_behind(self, job: Job, control: JobControl, step: PublishStep) -> None:
+        lower_thread_priority()  # the worker is separating the next song meanwhile
+        self._conclude(job, control, step, final=True)
+
+    def _conclude(self, job: Job, control: JobControl, work: Callable[[], object],
+                  final: bool) -> bool:
+        """Run `work` for the running job; True if it succeeded and was not the `final`
+        step. An error ends the job (cancelled or failed, as the error says); the job's place
+        in the queue is freed after its final step or its error."""
         try:
-            self.pipeline.run(job, control, claim)
+            work()
         except Cancelled as exc:
             self._cancelled(job, exc.reason)
         except StageError as exc:
@@ -128,9 +215,12 @@ class Dispatcher:
             log.exception("job %s failed with an unexpected error", job.id)
             self._failed(job, "internal", f"unexpected error: {type(exc).__name__}: {exc}",
                          traceback.format_exc())
-        finally:
-            queue.finish(control)
-            self.scheduler.announce_if_drained()
+        else:
+            if not final:
+                return True
+        self.scheduler.queue.finish(control)
+        self.scheduler.announce_if_drained()
+        return False
 
     def _cancelled(self, job: Job, reason: str) -> None:
         until_stored(lambda: self._record_cancel(job, reason), f"the end of {job.name}",

@@ -58,6 +58,31 @@ def check_folders(settings: Settings) -> list[Finding]:
     return findings
 
 
+def check_sync_layout(settings: Settings, extra_roots: list[tuple[str, Path]] | None = None
+                      ) -> Finding | None:
+    """An inbox inside a synced folder wants outbox/ and processed/ in the same one: a phone
+    then sees its song move from inbox to processed and its stems appear. None when the
+    inbox is not in a synced folder this can recognise."""
+    from stemdeck_watch.intake.syncfolders import find_sync_folder, nextcloud_roots
+
+    if extra_roots is None:
+        extra_roots = [("Nextcloud", root) for root in nextcloud_roots()]
+    folders = settings.paths
+    synced = find_sync_folder(folders.inbox, extra_roots)
+    if synced is None:
+        return None
+    outside = [f"{name}/ ({getattr(folders, name)})" for name in ("outbox", "processed")
+               if not synced.holds(getattr(folders, name))]
+    where = f"the inbox is inside a {synced.client} folder ({synced.root})"
+    if outside:
+        return Finding(True, "sync layout", f"{where}, but {' and '.join(outside)} "
+                       f"{'is' if len(outside) == 1 else 'are'} not: other devices see songs "
+                       f"vanish from the inbox without their stems; move "
+                       f"{'it' if len(outside) == 1 else 'them'} into {synced.root} too",
+                       warning=True)
+    return Finding(True, "sync layout", f"{where}, with outbox/ and processed/ beside it")
+
+
 def check_watcher(settings: Settings) -> Finding:
     mode, why = choose_mode(settings.watch, settings.paths.inbox)
     detail = f"{mode} ({why})"
@@ -101,7 +126,8 @@ def check_models(settings: Settings) -> list[Finding]:
         repo = settings.resolve_model_repo(sep)
         wanted.setdefault((sep.model, str(repo) if repo else None), preset)
     findings = []
-    client = WorkerClient(settings.separation.device)
+    sep = settings.separation
+    client = WorkerClient(sep.device, threads=sep.threads, precision=sep.precision)
     try:
         for (model, repo), preset in wanted.items():
             title = f"model {model}" + (f" (preset {preset})" if preset else "")
@@ -114,9 +140,29 @@ def check_models(settings: Settings) -> list[Finding]:
             findings.append(Finding(True, title, f"loaded in {time.monotonic() - started:.1f} s"
                                     f" from {repo or 'the model hub cache'}; stems: "
                                     f"{', '.join(info.sources)}"))
+            findings.append(precision_finding(title, info.precision, client.info()))
     finally:
         client.close()
     return findings
+
+
+def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
+    """The precision the worker chose for a model, with the figures that decided it."""
+    from stemdeck_watch.pipeline.precision import cpu_bf16_flags
+
+    figures = ""
+    if choice.get("speedup") is not None:
+        snr = choice.get("worst_snr_db")
+        figures = (f"; measured {choice['speedup']:.2f}× float32 speed, worst stem "
+                   f"{'identical' if snr is None else f'{snr:.1f} dB SNR'}, calibration "
+                   f"{choice.get('calibration_seconds') or 0:.1f} s")
+    cpu = ""
+    if str(worker.get("device")) == "cpu":
+        flags = cpu_bf16_flags()
+        cpu = f"; CPU bf16 support: {', '.join(flags) if flags else 'none (emulated)'}"
+    return Finding(True, f"{title} precision",
+                   f"{choice.get('precision', 'float32')} on {worker.get('device')} with "
+                   f"{worker.get('threads')} thread(s) — {choice.get('reason')}{figures}{cpu}")
 
 
 def check_tray(settings: Settings) -> Finding:
@@ -168,6 +214,36 @@ def check_links(settings: Settings) -> Finding:
                    f"(sites change often: `pip install -U yt-dlp` keeps it working)")
 
 
+def check_executor(settings: Settings) -> list[Finding]:
+    """Where separation runs (for Ray: whether it is installed; Ray is never imported with
+    "local"), and each worker as the service last recorded it: machine, device, process."""
+    from stemdeck_watch.executor import ray_installed
+    from stemdeck_watch.status import recorded_workers
+
+    ex = settings.executor
+    if ex.kind == "local":
+        findings = [Finding(True, "executor", "local: one resident worker process on this "
+                            "machine")]
+    else:
+        plan = (f"{ex.workers} worker(s) of {ex.gpus_per_worker:g} GPU and "
+                f"{ex.cpus_per_worker:g} CPU each on the Ray cluster at {ex.address}")
+        if not ray_installed():
+            return [Finding(False, "executor", f"executor.kind = \"ray\" ({plan}), but Ray is "
+                            f"not installed: pip install 'stemdeck-watch[ray]' (here and on "
+                            f"every worker machine), or set executor.kind = \"local\"")]
+        from importlib.metadata import version
+
+        findings = [Finding(True, "executor", f"ray {version('ray')}: {plan}")]
+    for each in recorded_workers(settings):
+        where = each.get("hostname") or "this machine"
+        if each.get("node_ip"):
+            where += f" ({each['node_ip']})"
+        findings.append(Finding(True, f"worker {each.get('index', 0)}",
+                                f"{where}, {each.get('device')}, {each.get('threads')} "
+                                f"thread(s), pid {each.get('pid') or '-'} (as last recorded)"))
+    return findings
+
+
 def check_service(settings: Settings) -> Finding:
     pid = running_pid(settings.paths.state)
     return Finding(True, "service", f"running (pid {pid})" if pid else "not running")
@@ -179,10 +255,13 @@ def run_doctor(settings: Settings, emit: Callable[[str], None]) -> int:
     findings = [Finding(True, "config", str(source))]
     emit(findings[0].line())
     checks: list[Callable[[], list[Finding] | Finding]] = [
-        lambda: check_folders(settings), lambda: check_watcher(settings),
+        lambda: check_folders(settings),
+        lambda: [f for f in [check_sync_layout(settings)] if f is not None],
+        lambda: check_watcher(settings),
         lambda: check_decode(settings), lambda: check_models(settings),
         lambda: check_tray(settings), lambda: check_notify(settings),
-        lambda: check_links(settings), lambda: check_service(settings)]
+        lambda: check_links(settings), lambda: check_executor(settings),
+        lambda: check_service(settings)]
     for check in checks:
         result = check()
         for finding in result if isinstance(result, list) else [result]:

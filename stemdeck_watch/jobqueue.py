@@ -5,6 +5,10 @@ choice: every job talks to the same resident Demucs worker over one stdin and on
 two jobs at once would interleave requests, read each other's progress, and a cancel of one
 would kill the worker under the other (design §3).
 
+With several workers (`executor.workers`, the Ray executor) there is one consumer per
+worker, each with its own slot: a slot holds at most one taken job, so "one job at a time"
+becomes "one job per worker". With one consumer (slot 0) nothing differs.
+
 A job taken from the deque is, for a moment, neither queued nor running. A cancel that lands
 in that gap only sets the flag on the job's `JobControl`; `set_running` then refuses it and the
 consumer, which owns the job by then, is the only thing that can close it out.
@@ -102,8 +106,9 @@ class JobQueue:
         self._order: collections.deque[str] = collections.deque()
         self._paused = False
         self._pause_reason: str | None = None
-        self._claimed: JobControl | None = None
-        self._running: JobControl | None = None
+        # per consumer slot (one per worker): the job taken and the job running there
+        self._claimed: dict[int, JobControl] = {}
+        self._running: dict[int, JobControl] = {}
         self._closed = False
 
     # ------------------------------------------------------------ producers
@@ -148,49 +153,51 @@ class JobQueue:
             if job_id in self._order:
                 self._order.remove(job_id)
                 return "queued"
-            if self._running is not None and self._running.job_id == job_id:
-                control, where = self._running, "running"
-            elif self._claimed is not None and self._claimed.job_id == job_id:
-                control, where = self._claimed, "claimed"
+            running = [c for c in self._running.values() if c.job_id == job_id]
+            claimed = [c for c in self._claimed.values() if c.job_id == job_id]
+            if running:
+                control, where = running[0], "running"
+            elif claimed:
+                control, where = claimed[0], "claimed"
             else:
                 return None
         control.cancel(reason)
         return where
 
     def cancel_running(self, reason: str) -> None:
-        with self._lock:
-            control = self._running or self._claimed
-        if control is not None:
+        """Cancel every job taken or running, on every worker."""
+        for control in self.in_flight():
             control.cancel(reason)
 
     # ------------------------------------------------------------ the one consumer
 
-    def take(self, timeout: float | None = None) -> JobControl | None:
-        """Block until a job may start; None on timeout or when the queue is closed."""
+    def take(self, timeout: float | None = None, slot: int = 0) -> JobControl | None:
+        """Block until a job may start; None on timeout or when the queue is closed.
+        `slot`: the consumer's (its worker's) slot."""
         with self._lock:
             ready = self._changed.wait_for(
                 lambda: self._closed or (not self._paused and bool(self._order)), timeout)
             if not ready or self._closed:
                 return None
             control = JobControl(self._order.popleft())
-            self._claimed = control
+            self._claimed[slot] = control
             return control
 
-    def set_running(self, control: JobControl) -> bool:
+    def set_running(self, control: JobControl, slot: int = 0) -> bool:
         """False if the job was cancelled between `take` and now: the caller finalises it."""
         with self._lock:
-            self._claimed = None
+            if self._claimed.get(slot) is control:
+                del self._claimed[slot]
             if control.cancelled:
                 return False
-            self._running = control
+            self._running[slot] = control
             return True
 
     def finish(self, control: JobControl) -> None:
         with self._lock:
-            if self._running is control:
-                self._running = None
-            if self._claimed is control:
-                self._claimed = None
+            for table in (self._running, self._claimed):
+                for slot in [s for s, c in table.items() if c is control]:
+                    del table[slot]
 
     # ------------------------------------------------------------ control
 
@@ -224,5 +231,13 @@ class JobQueue:
             return list(self._order)
 
     def running(self) -> JobControl | None:
+        """The first worker's job (running, else taken); None when no job is in flight."""
         with self._lock:
-            return self._running or self._claimed
+            return (next(iter(self._running.values()), None)
+                    or next(iter(self._claimed.values()), None))
+
+    def in_flight(self) -> list[JobControl]:
+        """Every job taken or running, on every worker."""
+        with self._lock:
+            controls = [*self._running.values(), *self._claimed.values()]
+        return list({id(c): c for c in controls}.values())

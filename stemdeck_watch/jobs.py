@@ -46,6 +46,38 @@ class JobKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class PlaylistRef:
+    """Which playlist a job belongs to (`links.playlists = true`).
+
+    A playlist link's own job carries `entry = 0` and the number of entries it was expanded
+    into; each entry's job carries its 1-based place in the playlist and, where the playlist
+    said, its length (checked against `links.max_duration` before anything is downloaded).
+    """
+
+    id: str  # the playlist link's job
+    name: str
+    entry: int
+    entries: int
+    duration: float | None = None
+    listed: int = 0  # the link's job: entries the playlist listed (more when cut at max_entries)
+
+    @property
+    def is_link(self) -> bool:
+        return self.entry == 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "PlaylistRef | None":
+        return cls(**json.loads(text)) if text else None
+
+    def to_status(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "entry": self.entry or None,
+                "entries": self.entries, "listed": self.listed or None}
+
+
+@dataclasses.dataclass(frozen=True)
 class FileSignature:
     """What "the same file" means: unchanged size, modification time and inode."""
 
@@ -79,6 +111,7 @@ class Job:
     version: int = 0
     sha256: str | None = None  # of the input, once read: duplicates are found by it
     settings_key: str | None = None  # the separation and output settings, hashed
+    playlist: PlaylistRef | None = None  # the playlist link or entry this job is
 
     def to_status(self) -> dict[str, Any]:
         """The job object of `status --json` (design §1)."""
@@ -94,6 +127,7 @@ class Job:
             "preset": self.preset,
             "created_at": self.created_at,
             "finished_at": self.finished_at,
+            "playlist": self.playlist.to_status() if self.playlist else None,
         }
 
 

@@ -219,10 +219,14 @@ def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | 
     return target
 
 
-def filesystem_type(path: Path) -> str | None:
-    """The filesystem type of the mount holding `path` (Linux); None where unknown."""
+MOUNT_TABLE = "/proc/self/mounts"
+
+
+def filesystem_type(path: Path, table: str | os.PathLike[str] = MOUNT_TABLE) -> str | None:
+    """The filesystem type of the mount holding `path` (Linux); None where unknown. `table`
+    is a mount table in /proc/self/mounts format (tests feed their own)."""
     try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+        with open(table, encoding="utf-8", errors="replace") as mounts:
             entries = [line.split() for line in mounts]
     except OSError:
         return None
@@ -240,8 +244,8 @@ def filesystem_type(path: Path) -> str | None:
     return best[1] if best else None
 
 
-def is_network_filesystem(path: Path) -> bool:
-    fs = filesystem_type(path)
+def is_network_filesystem(path: Path, table: str | os.PathLike[str] = MOUNT_TABLE) -> bool:
+    fs = filesystem_type(path, table)
     return fs is not None and (fs in NETWORK_FILESYSTEMS or fs.startswith("fuse.sshfs"))
 
 

@@ -1,11 +1,12 @@
 """Prepare the next job while the worker separates the current one.
 
 Separation is the slow step and the worker can serve only one job; anything else a job needs
-first (today: a link's download; the same seam takes decoding ahead) can run beside it. At
-most one job is prepared ahead: the head of the queue, and only while another job is
-separating. The prepared job stays queued — a cancel, a move or a pause treats it exactly as if
-nothing had been prepared: a cancel (or the job leaving the head of the queue) stops the work
-and removes its scratch, and the dispatcher prepares it itself if the work was dropped.
+first (a link's download; the hash and decode of a file, once the worker holds the job's
+model) can run beside it (`Pipeline.prepare`). At most one job is prepared ahead: the head of
+the queue, and only while another job is separating and the queue is not paused. The prepared
+job stays queued — a cancel, a move or a pause treats it exactly as if nothing had been
+prepared: a cancel, a pause or the job leaving the head of the queue stops the work and
+removes its scratch, and the dispatcher prepares it itself if the work was dropped.
 
 When the dispatcher takes a job that is being prepared, it adopts the work in flight: the
 running job's cancel now stops it, and its progress becomes the job's progress.
@@ -14,20 +15,38 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 from stemdeck_watch.errors import Cancelled
 from stemdeck_watch.events import JobChanged, QueueChanged
 from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.jobs import Job, JobKind, JobState
+from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.publish import remove_tree
-from stemdeck_watch.pipeline.runner import Pipeline
+from stemdeck_watch.pipeline.runner import Pipeline, Prepared
 from stemdeck_watch.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_NICE = 10  # work beside the worker yields the CPU to it (Linux: per thread)
 NOT_AHEAD = "no longer next in the queue"
+PAUSED = "the queue was paused"
+
+
+def lower_thread_priority() -> None:
+    """Let the calling thread yield the CPU to the worker: on a machine whose cores the
+    worker already fills, decoding ahead or publishing behind at the same priority would
+    slow separation by as much as it saves. On Linux a nice value is per thread; elsewhere
+    this does nothing."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as exc:
+        log.debug("could not lower the priority of %s: %s", threading.current_thread().name,
+                  exc)
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,7 +54,7 @@ class _Ahead:
     job: Job
     control: JobControl
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: Any = None
+    result: Prepared | None = None
     error: BaseException | None = None
     report: Callable[[float], None] | None = None  # set once the job runs
 
@@ -89,7 +108,7 @@ class Prefetcher:
     # ------------------------------------------------------------ the dispatcher's side
 
     def claim(self, job: Job, control: JobControl,
-              report: Callable[[float], None]) -> Any:
+              report: Callable[[float], None]) -> Prepared | None:
         """What was prepared for `job` (None if nothing was): waits for work in flight,
         which the running job's cancel now stops. Work for any other job is dropped."""
         with self._lock:
@@ -157,14 +176,15 @@ class Prefetcher:
             if ahead is not None:
                 # taken by the dispatcher: no longer the head, but about to be claimed
                 taken = running is not None and running.job_id == ahead.job.id
-                if ahead.job.id != head and not taken:
-                    self._drop(ahead, NOT_AHEAD)  # moved or cancelled
+                if not taken and (ahead.job.id != head or queue.paused):
+                    self._drop(ahead, PAUSED if queue.paused else NOT_AHEAD)
                 return
             current = registry.get(running.job_id) if running is not None else None
-            if head is None or current is None or current.state is not JobState.SEPARATING:
+            if (head is None or queue.paused or current is None
+                    or current.state is not JobState.SEPARATING):
                 return
             job = registry.get(head)
-            if job is None or job.state is not JobState.QUEUED or job.kind is not JobKind.LINK:
+            if job is None or job.state is not JobState.QUEUED or not self.pipeline.can_prepare(job):
                 return
             self._ahead = ahead = _Ahead(job, JobControl(job.id))
         log.info("preparing %s ahead while %s separates", job.name, current.name)
@@ -172,6 +192,7 @@ class Prefetcher:
                          daemon=True).start()
 
     def _prepare(self, ahead: _Ahead) -> None:
+        lower_thread_priority()
         try:
             ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress)
         except BaseException as exc:  # a failure is handed to the job when it runs

@@ -60,7 +60,11 @@ def restore(scheduler: Scheduler, settings: Settings,
     folders = settings.paths
     limit = settings.queue.resume_attempts
     front: list[str] = []
-    for job in registry.jobs(RUNNING_STATES):
+    # two jobs can be in flight (one publishing behind the next one's separation): the one
+    # publishing was ahead in the queue, so it goes back first
+    in_flight = sorted(registry.jobs(RUNNING_STATES),
+                       key=lambda j: (j.state is not JobState.PUBLISHING, j.created_at))
+    for job in in_flight:
         remove_tree(folders.staging / job.id)
         remove_tree(folders.scratch / job.id)
         published = find_published(folders.outbox, job)

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
 
 log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "registry.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     version INTEGER NOT NULL DEFAULT 0,
     sha256 TEXT,
-    settings_key TEXT
+    settings_key TEXT,
+    playlist TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
 CREATE TABLE IF NOT EXISTS tombstones (
@@ -59,14 +60,16 @@ CREATE TABLE IF NOT EXISTS waiting (
 """
 # Columns added after the first release: an older registry file gains them on open.
 MIGRATIONS = {2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT",
-                  "ALTER TABLE jobs ADD COLUMN settings_key TEXT")}
+                  "ALTER TABLE jobs ADD COLUMN settings_key TEXT"),
+              3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",)}
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
     "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
-    "settings_key"
+    "settings_key, playlist"
 )
 _UPDATABLE = {"name", "state", "source", "rel_path", "preset", "progress", "output", "error",
-              "stage", "signature", "attempts", "finished_at", "sha256", "settings_key"}
+              "stage", "signature", "attempts", "finished_at", "sha256", "settings_key",
+              "playlist"}
 
 
 class Registry:
@@ -136,18 +139,35 @@ class Registry:
     # ------------------------------------------------------------ jobs
 
     def add(self, job: Job) -> Job:
+        with self._lock:
+            return self._insert(job)
+
+    def add_all(self, jobs: list[Job], then: tuple[str, dict[str, Any]] | None = None,
+                order: list[str] | None = None) -> list[Job]:
+        """Add several jobs, (`then`) change one more and (`order`) save the queue order, all
+        in one transaction: a playlist's entries exist all together with the mark on its
+        link's job and their places in the queue, or not at all."""
+        with self._lock, self._transaction():
+            added = [self._insert(job) for job in jobs]
+            if then is not None:
+                self._update_row(then[0], then[1])
+            if order is not None:
+                self._write_order(order)
+        return added
+
+    def _insert(self, job: Job) -> Job:
         now = self._clock()
         job = dataclasses.replace(job, created_at=job.created_at or now, updated_at=now)
         sig = job.signature
-        with self._lock:
-            self._db.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
-                 job.preset, job.progress, job.output, job.error, job.stage,
-                 sig.size if sig else None, sig.mtime_ns if sig else None,
-                 sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
-                 job.finished_at, job.version, job.sha256, job.settings_key))
+        self._db.execute(
+            f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
+            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
+             job.preset, job.progress, job.output, job.error, job.stage,
+             sig.size if sig else None, sig.mtime_ns if sig else None,
+             sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
+             job.finished_at, job.version, job.sha256, job.settings_key,
+             job.playlist.to_json() if job.playlist else None))
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -158,6 +178,13 @@ class Registry:
 
     def update(self, job_id: str, **fields: Any) -> Job:
         """Change some fields of a job in one transaction; bumps its version."""
+        with self._lock:
+            self._update_row(job_id, fields)
+            job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def _update_row(self, job_id: str, fields: dict[str, Any]) -> None:
         unknown = set(fields) - _UPDATABLE
         if unknown:
             raise TypeError(f"cannot update {sorted(unknown)}")
@@ -169,19 +196,17 @@ class Registry:
                                inode=value.inode if value else None)
             elif isinstance(value, (JobState, JobKind)):
                 columns[name] = value.value
+            elif isinstance(value, PlaylistRef):
+                columns[name] = value.to_json()
             else:
                 columns[name] = value
         columns["updated_at"] = self._clock()
         assignments = ", ".join(f"{name} = ?" for name in columns)
-        with self._lock:
-            cursor = self._db.execute(
-                f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ?",
-                (*columns.values(), job_id))
-            if cursor.rowcount != 1:
-                raise KeyError(job_id)
-            job = self.get(job_id)
-        assert job is not None
-        return job
+        cursor = self._db.execute(
+            f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ?",
+            (*columns.values(), job_id))
+        if cursor.rowcount != 1:
+            raise KeyError(job_id)
 
     def jobs(self, states: Iterable[JobState] | None = None, limit: int | None = None) -> list[Job]:
         """Jobs, newest first."""
@@ -199,12 +224,30 @@ class Registry:
             rows = self._db.execute(query, params).fetchall()
         return [_job(row) for row in rows]
 
+    def entries_of(self, playlist_id: str) -> list[Job]:
+        """The jobs of a playlist link's entries, in playlist order."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE playlist IS NOT NULL AND id != ? "
+                "AND json_extract(playlist, '$.id') = ?", (playlist_id, playlist_id)).fetchall()
+        return sorted((_job(row) for row in rows),
+                      key=lambda job: job.playlist.entry if job.playlist else 0)
+
     def latest_for_source(self, source: str) -> Job | None:
         with self._lock:
             row = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE source = ? "
                 "ORDER BY created_at DESC, rowid DESC LIMIT 1", (source,)).fetchone()
         return _job(row) if row else None
+
+    def with_rel_path(self, rel_path: str, limit: int = 20) -> list[Job]:
+        """Jobs whose input had this path inside the inbox, newest first (rare lookups: only
+        for names that Unicode can spell two ways)."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE rel_path = ? "
+                "ORDER BY created_at DESC, rowid DESC LIMIT ?", (rel_path, limit)).fetchall()
+        return [_job(row) for row in rows]
 
     def find(self, ref: str, limit: int = 20) -> list[Job]:
         """Jobs whose id starts with `ref` or whose song name is `ref`, newest first."""
@@ -261,9 +304,12 @@ class Registry:
 
     def save_order(self, job_ids: list[str]) -> None:
         with self._lock, self._transaction():
-            self._db.execute("UPDATE jobs SET position = NULL WHERE position IS NOT NULL")
-            self._db.executemany("UPDATE jobs SET position = ? WHERE id = ?",
-                                 [(i, job_id) for i, job_id in enumerate(job_ids)])
+            self._write_order(job_ids)
+
+    def _write_order(self, job_ids: list[str]) -> None:
+        self._db.execute("UPDATE jobs SET position = NULL WHERE position IS NOT NULL")
+        self._db.executemany("UPDATE jobs SET position = ? WHERE id = ?",
+                             [(i, job_id) for i, job_id in enumerate(job_ids)])
 
     def queued_order(self) -> list[str]:
         """Ids of queued jobs in their saved order (jobs without a position last, oldest first)."""
@@ -327,10 +373,10 @@ class _Transaction:
 def _job(row: tuple) -> Job:
     (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
      mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256,
-     settings_key) = row
+     settings_key, playlist) = row
     signature = FileSignature(size, mtime_ns, inode) if size is not None else None
     return Job(id=job_id, name=name, kind=JobKind(kind), state=JobState(state), source=source,
                rel_path=rel_path, preset=preset, progress=progress, output=output, error=error,
                stage=stage, signature=signature, attempts=attempts, created_at=created_at,
                updated_at=updated_at, finished_at=finished_at, version=version, sha256=sha256,
-               settings_key=settings_key)
+               settings_key=settings_key, playlist=PlaylistRef.from_json(playlist))

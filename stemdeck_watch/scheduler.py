@@ -11,34 +11,33 @@ import collections
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
 from stemdeck_watch import status
 from stemdeck_watch.config import Settings
-from stemdeck_watch.errors import AmbiguousJob, Conflict, FilesystemError, JobNotFound
 from stemdeck_watch.intake.links import is_link_file
-from stemdeck_watch.events import (EventBus, JobChanged, JobRemoved, QueueChanged, QueueDrained,
-                                   QueueFull)
+from stemdeck_watch.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
 from stemdeck_watch.jobqueue import JobControl, JobQueue
-from stemdeck_watch.jobs import ACTIVE_STATES, FileSignature, Job, JobKind, JobState, new_job_id
-from stemdeck_watch.paths import move_file, report_path
+from stemdeck_watch.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
+                                 PlaylistRef, new_job_id)
 from stemdeck_watch.registry import Registry
+from stemdeck_watch.requests import Requests
 
 log = logging.getLogger(__name__)
 
 INPUT_REMOVED = "the input was removed from the inbox"
-CANCELLED_BY_USER = "cancelled by you; change the file or drop it again to queue it again"
+CHANGED_WHILE_RUNNING = "the input changed while it was separated; the new version is queued"
 PAUSE_USER = "user"
 PAUSE_RESTORE = "restore"
 PAUSE_FOLDER = "folder"
 PAUSE_DISK = "disk"
 
 
-class Scheduler:
+class Scheduler(Requests):
     def __init__(self, registry: Registry, queue: JobQueue, bus: EventBus, settings: Settings,
                  clock: Callable[[], float] = time.time):
         self.registry = registry
@@ -71,6 +70,12 @@ class Scheduler:
         with self._lock:
             if key in self._waiting:
                 return False
+            twin = self._other_spelling(source, signature)
+            if twin is not None:
+                log.info("%s is %s spelled another way (Unicode NFC/NFD), same size and time: "
+                         "not separated twice (job %s); delete one of them", source, twin.source,
+                         twin.id)
+                return False
             job = self.registry.latest_for_source(key)
             if job is None:
                 # a song the user removed stays removed until its content changes
@@ -81,10 +86,33 @@ class Scheduler:
                     self.update(job.id, signature=signature)
                 return False
             if job.state.is_running:
+                if job.signature is not None and job.signature != signature:
+                    # a newer version, complete now: stop separating the old one; when the
+                    # cancelled job ends the intake offers the file again and it is queued
+                    if self.queue.cancel(job.id, CHANGED_WHILE_RUNNING) is not None:
+                        log.info("%s changed while job %s ran: cancelling it", source, job.id)
                 return False
             if key in self._left or job.error == INPUT_REMOVED:
                 return True  # it was taken away and has been dropped again
             return job.signature != signature
+
+    def _other_spelling(self, source: Path, signature: FileSignature) -> Job | None:
+        """A job for the same inbox path spelled in another Unicode normal form (macOS
+        writes names decomposed, most others composed) with the same size and mtime: the
+        same song, which must not become two jobs and two outbox folders."""
+        try:
+            rel = source.relative_to(self.settings.paths.inbox).as_posix()
+        except ValueError:
+            return None
+        if rel.isascii():
+            return None  # the common case: one spelling only, no lookup
+        for job in self.registry.with_rel_path(_nfc(rel)):
+            if job.source != str(source) and job.state is not JobState.CANCELLED \
+                    and job.signature is not None \
+                    and (job.signature.size, job.signature.mtime_ns) == (signature.size,
+                                                                         signature.mtime_ns):
+                return job
+        return None
 
     def submit_file(self, source: Path, rel_path: PurePosixPath,
                     signature: FileSignature) -> Job | None:
@@ -125,15 +153,29 @@ class Scheduler:
         preset = rel_path.parts[0] if len(rel_path.parts) > 1 else None
         if preset not in self.settings.presets:
             preset = None
-        name = source.stem if source.suffix else source.name
+        # names and paths in their composed (NFC) form: the outbox folder and processed/
+        # name are the same whichever way the writer spelled them
+        name = _nfc(source.stem if source.suffix else source.name)
         kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
         job = self.registry.add(Job(
             id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,
-            source=str(source), rel_path=str(rel_path), preset=preset, signature=signature))
+            source=str(source), rel_path=_nfc(str(rel_path)), preset=preset,
+            signature=signature))
         self.queue.put(job.id)
         self._save_order()
         log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
         self.bus.publish(JobChanged(job))
+        return job
+
+    def refuse(self, source: Path, rel_path: PurePosixPath, reason: str) -> Job:
+        """Record input that is never separated (a link out of the inbox) as a failed job,
+        so `status`, the page and notifications say why; `source` is where it lies now."""
+        job = self.registry.add(Job(
+            id=new_job_id(), name=_nfc(source.stem if source.suffix else source.name),
+            kind=JobKind.FILE, state=JobState.FAILED, source=str(source),
+            rel_path=_nfc(str(rel_path)), error=reason))
+        job = self.update(job.id, finished_at=self._clock())
+        log.warning("refused %s: %s", rel_path, reason)
         return job
 
     def _kind_of(self, job_id: str) -> JobKind | None:
@@ -234,6 +276,66 @@ class Scheduler:
                             finished_at=self._clock())
                 self._save_order()
                 self.admit_waiting()
+        # a playlist link taken away takes its entries not yet done with it
+        self.cancel_entries([job.id for job in jobs if job.playlist is not None
+                             and job.playlist.is_link], INPUT_REMOVED)
+
+    def cancel_entries(self, link_job_ids: list[str], reason: str) -> None:
+        """Cancel the entries of these playlist links that are not done yet: queued ones are
+        removed at once, a running one is stopped; published entries stay published."""
+        for link_id in link_job_ids:
+            for entry in self.registry.entries_of(link_id):
+                if entry.state.is_final:
+                    continue
+                # a queued entry ends here; a running one is stopped and its dispatcher ends
+                # it; one already publishing (None: no longer held) is out and stays out
+                where = self.queue.cancel(entry.id, reason)
+                if where == "queued":
+                    self.update(entry.id, state=JobState.CANCELLED, error=reason,
+                                finished_at=self._clock())
+                if where is not None:
+                    log.info("cancelled entry %s of the playlist %s: %s", entry.name,
+                             entry.playlist.name if entry.playlist else link_id, reason)
+            self._save_order()
+
+    def expand_playlist(self, link_id: str, ref: PlaylistRef, entries: list[Job],
+                        control: JobControl) -> bool:
+        """Queue a playlist link's entries in playlist order at the head of the queue and the
+        link's own job right behind them (it finishes the playlist). One registry transaction
+        writes them all with the link's mark; False (nothing written) if the link was
+        cancelled or taken away meanwhile — checked under the lock that `file_gone` holds."""
+        with self._lock:
+            link = self.registry.get(link_id)
+            if control.cancelled or link is None or not os.path.exists(link.source):
+                return False
+            # their places are saved in the same transaction: a crash right after must not
+            # restore the entries behind jobs that were queued after the playlist
+            order = [entry.id for entry in entries] + [link_id] + \
+                [job_id for job_id in self.queue.order() if job_id != link_id]
+            self.registry.add_all(entries, then=(link_id, {
+                "playlist": ref, "state": JobState.QUEUED, "progress": 0.0, "stage": None}),
+                order=order)
+            self.queue.put(link_id, front=True)
+            for entry in reversed(entries):
+                self.queue.put(entry.id, front=True)
+        for entry in entries:
+            self.bus.publish(JobChanged(entry))
+        self.bus.publish(JobChanged(self._get(link_id)))
+        self._announce_queue()
+        return True
+
+    def requeue_behind(self, job_id: str, others: list[str]) -> None:
+        """Put a job back into the queue right behind the last of `others` there (a playlist
+        link whose entries were moved behind it waits for them)."""
+        with self._lock:
+            self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None)
+            self.queue.put(job_id)
+            order = self.queue.order()
+            last = max((order.index(other) for other in others if other in order), default=None)
+            if last is not None:
+                self.queue.move(job_id, after=order[last])
+            self._save_order()
+        self._announce_queue()
 
     def _note_left(self, source: Path, prefix: str) -> None:
         """Remember inputs of finished jobs that left the inbox: dropped again, the same
@@ -248,8 +350,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ dispatcher side
 
-    def next_job(self, timeout: float | None = None) -> JobControl | None:
-        control = self.queue.take(timeout)
+    def next_job(self, timeout: float | None = None, slot: int = 0) -> JobControl | None:
+        control = self.queue.take(timeout, slot)
         if control is not None:
             # the job is taken whatever happens next: a failed write here must not drop it.
             # The order on disk still has it first, so a restore finds it where it was.
@@ -304,141 +406,19 @@ class Scheduler:
         log.info("queue started")
         self._announce_queue()
 
-    def find(self, ref: str) -> Job:
-        """The job a person means by `ref`: an id, a unique id prefix or a unique song name."""
-        ref = ref.strip()
-        if not ref:
-            raise JobNotFound("no job given: name a job by its id or its song name")
-        job = self.registry.get(ref)
-        if job is not None:
-            return job
-        matches = self.registry.find(ref)
-        if not matches:
-            raise JobNotFound(f"no job {ref!r}: `stemdeck-watch status` lists the jobs")
-        by_name = [job for job in matches if job.name == ref]
-        active = [job for job in by_name if not job.state.is_final]
-        for candidates in (active, by_name, matches):
-            if len(candidates) == 1:
-                return candidates[0]
-            if len(candidates) > 1:
-                ids = ", ".join(f"{job.id} ({job.name}, {job.state.value})"
-                                for job in candidates[:6])
-                raise AmbiguousJob(f"{ref!r} matches several jobs: {ids}; use the id")
-        raise JobNotFound(f"no job {ref!r}")  # unreachable: matches is not empty
-
-    def cancel_job(self, job_id: str) -> Job:
-        """Cancel on a person's request: the input stays where it is, and neither a rescan
-        nor a restart queues it again (changing the file or dropping it again does)."""
-        with self._lock:
-            job = self._get(job_id)
-            if job.state.is_final:
-                raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel")
-            where = self.queue.cancel(job.id, CANCELLED_BY_USER)
-            if where == "queued":
-                job = self.update(job.id, state=JobState.CANCELLED, error=CANCELLED_BY_USER,
-                                  finished_at=self._clock())
-                self._save_order()
-        log.info("cancelled %s (job %s) on request", job.name, job.id)
-        if where == "queued":
-            self.admit_waiting()
-        return job
-
-    def move(self, job_id: str, *, after: str | None = None, first: bool = False) -> list[str]:
-        """Put a queued job after another one (or first); returns the order after the move.
-        If `after` has left the queue meanwhile, the job goes to the end."""
-        with self._lock:
-            job = self._get(job_id)
-            if job.state is not JobState.QUEUED:
-                raise Conflict(f"{job.name} is {job.state.value}, not queued; only queued "
-                               f"jobs can be moved")
-            if after is not None and after == job.id:
-                raise Conflict(f"cannot move {job.name} after itself")
-            order = self.queue.move(job.id, after=None if first else after)
-            if order is None:
-                raise Conflict(f"{job.name} has just left the queue")
-            self._save_order()
-        self._announce_queue()
-        log.info("moved %s %s", job.name, "first" if first else
-                 f"after {after}" if after in order else "to the end")
-        return order
-
-    def retry(self, job_id: str) -> Job | None:
-        """Queue a failed or cancelled job's input again, as a new job at the end.
-
-        A failed job's input goes back from failed/ to its place in the inbox (never over
-        another file) and its report is removed. Returns the new job, or None when the
-        file lane is full and the input waits.
-        """
-        with self._lock:
-            job = self._get(job_id)
-            if job.state not in (JobState.FAILED, JobState.CANCELLED):
-                raise Conflict(f"{job.name} is {job.state.value}; only failed or cancelled "
-                               f"jobs can be retried")
-            source = Path(job.source)
-            if not source.is_file():
-                raise Conflict(f"cannot retry {job.name}: its input {source} is gone; drop the "
-                               f"file into the inbox again")
-            latest = self.registry.latest_for_source(job.source)
-            if latest is not None and latest.id != job.id:
-                raise Conflict(f"{job.name} was queued again already (job {latest.id})")
-            inbox = self.settings.paths.inbox
-            if inbox not in source.parents:
-                report = report_path(source)
-                try:
-                    source = move_file(source, inbox / PurePosixPath(job.rel_path))
-                except FilesystemError as exc:
-                    raise Conflict(f"cannot retry {job.name}: {exc}") from None
-                report.unlink(missing_ok=True)
-            signature = FileSignature.of(os.stat(source))
-            self._left.add(str(source))
-            rel = PurePosixPath(source.relative_to(inbox).as_posix())
-            new = self.submit_file(source, rel, signature)
-        log.info("retrying %s as %s", job.name, new.id if new else "a waiting file")
-        return new
-
-    def remove(self, job_id: str) -> list[str]:
-        """Forget a finished job: delete its outbox folder and leave tombstones, so neither
-        orphan adoption nor a rescan brings it back. Returns what could not be deleted."""
-        with self._lock:
-            job = self._get(job_id)
-            if not job.state.is_final:
-                raise Conflict(f"{job.name} is {job.state.value}; cancel it first, then remove it")
-            left: list[str] = []
-            if job.output:
-                shutil.rmtree(job.output, onerror=lambda _f, path, exc: left.append(
-                    f"{path} ({exc[1].strerror if isinstance(exc[1], OSError) else exc[1]})"))
-            try:
-                signature = FileSignature.of(os.stat(job.source))
-            except OSError:
-                signature = job.signature
-            tombstones = [(job.source, "input", signature)]
-            if job.output:
-                tombstones.append((job.output, "output", None))
-            self.registry.remove(job.id, tombstones)
-            self._left.discard(job.source)
-        log.info("removed %s (job %s)%s", job.name, job.id,
-                 f"; could not delete {', '.join(left)}" if left else "")
-        self.bus.publish(JobRemoved(job.id))
-        self._announce_queue()
-        return left
-
     def snapshot(self) -> dict[str, Any]:
         """The live `status --json` object (the API's GET /api/queue)."""
         with self._lock:
             waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
             return status.build(self.registry.jobs(), self.queue.order(), waiting,
                                 self.queue.pause_reason if self.queue.paused else None,
-                                self.settings.paths, {"running": True, "pid": os.getpid()})
+                                self.settings.paths, {"running": True, "pid": os.getpid()},
+                                worker=status.worker_of(self.registry),
+                                workers=status.workers_of(self.registry))
 
     def waiting(self) -> list[str]:
         with self._lock:
             return list(self._waiting)
-
-    def _get(self, job_id: str) -> Job:
-        job = self.registry.get(job_id)
-        if job is None:
-            raise JobNotFound(f"no job {job_id!r}")
-        return job
 
     # ------------------------------------------------------------ persistence
 
@@ -446,11 +426,15 @@ class Scheduler:
         # read and written under the lock: two savers must not store an older order last.
         # A job just taken but not started yet is still "queued" on disk: it keeps the head,
         # or a crash in that instant would restore it last.
+        # With publish behind, the job taken can sit beside a job still publishing: every
+        # job in flight that is still "queued" on disk keeps the head.
         with self._lock:
             order = self.queue.order()
-            taken = self.queue.running()
-            if taken is not None and taken.job_id not in order:
-                order.insert(0, taken.job_id)
+            for taken in reversed(self.queue.in_flight()):
+                job = self.registry.get(taken.job_id)
+                if (taken.job_id not in order and job is not None
+                        and job.state is JobState.QUEUED):
+                    order.insert(0, taken.job_id)
             self.registry.save_order(order)
 
 
@@ -459,3 +443,7 @@ class Scheduler:
                                       pause_reason=self.queue.pause_reason,
                                       queued=tuple(self.queue.order()),
                                       waiting=len(self._waiting)))
+
+
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)

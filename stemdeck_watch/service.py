@@ -20,11 +20,13 @@ from stemdeck_watch.control.notify import Notifier
 from stemdeck_watch.diskguard import DiskGuard
 from stemdeck_watch.dispatcher import Dispatcher
 from stemdeck_watch.events import EventBus
+from stemdeck_watch.executor import pool
+from stemdeck_watch.intake.ownership import InboxOwnership
 from stemdeck_watch.intake.watcher import Intake
 from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.lock import ServiceLock
 from stemdeck_watch.pipeline.runner import Pipeline
-from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.playlist import Playlists
 from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.paths import default_state_dir, filesystem_type, is_network_filesystem
 from stemdeck_watch.recovery import adopt_orphans, restore
@@ -47,8 +49,17 @@ class Service:
         self._started = False
         self.api: ApiServer | None = None  # the local API, once started (api.enabled)
         self.notifier: Notifier | None = None  # notify.urls, on threads of their own
+        self.ownership: InboxOwnership | None = None  # the heartbeat in inbox/.stemdeck/
+        self.executor: pool.Executor | None = None  # the workers (executor.kind)
 
-    def start(self) -> None:
+    @property
+    def started(self) -> bool:
+        """False until `start` has started every part (a standby wait may end without)."""
+        return self._started
+
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Start every part. With `watch.standby` this first waits until another computer's
+        service gives up the inbox; `stop` set meanwhile returns without starting."""
         folders = self.folders
         for folder in (folders.inbox, folders.outbox, folders.processed, folders.failed,
                        folders.state):
@@ -62,35 +73,63 @@ class Service:
                 f"choose a local folder (the default is {default_state_dir()})")
         self._lock = ServiceLock.acquire(folders.state)
         try:
+            self.ownership = InboxOwnership(folders.inbox, standby=self.settings.watch.standby,
+                                            clock=self._clock)
+            if not self.ownership.claim(stop):
+                self.ownership = None
+                self._lock.release()
+                return
             self.registry = Registry.open_or_rebuild(folders.state / REGISTRY_FILE, self._clock)
             self.queue = JobQueue()
             self.scheduler = Scheduler(self.registry, self.queue, self.bus, self.settings,
                                        self._clock)
-            self.client = WorkerClient(self.settings.separation.device, self._worker_env)
-            self.pipeline = Pipeline(
-                self.settings, self.client, self.bus, self.scheduler.update,
+            # the workers: one local process, or `executor.workers` Ray actors; one
+            # pipeline (and below, one dispatcher) per worker
+            self.executor = pool.build(self.settings, self._worker_env)
+            self.client = self.executor.clients[0]
+            self.pipelines = [Pipeline(
+                self.settings, client, self.bus, self.scheduler.update,
                 lambda sha, key: [job.output for job in self.registry.done_with(sha, key)
-                                  if job.output])
+                                  if job.output]) for client in self.executor.clients]
+            self.pipeline = self.pipelines[0]
             self.notifier = Notifier(self.bus, self.settings)
             self.notifier.start()  # before restore, which announces the restored jobs
+            self.pipeline.playlists = Playlists(self.scheduler)
+            for pipeline in self.pipelines[1:]:
+                pipeline.playlists = self.pipeline.playlists
             restore(self.scheduler, self.settings, self.pipeline.finish_published)
+            self.pipeline.playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
             self.prefetcher = Prefetcher(self.scheduler, self.pipeline)
-            self.dispatcher = Dispatcher(self.scheduler, self.pipeline, self.client, self.settings,
-                                         self.prefetcher, DiskGuard(self.scheduler, self.settings))
+            guard = DiskGuard(self.scheduler, self.settings)
+            self.dispatchers = [
+                Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
+                           self.prefetcher, guard, slot=slot,
+                           record=self.executor.record if self.executor.kind == "ray" else None)
+                for slot, pipeline in enumerate(self.pipelines)]
+            self.dispatcher = self.dispatchers[0]
             self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
             self.folder_control = FolderControl(self.scheduler, folders.inbox, folders.outbox)
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
                         if self.settings.api.enabled else None)
         except BaseException:
+            if self.executor is not None:
+                self.executor.close()
+                self.executor = None
             if self.notifier is not None:
                 self.notifier.stop()
                 self.notifier = None
+            if self.ownership is not None:
+                self.ownership.stop()
+                self.ownership = None
             self._lock.release()
             raise
-        self.dispatcher.start()
+        self.ownership.start()
+        self.executor.attach(self.scheduler)
+        for dispatcher in self.dispatchers:
+            dispatcher.start()
         self.prefetcher.start()
         self.intake.start()
         self.folder_control.start()
@@ -121,16 +160,18 @@ class Service:
                  f" from {self.settings.model_repo}" if self.settings.model_repo else "",
                  sep.device, folders.state)
         if self.settings.links.playlists:
-            log.warning("links.playlists = true is not supported yet: a playlist link gives "
-                        "its first item only")
+            log.info("playlist links become one job per entry (at most %d)",
+                     self.settings.links.max_entries)
 
     def supervise(self) -> None:
         """Notice dead parts and restart them."""
         if not self._started:
             return
-        if not self.dispatcher.alive():
-            log.error("the dispatcher thread died; restarting it")
-            self.dispatcher.start()
+        for dispatcher in self.dispatchers:
+            if not dispatcher.alive():
+                log.error("the dispatcher thread %d died; restarting it", dispatcher.slot)
+                dispatcher.start()
+        self.executor.supervise()
         if not self.prefetcher.alive():
             log.error("the prefetch thread died; restarting it")
             self.prefetcher.start()
@@ -140,10 +181,13 @@ class Service:
             self.folder_control.start()
         if self.notifier is not None:
             self.notifier.restart_dead()
+        if self.ownership is not None and not self.ownership.alive():
+            log.error("the heartbeat thread died; restarting it")
+            self.ownership.start()
 
     def run_until(self, stop: threading.Event) -> None:
         """Run in the foreground until `stop` is set (by a signal handler or a test)."""
-        self.start()
+        self.start(stop)
         try:
             self.supervise_until(stop)
         finally:
@@ -170,13 +214,17 @@ class Service:
             self.api = None
         self.intake.stop()
         self.prefetcher.stop()
-        self.dispatcher.stop()
+        for dispatcher in self.dispatchers:
+            dispatcher.stop()
         self.folder_control.stop()
-        self.client.close()
+        self.executor.close()
         if self.notifier is not None:  # last: it sends what it still holds
             self.notifier.stop()
             self.notifier = None
         self.registry.close()
+        if self.ownership is not None:  # after the last move: a standby may take over now
+            self.ownership.stop()
+            self.ownership = None
         if self._lock is not None:
             self._lock.release()
         log.info("stopped")

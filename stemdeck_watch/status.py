@@ -6,6 +6,7 @@ service is stopped, and keeps it fast: no torch, no worker, no network.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ class RegistryDamaged(StemdeckError):
 
 def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
           pause_reason: str | None, folders: Folders,
-          service: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
-    """The `status --json` object of design §1 (plus `service` and `folders`).
+          service: dict[str, Any], notes: list[str] | None = None,
+          worker: dict[str, Any] | None = None,
+          workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
+    resident worker's device, threads, model and precision with the figures that chose it).
 
     One builder for the stopped service (read from disk) and the running one (the API), so
     the CLI, the page and scripts see the same shape.
@@ -42,7 +46,49 @@ def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, f
         "folders": {name: str(getattr(folders, name))
                     for name in ("inbox", "outbox", "processed", "failed", "state")},
         "notes": notes or [],
+        "worker": worker,
+        # every worker (several with executor.kind = "ray"): where it runs, its device, the
+        # job it holds
+        "workers": workers if workers is not None else ([worker] if worker else []),
     }
+
+
+WORKER_META = "worker"  # registry meta key: the dispatcher records the worker's state there
+WORKERS_META = "workers"  # the same for every worker (executor.workers), as a list
+
+
+def worker_of(registry: Registry) -> dict[str, Any] | None:
+    """The worker section as the service last recorded it (None before a model loaded)."""
+    text = registry.get_meta(WORKER_META)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
+    """Every worker as the service last recorded them (None: only `worker` was recorded)."""
+    text = registry.get_meta(WORKERS_META)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
+    """The workers as the service last recorded them (doctor); [] before any was."""
+    try:
+        registry = Registry.open_readonly(settings.paths.state / REGISTRY_FILE)
+        if registry is None:
+            return []
+        try:
+            workers = workers_of(registry)
+            worker = worker_of(registry)
+        finally:
+            registry.close()
+    except sqlite3.Error:  # no tables yet, locked, damaged: status says which
+        return []
+    return workers if workers is not None else ([worker] if worker else [])
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -58,6 +104,8 @@ def collect(settings: Settings) -> dict[str, Any]:
     order: list[str] = []
     waiting: list[tuple[str, JobKind, float]] = []
     pause_reason = None
+    worker = None
+    workers = None
     notes: list[str] = []
     try:
         registry = Registry.open_readonly(path)
@@ -67,6 +115,8 @@ def collect(settings: Settings) -> dict[str, Any]:
                 order = registry.queued_order()
                 waiting = registry.waiting()
                 pause_reason = registry.get_meta("pause_reason") or None
+                worker = worker_of(registry)
+                workers = workers_of(registry)
                 rebuilt = registry.get_meta("rebuilt_from")
                 if rebuilt:
                     notes.append(f"the job registry was damaged and rebuilt; the old file is "
@@ -80,7 +130,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
     return build(jobs, order, waiting, pause_reason, folders,
-                 {"running": pid is not None, "pid": pid}, notes)
+                 {"running": pid is not None, "pid": pid}, notes, worker, workers)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -91,13 +141,30 @@ def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
         f"empty history, and songs still in the inbox are queued again")
 
 
+def to_json(status: dict[str, Any]) -> str:
+    """`status --json`: indented at the top, one line per job and per waiting file. The same
+    object as `json.dumps(status, indent=2)`, ~10× faster for a 10,000-song library (the
+    standard library encodes indented JSON in pure Python, compact JSON in C)."""
+    compact = json.JSONEncoder(separators=(", ", ": ")).encode
+    lines = []
+    for key, value in status.items():
+        if isinstance(value, list) and value:
+            items = ",\n".join(f"    {compact(item)}" for item in value)
+            text = f"[\n{items}\n  ]"
+        else:
+            text = compact(value)
+        lines.append(f"  {compact(key)}: {text}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
+
 def render(status: dict[str, Any], recent: int = 10) -> str:
     service = status["service"]
     lines = [f"service: {'running (pid %d)' % service['pid'] if service['running'] else 'stopped'}"]
     if status["paused"]:
         why = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start "
                "(or drop a new file)", "disk": "the disk is almost full",
-               "folder": "a PAUSE file is in the inbox; delete it to start"}
+               "folder": "a PAUSE file is in the inbox; delete it to start",
+               "cluster": "the Ray cluster is unreachable; it starts again when it is back"}
         lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
     else:
         lines.append("queue:   running" if service["running"] else "queue:   not paused")
@@ -105,11 +172,21 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     folders = status["folders"]
     lines.append(f"inbox:   {folders['inbox']}")
     lines.append(f"outbox:  {folders['outbox']}")
+    worker = status.get("worker") or {}
+    if worker.get("precision"):
+        lines.append(f"worker:  {worker.get('model')} in {worker['precision'].get('precision')} "
+                     f"on {worker.get('device')}, {worker.get('threads')} thread(s) — "
+                     f"{worker['precision'].get('reason')}")
+    for each in status.get("workers") or []:
+        if each.get("executor") == "ray":  # where each Ray worker runs
+            lines.append(f"worker {each.get('index')}: {each.get('hostname') or '?'} "
+                         f"({each.get('node_ip') or '?'}), {each.get('device')}, pid "
+                         f"{each.get('pid') or '-'}, {each.get('job') or 'idle'}")
     job = status["running"]
     if job:
-        lines.append(f"now:     {job['name']} — {job['state']} {job['progress'] * 100:.0f}%")
+        lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%")
     queued = status["queued"]
-    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(j["name"] for j in queued[:5])
+    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) for j in queued[:5])
                                               + (" …" if len(queued) > 5 else "") if queued else ""))
     if status["waiting"]:
         lines.append(f"waiting: {len(status['waiting'])} file(s) held back until the queue has room")
@@ -120,8 +197,19 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         for j in finished[:recent]:
             when = _dt.datetime.fromtimestamp(j["finished_at"] or j["created_at"]).strftime("%m-%d %H:%M")
             detail = j["output"] if j["state"] == JobState.DONE.value else (j["error"] or "")
-            lines.append(f"  {when}  {j['state']:<9} {j['name']}  {_short(detail)}")
+            lines.append(f"  {when}  {j['state']:<9} {label(j)}  {_short(detail)}")
     return "\n".join(lines)
+
+
+def label(job: dict[str, Any]) -> str:
+    """A job's name, with its place in its playlist: "Beta (2/3 of My List)", or
+    "My List (playlist, 3 entries)" for the playlist link itself."""
+    ref = job.get("playlist")
+    if not ref:
+        return job["name"]
+    if ref.get("entry"):
+        return f"{job['name']} ({ref['entry']}/{ref['entries']} of {ref['name']})"
+    return f"{job['name']} (playlist, {ref['entries']} entries)"
 
 
 def _short(text: str, width: int = 100) -> str:

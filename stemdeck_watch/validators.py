@@ -4,11 +4,22 @@ expected …".
 """
 from __future__ import annotations
 
-from pathlib import Path
+import string
+from pathlib import PurePosixPath
 from typing import Any, Callable
 
 Check = Callable[[Any], Any]
-LAYOUT_FIELDS = ("stem", "name", "ext", "model")
+LAYOUT_FIELDS = ("stem", "name", "ext", "model", "title", "artist", "album", "preset")
+MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG audio
+# The stems of the models whose names are known without loading them (demucs's pretrained
+# models): a mix or `two_stems` naming another stem is a config-time error for these.
+FOUR = ("drums", "bass", "other", "vocals")
+MODEL_STEMS: dict[str, tuple[str, ...]] = {
+    **{name: FOUR for name in ("htdemucs", "htdemucs_ft", "hdemucs_mmi", "mdx", "mdx_extra",
+                               "mdx_q", "mdx_extra_q", "repro_mdx_a", "repro_mdx_a_time_only",
+                               "repro_mdx_a_hybrid_only")},
+    "htdemucs_6s": FOUR + ("guitar", "piano"),
+}
 
 
 def number(minimum: float | None = None, maximum: float | None = None, *,
@@ -108,17 +119,56 @@ def stem_name(value: Any) -> str:
 
 
 def layout_template(value: Any) -> str:
+    """A stem's file name inside the song folder. Refused here, at config load, is anything
+    that could place a file outside the song folder: an absolute path, a drive, `..`, a
+    backslash, or a field that is not a plain name (`{stem.__class__}`, `{name[0]}`). The
+    values filled in later are sanitised too (pipeline/naming.py), so a tag cannot escape."""
     value = text(value)
-    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" ' \
-              f"(fields: {', '.join('{' + f + '}' for f in LAYOUT_FIELDS)})"
+    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" or ' \
+              f'"{{artist}}/{{title}} - {{stem}}.{{ext}}" (fields: ' \
+              f"{', '.join('{' + f + '}' for f in LAYOUT_FIELDS)}; no '..', no absolute path)"
     try:
+        fields = [(f, spec, conv) for _lit, f, spec, conv in string.Formatter().parse(value)
+                  if f is not None]
         sample = value.format(**{f: "x" for f in LAYOUT_FIELDS})
-    except (KeyError, IndexError, ValueError):
+    except (KeyError, IndexError, ValueError, AttributeError):
         raise ValueError(allowed) from None
-    parts = Path(sample).parts
-    if "{stem}" not in value or not parts or Path(sample).is_absolute() or ".." in parts:
+    if any(f not in LAYOUT_FIELDS or conv or spec for f, spec, conv in fields):
+        raise ValueError(allowed)
+    parts = PurePosixPath(sample).parts
+    if ("stem" not in [f for f, _s, _c in fields] or not parts or sample.startswith("/")
+            or "\\" in value or ":" in sample or any(p in ("..", ".") for p in parts)
+            or any(ord(c) < 32 for c in sample)):
         raise ValueError(allowed)
     return value
+
+
+def sample_rate(value: Any) -> str | int:
+    """`"model"` (the model's own rate), `"input"` (the input's) or a rate in Hz."""
+    allowed = '"model", "input" or a rate in Hz from 8000 to 384000, e.g. 48000'
+    if value in ("model", "input") and isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 8000 <= value <= 384000:
+        return value
+    raise ValueError(allowed)
+
+
+def check_model_stems(model: str, two_stems: str, mixes: dict[str, tuple[str, ...]]) -> None:
+    """For a model whose stems are known, every stem named in `two_stems` and the mixes must
+    be one of them; raises ValueError naming the key, the stem and the model's stems."""
+    known = MODEL_STEMS.get(model)
+    if known is None:
+        return  # a local or custom model: checked when its stems are known, at publish
+    stems = ", ".join(known)
+    if two_stems and two_stems not in known:
+        raise ValueError(f"separation.two_stems = {show(two_stems)} is not a stem of the model "
+                         f"{show(model)}; its stems are {stems}")
+    for mix, members in mixes.items():
+        unknown = [m for m in members if m not in known]
+        if unknown:
+            raise ValueError(f"output.mixes.{mix} names {', '.join(show(m) for m in unknown)}, "
+                             f"which the model {show(model)} does not separate; its stems are "
+                             f"{stems}")
 
 
 def mix_table(value: Any) -> dict[str, tuple[str, ...]]:

@@ -123,6 +123,9 @@ def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> d
     data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
     data["watch"]["settle_seconds"] = 0.3
     data["notify"]["urls"] = []  # no desktop notifications from the tests (they set their own)
+    # the beat grid loads librosa (3-9 s per service process on 2 cores): tests of it turn it
+    # on (tests/test_output_*.py); the rest keep the suite fast
+    data["output"]["beat_grid"] = False
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return data

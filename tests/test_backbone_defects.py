@@ -20,7 +20,7 @@ from stemdeck_watch.jobs import FileSignature, JobState
 from stemdeck_watch.paths import move_file
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.registry import REGISTRY_FILE
-from stemdeck_watch.scheduler import PAUSE_RESTORE
+from stemdeck_watch.scheduler import CHANGED_WHILE_RUNNING, PAUSE_RESTORE
 from stemdeck_watch.synth import write_song
 
 from conftest import add_job, open_scheduler, run_restore, wait_for, write_config
@@ -105,13 +105,13 @@ def test_a_file_changed_while_its_job_runs_is_separated_again_without_a_rescan(
 
     finished = jobs.wait_final(2, timeout=120)
     by_id = {j.id: j for j in finished}
-    assert by_id[first.id].state is JobState.DONE
-    assert "will be separated again" in by_id[first.id].error
+    # design §1: changed while running, the run is cancelled and the new content queued
+    assert by_id[first.id].state is JobState.CANCELLED
+    assert by_id[first.id].error == CHANGED_WHILE_RUNNING
     second = next(j for j in finished if j.id != first.id)
     assert second.state is JobState.DONE
-    durations = sorted(json.loads((Path(j.output) / "stemdeck.json").read_text())
-                       ["input"]["duration"] for j in finished)
-    assert [round(d) for d in durations] == [2, 8]
+    manifest = json.loads((Path(second.output) / "stemdeck.json").read_text())
+    assert round(manifest["input"]["duration"]) == 2
 
 
 # 4 ---------------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "STATUS.txt"
 STATUS_EVERY = 3.0  # seconds between rewrites of STATUS.txt at most
 PAUSE_CHECK_EVERY = 1.0
+# the inbox is listed again only when its own mtime changed (a file was added, removed or
+# renamed at the top) or this long after the last listing (coarse mtimes, odd filesystems):
+# a library of 10,000 songs waiting in the inbox must not be listed every second
+PAUSE_FULL_CHECK_EVERY = 30.0
 RECENT_FAILURES = 5
 QUEUE_LINES = 30
 REASONS = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start",
@@ -46,6 +50,9 @@ class FolderControl:
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._last_written = float("-inf")
+        self._listed_stamp: int | None = None   # the inbox's mtime when last listed
+        self._list_again_at = float("-inf")
+        self._pause_path: Path | None = None
 
     def start(self) -> None:
         if self._unsubscribe is not None:  # a restart after the thread died
@@ -99,14 +106,29 @@ class FolderControl:
             self.scheduler.start()
 
     def pause_file(self) -> Path | None:
+        """The PAUSE file at the top of the inbox, if there is one. One stat of the inbox
+        per call; the listing only when the inbox's top level changed (see
+        PAUSE_FULL_CHECK_EVERY)."""
+        now = self._clock()
+        try:
+            stamp: int | None = os.stat(self.inbox).st_mtime_ns  # before listing: a change
+        except OSError:                                      # meanwhile lists again
+            stamp = None
+        if stamp is not None and stamp == self._listed_stamp and now < self._list_again_at:
+            return self._pause_path
+        found = None
         try:
             with os.scandir(self.inbox) as entries:
                 for entry in entries:
                     if is_pause_file(entry.name) and entry.is_file():
-                        return Path(entry.path)
+                        found = Path(entry.path)
+                        break
         except OSError as exc:
             log.warning("could not look for a PAUSE file in %s: %s", self.inbox, exc)
-        return None
+            stamp = None
+        self._listed_stamp, self._list_again_at = stamp, now + PAUSE_FULL_CHECK_EVERY
+        self._pause_path = found
+        return found
 
     # ------------------------------------------------------------ STATUS.txt
 

@@ -454,7 +454,9 @@ def run_with_tray(service: Any, stop: threading.Event, backend: str | None, *,
                   icon_class: type | None = None, tray_factory: Callable[..., Tray] = Tray) -> None:
     """Start the service, show the icon on this (the main) thread until `stop` is set, then
     shut down. If the icon cannot be shown, the service runs on without it."""
-    service.start()
+    service.start(stop)
+    if not service.started:
+        return  # stopped while standing by for another computer's service: nothing to show
     tray: Tray | None = None
     supervisor: threading.Thread | None = None
     try:

@@ -20,6 +20,9 @@ IGNORED_FOLDERS = frozenset(name.lower() for name in (
     ".stfolder", ".stversions", ".dropbox.cache", ".tmp.drivedownload", ".tmp.driveupload",
     "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", ".Trashes", "__MACOSX",
 ))
+# Safari downloads into a `NAME.download/` bundle holding the unfinished file under its final
+# name, and moves it out when done: nothing inside such a folder is ever complete
+IGNORED_FOLDER_PATTERNS = ("*.download",)
 
 
 def is_pause_file(name: str) -> bool:
@@ -36,7 +39,9 @@ class InboxFilter:
 
     def folder_ignored(self, name: str) -> bool:
         lowered = name.lower()
-        return lowered in IGNORED_FOLDERS or lowered.startswith(".") or self._matches_extra(lowered)
+        return lowered in IGNORED_FOLDERS or lowered.startswith(".") \
+            or any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_FOLDER_PATTERNS) \
+            or self._matches_extra(lowered)
 
     def name_ignored(self, name: str) -> bool:
         lowered = name.lower()

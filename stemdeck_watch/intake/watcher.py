@@ -25,7 +25,8 @@ from stemdeck_watch.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter
 from stemdeck_watch.intake.links import LINK_EXTENSIONS
 from stemdeck_watch.intake.stability import StabilityTracker
-from stemdeck_watch.paths import filesystem_type, is_network_filesystem
+from stemdeck_watch.intake.symlinks import link_refusal, outside_inbox, set_aside
+from stemdeck_watch.paths import MOUNT_TABLE, filesystem_type, is_network_filesystem
 from stemdeck_watch.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,15 @@ TICK_SECONDS = 0.25
 RETRY_SECONDS = 5.0  # after a failure in the loop, the next rescan comes this soon
 
 
-def choose_mode(settings: WatchSettings, inbox: Path) -> tuple[str, str]:
-    """("native" | "polling", why) for the configured mode and the inbox's filesystem."""
+def choose_mode(settings: WatchSettings, inbox: Path,
+                table: str | os.PathLike[str] = MOUNT_TABLE) -> tuple[str, str]:
+    """("native" | "polling", why) for the configured mode and the inbox's filesystem (found
+    in the mount table `table`)."""
     if settings.mode != "auto":
         return settings.mode, f"watch.mode = {settings.mode!r}"
-    if is_network_filesystem(inbox):
-        return "polling", f"the inbox is on a network filesystem ({filesystem_type(inbox)})"
+    if is_network_filesystem(inbox, table):
+        return "polling", (f"the inbox is on a network filesystem "
+                           f"({filesystem_type(inbox, table)})")
     return "native", "native filesystem events"
 
 
@@ -60,7 +64,8 @@ class _Handler(FileSystemEventHandler):
 
 class Intake:
     def __init__(self, settings: WatchSettings, inbox: Path, scheduler: Scheduler,
-                 clock: Callable[[], float] = time.monotonic, links: bool = False):
+                 clock: Callable[[], float] = time.monotonic, links: bool = False,
+                 mount_table: str | os.PathLike[str] = MOUNT_TABLE):
         self.settings = settings
         self.inbox = inbox
         self.scheduler = scheduler
@@ -75,7 +80,8 @@ class Intake:
         self._scan_dirs: list[Path] = []
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
-        self.mode, self.mode_reason = choose_mode(settings, inbox)
+        self._outside: set[Path] = set()  # files seen through linked folders (logged once)
+        self.mode, self.mode_reason = choose_mode(settings, inbox, mount_table)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -118,14 +124,17 @@ class Intake:
     def _start_observer(self) -> None:
         self.inbox.mkdir(parents=True, exist_ok=True)
         if self.mode == "native":
+            native: BaseObserver | None = None
             try:
-                observer: BaseObserver = Observer()
-                observer.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
-                observer.start()
-                self._observer = observer
+                native = Observer()  # inotify: starts its reader thread here already
+                native.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
+                native.start()
+                self._observer = native
                 log.info("watching %s with %s", self.inbox, self.mode_reason)
                 return
             except OSError as exc:  # ENOSPC / EMFILE: the OS watch limit is reached
+                if native is not None:  # or its reader thread and descriptor stay behind
+                    native.stop()
                 self.mode, self.mode_reason = "polling", f"native watching failed ({exc})"
                 log.warning("could not watch %s natively (%s); polling every %.1f s instead",
                             self.inbox, exc, self.settings.poll_interval)
@@ -211,7 +220,12 @@ class Intake:
                 retry_at = retry_at or self._clock() + RETRY_SECONDS
 
     def scan(self, folder: Path) -> None:
-        """Walk `folder` and start tracking every eligible file in it."""
+        """Walk `folder` and start tracking every eligible file in it (a linked folder is
+        not walked: links are never followed out of the inbox)."""
+        if folder != self.inbox and os.path.islink(folder):
+            log.warning("not looking inside %s: it is a symbolic link to %s, and links are not "
+                        "followed", folder, os.path.realpath(folder))
+            return
         for root, dirs, files in os.walk(folder, onerror=lambda e: log.warning("scan: %s", e)):
             root_path = Path(root)
             if not self.settings.recursive and root_path != self.inbox:
@@ -224,7 +238,32 @@ class Intake:
                     self.tracker.touch(path)
 
     def _admit(self, path: Path, signature) -> None:  # type: ignore[no-untyped-def]
-        if not self._eligible(path) or not self.scheduler.wants(path, signature):
+        if not self._eligible(path):
             return
         rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
-        self.scheduler.submit_file(path, rel, signature)
+        if self._not_followed(path, rel):
+            return
+        if self.scheduler.wants(path, signature):
+            self.scheduler.submit_file(path, rel, signature)
+
+    def _not_followed(self, path: Path, rel: PurePosixPath) -> bool:
+        """A link to a file goes to failed/ with the reason; a file behind a linked folder
+        is left where it lives (logged once). True if `path` is either."""
+        real_inbox = os.path.realpath(self.inbox)  # once per file: the inbox may be a link
+        if outside_inbox(path, real_inbox):
+            if path not in self._outside:
+                self._outside.add(path)
+                log.warning("not separating %s: it is reached through a symbolic link to a "
+                            "folder outside the inbox", path)
+            return True
+        reason = link_refusal(path, real_inbox)
+        if reason is None:
+            return False
+        try:
+            where = set_aside(path, rel, self.scheduler.settings.paths.failed, reason)
+        except OSError as exc:
+            log.error("could not move the link %s to %s: %s; remove it from the inbox", path,
+                      self.scheduler.settings.paths.failed, exc.strerror or exc)
+            return True
+        self.scheduler.refuse(where, rel, reason)
+        return True

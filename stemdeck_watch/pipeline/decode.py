@@ -41,6 +41,8 @@ class DecodedAudio:
     # deviation of its mono mix, accumulated while decoding
     mean: float | None = None
     std: float | None = None
+    # frames of the input at its own rate (what `output.samplerate = "input"` gives back)
+    source_frames: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -112,7 +114,7 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
         frames = writer.frames
     on_progress(1.0)
     return DecodedAudio(target, frames, samplerate, out_channels, codec, src_rate, src_channels,
-                        mean=sink.stats.mean, std=sink.stats.std)
+                        mean=sink.stats.mean, std=sink.stats.std, source_frames=source_frames)
 
 
 class _Sink:

@@ -10,15 +10,20 @@ and during it where not.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import re
 import shutil
+import traceback
 import unicodedata
+import warnings
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from stemdeck_watch.config import LinkSettings
 from stemdeck_watch.errors import Cancelled, StageError
+from stemdeck_watch.jobs import PlaylistRef
 
 log = logging.getLogger(__name__)
 ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
@@ -38,10 +43,37 @@ class Downloaded:
     title: str
     extractor: str
     duration: float | None
+    playlist: PlaylistRef | None = None  # the playlist this download is an entry of
 
     def manifest(self) -> dict[str, Any]:
-        return {"url": self.url, "extractor": self.extractor, "title": self.title,
-                "duration": self.duration}
+        found = {"url": self.url, "extractor": self.extractor, "title": self.title,
+                 "duration": self.duration}
+        if self.playlist is not None:
+            found["playlist"] = {"name": self.playlist.name, "entry": self.playlist.entry,
+                                 "entries": self.playlist.entries}
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One item of a playlist: its own address, its title and (where the page said) length."""
+
+    url: str
+    title: str
+    duration: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Playlist:
+    """What a playlist link holds (`links.playlists = true`): nothing is downloaded yet; each
+    entry becomes a job of its own."""
+
+    url: str
+    title: str
+    extractor: str
+    entries: tuple[Entry, ...]
+    total: int  # entries the page listed; more than len(entries) when cut at max_entries
+    skipped: int = 0  # entries without an http(s) address of their own
 
 
 class _Log:
@@ -65,12 +97,23 @@ class _TooLarge(Exception):
 
 
 def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[], None],
-             on_progress: Callable[[float], None], link_name: str) -> Downloaded:
-    """Download `url` into `folder`; DownloadError with a reason a person understands."""
+             on_progress: Callable[[float], None], link_name: str, expand: bool = False,
+             title: str | None = None,
+             playlist: PlaylistRef | None = None) -> Downloaded | Playlist:
+    """Download `url` into `folder`; DownloadError with a reason a person understands.
+
+    With `expand` (a playlist link with `links.playlists = true`) a link to a playlist of two
+    or more entries gives a Playlist and downloads nothing. `title` and `playlist` name an
+    entry of a playlist: the playlist's title for it wins over a file name, and a length the
+    playlist gave is checked before the download."""
     import yt_dlp
 
     folder.mkdir(parents=True, exist_ok=True)
     limit = links.max_filesize or None
+    if playlist is not None and playlist.duration and links.max_duration \
+            and playlist.duration > links.max_duration:
+        raise DownloadError(_too_long(f"{link_name} (entry {playlist.entry} of {playlist.name})",
+                                      playlist.duration, links.max_duration))
 
     def hook(status: dict[str, Any]) -> None:
         check()  # raising here stops yt-dlp at once (it propagates unwrapped)
@@ -85,10 +128,10 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
         "format": "bestaudio/best",
         "outtmpl": {"default": str(folder / "media.%(ext)s")},
         "paths": {"home": str(folder), "temp": str(folder)},
-        # one item per link: a playlist link gives its first item (links.playlists, one job
-        # per entry, is not built yet; the service logs that at start)
-        "noplaylist": True,
-        "playlist_items": "1",
+        # one item per link unless it is expanded (links.playlists): then a playlist is only
+        # listed, flat, and each entry is downloaded by a job of its own
+        "noplaylist": not expand,
+        **({"extract_flat": "in_playlist"} if expand else {"playlist_items": "1"}),
         "progress_hooks": [hook],
         "logger": _Log(),
         "quiet": True, "no_warnings": True, "noprogress": True,
@@ -102,13 +145,22 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
         with yt_dlp.YoutubeDL(options) as ydl:
             info = ydl.extract_info(url, download=False)
             check()
+            if expand and info.get("_type") == "playlist":
+                found = playlist_of(info, url, links.max_entries, Path(link_name).stem)
+                if len(found.entries) != 1:
+                    return found
+                only = found.entries[0]  # a playlist of one: that one song, as a plain link
+                return download(only.url, folder, links, check=check, on_progress=on_progress,
+                                link_name=link_name, title=only.title)
             entry = _single(info)
             _check_limits(entry, links, link_name)
             result = ydl.process_ie_result(info, download=True)
-    except Cancelled:
+    except Cancelled as exc:
+        _release(exc)
         shutil.rmtree(folder, ignore_errors=True)  # the .part and anything beside it
         raise
-    except _TooLarge:
+    except _TooLarge as exc:
+        _release(exc)
         shutil.rmtree(folder, ignore_errors=True)
         raise DownloadError(f"the download of {link_name} is larger than links.max_filesize "
                             f"({_mb(limit)}); raise that limit to accept it") from None
@@ -123,9 +175,65 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
     if links.max_duration and duration and duration > links.max_duration:
         shutil.rmtree(folder, ignore_errors=True)
         raise DownloadError(_too_long(link_name, duration, links.max_duration))
-    return Downloaded(path=path, url=url, title=song_name(entry, fallback=Path(link_name).stem),
+    return Downloaded(path=path, url=url,
+                      title=title or song_name(entry, fallback=Path(link_name).stem),
                       extractor=str(entry.get("extractor_key") or entry.get("extractor") or ""),
-                      duration=float(duration) if duration else None)
+                      duration=float(duration) if duration else None, playlist=playlist)
+
+
+def _release(exc: BaseException) -> None:
+    """Close the connection of a download our progress hook stopped, now.
+
+    yt-dlp does not close the HTTP response when a hook raises: the frames in the exception's
+    traceback, and a reference cycle, hold it until a garbage collection some time later, on
+    whichever thread. Clearing those frames and collecting closes it here (quietly: the
+    socket's "unclosed" warning says nothing a cancel did not mean)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        traceback.clear_frames(exc.__traceback__)
+        gc.collect()  # the response sits in a reference cycle: only a collection frees it
+
+
+def playlist_of(info: dict[str, Any], url: str, max_entries: int, fallback: str) -> Playlist:
+    """The entries of a playlist as yt-dlp listed them, in order, cut at `max_entries`.
+
+    Each entry keeps an address of its own (its page, or the media itself for a page of
+    plain <audio> tags or an XSPF list), so it is downloaded alone later, even if the
+    playlist changes meanwhile. Only http(s) addresses are kept: a playlist is untrusted
+    input like a link file."""
+    title = sanitise(str(info.get("title") or "")) or sanitise(fallback) or "playlist"
+    listed = [e for e in (info.get("entries") or []) if e]
+    if not listed:
+        raise DownloadError(f"the playlist {title} behind the link is empty")
+    entries: list[Entry] = []
+    skipped = 0
+    for number, item in enumerate(listed, 1):
+        address = _entry_url(item, url)
+        if address is None:
+            skipped += 1
+            log.warning("entry %d of the playlist %s has no http(s) address; left out",
+                        number, title)
+            continue
+        if len(entries) < max_entries:
+            length = item.get("duration")
+            entries.append(Entry(address, song_name(item, fallback=f"{title} {number}"),
+                                 float(length) if isinstance(length, (int, float)) else None))
+    if not entries:
+        raise DownloadError(f"no entry of the playlist {title} has an address that can be "
+                            f"downloaded")
+    return Playlist(url=url, title=title,
+                    extractor=str(info.get("extractor_key") or info.get("extractor") or ""),
+                    entries=tuple(entries), total=len(listed) - skipped, skipped=skipped)
+
+
+def _entry_url(item: dict[str, Any], page: str) -> str | None:
+    candidates = [item.get("url"), item.get("webpage_url"), item.get("original_url")]
+    candidates += [f.get("url") for f in reversed(item.get("formats") or [])]
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate != page and not re.search(r"\s", candidate) \
+                and urlsplit(candidate).scheme in ("http", "https") and urlsplit(candidate).netloc:
+            return candidate
+    return None
 
 
 def _single(info: dict[str, Any]) -> dict[str, Any]:
@@ -167,8 +275,12 @@ def _probe_duration(path: Path) -> float | None:
 
 
 def _too_long(link_name: str, duration: float, limit: int) -> str:
-    return (f"{link_name} is {duration / 60:.0f} min long, longer than links.max_duration "
-            f"({limit / 60:.0f} min); raise that limit to accept it")
+    return (f"{link_name} is {_length(duration)} long, longer than links.max_duration "
+            f"({_length(limit)}); raise that limit to accept it")
+
+
+def _length(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
 def _mb(size: int | None) -> str:

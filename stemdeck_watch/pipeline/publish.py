@@ -7,10 +7,14 @@ job: a folder with a complete manifest is a published song, which is how a resta
 "published, then crashed" from "crashed while writing".
 
 Stems are read from the worker's scratch files and written block by block (mixes summed block
-by block), so publishing a song of any length takes the same memory.
+by block), so publishing a song of any length takes the same memory. On the way each block may
+be resampled (`output.samplerate`) and feed the preview's peaks; file names come from the
+layout template filled with sanitised tags (pipeline/naming.py), flac/mp3 stems are tagged
+(pipeline/tags.py). The manifest lists every file of the folder with its size and sha256.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -18,7 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -26,6 +30,8 @@ from stemdeck_watch import __version__
 from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import FilesystemError, PublishError
 from stemdeck_watch.paths import fsync_dir, unique_path
+from stemdeck_watch.pipeline import naming, resample, tags as tagging
+from stemdeck_watch.pipeline.preview import Peaks
 from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,22 @@ log = logging.getLogger(__name__)
 MANIFEST = "stemdeck.json"
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
+
+
+@dataclasses.dataclass(frozen=True)
+class SongInfo:
+    """What publish knows of the song besides its stems: its file name (the fallback for
+    every tag), the input's tags, the preset, and the input's rate and length."""
+
+    name: str
+    tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    preset: str | None = None
+    input_samplerate: int | None = None
+    input_frames: int | None = None
+
+    @property
+    def title(self) -> str:
+        return str(self.tags.get("title") or self.name)
 
 
 def sha256_of(path: Path) -> str:
@@ -68,37 +90,78 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
 
 def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str,
                sep: SeparationSettings, out: OutputSettings,
-               block_frames: int = PUBLISH_BLOCK) -> list[dict[str, Any]]:
+               block_frames: int = PUBLISH_BLOCK, info: SongInfo | None = None,
+               peaks: dict[str, Peaks] | None = None,
+               timings: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries.
 
-    Streams: each output is read, summed (mixes, `no_<stem>`) and written `block_frames` at a
-    time, so memory does not grow with the song. With `output.clip = "rescale"` each file is
-    scaled by one factor from its own peak, so the peaks of every output are found first, in
-    one pass over the stems, before anything is written."""
+    Streams: each output is read, summed (mixes, `no_<stem>`), resampled to
+    `output.samplerate` and written `block_frames` at a time, so memory does not grow with
+    the song. With `output.clip = "rescale"` each file is scaled by one factor from its own
+    peak, so the peaks of every output are found first, in one pass over the stems, before
+    anything is written. `peaks` (filled in here) gets one Peaks per stem for the preview;
+    `timings` gets the seconds spent resampling and tagging."""
+    info = info or SongInfo(name)
     staging.mkdir(parents=True, exist_ok=True)
     plan = plan_outputs(stems, sep, out)
     readers = {stem: AudioReader(path) for stem, path in stems.items()}
     frames = min((r.frames for r in readers.values()), default=0)
+    rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
+    length = resample.target_frames(out.samplerate, rate, samplerate, frames,
+                                    info.input_samplerate, info.input_frames)
     gains = _gains(plan, readers, frames, out, block_frames)
+    values = naming.layout_values(name, info.tags, info.preset, sep.model,
+                                  EXTENSIONS[out.format])
+    resampling, tagging_time = resample.Timed(), resample.Timed()
     entries = []
     for output, (kind, members) in plan.items():
-        filename = out.layout.format(stem=output, name=name, ext=EXTENSIONS[out.format],
-                                     model=sep.model)
+        filename = naming.stem_file(out.layout, output, values, staging)
         path = staging / filename
         path.parent.mkdir(parents=True, exist_ok=True)
         channels = readers[members[0]].channels
-        blocks = (_prevent_clip(_sum_block(readers, members, start, stop), out, gains[output])
-                  for start, stop in _spans(frames, block_frames))
+        collector = None
+        if peaks is not None and kind == "stem":
+            collector = peaks[output] = Peaks(frames)
+        blocks = _output_blocks(readers, members, frames, block_frames, out, gains[output],
+                                collector)
+        if rate != samplerate:
+            blocks = _safe(resample.resampled(blocks, samplerate, rate, channels, length,
+                                              resampling), out)
         try:
-            _write_audio(path, blocks, channels, samplerate, out)
+            _write_audio(path, blocks, channels, rate, out)
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
+        if out.tags:
+            with tagging_time:
+                tagging.write_tags(path, out.format, tagging.stem_tags(info.tags, info.name,
+                                                                       output))
         if path.parent != staging:
             fsync_dir(path.parent)  # a song subfolder made by output.layout
         entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
-                        "samplerate": samplerate, "channels": channels, "frames": frames,
-                        "duration": round(frames / samplerate, 6)})
+                        "samplerate": rate, "channels": channels, "frames": length,
+                        "duration": round(length / rate, 6)})
+    if timings is not None:
+        timings["resample"] = round(resampling.seconds, 3)
+        timings["tags"] = round(tagging_time.seconds, 3)
     return entries
+
+
+def _output_blocks(readers: dict[str, AudioReader], members: list[str], frames: int,
+                   block_frames: int, out: OutputSettings, gain: float,
+                   peaks: Peaks | None) -> Iterator[np.ndarray]:
+    """One output's blocks at the model's rate, clipping handled; the preview sees them."""
+    for start, stop in _spans(frames, block_frames):
+        block = _prevent_clip(_sum_block(readers, members, start, stop), out, gain)
+        if peaks is not None:
+            peaks.add(start, block)
+        yield block
+
+
+def _safe(blocks: Iterable[np.ndarray], out: OutputSettings) -> Iterator[np.ndarray]:
+    """After resampling, integer formats are clamped: a resampler's ringing may overshoot
+    full scale by a hair where the rescaled stem touched it."""
+    for block in blocks:
+        yield block if out.format == "wav" and out.bit_depth == 32 else np.clip(block, -1, 1)
 
 
 def _spans(frames: int, size: int) -> list[tuple[int, int]]:
@@ -219,9 +282,11 @@ class _GuardedFile:
 
 
 def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
+    """Write `stemdeck.json` last: it lists every file already in the folder with its size
+    and sha256, so a person (and restore) can tell a complete folder from a damaged one."""
     manifest = {"stemdeck_watch": __version__,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                **manifest}
+                **manifest, "files": list_files(staging)}
     path = staging / MANIFEST
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, ensure_ascii=False)
@@ -241,7 +306,36 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     files = [entry.get("file") for entry in manifest.get("stems", [])]
     if not files or not all(isinstance(f, str) and (folder / f).is_file() for f in files):
         return None
+    for entry in manifest.get("files", []):  # cheap: sizes only (verify_folder hashes)
+        try:
+            if (folder / entry["file"]).stat().st_size != entry["bytes"]:
+                return None
+        except (OSError, KeyError, TypeError):
+            return None
     return manifest
+
+
+def list_files(folder: Path) -> list[dict[str, Any]]:
+    """Every file under `folder` but the manifest: relative name, bytes, sha256."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return [{"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
+             "sha256": sha256_of(p)} for p in paths]
+
+
+def verify_folder(folder: Path) -> list[str]:
+    """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
+    changed or unlisted files; an empty list for a complete, undamaged folder."""
+    try:
+        with open(folder / MANIFEST, encoding="utf-8") as handle:
+            listed = {e["file"]: e for e in json.load(handle).get("files", [])}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"could not read {folder / MANIFEST}: {exc}"]
+    present = {e["file"]: e for e in list_files(folder)}
+    problems = [f"{name} is missing" for name in listed if name not in present]
+    problems += [f"{name} is not in the manifest" for name in present if name not in listed]
+    problems += [f"{name} has changed (sha256 differs)" for name, e in present.items()
+                 if name in listed and listed[name].get("sha256") != e["sha256"]]
+    return problems
 
 
 def publish_folder(staging: Path, target: Path) -> Path:

@@ -4,6 +4,13 @@ The pipeline lock is the second guard of "one job at a time": the queue's single
 the normal path, and the lock holds for any path that bypasses it (tests, re-runs). Between
 stages the job's cancel flag is checked; during the long steps the step itself is registered
 so a cancel stops it at once.
+
+The worker is the scarce part, so the steps around it run beside it: `prepare` (a link's
+download, and the decode and hash of the next file) runs ahead, off the lock, driven by the
+Prefetcher; `start` holds the lock only up to the end of separation and hands back the
+publish step, which the dispatcher runs behind the next job's separation (`run` does both in
+turn). Decoded-ahead audio is used only if it was decoded from the same bytes (size and
+mtime unchanged) for the same model rate and channels; otherwise the job decodes again.
 """
 from __future__ import annotations
 
@@ -13,19 +20,20 @@ import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from stemdeck_watch.config import Settings
+from stemdeck_watch.config import Folders, OutputSettings, SeparationSettings, Settings
 from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.events import EventBus, JobSeparated
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.intake.links import read_link
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
 from stemdeck_watch.paths import find_moved, move_file
-from stemdeck_watch.pipeline import publish
-from stemdeck_watch.pipeline.decode import decode_to_file
-from stemdeck_watch.pipeline.fetch import Downloaded, download
-from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.pipeline import publish, songfolder
+from stemdeck_watch.pipeline.decode import DecodedAudio, decode_to_file
+from stemdeck_watch.pipeline.fetch import Downloaded, Playlist, download
+from stemdeck_watch.pipeline.separate import ModelInfo, Separation, WorkerClient
+from stemdeck_watch.playlist import Playlists
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +43,41 @@ DOWNLOAD_SHARE, DECODE_SHARE, SEPARATE_SHARE = 0.15, 0.05, 0.90
 PROGRESS_EVERY = 0.5  # seconds between progress writes to the registry
 
 
-Claim = Callable[[Callable[[float], None]], Optional[Downloaded]]
+@dataclasses.dataclass
+class Prepared:
+    """What `prepare` made ahead of the worker for one job (in its scratch folder)."""
+
+    download: Downloaded | None = None
+    playlist: Playlist | None = None  # a playlist link's entries, listed (links.playlists)
+    decoded: DecodedAudio | None = None
+    sha256: str | None = None
+    # the input's (size, mtime_ns) when it was hashed and decoded, and the model rate and
+    # channels it was decoded for: the decode is used only if all still hold
+    signature: tuple[int, int] | None = None
+    format: tuple[int, int] | None = None
+
+    def decoded_for(self, source: Path, samplerate: int, channels: int) -> DecodedAudio | None:
+        """The decoded audio if it is still the input's, at this rate and channel count."""
+        if self.decoded is None or self.format != (samplerate, channels):
+            return None
+        if _signature(source) != self.signature or not self.decoded.path.exists():
+            return None
+        return self.decoded
+
+    def sha256_for(self, source: Path) -> str | None:
+        return self.sha256 if self.sha256 and _signature(source) == self.signature else None
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+Claim = Callable[[Callable[[float], None]], Optional[Prepared]]
+PublishStep = Callable[[], Job]  # the rest of a job once the worker is done with it
 
 
 @dataclasses.dataclass
@@ -56,41 +98,114 @@ class Pipeline:
         self._update = update
         self._published = published  # outbox folders of done jobs with this content + settings
         self._lock = threading.Lock()
+        self.playlists: Playlists | None = None  # set by the service (links.playlists)
+
+    def works_beside(self) -> bool:
+        """Whether to decode ahead and publish behind the worker (`queue.work_beside`).
+
+        "auto" does so only where the worker leaves room (a GPU, or a core it does not use):
+        on a CPU the worker fills, the 10-clip throughput run took 1.36× the serial loop
+        with the work beside it (README, Benchmarks → Throughput)."""
+        mode = self.settings.queue.work_beside
+        return mode == "on" or (mode == "auto" and self.client.leaves_room())
+
+    def can_prepare(self, job: Job) -> bool:
+        """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits
+        on the network, not the CPU), or a file's decode when work beside the worker pays
+        and the worker holds the job's model already (decoding needs the model's rate and
+        channels, and the worker is busy: no loading ahead)."""
+        return job.kind is JobKind.LINK or (self.works_beside()
+                                            and self._loaded_format(job) is not None)
+
+    def _loaded_format(self, job: Job) -> tuple[int, int] | None:
+        sep, _ = self.settings.for_preset(job.preset)
+        repo = self.settings.resolve_model_repo(sep)
+        model = self.client.model_info
+        if model is None or (model.name, model.repo) != (sep.model, str(repo) if repo else None):
+            return None
+        return model.samplerate, model.audio_channels
 
     def prepare(self, job: Job, control: JobControl,
-                on_progress: Callable[[float], None]) -> Downloaded | None:
-        """What a job needs before the worker: for a link, its download (into the job's
-        scratch folder). Safe to run ahead, off the pipeline lock, while another job holds the
+                on_progress: Callable[[float], None], decode: bool = True) -> Prepared:
+        """What a job needs before the worker, into the job's scratch folder: a link's
+        download, then (`decode`, when the worker holds the job's model) the input's hash
+        and decode. Safe to run ahead, off the pipeline lock, while another job holds the
         worker: it touches neither the worker nor the outbox."""
-        if job.kind is not JobKind.LINK:
-            return None
-        link = Path(job.source)
-        url = read_link(link)
-        return download(url, self.settings.paths.scratch / job.id / "download",
-                        self.settings.links, check=control.check, on_progress=on_progress,
-                        link_name=link.name)
+        prepared = Prepared()
+        source = Path(job.source)
+        if job.kind is JobKind.LINK:
+            if self.playlists is not None and self.playlists.expanded(job):
+                return prepared  # a playlist link's last step: nothing to fetch
+            link = Path(job.source)
+            url = read_link(link)
+            entry = job.playlist  # an entry of a playlist: its title and length are known
+            got = download(url, self.settings.paths.scratch / job.id / "download",
+                           self.settings.links, check=control.check, on_progress=on_progress,
+                           link_name=link.name, playlist=entry,
+                           title=job.name if entry else None,
+                           expand=(self.playlists is not None and entry is None
+                                   and self.settings.links.playlists))
+            if isinstance(got, Playlist):
+                prepared.playlist = got
+                return prepared
+            prepared.download = got
+            source = got.path
+        form = self._loaded_format(job) if decode else None
+        if form is None:
+            return prepared
+        signature = _signature(source)
+        try:
+            digest = publish.sha256_of(source)
+            decoded = decode_to_file(source, self.settings.paths.scratch / job.id / "input.npy",
+                                     form[0], form[1], control.check)
+        except Cancelled:
+            raise
+        except Exception as exc:  # the job decodes again when it runs, and fails with the reason
+            log.info("could not decode %s ahead (%s); it is decoded when it runs", source, exc)
+            return prepared
+        if _signature(source) == signature:  # not changed while we read it
+            prepared.sha256, prepared.decoded = digest, decoded
+            prepared.signature, prepared.format = signature, form
+        return prepared
 
     def run(self, job: Job, control: JobControl, claim: Claim | None = None) -> Job:
         """Run every stage; returns the finished job. Raises StageError or Cancelled.
         `claim` hands over what `prepare` made (or is making) ahead of time for this job,
         reporting its progress from now on; None from it means nothing was prepared."""
+        return self.start(job, control, claim)()
+
+    def start(self, job: Job, control: JobControl, claim: Claim | None = None) -> PublishStep:
+        """Every stage up to the end of separation, under the pipeline lock; returns the
+        publish step (write, manifest, publish, move the input), which needs no worker and
+        may run while the next job separates. Raises StageError or Cancelled (scratch and
+        staging removed); so does the publish step."""
         with self._lock:
             folders = self.settings.paths
             scratch = folders.scratch / job.id
             staging = folders.staging / job.id
             try:
-                output, note = self._run(job, control, scratch, staging, claim)
+                step = self._run(job, control, scratch, staging, claim)
+            except BaseException:
+                _clean(folders, scratch, staging)
+                raise
+
+        def publish_step() -> Job:
+            try:
+                ran = step()
             finally:
-                publish.remove_tree(scratch)
-                publish.remove_tree(staging)
-                publish.remove_if_empty(folders.staging)
+                _clean(folders, scratch, staging)
+            if ran is None:  # a playlist link: its entries are queued, it waits behind them
+                return job
             # announced as done only once the hidden staging folder is gone too
-            return self.finish_published(job, Path(job.source), output, note)
+            return self.finish_published(job, Path(job.source), *ran)
+
+        return publish_step
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
-             claim: Claim | None) -> tuple[Path, str | None]:
-        """Download (links), decode, separate and publish; returns the published folder (or
-        the existing one of a duplicate) and a note for the job."""
+             claim: Claim | None) -> Callable[[], tuple[Path, str | None] | None]:
+        """Download (links), decode and separate; returns the publish step, which returns the
+        published folder (or the existing one of a duplicate) and a note for the job, or
+        None for a playlist link that queued its entries or waits for them."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
@@ -99,20 +214,37 @@ class Pipeline:
         start = 0.0  # where decoding starts on the progress bar (after a download)
 
         link: Downloaded | None = None
+        prepared: Prepared | None = None
         if job.kind is JobKind.LINK:
+            if self.playlists is not None and self.playlists.expanded(job):
+                settled = self.playlists.settle(job, control)  # the playlist's last step
+                if settled is not None and not control.commit():
+                    raise Cancelled(control.reason or "cancelled")
+                return lambda: settled
             start = DOWNLOAD_SHARE
             report.stage(JobState.DOWNLOADING, 0.0)
             started = time.monotonic()
             progress = lambda v: report.progress(DOWNLOAD_SHARE * v)  # noqa: E731
-            link = (claim(progress) if claim else None) or self.prepare(job, control, progress)
+            prepared = claim(progress) if claim else None
+            if prepared is None or (prepared.download is None and prepared.playlist is None):
+                prepared = self.prepare(job, control, progress, decode=False)
+            if prepared.playlist is not None:
+                assert self.playlists is not None  # only then are playlists listed
+                self.playlists.expand(job, prepared.playlist, control)
+                return lambda: None
+            link = prepared.download
+            assert link is not None
             timer.measure("download", started)
             control.check()
             job = self._update(job.id, name=link.title)  # the song is named by its title
             source = link.path
 
         report.stage(JobState.DECODING, start)
+        if prepared is None and claim is not None:
+            prepared = claim(lambda _v: None)  # a decode ahead in flight is waited for
         try:
-            digest, size = publish.sha256_of(source), source.stat().st_size
+            digest = (prepared and prepared.sha256_for(source)) or publish.sha256_of(source)
+            size = source.stat().st_size
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
@@ -122,33 +254,51 @@ class Pipeline:
         if copy is not None:
             log.info("%s was separated before with the same settings: the stems are in %s",
                      Path(job.source).name, copy)
-            return copy, f"already separated with the same settings: the stems are in {copy}"
-        self._update(job.id, sha256=digest, settings_key=key)
+            note = f"already separated with the same settings: the stems are in {copy}"
+            return lambda: (copy, note)
         started = time.monotonic()
-        model = self.client.ensure_model(sep.model, str(repo) if repo else None, control)
+        model = self.client.ensure_model(sep.model, str(repo) if repo else None, control,
+                                         precision=sep.precision)
         timer.measure("model", started)
         started = time.monotonic()
-        decoded = decode_to_file(source, scratch / "input.npy", model.samplerate,
-                                 model.audio_channels, control.check,
-                                 lambda v: report.progress(start + DECODE_SHARE * v))
+        decoded = prepared.decoded_for(source, model.samplerate,
+                                       model.audio_channels) if prepared else None
+        if decoded is None:
+            decoded = decode_to_file(source, scratch / "input.npy", model.samplerate,
+                                     model.audio_channels, control.check,
+                                     lambda v: report.progress(start + DECODE_SHARE * v))
         timer.measure("decode", started)
         control.check()
 
         separate_share = SEPARATE_SHARE - start
-        report.stage(JobState.SEPARATING, start + DECODE_SHARE)
+        # one registry write (a sync to disk) for both: between two jobs it is worker idle time
+        report.stage(JobState.SEPARATING, start + DECODE_SHARE, sha256=digest, settings_key=key)
         result = self.client.separate(
             job.id, sep.model, str(repo) if repo else None, decoded.path, scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
-            control=control, stats=decoded.stats,
+            control=control, stats=decoded.stats, precision=model.dtype,
             on_progress=lambda v: report.progress(start + DECODE_SHARE + separate_share * v))
         timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
-
         report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
-        started = time.monotonic()
-        entries = publish.write_song(staging, result.stems, model.samplerate, job.name, sep, out)
-        timer.measure("write", started)
+        return lambda: self._publish(job, control, staging, source, result, model, decoded,
+                                     digest, size, sep, out, settings, link, timer)
+
+    def _publish(self, job: Job, control: JobControl, staging: Path, source: Path,
+                 result: Separation, model: ModelInfo, decoded: DecodedAudio, digest: str,
+                 size: int, sep: SeparationSettings, out: OutputSettings,
+                 settings: dict[str, Any], link: Downloaded | None,
+                 timer: StageTimer) -> tuple[Path, str | None]:
+        """Write the stems and the manifest into staging and publish them; returns the
+        published folder. Needs no worker: it may run while the next job separates."""
+        repo = model.repo
+        control.check()
+        # issue #9: stems at output.samplerate, tags, beats.json, preview.png (timed each)
+        info = songfolder.song_info(source, job.name, job.preset, decoded)
+        song = songfolder.make_song_folder(staging, result.stems, model.samplerate, info, sep,
+                                           out, check=control.check)
+        timer.timings.update(song.timings)
         publish.write_manifest(staging, {
             "job_id": job.id,
             "input": {"name": Path(job.source).name, "rel_path": job.rel_path,
@@ -161,9 +311,12 @@ class Pipeline:
             "preset": job.preset,
             **({"link": link.manifest()} if link else {}),
             "settings": settings,
-            "stems": entries,
+            "stems": song.entries,
+            **song.manifest,
             "timings": timer.timings,
             "versions": self.client.versions,
+            # issue #13: the precision the worker separated in, and the figures that chose it
+            "precision": dict(model.precision) or {"precision": model.dtype},
         })
         if not control.commit():  # last chance for a cancel: after this the song is out
             raise Cancelled(control.reason or "cancelled")
@@ -217,6 +370,12 @@ class Pipeline:
                             finished_at=time.time())
 
 
+def _clean(folders: Folders, scratch: Path, staging: Path) -> None:
+    publish.remove_tree(scratch)
+    publish.remove_tree(staging)
+    publish.remove_if_empty(folders.staging)
+
+
 class _Progress:
     """Writes state changes at once and progress at most every PROGRESS_EVERY seconds."""
 
@@ -225,8 +384,8 @@ class _Progress:
         self._job_id = job_id
         self._last = 0.0
 
-    def stage(self, state: JobState, progress: float) -> None:
-        self._update(self._job_id, state=state, stage=state.value, progress=progress)
+    def stage(self, state: JobState, progress: float, **fields: object) -> None:
+        self._update(self._job_id, state=state, stage=state.value, progress=progress, **fields)
         self._last = time.monotonic()
 
     def progress(self, value: float) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
 from stemdeck_watch.jobqueue import JobControl
+from stemdeck_watch.pipeline.precision import physical_cores, threads_for
 from stemdeck_watch.pipeline.worker import PROGRESS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,13 @@ class ModelInfo:
     samplerate: int
     audio_channels: int
     sources: tuple[str, ...]
+    # pipeline/precision.py's Choice as a dict: the precision in use, why, measured figures
+    precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def dtype(self) -> str:
+        """The precision the worker separates this model in."""
+        return str(self.precision.get("precision", "float32"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +59,15 @@ class Separation:
 class _Process:
     """One worker process with its reader threads."""
 
-    def __init__(self, device: str, env: dict[str, str]):
+    def __init__(self, device: str, env: dict[str, str], threads: int = 0):
         kwargs: dict[str, Any] = {}
         if sys.platform == "win32":
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
         else:
             kwargs["start_new_session"] = True  # Ctrl-C goes to the service, which stops us
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "stemdeck_watch.pipeline.worker", "--device", device],
+            [sys.executable, "-m", "stemdeck_watch.pipeline.worker", "--device", device,
+             "--threads", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, text=True, encoding="utf-8", errors="replace", bufsize=1, **kwargs)
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -145,14 +154,23 @@ class _Process:
 class WorkerClient:
     """Talks to the one worker. Only the pipeline (under its lock) calls request methods."""
 
-    def __init__(self, device: str = "auto", env: dict[str, str] | None = None):
+    def __init__(self, device: str = "auto", env: dict[str, str] | None = None,
+                 threads: int = 0, precision: str = "auto"):
         self.device = device
+        self.threads = threads  # separation.threads: 0 = one per physical core
+        self.precision = precision  # separation.precision, unless a request says otherwise
+        # choices measured on this machine, per (model, repo, setting): a worker restarted
+        # after a cancel reuses them instead of calibrating again
+        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._lock = threading.Lock()
         self._proc: _Process | None = None
         self._shut = False
         self._requests = 0
         self.pids: list[int] = []  # every worker started, in order (diagnostics, tests)
+        # (start, end) of the latest separate requests, time.monotonic(): how busy the
+        # worker is kept (the throughput benchmark's idle fraction)
+        self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
 
     @property
     def pid(self) -> int | None:
@@ -168,34 +186,78 @@ class WorkerClient:
         proc = self._proc
         return proc.stderr_tail() if proc else ""
 
-    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None) -> ModelInfo:
-        """Start the worker if needed and have it load `name`; cached while it lives."""
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The model the live worker holds, without waiting for the worker (which may be
+        separating): what decoding ahead needs to know."""
+        proc = self._proc
+        return proc.model if proc is not None and proc.alive() else None
+
+    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
+                     precision: str | None = None) -> ModelInfo:
+        """Start the worker if needed and have it load `name` and settle its precision
+        (`precision`: the setting, default the client's); cached while it lives."""
+        setting = precision or self.precision
+        key = (name, repo, setting)
         with self._lock:
             proc = self._ensure_process(control)
-            if proc.model and (proc.model.name, proc.model.repo) == (name, repo):
-                return proc.model
-            reply = self._call(proc, {"op": "load", "model": name, "repo": repo}, control)
+            model = proc.model
+            if (model and (model.name, model.repo) == (name, repo)
+                    and model.precision.get("setting") == setting):
+                return model
+            reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
+                                      "precision": setting, "decided": self._decided.get(key)},
+                               control)
+            choice = dict(reply.get("precision") or {})
             proc.model = ModelInfo(name, repo, reply["samplerate"], reply["audio_channels"],
-                                   tuple(reply["sources"]))
-            log.info("worker %d loaded model %s (%s)", proc.pid, name,
-                     ", ".join(proc.model.sources))
+                                   tuple(reply["sources"]), choice)
+            if key not in self._decided and choice.get("speedup") is not None:
+                log.info("worker %d measured precision for %s: %s", proc.pid, name,
+                         _describe_choice(choice))
+            self._decided[key] = choice
+            log.info("worker %d loaded model %s (%s) in %s: %s", proc.pid, name,
+                     ", ".join(proc.model.sources), proc.model.dtype, choice.get("reason"))
             return proc.model
+
+    def leaves_room(self) -> bool:
+        """Whether other work can run beside a separation without slowing it: the worker
+        runs on a GPU, or uses fewer threads than this process may use cores. (On a CPU the
+        worker fills, torch's threads wait for the slowest of them, so a decode or a write
+        beside them costs separation more than it saves.)"""
+        proc = self._proc
+        ready = (proc.ready or {}) if proc is not None else {}
+        if str(ready.get("device") or self.device) not in ("cpu", "auto"):
+            return True
+        threads = ready.get("threads") or threads_for(self.threads)
+        return int(threads) < physical_cores()
+
+    def info(self) -> dict[str, Any]:
+        """The worker section of `status --json`: process, threads, model and precision."""
+        proc = self._proc
+        alive = proc is not None and proc.alive()
+        ready = (proc.ready or {}) if proc is not None else {}
+        model = proc.model if proc is not None else None
+        return {"pid": proc.pid if alive and proc else None,
+                "device": ready.get("device", self.device), "threads": ready.get("threads"),
+                "model": model.name if model else None,
+                "precision": dict(model.precision) if model else None}
 
     def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None) -> Separation:
+                 window: float | None = None, precision: str = "float32") -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
         streamed pass over the input. `window`: seconds of output the worker separates at a
-        time (default: the worker's, 30 s); memory grows with it, never with the song."""
+        time (default: the worker's, 30 s); memory grows with it, never with the song.
+        `precision`: the one to run in (`ModelInfo.dtype`, as settled by `ensure_model`)."""
         request: dict[str, Any] = {
             "op": "separate", "id": job_id, "model": model, "repo": repo,
             "input": str(input_path), "output": str(output_dir), "shifts": shifts,
-            "overlap": overlap, "segment": segment}
+            "overlap": overlap, "segment": segment, "precision": precision}
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         if window is not None:
@@ -208,10 +270,12 @@ class WorkerClient:
                     on_progress(value)
 
             proc.on_progress = progress
+            started = time.monotonic()
             try:
                 reply = self._call(proc, request, control)
             finally:
                 proc.on_progress = None
+                self.busy.append((started, time.monotonic()))
             return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
                               float(reply["seconds"]))
 
@@ -243,7 +307,7 @@ class WorkerClient:
             log.info("worker %d is gone (exit code %s); starting a new one",
                         self._proc.pid, self._proc.popen.returncode)
             self._proc.stop()
-        self._proc = proc = _Process(self.device, self._env)
+        self._proc = proc = _Process(self.device, self._env, self.threads)
         self.pids.append(proc.pid)
         log.info("started separation worker %d", proc.pid)
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
@@ -298,6 +362,15 @@ class WorkerClient:
         why = _describe_exit(code)
         raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
                          details=proc.stderr_tail())
+
+
+def _describe_choice(choice: dict[str, Any]) -> str:
+    figures = ""
+    if choice.get("speedup") is not None:
+        figures = (f" ({choice['speedup']:.2f}× speed, worst stem "
+                   f"{choice.get('worst_snr_db', float('nan')):.1f} dB, calibration "
+                   f"{choice.get('calibration_seconds') or 0:.1f} s)")
+    return f"{choice.get('precision')} — {choice.get('reason')}{figures}"
 
 
 def _describe_exit(code: int | None) -> str:

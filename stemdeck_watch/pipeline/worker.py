@@ -4,14 +4,15 @@ Importing torch and demucs costs seconds, and loading a model more, so one worke
 loads the model once and serves every job. Protocol (one JSON object per line):
 
 stdin, requests (each may carry "req": N, which its reply echoes):
-    {"op": "load", "model": NAME, "repo": PATH|null}
+    {"op": "load", "model": NAME, "repo": PATH|null,
+     "precision": "auto"|"float32"|"bfloat16"|"float16", "decided": CHOICE|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
-     "mean": F, "std": F, "window": F}      (the last three optional)
+     "precision": P, "mean": F, "std": F, "window": F}      (the last four optional)
 stdout, replies (nothing else is ever written to stdout):
-    {"event": "ready", "pid": N, "versions": {...}}                       once, at start
+    {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
-     "sources": [...]}
+     "sources": [...], "precision": CHOICE}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
     {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
 stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
@@ -23,12 +24,19 @@ those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation s
 the mono mix (decode accumulates them); without them the worker computes them with one
 streamed pass. A song of at most one window is read whole and normalised exactly as before.
 
+After loading a model the worker settles its precision (pipeline/precision.py): with
+"auto" it calibrates once per model load, unless the client passes "decided" (a choice this
+machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
+`precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
+`--threads N` sets torch's thread count (0: one per physical core).
+
 The worker exits when stdin closes or its parent dies, so a killed service never leaves a
 process holding gigabytes of model behind.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -37,8 +45,12 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from stemdeck_watch.pipeline.precision import Choice, autocast, choose, threads_for
+
 PROGRESS_PREFIX = "@@progress "
 WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
+
+log = logging.getLogger("stemdeck_watch.worker.process")
 
 
 class ModelUnavailable(Exception):
@@ -124,24 +136,42 @@ class Worker:
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
+        self._choices: dict[tuple[str, str | None, str], Choice] = {}
 
     def model(self, name: str, repo: str | None) -> Any:
         key = (name, repo)
         if key not in self._models:
             self._models.clear()  # one model resident at a time: memory matters more
+            self._choices.clear()  # a fresh load is measured afresh
             model = load_model(name, repo)
             model.to(self.device)
             _warm_up(model, self.device)
             self._models[key] = model
         return self._models[key]
 
+    def precision(self, name: str, repo: str | None, setting: str,
+                  decided: dict[str, Any] | None = None) -> Choice:
+        """The precision for the loaded model under `setting`: measured once per load."""
+        model = self.model(name, repo)
+        key = (name, repo, setting)
+        if key not in self._choices:
+            if decided and decided.get("setting") == setting:
+                choice = Choice.from_dict(decided)
+            else:
+                choice = choose(setting, self.device, model)
+                log.info("precision for %s: %s (%s)", name, choice.precision, choice.reason)
+            self._choices[key] = choice
+        return self._choices[key]
+
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "load":
             model = self.model(request["model"], request.get("repo"))
+            choice = self.precision(request["model"], request.get("repo"),
+                                    request.get("precision") or "float32", request.get("decided"))
             return {"op": "load", "ok": True, "model": request["model"],
                     "samplerate": int(model.samplerate), "audio_channels": int(model.audio_channels),
-                    "sources": list(model.sources)}
+                    "sources": list(model.sources), "precision": choice.to_dict()}
         if op == "separate":
             return self.separate(request)
         raise ValueError(f"unknown request {op!r}")
@@ -155,16 +185,18 @@ class Worker:
         stats = None
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
-        paths = separate_to_files(
-            model, Path(request["input"]), Path(request["output"]),
-            shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
-            segment=request.get("segment") or None, device=self.device, stats=stats,
-            window=float(request.get("window") or os.environ.get(WINDOW_ENV)
-                         or WINDOW_SECONDS),
-            on_progress=lambda value: _progress(job_id, value))
+        with autocast(self.device, request.get("precision") or "float32"):
+            paths = separate_to_files(
+                model, Path(request["input"]), Path(request["output"]),
+                shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
+                segment=request.get("segment") or None, device=self.device, stats=stats,
+                window=float(request.get("window") or os.environ.get(WINDOW_ENV)
+                             or WINDOW_SECONDS),
+                on_progress=lambda value: _progress(job_id, value))
         return {"op": "separate", "id": job_id, "ok": True,
                 "stems": {name: str(path) for name, path in paths.items()},
-                "samplerate": int(model.samplerate), "seconds": time.monotonic() - started}
+                "samplerate": int(model.samplerate), "seconds": time.monotonic() - started,
+                "precision": request.get("precision") or "float32"}
 
 
 def _warm_up(model: Any, device: str) -> None:
@@ -196,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="stemdeck_watch.pipeline.worker")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="0: one per physical core")
     args = parser.parse_args(argv)
     # the protocol owns stdout; anything a library prints goes to stderr instead
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
@@ -205,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     import demucs
     import torch
 
+    torch.set_num_threads(threads_for(args.threads))
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
     worker = Worker(_resolve_device(args.device), protocol)
     _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
+                      "threads": torch.get_num_threads(),
                       "versions": {"torch": torch.__version__, "demucs": demucs.__version__,
                                    "python": sys.version.split()[0]}})
     for line in sys.stdin:

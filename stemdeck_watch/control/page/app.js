@@ -230,7 +230,8 @@
     setText(li.querySelector(".pos"), String(index + 1));
     setText(li.querySelector(".name"), job.name);
     setAttr(li, "title", job.source);
-    setText(li.querySelector(".meta"), job.preset ? "preset " + job.preset : "");
+    setText(li.querySelector(".meta"), [job.preset ? "preset " + job.preset : "",
+                                        playlistText(job)].filter(Boolean).join(" · "));
     const up = li.querySelector('[data-action="move-up"]');
     const down = li.querySelector('[data-action="move-down"]');
     setAttr(up, "aria-label", "Move " + job.name + " up");
@@ -239,6 +240,14 @@
     setAttr(up, "aria-disabled", index === 0 ? "true" : null);
     setAttr(down, "aria-disabled", index === count - 1 ? "true" : null);
     setAttr(li.querySelector('[data-action="cancel"]'), "aria-label", "Cancel " + job.name);
+  }
+
+  // "2/3 of My List" for a playlist entry, "playlist · 3 entries" for the playlist link
+  function playlistText(job) {
+    const ref = job.playlist;
+    if (!ref) return "";
+    if (ref.entry) return ref.entry + "/" + ref.entries + " of " + ref.name;
+    return "playlist · " + ref.entries + " entries";
   }
 
   function createRecentItem(job) {
@@ -302,7 +311,8 @@
     setAttr(box, "data-job-id", job.id);
     setAttr(box, "data-state", job.state);
     setText($("running-name"), job.name);
-    setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : ""));
+    setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : "") +
+                                (job.playlist ? " · " + playlistText(job) : ""));
     const bar = $("running-progress");
     const value = Math.max(0, Math.min(1, Number(job.progress) || 0));
     if (Number(bar.value) !== value) bar.value = value;

@@ -1,0 +1,228 @@
+"""The Ray actor: one resident-model separation worker on one machine of a Ray cluster.
+
+It is the subprocess worker's twin (pipeline/worker.py) and loads, warms and calibrates the
+model with the same code (`Worker.model`, `Worker.precision`), so a job gives the same
+stems on either. What differs is how data moves: no worker machine has the inbox or the
+outbox, so the service uploads the decoded song window by window (`begin`, `upload`: each
+window one object in Ray's object store, never the whole song in one), the actor stages it
+on its own scratch disk, separates it window by window (pipeline/chunked.py) and streams
+progress and then the stems back, again one window per object (`separate` is a streaming
+generator with backpressure, so stems waiting to be fetched stay bounded).
+
+One request at a time: `separate` refuses a second job while one runs (and counts the
+attempt in `overlaps`, which tests read); the actor allows a little concurrency only so that
+`cancel`, `ready` and `stats` answer while a job runs. Ray cannot force-cancel an actor
+task, so cancel is cooperative: a flag checked between model segments (a fraction of a
+second); the client kills the actor if the flag is not honoured within a grace period.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+log = logging.getLogger("stemdeck_watch.executor.actor")
+
+STREAM_BACKPRESSURE = 8  # stem windows (and progress reports) the actor may run ahead
+PROGRESS_EVERY = 0.1  # seconds between progress reports streamed back
+
+
+class _Stopped(Exception):
+    """Raised inside separation when the job's cancel flag is seen."""
+
+
+class SeparationActor:
+    """Wrapped with `ray.remote` by the client (ray_client.py), which sets its resources."""
+
+    def __init__(self, device: str = "auto", threads: int = 0):
+        import demucs
+        import torch
+
+        from stemdeck_watch.pipeline.precision import threads_for
+        from stemdeck_watch.pipeline.worker import Worker, _resolve_device
+
+        # 0 = the CPUs Ray gave this actor (two actors on one machine must not both take
+        # every core), else the configured count
+        assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        torch.set_num_threads(threads_for(threads) if threads or not assigned
+                              else max(1, int(assigned)))
+        self._worker = Worker(_resolve_device(device), sys.stderr)
+        self._versions = {"torch": torch.__version__, "demucs": demucs.__version__,
+                          "python": sys.version.split()[0], "ray": ray.__version__}
+        self._lock = threading.Lock()  # held by the one running separation
+        self._state = threading.Lock()  # guards the fields below
+        self._staged: dict[str, tuple[Path, Any]] = {}  # job → (scratch folder, input writer)
+        self._cancelled: set[str] = set()
+        self._running: str | None = None
+        self.jobs_run = 0
+        self.overlaps = 0
+
+    # ------------------------------------------------------------ facts
+
+    def ready(self) -> dict[str, Any]:
+        """Where this worker runs: process, machine, device, threads, versions."""
+        import torch
+
+        context = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": context.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
+                "actor_id": context.get_actor_id(), "device": self._worker.device,
+                "threads": torch.get_num_threads(), "versions": self._versions}
+
+    def stats(self) -> dict[str, Any]:
+        """How many jobs ran here and how often a second one was refused (tests)."""
+        with self._state:
+            return {"jobs_run": self.jobs_run, "overlaps": self.overlaps,
+                    "running": self._running}
+
+    # ------------------------------------------------------------ requests
+
+    def load(self, model: str, repo: str | None, precision: str,
+             decided: dict[str, Any] | None) -> dict[str, Any]:
+        """The subprocess worker's "load" request, answered by the same code."""
+        return self._worker.handle({"op": "load", "model": model, "repo": repo,
+                                    "precision": precision, "decided": decided})
+
+    def begin(self, job_id: str, channels: int) -> None:
+        """Open the scratch file the job's decoded audio is uploaded into."""
+        from stemdeck_watch.pipeline.scratch import AudioWriter
+
+        folder = Path(tempfile.mkdtemp(prefix=f"stemdeck-{job_id}-"))
+        with self._state:
+            self._discard(job_id)
+            self._cancelled.discard(job_id)
+            self._staged[job_id] = (folder, AudioWriter(folder / "input.npy", channels))
+
+    def upload(self, job_id: str, block: Any) -> None:
+        """Append one window of the decoded song (channels, frames) float32."""
+        with self._state:
+            staged = self._staged.get(job_id)
+        if staged is None:
+            raise RuntimeError(f"job {job_id} has no upload open on this worker")
+        staged[1].write(block)
+
+    def cancel(self, job_id: str) -> bool:
+        """Set the job's cancel flag; separation stops at its next segment. True if the
+        job is staged or running here."""
+        with self._state:
+            self._cancelled.add(job_id)
+            return job_id in self._staged or self._running == job_id
+
+    def drop(self, job_id: str) -> None:
+        """Forget a staged upload that will never run (cancelled or failed on the way)."""
+        with self._state:
+            self._discard(job_id)
+
+    @ray.method(num_returns="streaming",
+                _generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    def separate(self, job_id: str, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Separate the uploaded song; yields {"progress": F} reports, then the stems one
+        window at a time ({"stem", "start", "audio"}), then {"done": True, "seconds": F};
+        {"cancelled": True} instead when the cancel flag stopped it."""
+        if not self._lock.acquire(blocking=False):
+            with self._state:
+                self.overlaps += 1
+                other = self._running
+            raise RuntimeError(f"this worker is busy with job {other}; one job at a time")
+        try:
+            with self._state:
+                staged = self._staged.pop(job_id, None)
+                self._running = job_id
+            if staged is None:
+                raise RuntimeError(f"job {job_id} was not uploaded to this worker")
+            folder, writer = staged
+            try:
+                writer.close()
+                yield from self._separate(job_id, request, folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            with self._state:
+                self._running = None
+                self._cancelled.discard(job_id)
+                self.jobs_run += 1
+            self._lock.release()
+
+    # ------------------------------------------------------------ internals
+
+    def _separate(self, job_id: str, request: dict[str, Any],
+                  folder: Path) -> Iterator[dict[str, Any]]:
+        from stemdeck_watch.pipeline.chunked import WINDOW_SECONDS, separate_to_files
+        from stemdeck_watch.pipeline.precision import autocast
+        from stemdeck_watch.pipeline.scratch import AudioReader
+        from stemdeck_watch.pipeline.worker import WINDOW_ENV
+
+        model = self._worker.model(request["model"], request.get("repo"))
+        started = time.monotonic()
+        window = float(request.get("window") or os.environ.get(WINDOW_ENV) or WINDOW_SECONDS)
+        stats = None
+        if request.get("mean") is not None and request.get("std") is not None:
+            stats = (float(request["mean"]), float(request["std"]))
+        events: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        def progress(value: float) -> None:
+            if job_id in self._cancelled:  # checked between segments: cooperative cancel
+                raise _Stopped()
+            events.put(("progress", value))
+
+        def run() -> None:
+            try:
+                with autocast(self._worker.device, request.get("precision") or "float32"):
+                    paths = separate_to_files(
+                        model, folder / "input.npy", folder / "stems",
+                        shifts=int(request.get("shifts", 1)),
+                        overlap=float(request.get("overlap", 0.25)),
+                        segment=request.get("segment") or None, device=self._worker.device,
+                        stats=stats, window=window, on_progress=progress)
+                events.put(("stems", paths))
+            except BaseException as exc:  # handed to the generator, which raises it
+                events.put(("error", exc))
+
+        thread = threading.Thread(target=run, name=f"separate-{job_id}", daemon=True)
+        thread.start()
+        last = 0.0
+        try:
+            while True:
+                kind, value = events.get()
+                if kind == "progress":
+                    now = time.monotonic()
+                    if now - last >= PROGRESS_EVERY or value >= 1.0:
+                        last = now
+                        yield {"progress": value}
+                    continue
+                break
+        finally:
+            thread.join()
+        if kind == "error":
+            if isinstance(value, _Stopped):
+                yield {"cancelled": True}
+                return
+            raise value
+        frames = max(1, int(window * int(model.samplerate)))
+        for name, path in value.items():
+            reader = AudioReader(path)
+            for start in range(0, reader.frames, frames):
+                if job_id in self._cancelled:
+                    yield {"cancelled": True}
+                    return
+                yield {"stem": name, "start": start,
+                       "audio": reader.read(start, min(reader.frames, start + frames))}
+            if reader.frames == 0:
+                yield {"stem": name, "start": 0, "audio": reader.read(0, 0)}
+        yield {"done": True, "seconds": time.monotonic() - started}
+
+    def _discard(self, job_id: str) -> None:
+        staged = self._staged.pop(job_id, None)
+        if staged is not None:
+            staged[1].abort()
+            shutil.rmtree(staged[0], ignore_errors=True)

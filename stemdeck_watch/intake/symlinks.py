@@ -1,0 +1,63 @@
+"""Symbolic links in the inbox are never followed out of it.
+
+The service moves every input it separates (to processed/ or failed/). Following a link
+would separate — and then move — a file the user never put into the inbox, or separate a song
+in the inbox twice. So a link to a file is refused the way bad input is: it goes to failed/
+(the link itself, never what it points to) with `<name>.error.txt` saying why, and shows up
+as a failed job. A file reached through a linked folder is left alone and logged: it is the
+user's own file elsewhere, and moving it would take it from where it lives.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import logging
+import os
+from pathlib import Path, PurePosixPath
+
+from stemdeck_watch.paths import report_path, unique_path
+
+log = logging.getLogger(__name__)
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def link_refusal(path: Path, real_inbox: str) -> str | None:
+    """Why the link `path` is not separated, or None if `path` is not a link. `real_inbox`
+    is the inbox with its own links resolved (os.path.realpath)."""
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    if _within(target, real_inbox):
+        return (f"{path.name} is a symbolic link to {target}, which is in the inbox and is "
+                f"separated itself; links are not followed")
+    return (f"{path.name} is a symbolic link to {target}, outside the inbox; links are not "
+            f"followed out of the inbox — copy or move the file itself into the inbox")
+
+
+def outside_inbox(path: Path, real_inbox: str) -> bool:
+    """True for a file the inbox reaches only through a linked folder."""
+    return not _within(os.path.realpath(path.parent), real_inbox)
+
+
+def set_aside(link: Path, rel: PurePosixPath, failed: Path, reason: str) -> Path:
+    """Move the link itself (not what it points to) to failed/ beside a report; returns
+    where it went. Raises OSError if it could not be moved."""
+    target = unique_path(failed / rel)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(link, target)  # rename never follows a link
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        os.symlink(os.readlink(link), target)  # another filesystem: recreate the link
+        os.unlink(link)
+    report = report_path(target)
+    report.write_text(
+        f"stemdeck-watch did not separate {rel.name}\n\nWhy: {reason}.\n\n"
+        f"Link:    {link}\nNow at:  {target}\n"
+        f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n",
+        encoding="utf-8")
+    return target

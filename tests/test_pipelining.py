@@ -1,0 +1,151 @@
+"""Decode ahead, publish behind (#13): the worker is kept busy, one job at a time, in order.
+
+Real service, real worker with the tiny model. Slowness is injected by wrapping the real
+decode and the real stem writer (they still do their work), so that "the worker did not wait"
+shows up in the order of events, never in a timing assertion.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stemdeck_watch.errors import PublishError
+from stemdeck_watch.events import JobChanged
+from stemdeck_watch.jobs import JobState
+from stemdeck_watch.pipeline import publish, runner
+from stemdeck_watch.synth import write_song
+
+from conftest import outbox_entries, wait_for
+
+pytestmark = pytest.mark.slow
+SLOW = 1.5  # seconds each injected slow step takes on top of its real work
+
+
+class Timeline:
+    """Every job change in the order the service announced it."""
+
+    def __init__(self, bus) -> None:  # type: ignore[no-untyped-def]
+        self._lock = threading.Lock()
+        self.events: list[tuple[str, JobState]] = []
+        bus.subscribe(JobChanged, self._on)
+
+    def _on(self, event: JobChanged) -> None:
+        with self._lock:
+            if not self.events or self.events[-1] != (event.job.id, event.job.state):
+                self.events.append((event.job.id, event.job.state))
+
+    def index(self, job_id: str, state: JobState) -> int:
+        with self._lock:
+            return self.events.index((job_id, state))
+
+    def finished(self) -> list[str]:
+        with self._lock:
+            return [j for j, s in self.events if s.is_final]
+
+
+def queue_paused(service, inbox: Path, songs: dict[str, float]) -> list[str]:  # type: ignore[no-untyped-def]
+    """Drop `songs` (name → seconds) while the queue is paused; returns their job ids in order."""
+    service.scheduler.pause("user")
+    for i, (name, seconds) in enumerate(songs.items()):
+        write_song(inbox / name, seconds, seed=i)
+        wait_for(lambda: len(service.queue.order()) == i + 1, 30, f"{name} queued")
+    return service.queue.order()
+
+
+def test_next_file_is_decoded_ahead_and_the_last_published_behind(
+        make_settings, service_factory, monkeypatch):
+    decoded_on: dict[str, list[str]] = {}
+    real_decode, real_write = runner.decode_to_file, publish.write_song
+
+    def slow_decode(source, target, *args, **kwargs):  # type: ignore[no-untyped-def]
+        decoded_on.setdefault(Path(target).parent.name, []).append(
+            threading.current_thread().name)
+        time.sleep(SLOW)
+        return real_decode(source, target, *args, **kwargs)
+
+    def slow_write(staging, stems, samplerate, name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(SLOW)
+        if name == "b":  # the middle song's disk fails after the worker moved on
+            raise PublishError(f"could not write the stems of {name} to {staging}: injected")
+        return real_write(staging, stems, samplerate, name, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode_to_file", slow_decode)
+    monkeypatch.setattr(publish, "write_song", slow_write)
+    settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
+    service, jobs = service_factory(settings)
+    timeline = Timeline(service.bus)
+    a, b, c = queue_paused(service, settings.paths.inbox,
+                           {"a.wav": 6.0, "b.wav": 6.0, "c.wav": 6.0})
+    service.scheduler.start()
+    finished = {j.id: j for j in jobs.wait_final(3, timeout=300)}
+
+    # b and c were decoded once each, ahead, by the prefetcher while the job before separated
+    assert decoded_on[b] == [f"prefetch-{b}"] and decoded_on[c] == [f"prefetch-{c}"], decoded_on
+    # the worker took the next job while the previous one was still being written
+    assert timeline.index(b, JobState.SEPARATING) < timeline.index(a, JobState.DONE)
+    assert timeline.index(c, JobState.SEPARATING) < timeline.index(b, JobState.FAILED)
+    # ...and still one job at a time on it, finishing in queue order
+    assert timeline.finished() == [a, b, c]
+    spans = sorted(service.client.busy)
+    assert len(spans) == 3 and all(s[1] <= t[0] for s, t in zip(spans, spans[1:]))
+
+    # the publish that failed after the worker moved on failed its job as it always did
+    assert finished[a].state is JobState.DONE and finished[c].state is JobState.DONE
+    assert finished[b].state is JobState.FAILED and "injected" in (finished[b].error or "")
+    assert (settings.paths.failed / "b.wav").is_file()
+    assert (settings.paths.failed / "b.wav.error.txt").is_file()
+    assert outbox_entries(settings.paths.outbox) == {"a", "c"}
+    wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
+
+
+def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
+        make_settings, service_factory):
+    settings = make_settings(separation={"shifts": 4}, queue={"work_beside": "on"})
+    service, jobs = service_factory(settings)
+    inbox, scratch = settings.paths.inbox, settings.paths.scratch
+    a, b, c = queue_paused(service, inbox, {"a.wav": 12.0, "b.wav": 3.0, "c.wav": 3.0})
+    service.scheduler.start()
+
+    # b is decoded ahead while a separates; deleting b cancels it and removes its scratch
+    wait_for(lambda: (scratch / b / "input.npy").is_file(), 60, "b decoded ahead")
+    assert jobs.latest[a].state is JobState.SEPARATING
+    (inbox / "b.wav").unlink()
+    wait_for(lambda: jobs.latest[b].state is JobState.CANCELLED, 30, "b cancelled")
+    wait_for(lambda: not (scratch / b).exists(), 10, "b's scratch removed")
+
+    # c is the head now and is decoded ahead; a pause drops that work too
+    wait_for(lambda: (scratch / c / "input.npy").is_file(), 60, "c decoded ahead")
+    assert jobs.latest[a].state is JobState.SEPARATING
+    service.scheduler.pause("user")
+    wait_for(lambda: not (scratch / c).exists(), 10, "c's scratch removed on pause")
+    wait_for(lambda: jobs.latest[a].state.is_final, 300, "a to end")
+    assert jobs.latest[a].state is JobState.DONE, jobs.latest[a]
+    assert jobs.latest[c].state is JobState.QUEUED and not (scratch / c).exists()
+
+    service.scheduler.start()  # c runs as if it had never been decoded ahead
+    wait_for(lambda: jobs.latest[c].state is JobState.DONE, 300, "c done")
+    assert outbox_entries(settings.paths.outbox) == {"a", "c"}
+    wait_for(lambda: not any(scratch.rglob("*")), 10, "scratch to be empty")
+
+
+def test_work_beside_the_worker_only_where_it_leaves_room(make_settings) -> None:
+    """`queue.work_beside = "auto"`: decode ahead and publish behind only where the worker
+    leaves a core free or runs on a GPU — on a CPU it fills, they slow separation more than
+    they save. "on" and "off" decide alone."""
+    from stemdeck_watch.events import EventBus
+    from stemdeck_watch.pipeline.precision import physical_cores
+    from stemdeck_watch.pipeline.runner import Pipeline
+    from stemdeck_watch.pipeline.separate import WorkerClient
+
+    cores = physical_cores()
+    cases = [("cpu", cores, "auto", False), ("cpu", max(1, cores - 1), "auto", cores > 1),
+             ("cuda", cores, "auto", True), ("cpu", cores, "on", True),
+             ("cuda", 1, "off", False)]
+    for device, threads, mode, expected in cases:
+        settings = make_settings(queue={"work_beside": mode})
+        client = WorkerClient(device=device, threads=threads)
+        pipeline = Pipeline(settings, client, EventBus(), lambda job_id, **fields: None)
+        assert pipeline.works_beside() is expected, (device, threads, mode)
