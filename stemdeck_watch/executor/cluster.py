@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from typing import Any, Callable
 
 from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.executor import ray_installed
+from stemdeck_watch.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -136,30 +136,17 @@ def nodes() -> list[dict[str, Any]]:
             for n in ray.nodes() if n.get("Alive")]
 
 
-class ClusterWatch:
+class ClusterWatch(Ticker):
     """Pauses the queue while the cluster is gone, starts it when it is back."""
+
+    name = "cluster-watch"
 
     def __init__(self, scheduler: Any, check: Callable[[], str | None] = probe,
                  interval: float = PROBE_SECONDS):
+        super().__init__(interval)
         self.scheduler = scheduler
         self._check = check
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.problem: str | None = None  # the last probe's finding (status, tests)
-
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10.0)
 
     def tick(self) -> None:
         """One probe and its consequence (the loop's body; tests call it directly)."""
@@ -175,10 +162,3 @@ class ClusterWatch:
             if queue.paused and queue.pause_reason == PAUSE_CLUSTER:
                 self.scheduler.start()
         self.problem = problem
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.tick()
-            except Exception:
-                log.exception("probing the Ray cluster failed; going on")

@@ -27,6 +27,7 @@ from typing import Callable
 
 from stemdeck_watch.errors import StemdeckError
 from stemdeck_watch.lock import _alive as _pid_alive
+from stemdeck_watch.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ def read_heartbeats(folder: Path) -> list[Heartbeat]:
     return beats
 
 
-class InboxOwnership:
+class InboxOwnership(Ticker):
     """Claims the inbox for this service and keeps the claim alive with a heartbeat."""
+
+    name = "ownership"
 
     def __init__(self, inbox: Path, *, standby: bool = False,
                  clock: Callable[[], float] = time.time, host: str | None = None,
@@ -87,12 +90,10 @@ class InboxOwnership:
         self.host = host or socket.gethostname()
         self.service_id = service_id or uuid.uuid4().hex[:12]
         self.path = self.folder / f"{PREFIX}{self.service_id}.json"
-        self.beat_every = beat_every
+        super().__init__(beat_every)
         self.stale_after = stale_after
         self._clock = clock
         self._started = clock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ who owns it
@@ -166,32 +167,17 @@ class InboxOwnership:
             log.warning("could not write the heartbeat %s: %s; check that the inbox is "
                         "writable", self.path, exc.strerror or exc)
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="ownership", daemon=True)
-        self._thread.start()
+    def tick(self) -> None:
+        self.beat()
+        self._warn_about_others()
 
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         """Stop beating and remove the heartbeat: a standby service takes over at once."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        super().stop(timeout)
         try:
             self.path.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("could not remove the heartbeat %s: %s", self.path, exc)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.beat_every):
-            try:
-                self.beat()
-                self._warn_about_others()
-            except Exception:
-                log.exception("the heartbeat failed; going on")
 
     def _warn_about_others(self) -> None:
         """Two services started within the sync delay both own the inbox: say so, once."""
