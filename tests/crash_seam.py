@@ -127,8 +127,8 @@ def install(window: str, processed: Path, fake_exdev: bool) -> None:
     elif window == "taken":
         real_next = Scheduler.next_job
 
-        def next_job(self, timeout=None):
-            control = real_next(self, timeout)
+        def next_job(self, *args, **kwargs):
+            control = real_next(self, *args, **kwargs)
             if control is not None:
                 die()
             return control
