@@ -5,13 +5,14 @@ ends it. A supervisor that finds it dead (`alive`) starts it again.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 
 log = logging.getLogger(__name__)
 
 
-class Ticker:
+class Ticker(abc.ABC):
     """Calls `tick` every `interval` seconds on a daemon thread named `name`, until `stop`."""
 
     name = "ticker"
@@ -21,8 +22,9 @@ class Ticker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @abc.abstractmethod
     def tick(self) -> None:
-        raise NotImplementedError
+        """One round of the work; an exception is logged and the next round runs."""
 
     def start(self) -> None:
         self._stop.clear()

@@ -49,10 +49,9 @@ def outbox_entries(outbox: Path) -> set[str]:
     return {p.name for p in outbox.iterdir() if p.name != "STATUS.txt"}
 
 
-def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this test process (Linux /proc)."""
-    me = os.getpid()
-    children = set()
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, state letter) (Linux /proc)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -61,9 +60,14 @@ def child_pids() -> set[int]:
                 fields = handle.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            children.add(int(entry))
-    return children
+        table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this test process (Linux /proc)."""
+    me = os.getpid()
+    return {pid for pid, (parent, state) in processes().items() if parent == me and state != "Z"}
 
 
 @pytest.fixture(autouse=True)

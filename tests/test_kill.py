@@ -47,7 +47,7 @@ from stemdeck_watch.pipeline.publish import read_manifest
 from stemdeck_watch.registry import REGISTRY_FILE
 from stemdeck_watch.synth import write_song
 
-from conftest import REPO, write_config
+from conftest import REPO, processes, write_config
 from published_checks import damaged_stems
 
 pytestmark = pytest.mark.slow
@@ -105,20 +105,6 @@ class Snapshot:
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
-
-def processes() -> dict[int, tuple[int, str]]:
-    """Every process: pid -> (parent pid, state letter) (Linux /proc)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        table[int(entry)] = (int(fields[1]), fields[0])
-    return table
 
 
 def descendants(pid: int) -> set[int]:
