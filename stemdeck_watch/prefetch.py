@@ -174,8 +174,9 @@ class Prefetcher:
             ahead = self._ahead
             running = queue.running()
             if ahead is not None:
-                # taken by the dispatcher: no longer the head, but about to be claimed
-                taken = running is not None and running.job_id == ahead.job.id
+                # taken by the dispatcher: no longer the head, but about to be claimed (the
+                # job publishing behind may still hold the slot's running place meanwhile)
+                taken = any(c.job_id == ahead.job.id for c in queue.in_flight())
                 if not taken and (ahead.job.id != head or queue.paused):
                     self._drop(ahead, PAUSED if queue.paused else NOT_AHEAD)
                 return

@@ -149,3 +149,49 @@ def test_work_beside_the_worker_only_where_it_leaves_room(make_settings) -> None
         client = WorkerClient(device=device, threads=threads)
         pipeline = Pipeline(settings, client, EventBus(), lambda job_id, **fields: None)
         assert pipeline.works_beside() is expected, (device, threads, mode)
+
+
+def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_path) -> None:
+    """The dispatcher takes the prepared job while the previous one still publishes behind
+    (and so still holds the worker's running place): in that gap the job is neither the head
+    of the queue nor the running one, and its work must be kept for the claim, not dropped
+    and done a second time."""
+    import dataclasses
+    import types
+
+    from stemdeck_watch.events import EventBus
+    from stemdeck_watch.jobqueue import JobQueue
+    from stemdeck_watch.jobs import Job, JobKind
+    from stemdeck_watch.pipeline.runner import Prepared
+    from stemdeck_watch.prefetch import Prefetcher
+
+    jobs = {i: Job(id=i, name=i, kind=JobKind.FILE, state=JobState.QUEUED, source=f"/{i}.wav",
+                   rel_path=f"{i}.wav") for i in ("a", "b", "c")}
+    release, started, made = threading.Event(), threading.Event(), Prepared(sha256="b's")
+
+    def prepare(job, control, on_progress):  # type: ignore[no-untyped-def]
+        started.set()
+        release.wait(10)
+        control.check()  # as the real steps do between them: dropped work stops here
+        return made
+
+    queue = JobQueue()
+    scheduler = types.SimpleNamespace(queue=queue, registry=types.SimpleNamespace(get=jobs.get),
+                                      bus=EventBus())
+    pipeline = types.SimpleNamespace(
+        can_prepare=lambda job: True, prepare=prepare,
+        settings=types.SimpleNamespace(paths=types.SimpleNamespace(scratch=tmp_path)))
+    prefetcher = Prefetcher(scheduler, pipeline)  # type: ignore[arg-type]
+    for job_id in ("a", "b", "c"):
+        queue.put(job_id)
+    taken_a = queue.take()
+    assert taken_a is not None and queue.set_running(taken_a)
+    jobs["a"] = dataclasses.replace(jobs["a"], state=JobState.SEPARATING)
+
+    prefetcher._consider()  # a separates: b, the head, is prepared ahead
+    assert started.wait(10)
+    taken_b = queue.take()  # a is publishing behind; the dispatcher has taken b
+    assert taken_b is not None and taken_b.job_id == "b" and queue.order() == ["c"]
+    prefetcher._consider()
+    release.set()
+    assert prefetcher.claim(jobs["b"], taken_b, lambda value: None) is made
