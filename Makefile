@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-ray clean
+.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_output.py
 	$(BIN)/python benchmarks/bench_precision.py
+	$(BIN)/python benchmarks/bench_work_beside.py
 
 bench-memory: install
 	$(BIN)/python benchmarks/bench_memory.py
@@ -70,6 +71,10 @@ bench-output: install
 
 bench-precision: install
 	$(BIN)/python benchmarks/bench_precision.py
+
+# decode ahead / publish behind on against off, alternating (issue #13)
+bench-work-beside: install
+	$(BIN)/python benchmarks/bench_work_beside.py
 
 # the Ray executor against the local worker (needs the ray extra)
 bench-ray:

@@ -9,9 +9,11 @@ outbox, the input safe).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 MARGIN = 64 * 1024 * 1024  # never fill a disk to the last byte
 UNKNOWN_SECONDS = 600.0  # a link's length before its download: assume a long song
 BYTES_PER_SECOND = {"wav": {16: 176_400, 24: 264_600, 32: 352_800}, "flac": 120_000}
+REMEMBERED = 64  # probed durations kept (the head of the queue and a few behind it)
 
 
 class DiskGuard:
@@ -34,6 +37,11 @@ class DiskGuard:
         self.scheduler = scheduler
         self.settings = settings
         self._free = free
+        # job id → (size, mtime_ns, seconds): probing a file's duration costs ~20 ms, which,
+        # between two jobs, is worker idle time; the prefetcher probes the next job ahead
+        self._durations: collections.OrderedDict[str, tuple[int, int, float]] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def shortfall(self, job: Job) -> tuple[Path, int, int] | None:
         """(folder, bytes needed, bytes free) for the first filesystem the job does not fit
@@ -83,18 +91,41 @@ class DiskGuard:
         self.scheduler.start()
         return True
 
+    def probe(self, job: Job) -> None:
+        """Learn `job`'s duration now, off the path between two jobs (the prefetcher calls
+        this for the next job while the current one separates)."""
+        self._seconds(job)
+
     def _seconds(self, job: Job) -> float:
         if job.kind is JobKind.LINK:
             return float(self.settings.links.max_duration or UNKNOWN_SECONDS)
         try:
-            import av
+            st = os.stat(job.source)
+        except OSError:
+            return UNKNOWN_SECONDS  # gone or unreadable: the decode step will say why
+        with self._lock:
+            known = self._durations.get(job.id)
+        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+            return known[2]
+        seconds = _probe_seconds(job.source)
+        with self._lock:
+            self._durations[job.id] = (st.st_size, st.st_mtime_ns, seconds)
+            self._durations.move_to_end(job.id)
+            while len(self._durations) > REMEMBERED:
+                self._durations.popitem(last=False)
+        return seconds
 
-            with av.open(job.source) as container:
-                if container.duration:
-                    return container.duration / 1_000_000
-        except Exception:
-            pass  # unreadable: the decode step will say why; assume a long song meanwhile
-        return UNKNOWN_SECONDS
+
+def _probe_seconds(source: str) -> float:
+    try:
+        import av
+
+        with av.open(source) as container:
+            if container.duration:
+                return container.duration / 1_000_000
+    except Exception:
+        pass  # unreadable: the decode step will say why; assume a long song meanwhile
+    return UNKNOWN_SECONDS
 
 
 def _existing(folder: Path) -> Path:

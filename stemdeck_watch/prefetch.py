@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Callable
 
+from stemdeck_watch.diskguard import DiskGuard
 from stemdeck_watch.errors import Cancelled
 from stemdeck_watch.events import JobChanged, QueueChanged
 from stemdeck_watch.jobqueue import JobControl
@@ -30,18 +31,26 @@ from stemdeck_watch.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_NICE = 10  # work beside the worker yields the CPU to it (Linux: per thread)
+BACKGROUND_NICE = 19  # where SCHED_IDLE is refused: the lowest ordinary priority
 NOT_AHEAD = "no longer next in the queue"
 PAUSED = "the queue was paused"
 
 
 def lower_thread_priority() -> None:
-    """Let the calling thread yield the CPU to the worker: on a machine whose cores the
-    worker already fills, decoding ahead or publishing behind at the same priority would
-    slow separation by as much as it saves. On Linux a nice value is per thread; elsewhere
-    this does nothing."""
+    """Let the calling thread run only on CPU time the worker leaves unused: on a machine
+    whose cores the worker fills, decoding ahead or publishing behind at a normal (or merely
+    niced) priority preempts torch's threads, and one stalled thread holds up the others at
+    their next barrier, so separation slows by more than the work beside it saves. Linux's
+    SCHED_IDLE gives the thread the CPU only when nothing else wants it, and per thread;
+    elsewhere this does nothing."""
     if sys.platform != "linux":
         return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        return
+    except (AttributeError, OSError) as exc:
+        log.debug("SCHED_IDLE refused for %s (%s); lowering its nice value instead",
+                  threading.current_thread().name, exc)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except OSError as exc:
@@ -65,9 +74,10 @@ class _Ahead:
 
 
 class Prefetcher:
-    def __init__(self, scheduler: Scheduler, pipeline: Pipeline):
+    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, guard: DiskGuard | None = None):
         self.scheduler = scheduler
         self.pipeline = pipeline
+        self.guard = guard  # its disk check of the next job is probed ahead too
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -195,6 +205,8 @@ class Prefetcher:
     def _prepare(self, ahead: _Ahead) -> None:
         lower_thread_priority()
         try:
+            if self.guard is not None:
+                self.guard.probe(ahead.job)
             ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress)
         except BaseException as exc:  # a failure is handed to the job when it runs
             ahead.error = exc

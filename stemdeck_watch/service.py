@@ -101,8 +101,8 @@ class Service:
             self.pipeline.playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
-            self.prefetcher = Prefetcher(self.scheduler, self.pipeline)
             guard = DiskGuard(self.scheduler, self.settings)
+            self.prefetcher = Prefetcher(self.scheduler, self.pipeline, guard)
             self.dispatchers = [
                 Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
                            self.prefetcher, guard, slot=slot,

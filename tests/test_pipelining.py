@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stemdeck_watch import diskguard
 from stemdeck_watch.errors import PublishError
 from stemdeck_watch.events import JobChanged
 from stemdeck_watch.jobs import JobState
@@ -72,8 +73,16 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
             raise PublishError(f"could not write the stems of {name} to {staging}: injected")
         return real_write(staging, stems, samplerate, name, *args, **kwargs)
 
+    probed_on: dict[str, list[str]] = {}
+    real_probe = diskguard._probe_seconds
+
+    def recorded_probe(source: str) -> float:  # the disk check's duration probe
+        probed_on.setdefault(Path(source).name, []).append(threading.current_thread().name)
+        return real_probe(source)
+
     monkeypatch.setattr(runner, "decode_to_file", slow_decode)
     monkeypatch.setattr(publish, "write_song", slow_write)
+    monkeypatch.setattr(diskguard, "_probe_seconds", recorded_probe)
     settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     timeline = Timeline(service.bus)
@@ -84,6 +93,10 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
 
     # b and c were decoded once each, ahead, by the prefetcher while the job before separated
     assert decoded_on[b] == [f"prefetch-{b}"] and decoded_on[c] == [f"prefetch-{c}"], decoded_on
+    # ...and so was the disk check's duration probe: between two jobs the worker waits for
+    # neither (only the first job, with nothing separating before it, was probed on the spot)
+    assert probed_on == {"a.wav": ["dispatcher"], "b.wav": [f"prefetch-{b}"],
+                         "c.wav": [f"prefetch-{c}"]}, probed_on
     # the worker took the next job while the previous one was still being written
     assert timeline.index(b, JobState.SEPARATING) < timeline.index(a, JobState.DONE)
     assert timeline.index(c, JobState.SEPARATING) < timeline.index(b, JobState.FAILED)

@@ -1,0 +1,94 @@
+"""Work beside the worker (#13): the same ten clips through the service with
+`queue.work_beside = "on"` and `"off"`, alternating, so that a slow spell of a shared machine
+hits both settings alike.
+
+Reported per setting (medians over the runs): (a) as in bench_throughput (last rename into
+the inbox to the last song published, settle wait included), the worker's separation seconds
+summed over the clips (from the manifests), and the worker's idle fraction between its first
+and last separation. With "on" the worker should hardly ever wait (target <= 3 % idle); whether
+that makes the service faster depends on whether the work beside it finds a free core.
+
+    python benchmarks/bench_work_beside.py [--pairs 6] [--clips 10] [--seconds 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import machine, run_service, wait_quiet  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "work_beside.json"
+MODES = ("on", "off")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--clips", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
+                        help="wait before each run until other processes use fewer cores")
+    parser.add_argument("--patience", type=float, default=120, help="longest such wait, s")
+    args = parser.parse_args(argv)
+    from stemdeck_watch.synth import write_song
+
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="stemdeck-beside-"))
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    try:
+        repo = work / "models"
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        clips = [write_song(work / "clips" / f"clip{i:02d}.wav", args.seconds, seed=i)
+                 for i in range(args.clips)]
+        for n in range(args.pairs):
+            for mode in MODES if n % 2 == 0 else MODES[::-1]:
+                quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+                a = run_service(clips, repo, work / f"{mode}{n}", args.settle, mode)
+                runs[mode].append({"a": a["seconds"], "separate": a["stage_sums"]["separate"],
+                                   "idle": a["worker_idle"]["fraction"],
+                                   "other_cores": a["other_cores"], "quiet_before": quiet})
+                print(f"pair {n + 1}/{args.pairs} {mode}: a {a['seconds']:.2f} s, separate "
+                      f"{a['stage_sums']['separate']:.2f} s, worker idle "
+                      f"{100 * a['worker_idle']['fraction']:.1f} %", file=sys.stderr, flush=True)
+                shutil.rmtree(work / f"{mode}{n}", ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    info = machine()
+    print(f"Work beside the worker: {args.clips} clips x {args.seconds:g} s, tiny model, CPU, "
+          f"{args.pairs} alternating pairs; {info['nproc']} cores ({info['cpu']}), "
+          f"torch {info['torch']}\n")
+    print("| `queue.work_beside` | (a) median s | separate, s (summed) | worker idle | "
+          "other procs, cores |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in MODES:
+        print(f"| `{mode}` | {median(mode, 'a'):.2f} | {median(mode, 'separate'):.2f} | "
+              f"{100 * median(mode, 'idle'):.1f} % | {median(mode, 'other_cores'):.2f} |")
+    ratio = median("on", "a") / median("off", "a")
+    print(f"\n(a) on / off = {ratio:.3f}; separation on / off = "
+          f"{median('on', 'separate') / median('off', 'separate'):.3f}")
+    total = time.monotonic() - began
+    print(f"total benchmark time {total:.0f} s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
+                                   "a_ratio_on_off": ratio, "total_seconds": total},
+                                  indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
