@@ -1,6 +1,7 @@
 """Work beside the worker (#13): the same ten clips through the service with
-`queue.work_beside = "on"` and `"off"`, alternating, so that a slow spell of a shared machine
-hits both settings alike.
+`queue.work_beside = "on"` (decode ahead and publish behind), `"auto"` (on a CPU the worker
+fills: publish behind only) and `"off"`, in turns whose order alternates, so that a slow
+spell of a shared machine hits every setting alike.
 
 Reported per setting (medians over the runs): (a) as in bench_throughput (last rename into
 the inbox to the last song published, settle wait included), the worker's separation seconds
@@ -8,7 +9,7 @@ summed over the clips (from the manifests), and the worker's idle fraction betwe
 and last separation. With "on" the worker should hardly ever wait (target <= 3 % idle); whether
 that makes the service faster depends on whether the work beside it finds a free core.
 
-    python benchmarks/bench_work_beside.py [--pairs 6] [--clips 10] [--seconds 10]
+    python benchmarks/bench_work_beside.py [--turns 5] [--clips 10] [--seconds 10]
 """
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import machine, run_service, wait_quiet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "work_beside.json"
-MODES = ("on", "off")
+MODES = ("on", "auto", "off")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=5, help="turns of the three settings")
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--settle", type=float, default=1.0)
@@ -51,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         clips = [write_song(work / "clips" / f"clip{i:02d}.wav", args.seconds, seed=i)
                  for i in range(args.clips)]
-        for n in range(args.pairs):
-            for mode in MODES if n % 2 == 0 else MODES[::-1]:
+        for n in range(args.turns):
+            for mode in MODES if n % 2 == 0 else MODES[::-1]:  # turns: on auto off off auto on
                 quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
                 a = run_service(clips, repo, work / f"{mode}{n}", args.settle, mode)
                 runs[mode].append({"a": a["seconds"], "separate": a["stage_sums"]["separate"],
                                    "idle": a["worker_idle"]["fraction"],
                                    "other_cores": a["other_cores"], "quiet_before": quiet})
-                print(f"pair {n + 1}/{args.pairs} {mode}: a {a['seconds']:.2f} s, separate "
+                print(f"turn {n + 1}/{args.turns} {mode}: a {a['seconds']:.2f} s, separate "
                       f"{a['stage_sums']['separate']:.2f} s, worker idle "
                       f"{100 * a['worker_idle']['fraction']:.1f} %", file=sys.stderr, flush=True)
                 shutil.rmtree(work / f"{mode}{n}", ignore_errors=True)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine()
     print(f"Work beside the worker: {args.clips} clips x {args.seconds:g} s, tiny model, CPU, "
-          f"{args.pairs} alternating pairs; {info['nproc']} cores ({info['cpu']}), "
+          f"{args.turns} turns (order alternating); {info['nproc']} cores ({info['cpu']}), "
           f"torch {info['torch']}\n")
     print("| `queue.work_beside` | (a) median s | separate, s (summed) | worker idle | "
           "other procs, cores |")
@@ -78,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         print(f"| `{mode}` | {median(mode, 'a'):.2f} | {median(mode, 'separate'):.2f} | "
               f"{100 * median(mode, 'idle'):.1f} % | {median(mode, 'other_cores'):.2f} |")
-    ratio = median("on", "a") / median("off", "a")
-    print(f"\n(a) on / off = {ratio:.3f}; separation on / off = "
-          f"{median('on', 'separate') / median('off', 'separate'):.3f}")
+    ratio = {mode: median(mode, "a") / median("off", "a") for mode in MODES}
+    print(f"\n(a) on / off = {ratio['on']:.3f}; auto / off = {ratio['auto']:.3f}; separation "
+          f"on / off = {median('on', 'separate') / median('off', 'separate'):.3f}")
     total = time.monotonic() - began
     print(f"total benchmark time {total:.0f} s")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
-                                   "a_ratio_on_off": ratio, "total_seconds": total},
+                                   "a_ratio_to_off": ratio, "total_seconds": total},
                                   indent=2) + "\n")
     return 0
 

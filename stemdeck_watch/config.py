@@ -80,9 +80,9 @@ class QueueSettings:
     on_duplicate: str = key("skip", choice("skip", "separate"),
                             "a song already separated with the same settings: skip or separate")
     work_beside: str = key("auto", choice("auto", "on", "off"),
-                           "decode the next song and publish the last one while the worker "
-                           "separates; auto: only where the worker leaves a core free or "
-                           "runs on a GPU")
+                           "publish the last song and decode the next one while the worker "
+                           "separates; auto: publish behind always, decode ahead only where "
+                           "the worker leaves a core free or runs on a GPU")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,12 +100,18 @@ class Pipeline:
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
 
-    def works_beside(self) -> bool:
-        """Whether to decode ahead and publish behind the worker (`queue.work_beside`).
+    def publishes_behind(self) -> bool:
+        """Whether a song's publish step runs while the worker separates the next one
+        (`queue.work_beside` "auto" or "on"). Writing is mostly waiting for the disk (fsync),
+        so it pays even on a CPU the worker fills: the ten-clip run took 0.94× as long as
+        serially there (README, Benchmarks → Work beside the worker)."""
+        return self.settings.queue.work_beside != "off"
 
-        "auto" does so only where the worker leaves room (a GPU, or a core it does not use):
-        on a CPU the worker fills, the 10-clip throughput run took 1.36× the serial loop
-        with the work beside it (README, Benchmarks → Throughput)."""
+    def decodes_ahead(self) -> bool:
+        """Whether the next file is hashed and decoded while the worker separates ("on"; with
+        "auto" only where the worker leaves room: a GPU, or a core it does not use). Decoding
+        is CPU work: on a CPU the worker fills it stretched separation by more than it saved
+        (1.06× the serial run's time with both steps beside the worker)."""
         mode = self.settings.queue.work_beside
         return mode == "on" or (mode == "auto" and self.client.leaves_room())
 
@@ -114,7 +120,7 @@ class Pipeline:
         on the network, not the CPU), or a file's decode when work beside the worker pays
         and the worker holds the job's model already (decoding needs the model's rate and
         channels, and the worker is busy: no loading ahead)."""
-        return job.kind is JobKind.LINK or (self.works_beside()
+        return job.kind is JobKind.LINK or (self.decodes_ahead()
                                             and self._loaded_format(job) is not None)
 
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
