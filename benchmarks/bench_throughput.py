@@ -86,6 +86,18 @@ def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return result, other_cores(cpu, time.monotonic() - t)
 
 
+def tiny_model_and_clips(work: Path, count: int, seconds: float) -> tuple[Path, list[Path]]:
+    """The tiny model's repo (built in a child: no torch here) and `count` synthetic clips."""
+    from stemdeck_watch.synth import write_song
+
+    repo = work / "models"
+    subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+                    "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+    clips = [write_song(work / "clips" / f"clip{i:02d}.wav", seconds, seed=i)
+             for i in range(count)]
+    return repo, clips
+
+
 def run_service(clips: list[Path], repo: Path, root: Path, settle: float,
                 work_beside: str = "auto") -> dict[str, Any]:
     """(a): seconds from the last rename into the inbox to the last job DONE, plus where the
@@ -311,16 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_limit:
         child_limit(args.child_limit[0], args.child_limit[1], args.child_limit[2:])
         return 0
-    from stemdeck_watch.synth import write_song
-
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="stemdeck-bench-"))
     try:
-        repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
-        clips = [write_song(work / "clips" / f"clip{i:02d}.wav", args.seconds, seed=i)
-                 for i in range(args.clips)]
+        repo, clips = tiny_model_and_clips(work, args.clips, args.seconds)
         runs: list[dict[str, Any]] = []
         for n in range(args.runs):
             run, waited = work / f"run{n}", time.monotonic()

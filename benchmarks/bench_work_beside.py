@@ -17,7 +17,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import machine, run_service, wait_quiet  # noqa: E402
+from bench_throughput import (machine, run_service, tiny_model_and_clips,  # noqa: E402
+                              wait_quiet)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "work_beside.json"
 MODES = ("on", "auto", "off")
@@ -41,17 +41,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="wait before each run until other processes use fewer cores")
     parser.add_argument("--patience", type=float, default=120, help="longest such wait, s")
     args = parser.parse_args(argv)
-    from stemdeck_watch.synth import write_song
-
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="stemdeck-beside-"))
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
-        repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
-        clips = [write_song(work / "clips" / f"clip{i:02d}.wav", args.seconds, seed=i)
-                 for i in range(args.clips)]
+        repo, clips = tiny_model_and_clips(work, args.clips, args.seconds)
         for n in range(args.turns):
             for mode in MODES if n % 2 == 0 else MODES[::-1]:  # turns: on auto off off auto on
                 quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None

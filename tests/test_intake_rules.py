@@ -81,6 +81,25 @@ def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
     assert tracker.pending() == []
 
 
+def test_the_intake_knows_when_to_look_next(tmp_path: Path) -> None:
+    """`next_due` is when a song's quiet period ends, so the intake looks then and a song
+    waits `settle_seconds`, not up to a tick more; events and growth move it later."""
+    clock, tracker, song = tracked_song(tmp_path, 3.0)
+    assert tracker.next_due() is None            # not looked at yet: the next tick does
+    tracker.ready()
+    assert tracker.next_due() == clock.now + 3.0
+    clock.advance(1.0)
+    tracker.touch(song)                          # an event restarts the quiet period
+    assert tracker.next_due() == clock.now + 3.0
+    empty = tmp_path / "download.part.wav"
+    empty.touch()
+    tracker.touch(empty)
+    tracker.ready()
+    assert tracker.next_due() == clock.now + 3.0  # an empty file is never due
+    clock.advance(3.0)
+    assert ready_names(tracker) == ["song.wav"] and tracker.next_due() is None
+
+
 def test_growth_or_events_restart_the_wait(tmp_path: Path) -> None:
     clock, tracker, song = tracked_song(tmp_path, 3.0)
     tracker.ready()

@@ -61,6 +61,18 @@ class StabilityTracker:
         with self._lock:
             return list(self._candidates)
 
+    def next_due(self) -> float | None:
+        """When (on the tracker's clock) the earliest candidate that has been looked at once
+        could be ready, if nothing touches it meanwhile; None when there is none. The intake
+        looks then, instead of at its next tick: a song then waits `settle_seconds`, not up
+        to a tick more."""
+        with self._lock:
+            due = [c.quiet_since + (self.closed_settle_seconds if c.closed
+                                    else self.settle_seconds)
+                   for c in self._candidates.values()
+                   if c.signature is not None and c.signature.size > 0]
+        return min(due, default=None)
+
     def ready(self) -> list[tuple[Path, FileSignature]]:
         """Stat every candidate; return (and stop tracking) those that have settled."""
         now = self._clock()

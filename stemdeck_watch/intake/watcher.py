@@ -32,6 +32,7 @@ from stemdeck_watch.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.25
+MIN_WAIT_SECONDS = 0.005  # a quiet period that just ended: look almost at once
 RETRY_SECONDS = 5.0  # after a failure in the loop, the next rescan comes this soon
 
 
@@ -196,7 +197,8 @@ class Intake:
     def _loop(self) -> None:
         next_rescan = self._clock() + self.settings.rescan_seconds
         retry_at: float | None = None
-        while not self._stop.wait(TICK_SECONDS):
+        while not self._stop.wait(TICK_SECONDS if retry_at is not None
+                                  else self._until_next_look()):
             try:
                 if retry_at is not None and self._clock() >= retry_at:
                     retry_at = None
@@ -218,6 +220,13 @@ class Intake:
                 # more: a rescan soon offers it again, without hammering a failing disk
                 log.exception("the intake loop failed; rescanning in %.0f s", RETRY_SECONDS)
                 retry_at = retry_at or self._clock() + RETRY_SECONDS
+
+    def _until_next_look(self) -> float:
+        """A tick, or less when a file's quiet period ends sooner."""
+        due = self.tracker.next_due()
+        if due is None:
+            return TICK_SECONDS
+        return min(TICK_SECONDS, max(MIN_WAIT_SECONDS, due - self._clock()))
 
     def scan(self, folder: Path) -> None:
         """Walk `folder` and start tracking every eligible file in it (a linked folder is

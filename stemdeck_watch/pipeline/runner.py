@@ -103,15 +103,16 @@ class Pipeline:
     def publishes_behind(self) -> bool:
         """Whether a song's publish step runs while the worker separates the next one
         (`queue.work_beside` "auto" or "on"). Writing is mostly waiting for the disk (fsync),
-        so it pays even on a CPU the worker fills: the ten-clip run took 0.94× as long as
+        so it pays even on a CPU the worker fills: the ten-clip run took 0.93× as long as
         serially there (README, Benchmarks → Work beside the worker)."""
         return self.settings.queue.work_beside != "off"
 
     def decodes_ahead(self) -> bool:
         """Whether the next file is hashed and decoded while the worker separates ("on"; with
         "auto" only where the worker leaves room: a GPU, or a core it does not use). Decoding
-        is CPU work: on a CPU the worker fills it stretched separation by more than it saved
-        (1.06× the serial run's time with both steps beside the worker)."""
+        is CPU work: on a CPU the worker fills it may stretch separation by more than it
+        saves (from 0.87× to 1.06× the serial run's time with both steps beside the worker,
+        depending on the moment)."""
         mode = self.settings.queue.work_beside
         return mode == "on" or (mode == "auto" and self.client.leaves_room())
 
