@@ -103,7 +103,7 @@ class Pipeline:
     def publishes_behind(self) -> bool:
         """Whether a song's publish step runs while the worker separates the next one
         (`queue.work_beside` "auto" or "on"). Writing is mostly waiting for the disk (fsync),
-        so it pays even on a CPU the worker fills: the ten-clip run took 0.93× as long as
+        so it pays even on a CPU the worker fills: the ten-clip run took 0.92× as long as
         serially there (README, Benchmarks → Work beside the worker)."""
         return self.settings.queue.work_beside != "off"
 
