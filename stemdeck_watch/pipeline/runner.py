@@ -288,9 +288,16 @@ class Pipeline:
         timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
-        report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
-        return lambda: self._publish(job, control, staging, source, result, model, decoded,
-                                     digest, size, sep, out, settings, link, timer)
+
+        def publish_step() -> tuple[Path, str | None]:
+            # publishing starts when this step runs: behind the worker, that is once the
+            # previous song's publish has ended (one song publishes at a time)
+            control.check()
+            report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
+            return self._publish(job, control, staging, source, result, model, decoded,
+                                 digest, size, sep, out, settings, link, timer)
+
+        return publish_step
 
     def _publish(self, job: Job, control: JobControl, staging: Path, source: Path,
                  result: Separation, model: ModelInfo, decoded: DecodedAudio, digest: str,
