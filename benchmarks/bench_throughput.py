@@ -99,7 +99,7 @@ def tiny_model_and_clips(work: Path, count: int, seconds: float) -> tuple[Path, 
 
 
 def run_service(clips: list[Path], repo: Path, root: Path, settle: float,
-                work_beside: str = "auto") -> dict[str, Any]:
+                work_beside: str = "auto", output_steps: bool = False) -> dict[str, Any]:
     """(a): seconds from the last rename into the inbox to the last job DONE, plus where the
     time went (event times relative to the last rename, and each job's manifest timings)."""
     from stemdeck_watch.config import default_toml, settings_from_dict
@@ -112,7 +112,7 @@ def run_service(clips: list[Path], repo: Path, root: Path, settle: float,
     data["separation"].update(model="tiny", model_repo=str(repo), device="cpu")
     data["watch"]["settle_seconds"] = settle
     # the same work as (b): the optional output steps have their own benchmark (bench_output)
-    data["output"].update(beat_grid=False, preview=False, tags=False)
+    data["output"].update(beat_grid=output_steps, preview=output_steps, tags=output_steps)
     data["queue"]["work_beside"] = work_beside
     settings = settings_from_dict(data, source=root / "stemdeck.toml")
     bus, lock, finished = EventBus(), threading.Lock(), threading.Event()

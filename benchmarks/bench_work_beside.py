@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument("--output-steps", action="store_true",
+                        help="beat grid, preview and tags on (the defaults), as a user runs it")
     parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
                         help="wait before each run until other processes use fewer cores")
     parser.add_argument("--patience", type=float, default=120, help="longest such wait, s")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.turns):
             for mode in MODES if n % 2 == 0 else MODES[::-1]:  # turns: on auto off off auto on
                 quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
-                a = run_service(clips, repo, work / f"{mode}{n}", args.settle, mode)
+                a = run_service(clips, repo, work / f"{mode}{n}", args.settle, mode,
+                                args.output_steps)
                 runs[mode].append({"a": a["seconds"], "separate": a["stage_sums"]["separate"],
                                    "idle": a["worker_idle"]["fraction"],
                                    "other_cores": a["other_cores"], "quiet_before": quiet})
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine()
     print(f"Work beside the worker: {args.clips} clips x {args.seconds:g} s, tiny model, CPU, "
-          f"{args.turns} turns (order alternating); {info['nproc']} cores ({info['cpu']}), "
+          f"{args.turns} turns (order alternating), output steps "
+          f"{'on' if args.output_steps else 'off'}; {info['nproc']} cores ({info['cpu']}), "
           f"torch {info['torch']}\n")
     print("| `queue.work_beside` | (a) median s | separate, s (summed) | worker idle | "
           "other procs, cores |")
@@ -78,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
           f"on / off = {median('on', 'separate') / median('off', 'separate'):.3f}")
     total = time.monotonic() - began
     print(f"total benchmark time {total:.0f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
+    results = RESULTS.with_name("work_beside_output_steps.json") if args.output_steps else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
                                    "a_ratio_to_off": ratio, "total_seconds": total},
                                   indent=2) + "\n")
     return 0

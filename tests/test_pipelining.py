@@ -144,28 +144,24 @@ def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
     wait_for(lambda: not any(scratch.rglob("*")), 10, "scratch to be empty")
 
 
-def test_work_beside_the_worker_only_where_it_pays(make_settings) -> None:
-    """`queue.work_beside = "auto"`: the publish step (mostly waiting for the disk) always runs
-    behind the worker; the decode ahead (CPU work) only where the worker leaves a core free or
-    runs on a GPU — on a CPU it fills, decoding beside it slows separation more than it
-    saves. "on" and "off" decide both alone."""
+def test_work_beside_the_worker_only_where_it_leaves_room(make_settings) -> None:
+    """`queue.work_beside = "auto"`: publish behind and decode ahead only where the worker
+    leaves a core free or runs on a GPU — on a CPU it fills, they slow separation more than
+    they save. "on" and "off" decide alone."""
     from stemdeck_watch.events import EventBus
     from stemdeck_watch.pipeline.precision import physical_cores
     from stemdeck_watch.pipeline.runner import Pipeline
     from stemdeck_watch.pipeline.separate import WorkerClient
 
     cores = physical_cores()
-    # (device, threads, setting) -> (publishes behind, decodes ahead)
-    cases = [("cpu", cores, "auto", (True, False)),
-             ("cpu", max(1, cores - 1), "auto", (True, cores > 1)),
-             ("cuda", cores, "auto", (True, True)), ("cpu", cores, "on", (True, True)),
-             ("cuda", 1, "off", (False, False))]
+    cases = [("cpu", cores, "auto", False), ("cpu", max(1, cores - 1), "auto", cores > 1),
+             ("cuda", cores, "auto", True), ("cpu", cores, "on", True),
+             ("cuda", 1, "off", False)]
     for device, threads, mode, expected in cases:
         settings = make_settings(queue={"work_beside": mode})
         client = WorkerClient(device=device, threads=threads)
         pipeline = Pipeline(settings, client, EventBus(), lambda job_id, **fields: None)
-        assert (pipeline.publishes_behind(), pipeline.decodes_ahead()) == expected, \
-            (device, threads, mode)
+        assert pipeline.works_beside() is expected, (device, threads, mode)
 
 
 def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_path) -> None:

@@ -100,19 +100,14 @@ class Pipeline:
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
 
-    def publishes_behind(self) -> bool:
-        """Whether a song's publish step runs while the worker separates the next one
-        (`queue.work_beside` "auto" or "on"). Writing is mostly waiting for the disk (fsync),
-        so it pays even on a CPU the worker fills: the ten-clip run took 0.92× as long as
-        serially there (README, Benchmarks → Work beside the worker)."""
-        return self.settings.queue.work_beside != "off"
+    def works_beside(self) -> bool:
+        """Whether to publish behind and decode ahead of the worker (`queue.work_beside`).
 
-    def decodes_ahead(self) -> bool:
-        """Whether the next file is hashed and decoded while the worker separates ("on"; with
-        "auto" only where the worker leaves room: a GPU, or a core it does not use). Decoding
-        is CPU work: on a CPU the worker fills it may stretch separation by more than it
-        saves (from 0.87× to 1.06× the serial run's time with both steps beside the worker,
-        depending on the moment)."""
+        "auto" does so only where the worker leaves room (a GPU, or a core it does not use).
+        On a CPU the worker fills, the work beside it stretches separation, by more than it
+        saves as soon as the publish step does real CPU work: with the default output steps
+        (beat grid, preview, tags) the ten-clip run took 3.5× as long with it as serially
+        (README, Benchmarks → Work beside the worker)."""
         mode = self.settings.queue.work_beside
         return mode == "on" or (mode == "auto" and self.client.leaves_room())
 
@@ -121,7 +116,7 @@ class Pipeline:
         on the network, not the CPU), or a file's decode when work beside the worker pays
         and the worker holds the job's model already (decoding needs the model's rate and
         channels, and the worker is busy: no loading ahead)."""
-        return job.kind is JobKind.LINK or (self.decodes_ahead()
+        return job.kind is JobKind.LINK or (self.works_beside()
                                             and self._loaded_format(job) is not None)
 
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
