@@ -20,6 +20,7 @@ from typing import Callable
 from stemdeck_watch.config import Settings
 from stemdeck_watch.events import DiskLow
 from stemdeck_watch.jobs import Job, JobKind
+from stemdeck_watch.pipeline.fetch import probe_duration
 from stemdeck_watch.pipeline.scratch import estimate_scratch_bytes
 from stemdeck_watch.scheduler import PAUSE_DISK, Scheduler
 
@@ -129,15 +130,8 @@ def _probe_seconds(source: str) -> float:
                 return info.frames / info.samplerate
         except Exception:
             pass  # not what its name says: let PyAV look
-    try:
-        import av
-
-        with av.open(source) as container:
-            if container.duration:
-                return container.duration / 1_000_000
-    except Exception:
-        pass  # unreadable: the decode step will say why; assume a long song meanwhile
-    return UNKNOWN_SECONDS
+    seconds = probe_duration(Path(source))  # None if unreadable: the decode step says why
+    return UNKNOWN_SECONDS if seconds is None else seconds
 
 
 def _existing(folder: Path) -> Path:

@@ -71,6 +71,11 @@ class JobControl:
                     log.exception("stopping the step of job %s failed", self.job_id)
         return True
 
+    def wait(self, seconds: float) -> None:
+        """Pause up to `seconds`; a cancel ends the pause at once and raises Cancelled."""
+        self._event.wait(seconds)
+        self.check()
+
     def check(self) -> None:
         """Raise Cancelled if a cancel was requested; the pipeline calls this between steps."""
         if self._event.is_set():

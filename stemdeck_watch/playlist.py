@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -98,7 +97,6 @@ class Playlists:
         back behind them); else the outbox folder of its entries and a summary, or
         PlaylistError when none could be separated, or Cancelled when all were cancelled."""
         registry = self.scheduler.registry
-        waited = threading.Event()  # never set: waiting on it paces the look at the registry
         deadline = time.monotonic() + SETTLE_WAIT
         while True:
             entries = registry.entries_of(job.id)
@@ -110,8 +108,7 @@ class Playlists:
             if not pending or time.monotonic() > deadline:
                 break
             # the last entry is still being published (behind the next job): wait for it
-            control.check()
-            waited.wait(0.1)
+            control.wait(0.1)
         if pending:
             log.error("entries %s of the playlist %s did not end within %.0f s; finishing the "
                       "playlist without them", ", ".join(pending), job.name, SETTLE_WAIT)

@@ -173,8 +173,7 @@ class Scheduler(Requests):
         job = self.registry.add(Job(
             id=new_job_id(), name=_nfc(source.stem if source.suffix else source.name),
             kind=JobKind.FILE, state=JobState.FAILED, source=str(source),
-            rel_path=_nfc(str(rel_path)), error=reason))
-        job = self.update(job.id, finished_at=self._clock())
+            rel_path=_nfc(str(rel_path)), error=reason, finished_at=self._clock()))
         log.warning("refused %s: %s", rel_path, reason)
         return job
 
@@ -283,6 +282,7 @@ class Scheduler(Requests):
     def cancel_entries(self, link_job_ids: list[str], reason: str) -> None:
         """Cancel the entries of these playlist links that are not done yet: queued ones are
         removed at once, a running one is stopped; published entries stay published."""
+        removed = False
         for link_id in link_job_ids:
             for entry in self.registry.entries_of(link_id):
                 if entry.state.is_final:
@@ -291,11 +291,13 @@ class Scheduler(Requests):
                 # it; one already publishing (None: no longer held) is out and stays out
                 where = self.queue.cancel(entry.id, reason)
                 if where == "queued":
+                    removed = True
                     self.update(entry.id, state=JobState.CANCELLED, error=reason,
                                 finished_at=self._clock())
                 if where is not None:
                     log.info("cancelled entry %s of the playlist %s: %s", entry.name,
                              entry.playlist.name if entry.playlist else link_id, reason)
+        if removed:
             self._save_order()
 
     def expand_playlist(self, link_id: str, ref: PlaylistRef, entries: list[Job],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
+from ray.exceptions import (ActorDiedError, ActorUnavailableError,
                             RayActorError, RayTaskError)
 
 from stemdeck_watch.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
@@ -125,15 +125,12 @@ class RayWorkerClient:
         with self._lock:
             actor = self._ensure_actor(control)
             model = self._model
-            if (model and (model.name, model.repo) == (name, repo)
-                    and model.precision.get("setting") == setting):
+            if model is not None and model.serves(name, repo, setting):
                 return model
             reply = self._get(actor.load.remote(name, repo, setting, self._decided.get(key)),
                               control)
-            choice = dict(reply.get("precision") or {})
-            self._model = ModelInfo(name, repo, reply["samplerate"], reply["audio_channels"],
-                                    tuple(reply["sources"]), choice)
-            self._decided[key] = choice
+            self._model = ModelInfo.loaded(name, repo, reply)
+            self._decided[key] = self._model.precision
             log.info("ray worker %d (pid %s on %s) loaded model %s in %s", self.index,
                      self.pid, self._host(), name, self._model.dtype)
             return self._model
@@ -333,8 +330,6 @@ class RayWorkerClient:
                                   f"{type(cause).__name__}: {cause}", details=str(exc)) from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             self._died(exc, quiet)
-        except GetTimeoutError:  # not ready after all: the caller waits again
-            raise
 
     def _died(self, exc: BaseException, quiet: bool = False) -> None:
         host = self._host()

@@ -171,7 +171,7 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
     if path is None or not path.is_file():
         raise DownloadError(f"{link_name}: yt-dlp finished without a file (the page may offer "
                             f"no downloadable audio)")
-    duration = entry.get("duration") or _probe_duration(path)
+    duration = entry.get("duration") or probe_duration(path)
     if links.max_duration and duration and duration > links.max_duration:
         shutil.rmtree(folder, ignore_errors=True)
         raise DownloadError(_too_long(link_name, duration, links.max_duration))
@@ -261,8 +261,9 @@ def _downloaded_path(entry: dict[str, Any]) -> Path | None:
     return None
 
 
-def _probe_duration(path: Path) -> float | None:
-    """The length of a download whose page did not say (a plain file URL)."""
+def probe_duration(path: Path) -> float | None:
+    """A media file's length as its container declares it (PyAV), None if it cannot say:
+    a download whose page did not say (a plain file URL), a file the disk check sizes."""
     try:
         import av
 

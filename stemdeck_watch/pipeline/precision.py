@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -223,6 +224,7 @@ def physical_cores() -> int:
     return max(1, min(cores, logical))
 
 
+@functools.cache
 def _linux_physical_cores() -> int | None:
     try:
         pairs = set()

@@ -48,6 +48,17 @@ class ModelInfo:
         """The precision the worker separates this model in."""
         return str(self.precision.get("precision", "float32"))
 
+    def serves(self, name: str, repo: str | None, setting: str) -> bool:
+        """Whether this loaded model answers a request for `name` from `repo` under the
+        precision `setting` (a changed setting loads again: it may decide differently)."""
+        return (self.name, self.repo) == (name, repo) and self.precision.get("setting") == setting
+
+    @classmethod
+    def loaded(cls, name: str, repo: str | None, reply: dict[str, Any]) -> "ModelInfo":
+        """From a worker's (local or Ray) reply to a load request."""
+        return cls(name, repo, reply["samplerate"], reply["audio_channels"],
+                   tuple(reply["sources"]), dict(reply.get("precision") or {}))
+
 
 @dataclasses.dataclass(frozen=True)
 class Separation:
@@ -202,15 +213,13 @@ class WorkerClient:
         with self._lock:
             proc = self._ensure_process(control)
             model = proc.model
-            if (model and (model.name, model.repo) == (name, repo)
-                    and model.precision.get("setting") == setting):
+            if model is not None and model.serves(name, repo, setting):
                 return model
             reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
                                       "precision": setting, "decided": self._decided.get(key)},
                                control)
-            choice = dict(reply.get("precision") or {})
-            proc.model = ModelInfo(name, repo, reply["samplerate"], reply["audio_channels"],
-                                   tuple(reply["sources"]), choice)
+            proc.model = ModelInfo.loaded(name, repo, reply)
+            choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
                 log.info("worker %d measured precision for %s: %s", proc.pid, name,
                          _describe_choice(choice))
