@@ -203,11 +203,11 @@ class Prefetcher:
                          daemon=True).start()
 
     def _prepare(self, ahead: _Ahead) -> None:
-        lower_thread_priority()
         try:
             if self.guard is not None:
                 self.guard.probe(ahead.job)
-            ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress)
+            ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress,
+                                                 before_decode=lower_thread_priority)
         except BaseException as exc:  # a failure is handed to the job when it runs
             ahead.error = exc
         finally:

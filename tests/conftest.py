@@ -49,6 +49,28 @@ def outbox_entries(outbox: Path) -> set[str]:
     return {p.name for p in outbox.iterdir() if p.name != "STATUS.txt"}
 
 
+class SeparationGate:
+    """Holds the real worker back from separating one job until `open()`: "X happened while
+    that job separated" then follows from the order of events, not from how fast this
+    machine separates. The job stays in its separating state meanwhile; a cancel still ends
+    it, as the worker's would."""
+
+    def __init__(self, client: WorkerClient, job_id: str) -> None:
+        self._opened = threading.Event()
+        real = client.separate
+
+        def gated(sep_job_id: str, *args: Any, **kwargs: Any) -> Any:
+            if sep_job_id == job_id:
+                while not self._opened.wait(0.05):
+                    kwargs["control"].check()
+            return real(sep_job_id, *args, **kwargs)
+
+        client.separate = gated  # type: ignore[method-assign]
+
+    def open(self) -> None:
+        self._opened.set()
+
+
 def processes() -> dict[int, tuple[int, str]]:
     """Every process: pid -> (parent pid, state letter) (Linux /proc)."""
     table = {}

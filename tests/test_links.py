@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import plistlib
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -16,10 +18,10 @@ import pytest
 
 from stemdeck_watch.intake.links import LinkError, read_link
 from stemdeck_watch.jobs import JobKind, JobState
-from stemdeck_watch.pipeline import fetch
+from stemdeck_watch.pipeline import fetch, runner
 from stemdeck_watch.synth import write_song
 
-from conftest import outbox_entries, wait_for
+from conftest import SeparationGate, outbox_entries, wait_for
 
 # ------------------------------------------------------------------ link files
 
@@ -283,36 +285,49 @@ def test_deleting_the_link_file_stops_its_download_within_a_second(make_settings
 
 @pytest.mark.slow
 def test_the_next_link_downloads_while_the_worker_separates(make_settings, service_factory,
-                                                            media) -> None:
+                                                            media, monkeypatch) -> None:
+    idle: list[bool] = []  # whether each download ran at the lowest CPU priority
+    real_download = runner.download
+
+    def recorded_download(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if sys.platform == "linux":
+            idle.append(os.sched_getscheduler(0) == os.SCHED_IDLE)
+        return real_download(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "download", recorded_download)
     settings = make_settings(separation={"shifts": 4})
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
     service.scheduler.pause("user")
-    write_song(inbox / "first.wav", 8.0)
+    write_song(inbox / "first.wav", 4.0)
     wait_for(lambda: len(service.queue.order()) == 1, 30, "the file queued")
     url_file(inbox, "a.url", media.url("song.wav"))
     wait_for(lambda: len(service.queue.order()) == 2, 30, "link a queued")
     url_file(inbox, "b.url", media.url("slow-long.wav"))
     wait_for(lambda: len(service.queue.order()) == 3, 30, "link b queued")
-    a_id, b_id = service.queue.order()[1:]
+    first_id, a_id, b_id = service.queue.order()
+    gate = SeparationGate(service.client, first_id)  # "first" separates until a is checked
     service.scheduler.start()
 
     # a downloads while "first" separates: its file is in scratch before a starts
-    first = wait_for(lambda: next((j for j in jobs.jobs() if j.name == "first"), None), 30, "first")
     downloaded = settings.paths.scratch / a_id / "download"
     wait_for(lambda: any(downloaded.glob("media.*")) and not any(downloaded.glob("*.part")), 60,
              "link a downloaded ahead")
-    assert jobs.latest[first.id].state is JobState.SEPARATING
+    assert jobs.latest[first_id].state is JobState.SEPARATING
     assert jobs.latest[a_id].state is JobState.QUEUED
+    gate.open()
 
     # b is prepared while a separates; deleting b's link file cleans everything up
     wait_for(lambda: (settings.paths.scratch / b_id / "download").exists(), 60, "b prefetching")
     (inbox / "b.url").unlink()
     finished = jobs.wait_final(3)
     states = {j.id: j.state for j in finished}
-    assert states[first.id] is JobState.DONE and states[a_id] is JobState.DONE
+    assert states[first_id] is JobState.DONE and states[a_id] is JobState.DONE
     assert states[b_id] is JobState.CANCELLED
     # a's prefetched download was used, not fetched again: yt-dlp's probe + one download
     assert media.requests.count("/song.wav") == 2, media.requests
+    # a download ahead waits on the network at normal priority: at the lowest it would get no
+    # CPU while the worker fills the cores, and would not be ready when its job starts
+    assert not any(idle), idle
     wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
     assert outbox_entries(settings.paths.outbox) == {"first", "song"}

@@ -6,6 +6,8 @@ shows up in the order of events, never in a timing assertion.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from stemdeck_watch.jobs import JobState
 from stemdeck_watch.pipeline import publish, runner
 from stemdeck_watch.synth import write_song
 
-from conftest import outbox_entries, wait_for
+from conftest import SeparationGate, outbox_entries, wait_for
 
 pytestmark = pytest.mark.slow
 SLOW = 1.5  # seconds each injected slow step takes on top of its real work
@@ -61,9 +63,13 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
     decoded_on: dict[str, list[str]] = {}
     real_decode, real_write = runner.decode_to_file, publish.write_song
 
+    idle_policy: dict[str, bool] = {}
+
     def slow_decode(source, target, *args, **kwargs):  # type: ignore[no-untyped-def]
         decoded_on.setdefault(Path(target).parent.name, []).append(
             threading.current_thread().name)
+        if sys.platform == "linux":  # work ahead decodes on CPU time the worker leaves over
+            idle_policy[Path(target).parent.name] = os.sched_getscheduler(0) == os.SCHED_IDLE
         time.sleep(SLOW)
         return real_decode(source, target, *args, **kwargs)
 
@@ -93,6 +99,8 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
 
     # b and c were decoded once each, ahead, by the prefetcher while the job before separated
     assert decoded_on[b] == [f"prefetch-{b}"] and decoded_on[c] == [f"prefetch-{c}"], decoded_on
+    if sys.platform == "linux":  # ...at the lowest priority; the first, on the spot, was not
+        assert idle_policy == {a: False, b: True, c: True}, idle_policy
     # ...and so was the disk check's duration probe: between two jobs the worker waits for
     # neither (only the first job, with nothing separating before it, was probed on the spot)
     assert probed_on == {"a.wav": ["dispatcher"], "b.wav": [f"prefetch-{b}"],
@@ -116,10 +124,11 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
 
 def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
         make_settings, service_factory):
-    settings = make_settings(separation={"shifts": 4}, queue={"work_beside": "on"})
+    settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     inbox, scratch = settings.paths.inbox, settings.paths.scratch
-    a, b, c = queue_paused(service, inbox, {"a.wav": 12.0, "b.wav": 3.0, "c.wav": 3.0})
+    a, b, c = queue_paused(service, inbox, {"a.wav": 6.0, "b.wav": 3.0, "c.wav": 3.0})
+    gate = SeparationGate(service.client, a)  # a separates until the checks below are done
     service.scheduler.start()
 
     # b is decoded ahead while a separates; deleting b cancels it and removes its scratch
@@ -134,6 +143,8 @@ def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
     assert jobs.latest[a].state is JobState.SEPARATING
     service.scheduler.pause("user")
     wait_for(lambda: not (scratch / c).exists(), 10, "c's scratch removed on pause")
+    assert jobs.latest[a].state is JobState.SEPARATING
+    gate.open()
     wait_for(lambda: jobs.latest[a].state.is_final, 300, "a to end")
     assert jobs.latest[a].state is JobState.DONE, jobs.latest[a]
     assert jobs.latest[c].state is JobState.QUEUED and not (scratch / c).exists()
@@ -182,7 +193,7 @@ def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_p
                    rel_path=f"{i}.wav") for i in ("a", "b", "c")}
     release, started, made = threading.Event(), threading.Event(), Prepared(sha256="b's")
 
-    def prepare(job, control, on_progress):  # type: ignore[no-untyped-def]
+    def prepare(job, control, on_progress, before_decode):  # type: ignore[no-untyped-def]
         started.set()
         release.wait(10)
         control.check()  # as the real steps do between them: dropped work stops here
