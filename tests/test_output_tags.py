@@ -149,3 +149,27 @@ def test_safe_name_keeps_ordinary_names_and_cleans_the_rest() -> None:
     assert safe_name("..", "fallback") == "fallback"
     assert safe_name("", "") == "" and safe_name("nul", "x") == "nul_"
     assert len(safe_name("y" * 400, "x")) == 80
+
+
+@pytest.mark.parametrize("fmt,tags", [("flac", True), ("mp3", True), ("wav", True),
+                                      ("flac", False)])
+def test_every_stem_reaches_the_disk_once_after_its_last_write(tmp_path: Path, stems, fmt: str,
+                                                               tags: bool, monkeypatch) -> None:
+    """A stem is flushed to disk after its tags, not also before them: on a slow disk or a
+    NAS each flush is a wait, and the one before the tags protects nothing."""
+    import os
+
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def recorded_fsync(fd: int) -> None:
+        flushed.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to name the file behind a descriptor")
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    entries = write_song(tmp_path / "s", stems, SR, "blue", SeparationSettings(),
+                         out(format=fmt, bit_depth=16, tags=tags))
+    files = [e["file"] for e in entries]
+    assert sorted(flushed) == sorted(files), flushed

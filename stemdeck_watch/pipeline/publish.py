@@ -127,11 +127,12 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
         if rate != samplerate:
             blocks = _safe(resample.resampled(blocks, samplerate, rate, channels, length,
                                               resampling), out)
-        try:
-            _write_audio(path, blocks, channels, rate, out)
+        tagged = out.tags and out.format in tagging.TAGGED_FORMATS
+        try:  # a stem about to be tagged is flushed to disk once, after its tags
+            _write_audio(path, blocks, channels, rate, out, sync=not tagged)
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-        if out.tags:
+        if tagged:
             with tagging_time:
                 tagging.write_tags(path, out.format, tagging.stem_tags(info.tags, info.name,
                                                                        output))
@@ -212,8 +213,9 @@ def _prevent_clip(audio: np.ndarray, out: OutputSettings, divisor: float = 1.0) 
 
 
 def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, samplerate: int,
-                 out: OutputSettings) -> None:
-    """Write (channels, n) float blocks to `path` in the configured format, as they come."""
+                 out: OutputSettings, sync: bool = True) -> None:
+    """Write (channels, n) float blocks to `path` in the configured format, as they come;
+    `sync` flushes the file to disk."""
     if out.format == "mp3":
         import lameenc
 
@@ -228,7 +230,8 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
                 handle.write(encoder.encode(pcm))
             handle.write(encoder.flush())
             handle.flush()
-            os.fsync(handle.fileno())
+            if sync:
+                os.fsync(handle.fileno())
         return
     import soundfile
 
@@ -247,7 +250,8 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
             raise
         if guarded.error is not None:  # the header, rewritten at close
             raise guarded.error
-        os.fsync(handle.fileno())
+        if sync:
+            os.fsync(handle.fileno())
 
 
 class _GuardedFile:

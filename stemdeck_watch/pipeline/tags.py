@@ -73,10 +73,14 @@ def stem_tags(tags: Mapping[str, Any], song: str, stem: str) -> dict[str, str]:
     return result
 
 
+TAGGED_FORMATS = ("flac", "mp3")
+
+
 def write_tags(path: Path, fmt: str, tags: Mapping[str, str]) -> None:
     """Write `tags` (title, artist, album, tracknumber) into a flac or mp3 file and flush it
-    to disk; other formats are left untouched."""
-    if fmt not in ("flac", "mp3"):
+    to disk (the one flush of a tagged stem: the writer leaves it to this); other formats
+    are left untouched."""
+    if fmt not in TAGGED_FORMATS:
         return
     from mutagen import MutagenError
 
