@@ -75,6 +75,27 @@ def test_input_rate_stems_have_exactly_the_inputs_frame_count(tmp_path: Path, ra
     assert snr > 40, snr
 
 
+@pytest.mark.parametrize("frames_off", [-37, 0, 52])
+def test_at_the_models_own_rate_the_file_holds_the_frames_the_manifest_says(
+        tmp_path: Path, frames_off: int) -> None:
+    """`samplerate = "input"` where the input's rate is the model's: nothing is resampled,
+    and the stems still have the input's own frame count, as their manifest entries say."""
+    source = tmp_path / "in.wav"
+    soundfile.write(source, band_limited(2.0, MODEL_RATE), MODEL_RATE, subtype="FLOAT")
+    decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
+    stems = fake_stems(decoded.path, tmp_path / "stems")
+    wanted = decoded.source_frames + frames_off  # as if decoding had counted it otherwise
+    info = SongInfo("in", input_samplerate=MODEL_RATE, input_frames=wanted)
+    timings: dict[str, float] = {}
+    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
+                         out(samplerate="input", format="wav", bit_depth=24, clip="clamp"),
+                         block_frames=20_000, info=info, timings=timings)
+    for entry in entries:
+        data, got_rate = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
+        assert got_rate == MODEL_RATE and len(data) == entry["frames"] == wanted
+    assert timings["resample"] == 0  # nothing was resampled
+
+
 def test_a_fixed_rate_and_the_models_rate(tmp_path: Path) -> None:
     source = synth_song(tmp_path / "in.wav", 2.0, samplerate=22050)
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)

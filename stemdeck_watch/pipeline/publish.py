@@ -124,9 +124,11 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
             collector = peaks[output] = Peaks(frames)
         blocks = _output_blocks(readers, members, frames, block_frames, out, gains[output],
                                 collector)
+        # resampled to `length` frames, the manifest's (at the model's own rate: cut or
+        # padded to the input's frame count, unchanged otherwise)
+        blocks = resample.resampled(blocks, samplerate, rate, channels, length, resampling)
         if rate != samplerate:
-            blocks = _safe(resample.resampled(blocks, samplerate, rate, channels, length,
-                                              resampling), out)
+            blocks = _safe(blocks, out)
         tagged = out.tags and out.format in tagging.TAGGED_FORMATS
         try:  # a stem about to be tagged is flushed to disk once, after its tags
             _write_audio(path, blocks, channels, rate, out, sync=not tagged)
