@@ -157,17 +157,12 @@ class SeparationActor:
 
     def _separate(self, job_id: str, request: dict[str, Any],
                   folder: Path) -> Iterator[dict[str, Any]]:
-        from stemdeck_watch.pipeline.chunked import WINDOW_SECONDS, separate_to_files
-        from stemdeck_watch.pipeline.precision import autocast
         from stemdeck_watch.pipeline.scratch import AudioReader
-        from stemdeck_watch.pipeline.worker import WINDOW_ENV
+        from stemdeck_watch.pipeline.worker import window_seconds
 
         model = self._worker.model(request["model"], request.get("repo"))
         started = time.monotonic()
-        window = float(request.get("window") or os.environ.get(WINDOW_ENV) or WINDOW_SECONDS)
-        stats = None
-        if request.get("mean") is not None and request.get("std") is not None:
-            stats = (float(request["mean"]), float(request["std"]))
+        window = window_seconds(request)
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         def progress(value: float) -> None:
@@ -177,13 +172,8 @@ class SeparationActor:
 
         def run() -> None:
             try:
-                with autocast(self._worker.device, request.get("precision") or "float32"):
-                    paths = separate_to_files(
-                        model, folder / "input.npy", folder / "stems",
-                        shifts=int(request.get("shifts", 1)),
-                        overlap=float(request.get("overlap", 0.25)),
-                        segment=request.get("segment") or None, device=self._worker.device,
-                        stats=stats, window=window, on_progress=progress)
+                paths = self._worker.separate_files(request, folder / "input.npy",
+                                                    folder / "stems", progress)
                 events.put(("stems", paths))
             except BaseException as exc:  # handed to the generator, which raises it
                 events.put(("error", exc))

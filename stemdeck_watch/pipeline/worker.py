@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from stemdeck_watch.pipeline.precision import Choice, autocast, choose, threads_for
 
@@ -177,26 +177,41 @@ class Worker:
         raise ValueError(f"unknown request {op!r}")
 
     def separate(self, request: dict[str, Any]) -> dict[str, Any]:
-        from stemdeck_watch.pipeline.chunked import WINDOW_SECONDS, separate_to_files
-
         job_id = request["id"]
-        model = self.model(request["model"], request.get("repo"))
         started = time.monotonic()
-        stats = None
-        if request.get("mean") is not None and request.get("std") is not None:
-            stats = (float(request["mean"]), float(request["std"]))
-        with autocast(self.device, request.get("precision") or "float32"):
-            paths = separate_to_files(
-                model, Path(request["input"]), Path(request["output"]),
-                shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
-                segment=request.get("segment") or None, device=self.device, stats=stats,
-                window=float(request.get("window") or os.environ.get(WINDOW_ENV)
-                             or WINDOW_SECONDS),
-                on_progress=lambda value: _progress(job_id, value))
+        paths = self.separate_files(request, Path(request["input"]), Path(request["output"]),
+                                    lambda value: _progress(job_id, value))
+        model = self.model(request["model"], request.get("repo"))
         return {"op": "separate", "id": job_id, "ok": True,
                 "stems": {name: str(path) for name, path in paths.items()},
                 "samplerate": int(model.samplerate), "seconds": time.monotonic() - started,
                 "precision": request.get("precision") or "float32"}
+
+    def separate_files(self, request: dict[str, Any], input_path: Path, output_dir: Path,
+                       on_progress: Callable[[float], None]) -> dict[str, Path]:
+        """Separate the decoded song at `input_path` into `output_dir` as a separate request
+        asks (model, shifts, overlap, segment, precision, window, the input's statistics):
+        the one reading of a request, for this process's pipe and for a Ray actor."""
+        from stemdeck_watch.pipeline.chunked import separate_to_files
+
+        model = self.model(request["model"], request.get("repo"))
+        stats = None
+        if request.get("mean") is not None and request.get("std") is not None:
+            stats = (float(request["mean"]), float(request["std"]))
+        with autocast(self.device, request.get("precision") or "float32"):
+            return separate_to_files(
+                model, input_path, output_dir,
+                shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
+                segment=request.get("segment") or None, device=self.device, stats=stats,
+                window=window_seconds(request), on_progress=on_progress)
+
+
+def window_seconds(request: dict[str, Any]) -> float:
+    """Seconds of output a separate request is worked through at a time: the request's, the
+    environment's (tests), or the default."""
+    from stemdeck_watch.pipeline.chunked import WINDOW_SECONDS
+
+    return float(request.get("window") or os.environ.get(WINDOW_ENV) or WINDOW_SECONDS)
 
 
 def _warm_up(model: Any, device: str) -> None:
