@@ -439,7 +439,6 @@ class Scheduler(Requests):
                     order.insert(0, taken.job_id)
             self.registry.save_order(order)
 
-
     def _announce_queue(self) -> None:
         self.bus.publish(QueueChanged(paused=self.queue.paused,
                                       pause_reason=self.queue.pause_reason,

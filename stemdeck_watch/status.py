@@ -59,16 +59,17 @@ WORKERS_META = "workers"  # the same for every worker (executor.workers), as a l
 
 def worker_of(registry: Registry) -> dict[str, Any] | None:
     """The worker section as the service last recorded it (None before a model loaded)."""
-    text = registry.get_meta(WORKER_META)
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
+    return _recorded(registry, WORKER_META)
 
 
 def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
     """Every worker as the service last recorded them (None: only `worker` was recorded)."""
-    text = registry.get_meta(WORKERS_META)
+    return _recorded(registry, WORKERS_META)
+
+
+def _recorded(registry: Registry, key: str) -> Any:
+    """A JSON value the service keeps in the registry's meta table; None if absent or torn."""
+    text = registry.get_meta(key)
     try:
         return json.loads(text) if text else None
     except ValueError:
