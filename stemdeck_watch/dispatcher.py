@@ -21,7 +21,7 @@ from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
 from stemdeck_watch.diskguard import DiskGuard
-from stemdeck_watch.prefetch import Prefetcher, lower_thread_priority
+from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.recovery import find_published
 from stemdeck_watch.pipeline.runner import Pipeline, PublishStep
 from stemdeck_watch.pipeline.separate import WorkerClient
@@ -192,13 +192,9 @@ class Dispatcher:
         # publish behind: the worker is free, so the next job may start separating while
         # this one is written out; publishes still run one at a time, in queue order
         self._wait_behind()
-        self._behind = threading.Thread(target=self._publish_behind, args=(job, control, step),
+        self._behind = threading.Thread(target=self._conclude, args=(job, control, step, True),
                                         name=f"publish-{job.id}", daemon=True)
         self._behind.start()
-
-    def _publish_behind(self, job: Job, control: JobControl, step: PublishStep) -> None:
-        lower_thread_priority()  # the worker is separating the next song meanwhile
-        self._conclude(job, control, step, final=True)
 
     def _conclude(self, job: Job, control: JobControl, work: Callable[[], object],
                   final: bool) -> bool:

@@ -10,13 +10,18 @@ removes its scratch, and the dispatcher prepares it itself if the work was dropp
 
 When the dispatcher takes a job that is being prepared, it adopts the work in flight: the
 running job's cancel now stops it, and its progress becomes the job's progress.
+
+The work runs at the service's own CPU priority, never lowered: a thread of this process at
+SCHED_IDLE or nice 19 that holds the GIL while the worker's threads fill the cores is hardly
+ever scheduled, so every other thread of the service (the worker's pipe, the intake, the
+API) waits for it — 1.4 s per GIL hand-over at SCHED_IDLE and 0.27 s at nice 19, measured
+here; the ten-clip run with the output steps on took 3.2x as long. Where the worker fills
+the cores, `queue.work_beside = "auto"` keeps this work off instead (Pipeline.works_beside).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import sys
 import threading
 from typing import Callable
 
@@ -31,31 +36,8 @@ from stemdeck_watch.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_NICE = 19  # where SCHED_IDLE is refused: the lowest ordinary priority
 NOT_AHEAD = "no longer next in the queue"
 PAUSED = "the queue was paused"
-
-
-def lower_thread_priority() -> None:
-    """Let the calling thread run only on CPU time the worker leaves unused: on a machine
-    whose cores the worker fills, decoding ahead or publishing behind at a normal (or merely
-    niced) priority preempts torch's threads, and one stalled thread holds up the others at
-    their next barrier, so separation slows by more than the work beside it saves. Linux's
-    SCHED_IDLE gives the thread the CPU only when nothing else wants it, and per thread;
-    elsewhere this does nothing."""
-    if sys.platform != "linux":
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-        return
-    except (AttributeError, OSError) as exc:
-        log.debug("SCHED_IDLE refused for %s (%s); lowering its nice value instead",
-                  threading.current_thread().name, exc)
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except OSError as exc:
-        log.debug("could not lower the priority of %s: %s", threading.current_thread().name,
-                  exc)
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,8 +188,7 @@ class Prefetcher:
         try:
             if self.guard is not None:
                 self.guard.probe(ahead.job)
-            ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress,
-                                                 before_decode=lower_thread_priority)
+            ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress)
         except BaseException as exc:  # a failure is handed to the job when it runs
             ahead.error = exc
         finally:

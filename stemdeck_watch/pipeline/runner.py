@@ -128,15 +128,11 @@ class Pipeline:
         return model.samplerate, model.audio_channels
 
     def prepare(self, job: Job, control: JobControl,
-                on_progress: Callable[[float], None], decode: bool = True,
-                before_decode: Callable[[], None] = lambda: None) -> Prepared:
+                on_progress: Callable[[float], None], decode: bool = True) -> Prepared:
         """What a job needs before the worker, into the job's scratch folder: a link's
         download, then (`decode`, when the worker holds the job's model) the input's hash
         and decode. Safe to run ahead, off the pipeline lock, while another job holds the
-        worker: it touches neither the worker nor the outbox. `before_decode` runs between
-        the two: work ahead lowers its CPU priority there, where it starts competing with
-        the worker for the CPU (a download waits on the network, and starved of CPU it
-        would not finish ahead)."""
+        worker: it touches neither the worker nor the outbox."""
         prepared = Prepared()
         source = Path(job.source)
         if job.kind is JobKind.LINK:
@@ -159,7 +155,6 @@ class Pipeline:
         form = self._loaded_format(job) if decode else None
         if form is None:
             return prepared
-        before_decode()
         signature = _signature(source)
         try:
             digest = publish.sha256_of(source)
