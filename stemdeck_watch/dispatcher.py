@@ -185,7 +185,7 @@ class Dispatcher:
         if not self._conclude(job, control, separate, final=False):
             return
         assert step is not None
-        if not self.pipeline.works_beside():
+        if not self.pipeline.works_beside(job):
             self._wait_behind()  # (a publish started before the setting's answer changed)
             self._conclude(job, control, step, final=True)
             return

@@ -15,8 +15,8 @@ The work runs at the service's own CPU priority, never lowered: a thread of this
 SCHED_IDLE or nice 19 that holds the GIL while the worker's threads fill the cores is hardly
 ever scheduled, so every other thread of the service (the worker's pipe, the intake, the
 API) waits for it — 1.4 s per GIL hand-over at SCHED_IDLE and 0.27 s at nice 19, measured
-here; the ten-clip run with the output steps on took 3.2x as long. Where the worker fills
-the cores, `queue.work_beside = "auto"` keeps this work off instead (Pipeline.works_beside).
+here; the ten-clip run with the output steps on took 3.2x as long. Where the work beside
+does not pay, `queue.work_beside = "auto"` keeps it off instead (Pipeline.works_beside).
 """
 from __future__ import annotations
 

@@ -163,24 +163,29 @@ def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
     wait_for(lambda: not any(scratch.rglob("*")), 10, "scratch to be empty")
 
 
-def test_work_beside_the_worker_only_where_it_leaves_room(make_settings) -> None:
-    """`queue.work_beside = "auto"`: publish behind and decode ahead only where the worker
-    leaves a core free or runs on a GPU — on a CPU it fills, they slow separation more than
-    they save. "on" and "off" decide alone."""
+def test_work_beside_the_worker_where_it_pays(make_settings) -> None:
+    """`queue.work_beside = "auto"`: publish behind and decode ahead where the worker leaves
+    a core free or runs on a GPU, and on a CPU it fills unless the song gets a beat grid —
+    there the beat tracker beside the worker slows separation as much as it saves. "on" and
+    "off" decide alone."""
     from stemdeck_watch.events import EventBus
+    from stemdeck_watch.jobs import Job, JobKind
     from stemdeck_watch.pipeline.precision import physical_cores
     from stemdeck_watch.pipeline.runner import Pipeline
     from stemdeck_watch.pipeline.separate import WorkerClient
 
     cores = physical_cores()
-    cases = [("cpu", cores, "auto", False), ("cpu", max(1, cores - 1), "auto", cores > 1),
-             ("cuda", cores, "auto", True), ("cpu", cores, "on", True),
-             ("cuda", 1, "off", False)]
-    for device, threads, mode, expected in cases:
-        settings = make_settings(queue={"work_beside": mode})
+    song = Job(id="j", name="song", kind=JobKind.FILE, state=JobState.QUEUED,
+               source="/song.wav", rel_path="song.wav")
+    cases = [("cpu", cores, "auto", True, False), ("cpu", cores, "auto", False, True),
+             ("cpu", max(1, cores - 1), "auto", True, cores > 1),
+             ("cuda", cores, "auto", True, True), ("cpu", cores, "on", True, True),
+             ("cuda", 1, "off", False, False)]
+    for device, threads, mode, beat_grid, expected in cases:
+        settings = make_settings(queue={"work_beside": mode}, output={"beat_grid": beat_grid})
         client = WorkerClient(device=device, threads=threads)
         pipeline = Pipeline(settings, client, EventBus(), lambda job_id, **fields: None)
-        assert pipeline.works_beside() is expected, (device, threads, mode)
+        assert pipeline.works_beside(song) is expected, (device, threads, mode, beat_grid)
 
 
 def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_path) -> None:

@@ -100,23 +100,26 @@ class Pipeline:
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
 
-    def works_beside(self) -> bool:
-        """Whether to publish behind and decode ahead of the worker (`queue.work_beside`).
+    def works_beside(self, job: Job) -> bool:
+        """Whether to publish `job` behind the worker, or decode it ahead of it
+        (`queue.work_beside`).
 
-        "auto" does so only where the worker leaves room (a GPU, or a core it does not use).
-        On a CPU the worker fills, the work beside it stretches separation, by more than it
-        saves as soon as the publish step does real CPU work: with the default output steps
-        (beat grid, preview, tags) the ten-clip run took 3.5× as long with it as serially
-        (README, Benchmarks → Work beside the worker)."""
+        "auto" does so where the worker leaves room (a GPU, or a core it does not use), and
+        on a CPU the worker fills as long as `job` has no beat grid: there, beside the
+        worker, the ten-clip run took 0.88x as long as serially; with the beat grid (and
+        preview, tags) on it took as long (1.01x) while stretching separation 1.3x, so the
+        worker keeps the cores (README, Benchmarks → Work beside the worker)."""
         mode = self.settings.queue.work_beside
-        return mode == "on" or (mode == "auto" and self.client.leaves_room())
+        if mode != "auto":
+            return mode == "on"
+        return self.client.leaves_room() or not self.settings.for_preset(job.preset)[1].beat_grid
 
     def can_prepare(self, job: Job) -> bool:
         """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits
         on the network, not the CPU), or a file's decode when work beside the worker pays
         and the worker holds the job's model already (decoding needs the model's rate and
         channels, and the worker is busy: no loading ahead)."""
-        return job.kind is JobKind.LINK or (self.works_beside()
+        return job.kind is JobKind.LINK or (self.works_beside(job)
                                             and self._loaded_format(job) is not None)
 
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
