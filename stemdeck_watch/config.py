@@ -81,8 +81,8 @@ class QueueSettings:
                             "a song already separated with the same settings: skip or separate")
     work_beside: str = key("auto", choice("auto", "on", "off"),
                            "publish the last song and decode the next one while the worker "
-                           "separates; auto: only where the worker leaves a core free or "
-                           "runs on a GPU")
+                           "separates; auto: where the worker leaves a core free or runs on "
+                           "a GPU, and for songs without a beat grid")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,9 +106,9 @@ class Pipeline:
 
         "auto" does so where the worker leaves room (a GPU, or a core it does not use), and
         on a CPU the worker fills as long as `job` has no beat grid: there, beside the
-        worker, the ten-clip run took 0.88x as long as serially; with the beat grid (and
-        preview, tags) on it took as long (1.01x) while stretching separation 1.3x, so the
-        worker keeps the cores (README, Benchmarks → Work beside the worker)."""
+        worker, the ten-clip run took 0.90x as long as serially; with the beat grid (and
+        preview, tags) on it took 1.01x-1.18x as long, stretching separation 1.3x-1.6x, so
+        the worker keeps the cores (README, Benchmarks → Work beside the worker)."""
         mode = self.settings.queue.work_beside
         if mode != "auto":
             return mode == "on"
