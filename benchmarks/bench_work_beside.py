@@ -9,7 +9,8 @@ Reported per setting (medians over the runs): (a) as in bench_throughput (last r
 the inbox to the last song published, settle wait included), the worker's separation seconds
 summed over the clips (from the manifests), and the worker's idle fraction between its first
 and last separation. With "on" the worker should hardly ever wait (target <= 3 % idle); whether
-that makes the service faster depends on whether the work beside it finds a free core.
+that makes the service faster depends on a free core and on the beat grid (its tracker is
+the heaviest work beside the worker).
 
     python benchmarks/bench_work_beside.py [--turns 5] [--clips 10] [--seconds 10]
 """

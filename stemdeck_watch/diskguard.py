@@ -20,7 +20,7 @@ from typing import Callable
 from stemdeck_watch.config import Settings
 from stemdeck_watch.events import DiskLow
 from stemdeck_watch.jobs import Job, JobKind
-from stemdeck_watch.pipeline.fetch import probe_duration
+from stemdeck_watch.pipeline.decode import probe_duration
 from stemdeck_watch.pipeline.scratch import estimate_scratch_bytes
 from stemdeck_watch.scheduler import PAUSE_DISK, Scheduler
 
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 MARGIN = 64 * 1024 * 1024  # never fill a disk to the last byte
 UNKNOWN_SECONDS = 600.0  # a link's length before its download: assume a long song
 BYTES_PER_SECOND = {"wav": {16: 176_400, 24: 264_600, 32: 352_800}, "flac": 120_000}
-HEADER_FORMATS = {".wav", ".flac", ".aif", ".aiff"}  # lengths soundfile reads from the header
 REMEMBERED = 64  # probed durations kept (the head of the queue and a few behind it)
 
 
@@ -109,29 +108,14 @@ class DiskGuard:
             known = self._durations.get(job.id)
         if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
             return known[2]
-        seconds = _probe_seconds(job.source)
+        probed = probe_duration(Path(job.source))  # None: the decode step will say why
+        seconds = UNKNOWN_SECONDS if probed is None else probed
         with self._lock:
             self._durations[job.id] = (st.st_size, st.st_mtime_ns, seconds)
             self._durations.move_to_end(job.id)
             while len(self._durations) > REMEMBERED:
                 self._durations.popitem(last=False)
         return seconds
-
-
-def _probe_seconds(source: str) -> float:
-    """The song's length from its header: libsndfile reads it in well under a millisecond
-    for the formats whose header holds it; PyAV probes everything else (~20 ms)."""
-    if Path(source).suffix.lower() in HEADER_FORMATS:
-        try:
-            import soundfile
-
-            info = soundfile.info(source)
-            if info.frames > 0 and info.samplerate > 0:
-                return info.frames / info.samplerate
-        except Exception:
-            pass  # not what its name says: let PyAV look
-    seconds = probe_duration(Path(source))  # None if unreadable: the decode step says why
-    return UNKNOWN_SECONDS if seconds is None else seconds
 
 
 def _existing(folder: Path) -> Path:

@@ -185,13 +185,12 @@ class Dispatcher:
         if not self._conclude(job, control, separate, final=False):
             return
         assert step is not None
-        if not self.pipeline.works_beside(job):
-            self._wait_behind()  # (a publish started before the setting's answer changed)
+        self._wait_behind()  # publishes run one at a time, in queue order
+        if not self.pipeline.works_beside(job):  # (the song before may have gone behind)
             self._conclude(job, control, step, final=True)
             return
         # publish behind: the worker is free, so the next job may start separating while
-        # this one is written out; publishes still run one at a time, in queue order
-        self._wait_behind()
+        # this one is written out
         self._behind = threading.Thread(target=self._conclude, args=(job, control, step, True),
                                         name=f"publish-{job.id}", daemon=True)
         self._behind.start()

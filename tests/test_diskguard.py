@@ -14,13 +14,13 @@ from conftest import open_scheduler
 
 def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatch) -> None:
     probed: list[str] = []
-    real_probe = diskguard._probe_seconds
+    real_probe = diskguard.probe_duration
 
-    def counting_probe(source: str) -> float:
+    def counting_probe(source: Path) -> float | None:
         probed.append(Path(source).name)
         return real_probe(source)
 
-    monkeypatch.setattr(diskguard, "_probe_seconds", counting_probe)
+    monkeypatch.setattr(diskguard, "probe_duration", counting_probe)
     scheduler = open_scheduler(settings)
     try:
         source = write_song(settings.paths.inbox / "song.wav", 20.0)

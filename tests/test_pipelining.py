@@ -87,15 +87,15 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
         return real_write(staging, stems, samplerate, name, *args, **kwargs)
 
     probed_on: dict[str, list[str]] = {}
-    real_probe = diskguard._probe_seconds
+    real_probe = diskguard.probe_duration
 
-    def recorded_probe(source: str) -> float:  # the disk check's duration probe
+    def recorded_probe(source: Path) -> float | None:  # the disk check's duration probe
         probed_on.setdefault(Path(source).name, []).append(threading.current_thread().name)
         return real_probe(source)
 
     monkeypatch.setattr(runner, "decode_to_file", slow_decode)
     monkeypatch.setattr(publish, "write_song", slow_write)
-    monkeypatch.setattr(diskguard, "_probe_seconds", recorded_probe)
+    monkeypatch.setattr(diskguard, "probe_duration", recorded_probe)
     settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     timeline = Timeline(service.bus)

@@ -25,6 +25,7 @@ from stemdeck_watch.scheduler import PAUSE_FOLDER, PAUSE_RESTORE, Scheduler
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "STATUS.txt"
+STATUS_TEMP = f".{STATUS_FILE}.tmp"  # written first, renamed over STATUS_FILE
 STATUS_EVERY = 3.0  # seconds between rewrites of STATUS.txt at most
 PAUSE_CHECK_EVERY = 1.0
 # the inbox is listed again only when its own mtime changed (a file was added, removed or
@@ -135,7 +136,7 @@ class FolderControl:
     def write_status(self) -> None:
         self._last_written = self._clock()
         text = render_status_text(self.scheduler.snapshot(), running=not self._stop.is_set())
-        tmp = self.status_path.with_name(f".{STATUS_FILE}.tmp")
+        tmp = self.status_path.with_name(STATUS_TEMP)
         try:
             with open(tmp, "w", encoding="utf-8", newline="\n") as handle:
                 handle.write(text)

@@ -67,11 +67,13 @@ class StabilityTracker:
         looks then, instead of at its next tick: a song then waits `settle_seconds`, not up
         to a tick more."""
         with self._lock:
-            due = [c.quiet_since + (self.closed_settle_seconds if c.closed
-                                    else self.settle_seconds)
-                   for c in self._candidates.values()
+            due = [c.quiet_since + self._quiet_needed(c) for c in self._candidates.values()
                    if c.signature is not None and c.signature.size > 0]
         return min(due, default=None)
+
+    def _quiet_needed(self, candidate: _Candidate) -> float:
+        """Seconds a candidate must stay unchanged: shorter once its writer closed it."""
+        return self.closed_settle_seconds if candidate.closed else self.settle_seconds
 
     def ready(self) -> list[tuple[Path, FileSignature]]:
         """Stat every candidate; return (and stop tracking) those that have settled."""
@@ -99,8 +101,7 @@ class StabilityTracker:
                     continue
                 if signature.size == 0:
                     continue
-                wait = self.closed_settle_seconds if candidate.closed else self.settle_seconds
-                if now - candidate.quiet_since >= wait:
+                if now - candidate.quiet_since >= self._quiet_needed(candidate):
                     del self._candidates[path]
                     done.append((path, signature))
         return done

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from stemdeck_watch.config import LinkSettings
 from stemdeck_watch.errors import Cancelled, StageError
 from stemdeck_watch.jobs import PlaylistRef
+from stemdeck_watch.pipeline.decode import probe_duration
 
 log = logging.getLogger(__name__)
 ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
@@ -258,20 +259,6 @@ def _downloaded_path(entry: dict[str, Any]) -> Path | None:
     for item in entry.get("requested_downloads") or []:
         if item.get("filepath"):
             return Path(item["filepath"])
-    return None
-
-
-def probe_duration(path: Path) -> float | None:
-    """A media file's length as its container declares it (PyAV), None if it cannot say:
-    a download whose page did not say (a plain file URL), a file the disk check sizes."""
-    try:
-        import av
-
-        with av.open(str(path)) as container:
-            if container.duration:
-                return container.duration / 1_000_000
-    except Exception:
-        return None  # not decodable: the decode step says why
     return None
 
 

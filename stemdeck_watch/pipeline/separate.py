@@ -231,8 +231,8 @@ class WorkerClient:
     def leaves_room(self) -> bool:
         """Whether other work can run beside a separation without slowing it: the worker
         runs on a GPU, or uses fewer threads than this process may use cores. (On a CPU the
-        worker fills, torch's threads wait for the slowest of them, so a decode or a write
-        beside them costs separation more than it saves.)"""
+        worker fills, torch's threads wait for the slowest of them, so work beside them
+        stretches separation: see Pipeline.works_beside for when it still pays.)"""
         proc = self._proc
         ready = (proc.ready or {}) if proc is not None else {}
         if str(ready.get("device") or self.device) not in ("cpu", "auto"):
