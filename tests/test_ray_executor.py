@@ -165,3 +165,28 @@ def test_connecting_a_private_cluster_and_a_dead_address() -> None:
         out["dead"] and "ray start --head" in out["dead"]
     assert out["probe"] is None and out["nodes"] == 1 and out["owned"] is True
     assert out["after"] is False
+
+
+def test_windows_of_a_song_arriving_out_of_order_are_stored_in_order(tmp_path: Path) -> None:
+    """The actor runs a few calls at once, so two windows uploaded back to back may arrive
+    in either order: the song is still stored in its own order, and a missing window fails
+    the job instead of separating a scrambled song."""
+    pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
+    import numpy as np
+
+    from stemdeck_watch.executor.ray_actor import _Upload
+    from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter
+
+    song = np.arange(2 * 30, dtype=np.float32).reshape(2, 30)
+    windows = [song[:, i:i + 10] for i in range(0, 30, 10)]
+    upload = _Upload(tmp_path, AudioWriter(tmp_path / "input.npy", 2))
+    for index in (2, 0, 1):
+        upload.add(index, windows[index])
+    upload.close()
+    np.testing.assert_array_equal(AudioReader(tmp_path / "input.npy").read(0, 30), song)
+
+    gap = _Upload(tmp_path, AudioWriter(tmp_path / "gap.npy", 2))
+    gap.add(0, windows[0])
+    gap.add(2, windows[2])
+    with pytest.raises(RuntimeError, match="window 1 of the song never arrived"):
+        gap.close()

@@ -41,6 +41,33 @@ class _Stopped(Exception):
     """Raised inside separation when the job's cancel flag is seen."""
 
 
+class _Upload:
+    """A song arriving window by window. The actor runs a few calls at once (so that cancel
+    and stats answer during a job), so two windows in flight may arrive in either order, or
+    at the same time: each carries its index and is appended in order, one at a time."""
+
+    def __init__(self, folder: Path, writer: Any) -> None:
+        self.folder, self.writer = folder, writer
+        self._lock = threading.Lock()
+        self._next = 0
+        self._early: dict[int, Any] = {}  # windows that came before the one due
+
+    def add(self, index: int, block: Any) -> None:
+        with self._lock:
+            self._early[index] = block
+            while self._next in self._early:
+                self.writer.write(self._early.pop(self._next))
+                self._next += 1
+
+    def close(self) -> None:
+        """The whole song is here: finish the file (a window missing is an error)."""
+        with self._lock:
+            if self._early:
+                self.writer.abort()
+                raise RuntimeError(f"window {self._next} of the song never arrived")
+            self.writer.close()
+
+
 class SeparationActor:
     """Wrapped with `ray.remote` by the client (ray_client.py), which sets its resources."""
 
@@ -61,7 +88,7 @@ class SeparationActor:
                           "python": sys.version.split()[0], "ray": ray.__version__}
         self._lock = threading.Lock()  # held by the one running separation
         self._state = threading.Lock()  # guards the fields below
-        self._staged: dict[str, tuple[Path, Any]] = {}  # job → (scratch folder, input writer)
+        self._staged: dict[str, _Upload] = {}  # job → its song, arriving
         self._cancelled: set[str] = set()
         self._running: str | None = None
         self.jobs_run = 0
@@ -101,15 +128,15 @@ class SeparationActor:
         with self._state:
             self._discard(job_id)
             self._cancelled.discard(job_id)
-            self._staged[job_id] = (folder, AudioWriter(folder / "input.npy", channels))
+            self._staged[job_id] = _Upload(folder, AudioWriter(folder / "input.npy", channels))
 
-    def upload(self, job_id: str, block: Any) -> None:
-        """Append one window of the decoded song (channels, frames) float32."""
+    def upload(self, job_id: str, index: int, block: Any) -> None:
+        """Window `index` (from 0) of the decoded song, (channels, frames) float32."""
         with self._state:
             staged = self._staged.get(job_id)
         if staged is None:
             raise RuntimeError(f"job {job_id} has no upload open on this worker")
-        staged[1].write(block)
+        staged.add(index, block)
 
     def cancel(self, job_id: str) -> bool:
         """Set the job's cancel flag; separation stops at its next segment. True if the
@@ -140,12 +167,11 @@ class SeparationActor:
                 self._running = job_id
             if staged is None:
                 raise RuntimeError(f"job {job_id} was not uploaded to this worker")
-            folder, writer = staged
             try:
-                writer.close()
-                yield from self._separate(job_id, request, folder)
+                staged.close()
+                yield from self._separate(job_id, request, staged.folder)
             finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                shutil.rmtree(staged.folder, ignore_errors=True)
         finally:
             with self._state:
                 self._running = None
@@ -214,5 +240,5 @@ class SeparationActor:
     def _discard(self, job_id: str) -> None:
         staged = self._staged.pop(job_id, None)
         if staged is not None:
-            staged[1].abort()
-            shutil.rmtree(staged[0], ignore_errors=True)
+            staged.writer.abort()
+            shutil.rmtree(staged.folder, ignore_errors=True)

@@ -229,11 +229,11 @@ class RayWorkerClient:
         self._get(actor.begin.remote(job_id, reader.channels), control)
         in_flight: collections.deque[Any] = collections.deque()
         try:
-            for start in range(0, reader.frames, frames):
+            for index, start in enumerate(range(0, reader.frames, frames)):
                 if len(in_flight) >= UPLOADS_IN_FLIGHT:
                     self._get(in_flight.popleft(), control)
-                in_flight.append(actor.upload.remote(
-                    job_id, reader.read(start, min(reader.frames, start + frames))))
+                in_flight.append(actor.upload.remote(  # numbered: they may arrive out of order
+                    job_id, index, reader.read(start, min(reader.frames, start + frames))))
             while in_flight:
                 self._get(in_flight.popleft(), control)
         except BaseException:
