@@ -29,6 +29,47 @@ def test_every_format_decodes_to_float32_stereo_at_the_model_rate(
     assert 0.05 < np.abs(audio).max() <= 1.0
 
 
+def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(
+        tmp_path: Path) -> None:
+    """A video (here an MPEG transport stream) whose first sound comes after more than a
+    megabyte of picture: the quick probe of the first 64 KiB finds the audio stream but not
+    its rate and channels, so the file is probed again in full and described right."""
+    import fractions
+
+    import av
+
+    from stemdeck_watch.synth import song
+
+    path = tmp_path / "late.ts"
+    audio = (song(2.0, SR, 1).T * 32767).astype(np.int16)  # (channels, frames)
+    noise = np.random.default_rng(0)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg2video", rate=25)
+        video.width, video.height, video.pix_fmt = 320, 240, "yuv420p"
+        video.bit_rate = 20_000_000
+        sound = container.add_stream("mp2", rate=SR, layout="stereo")
+        for _ in range(15):  # over a megabyte of noisy picture first
+            picture = noise.integers(0, 255, (240, 320, 3), dtype=np.uint8)
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24").reformat(
+                format="yuv420p")
+            for packet in video.encode(frame):
+                container.mux(packet)
+        for start in range(0, audio.shape[1], 1152):
+            block = np.ascontiguousarray(audio[:, start:start + 1152].T).reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="stereo")
+            frame.sample_rate, frame.time_base = SR, fractions.Fraction(1, SR)
+            frame.pts = int(0.8 * SR) + start  # the sound starts after the pictures
+            for packet in sound.encode(frame):
+                container.mux(packet)
+        for stream in (sound, video):
+            for packet in stream.encode(None):
+                container.mux(packet)
+    decoded = decode_to_file(path, tmp_path / "out.npy", SR, 2)
+    assert (decoded.source_codec, decoded.source_samplerate, decoded.source_channels) == (
+        "mp2", SR, 2)
+    assert abs(decoded.source_frames - 2 * SR) <= 2 * 1152
+
+
 def test_other_rates_and_mono_are_converted(tmp_path: Path) -> None:
     source = write_song(tmp_path / "mono48k.wav", 2.0, samplerate=48000, channels=1)
     decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)

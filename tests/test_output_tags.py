@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from stemdeck_watch.config import OutputSettings, SeparationSettings
+from stemdeck_watch.pipeline.decode import decode_to_file
 from stemdeck_watch.pipeline.naming import MAX_COMPONENT_BYTES, safe_name
 from stemdeck_watch.pipeline.publish import SongInfo, write_song
 from stemdeck_watch.pipeline.scratch import AudioWriter
@@ -53,6 +54,32 @@ def test_tags_are_read_from_flac_mp3_and_m4a(tmp_path: Path, ext: str) -> None:
     source = tag_input(synth_song(tmp_path / f"song.{ext}", 1.0), TAGS)
     assert read_tags(source) == {"title": "Blue in Green", "artist": "Miles Davis",
                                  "album": "Kind of Blue", "track": 3}
+
+
+@pytest.mark.parametrize("ext", ["flac", "mp3", "m4a"])
+def test_decoding_reads_the_same_tags_so_publishing_need_not_open_the_input_again(
+        tmp_path: Path, ext: str) -> None:
+    source = tag_input(synth_song(tmp_path / f"song.{ext}", 1.0), TAGS)
+    decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
+    assert decoded.tags == read_tags(source) == {
+        "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
+
+
+def test_tags_behind_a_cover_larger_than_the_quick_probe_are_read(tmp_path: Path) -> None:
+    """An mp3 from a music library may carry a cover picture of hundreds of kilobytes before
+    the audio: more than open_media's first look at a file."""
+    from mutagen.id3 import APIC, ID3
+
+    source = tag_input(synth_song(tmp_path / "song.mp3", 1.0), TAGS)
+    tags = ID3(source)
+    tags.add(APIC(encoding=3, mime="image/jpeg", type=3, desc="cover",
+                  data=b"\xff\xd8" + np.random.default_rng(0).bytes(600_000)))
+    tags.save(source)
+    decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
+    assert decoded.tags == read_tags(source) == {
+        "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
+    assert decoded.source_codec.startswith("mp3") and decoded.source_samplerate == SR
+    assert abs(decoded.frames - SR) <= 1152
 
 
 def test_an_untagged_input_and_an_unreadable_one_have_no_tags(tmp_path: Path) -> None:

@@ -37,8 +37,10 @@ class SongFolder:
 
 def song_info(source: Path, name: str, preset: str | None,
               decoded: DecodedAudio) -> publish.SongInfo:
-    """The input's tags (read with PyAV) and its own rate and length."""
-    return publish.SongInfo(name=name, tags=read_tags(source), preset=preset,
+    """The input's tags (as decoding read them, else read with PyAV) and its own rate and
+    length."""
+    tags = decoded.tags if decoded.tags is not None else read_tags(source)
+    return publish.SongInfo(name=name, tags=tags, preset=preset,
                             input_samplerate=decoded.source_samplerate,
                             input_frames=decoded.source_frames)
 

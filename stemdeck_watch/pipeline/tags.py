@@ -29,20 +29,31 @@ def read_tags(source: Path) -> dict[str, Any]:
     out, and a file whose tags cannot be read has none (tags never fail a job)."""
     import av
 
-    found: dict[str, Any] = {}
+    from stemdeck_watch.pipeline.decode import open_media
+
     try:
-        with av.open(str(source), metadata_errors="ignore") as container:
-            audio = [s for s in container.streams if s.type == "audio"]
-            # container tags first (mp3, flac, m4a); ogg/opus keep theirs on the stream
-            sources = [container.metadata, *(s.metadata for s in audio[:1])]
-            for metadata in sources:
-                for key, value in metadata.items():
-                    field = _ALIASES.get(key.lower(), key.lower())
-                    if field in FIELDS and field not in found:
-                        found[field] = value
-    except (av.error.FFmpegError, OSError, UnicodeError) as exc:
+        with open_media(source) as container:
+            return tags_of(container)
+    except (av.error.FFmpegError, OSError) as exc:
         log.info("could not read the tags of %s: %s; names fall back to the file name",
                  source, exc)
+        return {}
+
+
+def tags_of(container: Any) -> dict[str, Any]:
+    """The tags (as read_tags) of an open PyAV input container."""
+    found: dict[str, Any] = {}
+    audio = [s for s in container.streams if s.type == "audio"]
+    # container tags first (mp3, flac, m4a); ogg/opus keep theirs on the stream
+    try:
+        for metadata in [container.metadata, *(s.metadata for s in audio[:1])]:
+            for key, value in metadata.items():
+                field = _ALIASES.get(key.lower(), key.lower())
+                if field in FIELDS and field not in found:
+                    found[field] = value
+    except UnicodeError as exc:
+        log.info("could not read the tags of %s: %s; names fall back to the file name",
+                 container.name, exc)
         return {}
     tags: dict[str, Any] = {}
     for field in ("title", "artist", "album"):
