@@ -11,7 +11,7 @@ import soundfile
 
 from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import PublishError
-from stemdeck_watch.pipeline.publish import (publish_folder, read_manifest, write_manifest,
+from stemdeck_watch.pipeline.publish import (pcm, publish_folder, read_manifest, write_manifest,
                                              write_song)
 from stemdeck_watch.pipeline.scratch import AudioWriter
 
@@ -143,6 +143,26 @@ def worker_stems(tmp_path: Path) -> dict[str, Path]:
     return result
 
 
+@pytest.mark.parametrize("fmt, bits", [("wav", 16), ("wav", 24), ("flac", 16), ("flac", 24)])
+def test_integer_stems_hold_the_rounded_samples_in_every_format(tmp_path, fmt, bits) -> None:
+    """Each sample is round(x * 2^(bits-1)), clipped: the same in wav and flac, and at full
+    scale (+1.0 becomes the largest sample, not a wrapped-around negative one)."""
+    rng = np.random.default_rng(5)
+    audio = rng.uniform(-1, 1, (2, SR)).astype(np.float32)
+    audio[:, :6] = [[1.0, -1.0, 0.0, 0.5 / 2 ** (bits - 1), 1.5 / 2 ** (bits - 1), 0.99999994],
+                    [-1.0, 1.0, -0.0, -0.5 / 2 ** (bits - 1), -1.5 / 2 ** (bits - 1), -0.5]]
+    stem = tmp_path / "vocals.npy"
+    with AudioWriter(stem, 2) as writer:
+        writer.write(audio)
+    o = out(format=fmt, bit_depth=bits, clip="clamp")
+    entry, = write_song(tmp_path / "s", {"vocals": stem}, SR, "song", sep(), o)
+    got, _ = soundfile.read(tmp_path / "s" / entry["file"], dtype="int32")
+    full = 2 ** (bits - 1)
+    want = np.clip(np.rint(audio.T.astype(np.float64) * full), -full, full - 1)
+    assert np.array_equal(got >> (32 - bits), want.astype(np.int64))
+    assert got[0, 0] >> (32 - bits) == full - 1 and got[0, 1] >> (32 - bits) == -full
+
+
 @pytest.mark.parametrize("o", [
     out(format="wav", bit_depth=16), out(format="wav", bit_depth=24, clip="clamp"),
     out(format="wav", bit_depth=32), out(format="flac", bit_depth=16),
@@ -159,7 +179,8 @@ def test_streamed_outputs_equal_the_whole_song_written_at_once(tmp_path, worker_
         assert entry["frames"] == 3 * SR + 77 and entry["channels"] == 2
         expected = _whole_song_reference(worker_stems, plan[entry["name"]], o)
         reference = tmp_path / f"ref-{entry['file']}"
-        soundfile.write(reference, expected.T, SR, format=o.format.upper(),
+        samples = expected.T if o.bit_depth == 32 else pcm(expected, o.bit_depth)
+        soundfile.write(reference, samples, SR, format=o.format.upper(),
                         subtype={16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[o.bit_depth])
         got, _ = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
         want, _ = soundfile.read(reference, dtype="float32")
@@ -179,7 +200,7 @@ def test_streamed_mp3_is_the_same_encoding_as_the_whole_song_at_once(tmp_path, w
     encoder.set_in_sample_rate(SR)
     encoder.set_channels(2)
     encoder.set_quality(2)
-    whole = encoder.encode((np.clip(audio.T, -1, 1) * 32767).astype("<i2").tobytes())
+    whole = encoder.encode(pcm(audio, 16).astype("<i2").tobytes())
     assert (tmp_path / "s" / "bass.mp3").read_bytes() == whole + encoder.flush()
 
 
