@@ -439,6 +439,39 @@ def test_progress_frames_are_rate_limited_and_carry_the_latest_state():
     assert collector.client.closed
 
 
+def test_with_no_page_open_events_take_no_snapshots_and_the_next_page_sees_the_latest():
+    bus, queue = EventBus(), FakeQueue()
+    snapshots = []
+    broadcaster = Broadcaster(lambda: snapshots.append(1) or queue.snapshot(), bus,
+                              progress_interval=0.25, settle=0.0)
+    broadcaster.start()
+    job = Job(id="j1", name="song", kind=JobKind.FILE, state=JobState.SEPARATING, source="x",
+              rel_path="x")
+    try:
+        taken = len(snapshots)
+        for i in range(1, 51):
+            with queue.lock:
+                queue.running = fake_job(i / 50)
+            bus.publish(JobChanged(job))
+        with queue.lock:
+            queue.paused = True
+        bus.publish(QueueChanged(True, "user", (), 0))
+        for _ in range(2):  # the broadcaster took the events, and went round once more
+            wait_for(lambda: not broadcaster._wake.is_set(), 2, "the events taken")
+            bus.publish(QueueChanged(True, "user", (), 0))
+        assert len(snapshots) == taken
+        collector = Collector(broadcaster)
+        try:
+            wait_for(lambda: collector.frames, 2, "the first frame")
+            first = collector.frames[0][1]
+            assert first["paused"] is True and first["running"]["progress"] == 1.0
+        finally:
+            collector.client.close()
+            collector.thread.join()
+    finally:
+        broadcaster.stop()
+
+
 def test_fingerprint_tells_progress_from_state():
     base = FakeQueue().snapshot()
     moved = {**base, "running": fake_job(0.5)}

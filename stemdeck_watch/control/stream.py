@@ -1,6 +1,8 @@
 """The event stream of the local API (`GET /api/queue/events`): one broadcaster thread listens to the event bus (its
 listener only sets a flag: publishers are never delayed), takes one snapshot per batch of
-events, and hands a frame to each client only when the visible state changed. Progress-only
+events while a client is connected (none while no page is open: a song's progress would cost
+a snapshot of the whole queue several times a second for nobody), and hands a frame to each
+client only when the visible state changed. Progress-only
 changes go out at most every PROGRESS_INTERVAL, with the latest state. Each client is served
 by its own connection thread from a latest-only slot, with a socket timeout: a slow client
 skips frames, a vanished one is dropped, and neither ever holds up the service or anyone else.
@@ -95,6 +97,11 @@ class Broadcaster:
                 self._wake.clear()
             if self._stopping.is_set():
                 break
+            with self._lock:
+                watched = bool(self._clients)
+            if not watched:  # no page open: no snapshot; a client's attach takes a fresh one
+                due = None
+                continue
             try:
                 with self._refreshing:
                     due = self._refresh()
