@@ -46,9 +46,14 @@ def test_scratch_files_are_written_in_blocks_and_read_back_in_ranges(tmp_path, c
     assert np.array_equal(reader.read(1234, 5678), audio[:, 1234:5678])
     assert reader.read(9_000, 20_000).shape == (channels, 1_007)  # clipped to the file
     assert reader.read(20_000, 30_000).shape == (channels, 0)
+    interleaved = reader.read(1234, 5678, interleaved=True)  # for a sound file's writer
+    assert np.array_equal(interleaved, audio[:, 1234:5678])
+    assert interleaved.T.flags.c_contiguous and reader.read(0, 9).flags.c_contiguous
     c_order = tmp_path / "c.npy"
     np.save(c_order, audio)  # what np.save writes (C order) reads the same
     assert np.array_equal(AudioReader(c_order).read(17, 4000), audio[:, 17:4000])
+    assert np.array_equal(AudioReader(c_order).read(17, 4000, interleaved=True),
+                          audio[:, 17:4000])
 
 
 def test_a_failed_write_leaves_no_scratch_file(tmp_path):

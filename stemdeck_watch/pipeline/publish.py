@@ -174,9 +174,9 @@ def _spans(frames: int, size: int) -> list[tuple[int, int]]:
 def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
                stop: int) -> np.ndarray:
     """One block of an output: its first member plus the others, in order (float32)."""
-    audio = readers[members[0]].read(start, stop)
+    audio = readers[members[0]].read(start, stop, interleaved=True)
     for member in members[1:]:
-        audio += readers[member].read(start, stop)
+        audio += readers[member].read(start, stop, interleaved=True)
     return audio
 
 
@@ -190,7 +190,8 @@ def _gains(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReade
         return gains
     peaks = {output: 0.0 for output in plan}
     for start, stop in _spans(frames, block_frames):
-        blocks = {stem: reader.read(start, stop) for stem, reader in readers.items()}
+        blocks = {stem: reader.read(start, stop, interleaved=True)
+                  for stem, reader in readers.items()}
         for output, (_kind, members) in plan.items():
             audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks, members)
             if audio.size:
@@ -218,8 +219,8 @@ def pcm(audio: np.ndarray, bits: int) -> np.ndarray:
     """A (channels, n) float block as (n, channels) integer samples of `bits` (16 or 24):
     round(x * 2^(bits-1)), clipped to the format's range. 24-bit samples are the top three
     bytes of an int32, the way libsndfile takes them. Converting here rather than in
-    libsndfile halves the CPU a wav stem costs (its conversion runs per sample through the
-    file's callbacks), and gives every format and libsndfile version the same samples."""
+    libsndfile halves the CPU a wav stem costs, and gives every format the same samples
+    (libsndfile rounds a wav's down and a flac's to the nearest)."""
     scale = float(1 << (bits - 1))  # a power of two: x * scale is exact in float32
     scaled = np.empty(audio.shape[::-1], np.float32)
     np.multiply(audio.T, scale, out=scaled)

@@ -89,7 +89,8 @@ def resampled(blocks: Iterable[np.ndarray], in_rate: int, out_rate: int, channel
 
 
 def _take(out: np.ndarray, done: int, frames: int) -> tuple[int, np.ndarray]:
-    chunk = np.ascontiguousarray(out[:, :max(0, frames - done)], dtype=np.float32)
+    # in the block's own memory order: the writer wants frame-major (`chunk.T` contiguous)
+    chunk = out[:, :max(0, frames - done)].astype(np.float32, copy=False)
     return done + chunk.shape[1], chunk
 
 

@@ -127,15 +127,18 @@ class AudioReader:
     def shape(self) -> tuple[int, int]:
         return self.channels, self.frames
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Frames [start, stop) as a C-contiguous float32 (channels, n) array (clipped to the
-        file; an empty range gives shape (channels, 0))."""
+    def read(self, start: int, stop: int, interleaved: bool = False) -> np.ndarray:
+        """Frames [start, stop) as a float32 (channels, n) array (clipped to the file; an
+        empty range gives shape (channels, 0)): C-contiguous, or with `interleaved` in the
+        file's own frame-major order where it has it (a plain copy instead of a transposing
+        one, and what a sound file's writer wants: `block.T` is contiguous)."""
         start, stop = max(0, start), min(self.frames, stop)
         if stop <= start or self.frames == 0:
             return np.zeros((self.channels, 0), np.float32)
         mapped = np.memmap(self.path, dtype=self._dtype, mode="r", offset=self._offset,
                            shape=(self.channels, self.frames), order=self._order)
-        block = np.array(mapped[:, start:stop], dtype=np.float32, order="C")
+        block = np.array(mapped[:, start:stop], dtype=np.float32,
+                         order="K" if interleaved else "C")
         del mapped  # the last reference: unmapped now, its pages leave our resident set
         return block
 
