@@ -56,6 +56,18 @@ def test_scratch_files_are_written_in_blocks_and_read_back_in_ranges(tmp_path, c
                           audio[:, 17:4000])
 
 
+def test_a_scratch_file_cut_short_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "a.npy"
+    with AudioWriter(path, 2) as writer:
+        writer.write(np.ones((2, 1000), np.float32))
+    reader = AudioReader(path)
+    with open(path, "r+b") as handle:  # the disk filled up under the worker, say
+        handle.truncate(HEADER_BYTES + 600 * 2 * 4)
+    assert np.array_equal(reader.read(0, 600), np.ones((2, 600), np.float32))
+    with pytest.raises(ValueError, match="a.npy holds fewer frames than its header says"):
+        reader.read(500, 1000)
+
+
 def test_a_failed_write_leaves_no_scratch_file(tmp_path):
     path = tmp_path / "a.npy"
     with pytest.raises(RuntimeError):
