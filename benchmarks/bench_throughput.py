@@ -17,7 +17,8 @@ between separate requests over that span) should be <= 3 %, and (a - settle) / b
 faster than the serial loop where the cores allow. The main process stays torch-free; torch
 runs only in children.
 
-    python benchmarks/bench_throughput.py [--runs 5] [--clips 10] [--seconds 10]
+    python benchmarks/bench_throughput.py [--runs 9] [--clips 10] [--seconds 10]
+                                          [--threads N --ab-only]
 """
 from __future__ import annotations
 
@@ -322,7 +323,7 @@ def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--settle", type=float, default=1.0, help="watch.settle_seconds for (a)")
