@@ -282,7 +282,8 @@ def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, 
         m, lo, hi = stats([r[k] for r in runs])
         other = stats([r["other_cores"][k] for r in runs])[0]
         lines.append(f"| {label} | {m:.2f} | {lo:.2f} | {hi:.2f} | {m / clips:.2f} | {other:.2f} |")
-    rates = {name: fn for name, fn in RATIOS.items() if all(k in med for k in name if k in "abcd")}
+    rates = {name: fn for name, fn in RATIOS.items()  # --ab-only: the ratios to (b) alone
+             if "c" in med or name.endswith("/b")}
     ratios = {name: fn(med, settle) for name, fn in rates.items()}
     idle = stats([r["a_detail"]["worker_idle"]["fraction"] for r in runs])[0]
     # a and b of one run ran back to back: the median of the per-run ratios is the figure

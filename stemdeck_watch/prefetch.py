@@ -147,10 +147,6 @@ class Prefetcher:
                 self._ahead = None
 
     def _loop(self) -> None:
-        try:  # while the worker loads its model: else the first song waits ~0.1 s for it
-            import av  # noqa: F401
-        except ImportError:
-            log.exception("PyAV cannot be imported: no song can be decoded")
         while not self._stop.is_set():
             try:
                 self._wake.wait(1.0)

@@ -45,7 +45,6 @@ class Broadcaster:
         self.frames_sent = 0
 
     def start(self) -> None:
-        self._refresh()
         for kind in (JobChanged, QueueChanged, QueueDrained, JobsRestored):
             self._unsubscribe.append(self._bus.subscribe(kind, self._poke))
         self._thread = threading.Thread(target=self._run, name="stemdeck-api-events",

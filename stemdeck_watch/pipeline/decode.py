@@ -49,7 +49,8 @@ class DecodedAudio:
     std: float | None = None
     # frames of the input at its own rate (what `output.samplerate = "input"` gives back)
     source_frames: int | None = None
-    tags: dict[str, Any] | None = None  # the input's (pipeline/tags.py); None: not read
+    # the input's tags (pipeline/tags.py), read while decoding
+    tags: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def seconds(self) -> float:

@@ -125,10 +125,9 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
         blocks = _output_blocks(readers, members, frames, block_frames, out, gains[output],
                                 collector)
         # resampled to `length` frames, the manifest's (at the model's own rate: cut or
-        # padded to the input's frame count, unchanged otherwise)
+        # padded to the input's frame count, unchanged otherwise); a resampler's ringing
+        # may overshoot full scale by a hair, which the integer conversion (`pcm`) clips
         blocks = resample.resampled(blocks, samplerate, rate, channels, length, resampling)
-        if rate != samplerate:
-            blocks = _safe(blocks, out)
         tagged = out.tags and out.format in tagging.TAGGED_FORMATS
         try:  # a stem about to be tagged is flushed to disk once, after its tags
             _write_audio(path, blocks, channels, rate, out, sync=not tagged)
@@ -158,13 +157,6 @@ def _output_blocks(readers: dict[str, AudioReader], members: list[str], frames: 
         if peaks is not None:
             peaks.add(start, block)
         yield block
-
-
-def _safe(blocks: Iterable[np.ndarray], out: OutputSettings) -> Iterator[np.ndarray]:
-    """After resampling, integer formats are clamped: a resampler's ringing may overshoot
-    full scale by a hair where the rescaled stem touched it."""
-    for block in blocks:
-        yield block if out.format == "wav" and out.bit_depth == 32 else np.clip(block, -1, 1)
 
 
 def _spans(frames: int, size: int) -> list[tuple[int, int]]:
@@ -245,7 +237,7 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
         encoder.set_quality(2)
         with open(path, "wb") as handle:
             for audio in blocks:
-                handle.write(encoder.encode(pcm(audio, 16).astype("<i2").tobytes()))
+                handle.write(encoder.encode(pcm(audio, 16).tobytes()))
             handle.write(encoder.flush())
             handle.flush()
             if sync:

@@ -112,7 +112,8 @@ class Pipeline:
         mode = self.settings.queue.work_beside
         if mode != "auto":
             return mode == "on"
-        return self.client.leaves_room() or not self.settings.for_preset(job.preset)[1].beat_grid
+        _separation, output = self.settings.for_preset(job.preset)
+        return self.client.leaves_room() or not output.beat_grid
 
     def can_prepare(self, job: Job) -> bool:
         """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits
@@ -307,7 +308,7 @@ class Pipeline:
         repo = model.repo
         control.check()
         # issue #9: stems at output.samplerate, tags, beats.json, preview.png (timed each)
-        info = songfolder.song_info(source, job.name, job.preset, decoded)
+        info = songfolder.song_info(job.name, job.preset, decoded)
         song = songfolder.make_song_folder(staging, result.stems, model.samplerate, info, sep,
                                            out, check=control.check)
         timer.timings.update(song.timings)

@@ -20,7 +20,6 @@ from stemdeck_watch.pipeline import publish
 from stemdeck_watch.pipeline.decode import DecodedAudio
 from stemdeck_watch.pipeline.preview import Peaks, draw_preview
 from stemdeck_watch.pipeline.scratch import AudioReader
-from stemdeck_watch.pipeline.tags import read_tags
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +34,9 @@ class SongFolder:
     timings: dict[str, float]  # seconds per step: write, resample, tags, beat_grid, preview
 
 
-def song_info(source: Path, name: str, preset: str | None,
-              decoded: DecodedAudio) -> publish.SongInfo:
-    """The input's tags (as decoding read them, else read with PyAV) and its own rate and
-    length."""
-    tags = decoded.tags if decoded.tags is not None else read_tags(source)
-    return publish.SongInfo(name=name, tags=tags, preset=preset,
+def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
+    """The input's tags (read while decoding) and its own rate and length."""
+    return publish.SongInfo(name=name, tags=decoded.tags, preset=preset,
                             input_samplerate=decoded.source_samplerate,
                             input_frames=decoded.source_frames)
 
