@@ -190,8 +190,11 @@ class Dispatcher:
             self._conclude(job, control, step, final=True)
             return
         # publish behind: the worker is free, so the next job may start separating while
-        # this one is written out
-        self._behind = threading.Thread(target=self._conclude, args=(job, control, step, True),
+        # this one is written out (marked publishing here, before the next job is taken)
+        if not self._conclude(job, control, step.begin, final=False):
+            return
+        self._behind = threading.Thread(target=self._conclude,
+                                        args=(job, control, step.rest, True),
                                         name=f"publish-{job.id}", daemon=True)
         self._behind.start()
 

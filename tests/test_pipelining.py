@@ -48,6 +48,20 @@ class Timeline:
         with self._lock:
             return [j for j, s in self.events if s.is_final]
 
+    def crowded(self) -> list[list[str]]:
+        """Moments when more than one job was announced on the worker side (taken, not yet
+        publishing): what status and the page showed as two songs separating at once."""
+        states: dict[str, JobState] = {}
+        crowds = []
+        with self._lock:
+            for job_id, state in self.events:
+                states[job_id] = state
+                side = [j for j, s in states.items() if s.is_running
+                        and s is not JobState.PUBLISHING]
+                if len(side) > 1:
+                    crowds.append(side)
+        return crowds
+
 
 def thread_priority() -> tuple[int, int]:
     """The calling thread's scheduling policy and nice value (Linux: per thread)."""
@@ -116,8 +130,11 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
     # the worker took the next job while the previous one was still being written
     assert timeline.index(b, JobState.SEPARATING) < timeline.index(a, JobState.DONE)
     assert timeline.index(c, JobState.SEPARATING) < timeline.index(b, JobState.FAILED)
-    # ...and still one job at a time on it, finishing in queue order
+    # ...and still one job at a time on it, finishing in queue order; a song is marked
+    # publishing before the next one is taken, so no moment shows two songs separating
     assert timeline.finished() == [a, b, c]
+    assert timeline.index(a, JobState.PUBLISHING) < timeline.index(b, JobState.DECODING)
+    assert timeline.crowded() == []
     spans = sorted(service.client.busy)
     assert len(spans) == 3 and all(s[1] <= t[0] for s, t in zip(spans, spans[1:]))
 

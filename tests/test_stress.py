@@ -30,8 +30,9 @@ MAX_PENDING = 8
 
 
 class Invariants:
-    """Checks every announced change as it happens (all running-state changes come from the
-    one dispatcher thread, so the order of these events is the order of the changes)."""
+    """Checks every announced change as it happens (a job enters and leaves the worker side
+    on the one dispatcher thread, which marks it publishing before it takes the next job, so
+    the order of these events is the order of the changes)."""
 
     def __init__(self, service) -> None:  # type: ignore[no-untyped-def]
         self.service = service

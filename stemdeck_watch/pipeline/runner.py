@@ -77,7 +77,24 @@ def _signature(path: Path) -> tuple[int, int] | None:
 
 
 Claim = Callable[[Callable[[float], None]], Optional[Prepared]]
-PublishStep = Callable[[], Job]  # the rest of a job once the worker is done with it
+Written = Optional[tuple[Path, Optional[str]]]  # the published folder and a note, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishStep:
+    """The rest of a job once the worker is done with it.
+
+    `begin` marks the job publishing. The dispatcher calls it on its own thread before it
+    takes the next job, so nobody (status, the page, the tray) ever sees a song still
+    separating beside the next one; `rest` writes and publishes, behind the worker or not.
+    Calling the step runs both."""
+
+    begin: Callable[[], None]
+    rest: Callable[[], Job]
+
+    def __call__(self) -> Job:
+        self.begin()
+        return self.rest()
 
 
 @dataclasses.dataclass
@@ -190,14 +207,21 @@ class Pipeline:
             scratch = folders.scratch / job.id
             staging = folders.staging / job.id
             try:
-                step = self._run(job, control, scratch, staging, claim)
+                enter, write = self._run(job, control, scratch, staging, claim)
             except BaseException:
                 _clean(folders, scratch, staging)
                 raise
 
-        def publish_step() -> Job:
+        def begin() -> None:
             try:
-                ran = step()
+                enter()
+            except BaseException:
+                _clean(folders, scratch, staging)
+                raise
+
+        def rest() -> Job:
+            try:
+                ran = write()
             finally:
                 _clean(folders, scratch, staging)
             if ran is None:  # a playlist link: its entries are queued, it waits behind them
@@ -205,18 +229,26 @@ class Pipeline:
             # announced as done only once the hidden staging folder is gone too
             return self.finish_published(job, Path(job.source), *ran)
 
-        return publish_step
+        return PublishStep(begin, rest)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
-             claim: Claim | None) -> Callable[[], tuple[Path, str | None] | None]:
-        """Download (links), decode and separate; returns the publish step, which returns the
-        published folder (or the existing one of a duplicate) and a note for the job, or
-        None for a playlist link that queued its entries or waits for them."""
+             claim: Claim | None) -> tuple[Callable[[], None], Callable[[], Written]]:
+        """Download (links), decode and separate; returns the start of the publish step (it
+        marks the job publishing) and the rest, which returns the published folder (or the
+        existing one of a duplicate) and a note for the job, or None for a playlist link that
+        queued its entries or waits for them."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
         report = _Progress(self._update, job.id)
         timer = StageTimer()
+
+        def enter() -> None:
+            # behind the worker, publishing starts once the previous song's publish has
+            # ended (one song publishes at a time)
+            control.check()
+            report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
+
         start = 0.0  # where decoding starts on the progress bar (after a download)
 
         link: Downloaded | None = None
@@ -226,7 +258,7 @@ class Pipeline:
                 settled = self.playlists.settle(job, control)  # the playlist's last step
                 if settled is not None and not control.commit():
                     raise Cancelled(control.reason or "cancelled")
-                return lambda: settled
+                return _nothing, lambda: settled
             start = DOWNLOAD_SHARE
             report.stage(JobState.DOWNLOADING, 0.0)
             started = time.monotonic()
@@ -237,7 +269,7 @@ class Pipeline:
             if prepared.playlist is not None:
                 assert self.playlists is not None  # only then are playlists listed
                 self.playlists.expand(job, prepared.playlist, control)
-                return lambda: None
+                return _nothing, lambda: None
             link = prepared.download
             assert link is not None
             timer.measure("download", started)
@@ -261,7 +293,7 @@ class Pipeline:
             log.info("%s was separated before with the same settings: the stems are in %s",
                      Path(job.source).name, copy)
             note = f"already separated with the same settings: the stems are in {copy}"
-            return lambda: (copy, note)
+            return enter, lambda: (copy, note)
         started = time.monotonic()
         model = self.client.ensure_model(sep.model, str(repo) if repo else None, control,
                                          precision=sep.precision)
@@ -288,15 +320,9 @@ class Pipeline:
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
 
-        def publish_step() -> tuple[Path, str | None]:
-            # publishing starts when this step runs: behind the worker, that is once the
-            # previous song's publish has ended (one song publishes at a time)
-            control.check()
-            report.stage(JobState.PUBLISHING, DECODE_SHARE + SEPARATE_SHARE)
-            return self._publish(job, control, staging, source, result, model, decoded,
-                                 digest, size, sep, out, settings, link, timer)
-
-        return publish_step
+        return enter, lambda: self._publish(job, control, staging, source, result, model,
+                                            decoded, digest, size, sep, out, settings, link,
+                                            timer)
 
     def _publish(self, job: Job, control: JobControl, staging: Path, source: Path,
                  result: Separation, model: ModelInfo, decoded: DecodedAudio, digest: str,
@@ -381,6 +407,10 @@ class Pipeline:
         return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
                             source=str(moved_to), error=error, stage=None,
                             finished_at=time.time())
+
+
+def _nothing() -> None:
+    """A playlist link's step has nothing to mark: its state is its entries'."""
 
 
 def _clean(folders: Folders, scratch: Path, staging: Path) -> None:
