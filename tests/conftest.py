@@ -51,6 +51,13 @@ def outbox_entries(outbox: Path) -> set[str]:
     return {p.name for p in outbox.iterdir() if p.name not in (STATUS_FILE, STATUS_TEMP)}
 
 
+def on_worker_side(states: dict[str, JobState]) -> list[str]:
+    """The jobs taken and not yet publishing (one publishes behind the next one's separation,
+    #13): more than one is two songs shown separating at once."""
+    return [job_id for job_id, state in states.items()
+            if state.is_running and state is not JobState.PUBLISHING]
+
+
 class SeparationGate:
     """Holds the real worker back from separating one job until `open()`: "X happened while
     that job separated" then follows from the order of events, not from how fast this

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from stemdeck_watch.config import OutputSettings, SeparationSettings
+from stemdeck_watch.errors import DecodeError
 from stemdeck_watch.pipeline.decode import decode_to_file
 from stemdeck_watch.pipeline.naming import MAX_COMPONENT_BYTES, safe_name
 from stemdeck_watch.pipeline.publish import SongInfo, write_song
 from stemdeck_watch.pipeline.scratch import AudioWriter
-from stemdeck_watch.pipeline.tags import read_tags
 from stemdeck_watch.synth import write_song as synth_song
 
 SR = 44100
@@ -50,18 +50,11 @@ def tag_input(path: Path, tags: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize("ext", ["flac", "mp3", "m4a"])
-def test_tags_are_read_from_flac_mp3_and_m4a(tmp_path: Path, ext: str) -> None:
-    source = tag_input(synth_song(tmp_path / f"song.{ext}", 1.0), TAGS)
-    assert read_tags(source) == {"title": "Blue in Green", "artist": "Miles Davis",
-                                 "album": "Kind of Blue", "track": 3}
-
-
-@pytest.mark.parametrize("ext", ["flac", "mp3", "m4a"])
-def test_decoding_reads_the_same_tags_so_publishing_need_not_open_the_input_again(
-        tmp_path: Path, ext: str) -> None:
+def test_tags_are_read_from_flac_mp3_and_m4a_while_decoding(tmp_path: Path, ext: str) -> None:
+    """Publishing takes them from the decode step: it never opens the input again."""
     source = tag_input(synth_song(tmp_path / f"song.{ext}", 1.0), TAGS)
     decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
-    assert decoded.tags == read_tags(source) == {
+    assert decoded.tags == {
         "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
 
 
@@ -76,17 +69,20 @@ def test_tags_behind_a_cover_larger_than_the_quick_probe_are_read(tmp_path: Path
                   data=b"\xff\xd8" + np.random.default_rng(0).bytes(600_000)))
     tags.save(source)
     decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
-    assert decoded.tags == read_tags(source) == {
+    assert decoded.tags == {
         "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
     assert decoded.source_codec.startswith("mp3") and decoded.source_samplerate == SR
     assert abs(decoded.frames - SR) <= 1152
 
 
-def test_an_untagged_input_and_an_unreadable_one_have_no_tags(tmp_path: Path) -> None:
-    assert read_tags(synth_song(tmp_path / "plain.wav", 1.0)) == {}
+def test_an_untagged_input_has_no_tags_and_an_unreadable_one_fails_its_decode(
+        tmp_path: Path) -> None:
+    plain = synth_song(tmp_path / "plain.wav", 1.0)
+    assert decode_to_file(plain, tmp_path / "plain.npy", SR, 2).tags == {}
     junk = tmp_path / "junk.mp3"
     junk.write_bytes(b"not audio at all" * 10)
-    assert read_tags(junk) == {}
+    with pytest.raises(DecodeError, match="could not decode .*junk.mp3"):
+        decode_to_file(junk, tmp_path / "junk.npy", SR, 2)
 
 
 @pytest.fixture

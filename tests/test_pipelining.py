@@ -21,7 +21,7 @@ from stemdeck_watch.jobs import JobState
 from stemdeck_watch.pipeline import publish, runner
 from stemdeck_watch.synth import write_song
 
-from conftest import SeparationGate, outbox_entries, wait_for
+from conftest import SeparationGate, on_worker_side, outbox_entries, wait_for
 
 pytestmark = pytest.mark.slow
 SLOW = 1.5  # seconds each injected slow step takes on top of its real work
@@ -56,8 +56,7 @@ class Timeline:
         with self._lock:
             for job_id, state in self.events:
                 states[job_id] = state
-                side = [j for j, s in states.items() if s.is_running
-                        and s is not JobState.PUBLISHING]
+                side = on_worker_side(states)
                 if len(side) > 1:
                     crowds.append(side)
         return crowds

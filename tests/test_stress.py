@@ -21,7 +21,7 @@ from stemdeck_watch.events import JobChanged, QueueChanged
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.synth import write_song
 
-from conftest import outbox_entries, wait_for, write_config
+from conftest import on_worker_side, outbox_entries, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 SONGS = 40
@@ -51,8 +51,7 @@ class Invariants:
             self.states[event.job.id] = event.job.state
             # one job publishes behind the next one's separation (#13): at most one job on
             # the worker side and one publishing
-            running = [i for i, s in self.states.items()
-                       if s.is_running and s is not JobState.PUBLISHING]
+            running = on_worker_side(self.states)
             if len(running) > 1:
                 self.violations.append(f"two jobs running at once: {running}")
             publishing = [i for i, s in self.states.items() if s is JobState.PUBLISHING]

@@ -202,22 +202,20 @@ class Pipeline:
         publish step (write, manifest, publish, move the input), which needs no worker and
         may run while the next job separates. Raises StageError or Cancelled (scratch and
         staging removed); so does the publish step."""
-        with self._lock:
-            folders = self.settings.paths
-            scratch = folders.scratch / job.id
-            staging = folders.staging / job.id
+        folders = self.settings.paths
+        scratch = folders.scratch / job.id
+        staging = folders.staging / job.id
+
+        def cleaned_on_error(work: Callable[[], Any]) -> Any:
             try:
-                enter, write = self._run(job, control, scratch, staging, claim)
+                return work()
             except BaseException:
                 _clean(folders, scratch, staging)
                 raise
 
-        def begin() -> None:
-            try:
-                enter()
-            except BaseException:
-                _clean(folders, scratch, staging)
-                raise
+        with self._lock:
+            enter, write = cleaned_on_error(
+                lambda: self._run(job, control, scratch, staging, claim))
 
         def rest() -> Job:
             try:
@@ -229,7 +227,7 @@ class Pipeline:
             # announced as done only once the hidden staging folder is gone too
             return self.finish_published(job, Path(job.source), *ran)
 
-        return PublishStep(begin, rest)
+        return PublishStep(lambda: cleaned_on_error(enter), rest)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
              claim: Claim | None) -> tuple[Callable[[], None], Callable[[], Written]]:

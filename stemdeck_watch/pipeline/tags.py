@@ -24,24 +24,10 @@ FIELDS = ("title", "artist", "album", "track")
 _ALIASES = {"tracknumber": "track", "trck": "track", "album_artist": None}
 
 
-def read_tags(source: Path) -> dict[str, Any]:
-    """Title, artist, album (text) and track (a number) of `source`; missing ones are left
-    out, and a file whose tags cannot be read has none (tags never fail a job)."""
-    import av
-
-    from stemdeck_watch.pipeline.decode import open_media
-
-    try:
-        with open_media(source) as container:
-            return tags_of(container)
-    except (av.error.FFmpegError, OSError) as exc:
-        log.info("could not read the tags of %s: %s; names fall back to the file name",
-                 source, exc)
-        return {}
-
-
 def tags_of(container: Any) -> dict[str, Any]:
-    """The tags (as read_tags) of an open PyAV input container."""
+    """Title, artist, album (text) and track (a number) of an open PyAV input container (the
+    decode step reads them as it opens the song); missing ones are left out, and tags that
+    cannot be read are none (tags never fail a job)."""
     found: dict[str, Any] = {}
     audio = [s for s in container.streams if s.type == "audio"]
     # container tags first (mp3, flac, m4a); ogg/opus keep theirs on the stream
