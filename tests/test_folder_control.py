@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 
+import errno
+import os
+
 import pytest
 
+from stemdeck_watch.control.folder import STATUS_FILE, FolderControl
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.synth import write_song
 
-from conftest import wait_for
-
-pytestmark = pytest.mark.slow
+from conftest import open_scheduler, wait_for
 
 
+@pytest.mark.slow
 def test_a_pause_file_pauses_the_queue_while_it_exists(make_settings, service_factory):
     settings = make_settings()
     service, jobs = service_factory(settings)
@@ -34,6 +37,7 @@ def test_a_pause_file_pauses_the_queue_while_it_exists(make_settings, service_fa
     assert queue.paused and queue.pause_reason == "user"
 
 
+@pytest.mark.slow
 def test_pause_named_like_a_song_is_still_the_switch_not_a_job(make_settings, service_factory):
     settings = make_settings()
     service, jobs = service_factory(settings)
@@ -43,6 +47,7 @@ def test_pause_named_like_a_song_is_still_the_switch_not_a_job(make_settings, se
     assert service.intake.tracker.pending() == [] and jobs.jobs() == []
 
 
+@pytest.mark.slow
 def test_status_txt_shows_the_queue_waiting_files_and_failures(make_settings, service_factory):
     settings = make_settings(queue={"max_pending_files": 2})
     service, jobs = service_factory(settings)
@@ -67,3 +72,29 @@ def test_status_txt_shows_the_queue_waiting_files_and_failures(make_settings, se
     assert [p.name for p in settings.paths.outbox.iterdir() if p.name.startswith(".")] == []
     service.shutdown()
     assert "The service is stopped." in current()
+
+
+def test_a_failed_status_rewrite_keeps_the_last_status_and_leaves_no_temp_file(
+        settings, monkeypatch, caplog):
+    """A sync client uploads whatever is in the outbox: a rewrite that fails (disk full, a
+    network share gone) must leave the previous STATUS.txt whole and no hidden temp file."""
+    scheduler = open_scheduler(settings)
+    try:
+        control = FolderControl(scheduler, settings.paths.inbox, settings.paths.outbox)
+        control.write_status()
+        status = settings.paths.outbox / STATUS_FILE
+        before = status.read_text()
+        assert "Queue: running." in before
+
+        def full(*_args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        scheduler.pause("user")
+        monkeypatch.setattr(os, "replace", full)
+        control.write_status()
+        monkeypatch.undo()
+        assert status.read_text() == before
+        assert sorted(p.name for p in settings.paths.outbox.iterdir()) == [STATUS_FILE]
+        assert f"could not write {status}" in caplog.text
+    finally:
+        scheduler.registry.close()
