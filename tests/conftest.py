@@ -27,8 +27,14 @@ from stemdeck_watch.recovery import restore
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.scheduler import Scheduler
 from stemdeck_watch.service import Service
+from stemdeck_watch.pipeline.worker import ONEDNN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
+
+# every worker the tests start (directly, through a service, or a service the CLI starts)
+# inherits this: without oneDNN the tiny model's first separation takes 0.4 s instead of 2.5 s
+# (see pipeline/worker.py); the precision tests turn it back on for themselves
+os.environ.setdefault(ONEDNN_ENV, "0")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",

@@ -16,11 +16,19 @@ from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.pipeline.precision import (CALIBRATE_ENV, MIN_SNR_DB, MIN_SPEEDUP, Choice,
                                                Measurement, decide, physical_cores, threads_for)
+from stemdeck_watch.pipeline.worker import ONEDNN_ENV
 from stemdeck_watch.synth import write_song
 
 from conftest import config_data
 
 HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def onednn_as_users_have_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite turns oneDNN off in its workers (conftest); the precisions are measured
+    and run here as a user's worker does, with it on (bfloat16 on a CPU is oneDNN's)."""
+    monkeypatch.setenv(ONEDNN_ENV, "1")
 
 
 def measured(speedup: float, snr: float) -> Measurement:
