@@ -137,6 +137,10 @@ def load_model(name: str, repo: str | None) -> Any:
 
 class Worker:
     def __init__(self, device: str, out: TextIO):
+        if os.environ.get(ONEDNN_ENV) == "0":  # here: a Ray actor's worker too
+            import torch
+
+            torch.backends.mkldnn.enabled = False
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
@@ -258,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(threads_for(args.threads))
-    if os.environ.get(ONEDNN_ENV) == "0":
-        torch.backends.mkldnn.enabled = False
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
     worker = Worker(_resolve_device(args.device), protocol)
     _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
