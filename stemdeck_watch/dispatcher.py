@@ -186,13 +186,14 @@ class Dispatcher:
             return
         assert step is not None
         self._wait_behind()  # publishes run one at a time, in queue order
-        if not self.pipeline.works_beside(job):  # (the song before may have gone behind)
-            self._conclude(job, control, step, final=True)
-            return
-        # publish behind: the worker is free, so the next job may start separating while
-        # this one is written out (marked publishing here, before the next job is taken)
+        # marked publishing on this thread, before the next job is taken
         if not self._conclude(job, control, step.begin, final=False):
             return
+        if not self.pipeline.works_beside(job):  # (the song before may have gone behind)
+            self._conclude(job, control, step.rest, final=True)
+            return
+        # publish behind: the worker is free, so the next job may start separating while
+        # this one is written out
         self._behind = threading.Thread(target=self._conclude,
                                         args=(job, control, step.rest, True),
                                         name=f"publish-{job.id}", daemon=True)

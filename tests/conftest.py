@@ -23,11 +23,11 @@ from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.pipeline.worker import ONEDNN_ENV
 from stemdeck_watch.recovery import restore
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.scheduler import Scheduler
 from stemdeck_watch.service import Service
-from stemdeck_watch.pipeline.worker import ONEDNN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -42,12 +42,12 @@ from typing import Any, Callable
 import pytest
 
 from stemdeck_watch.config import Settings
-from stemdeck_watch.control.folder import STATUS_FILE, STATUS_TEMP
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.paths import report_path
 from stemdeck_watch.pipeline.publish import read_manifest
 from stemdeck_watch.synth import write_song
 
+from conftest import outbox_entries
 from published_checks import damaged_stems
 
 pytestmark = pytest.mark.slow
@@ -336,11 +336,9 @@ class Run:
                                     f"{report_path(folders.failed / name).exists()})")
             if job.state is JobState.CANCELLED:
                 problems.append(f"{label}: cancelled, though nobody cancelled it: {job.error}")
-        for entry in sorted(folders.outbox.iterdir()):
-            # STATUS_TEMP: the restarted service may be rewriting STATUS.txt as we list (a
-            # failed rewrite removes it; test_folder_control checks that)
-            if entry.name in (STATUS_FILE, STATUS_TEMP):
-                continue
+        # (without STATUS.txt's temp file: the restarted service may be rewriting it as we
+        # list; a failed rewrite removes it, which test_folder_control checks)
+        for entry in [folders.outbox / name for name in sorted(outbox_entries(folders.outbox))]:
             if entry.name == ".stemdeck-staging":
                 if list(entry.iterdir()):
                     problems.append(f"staging holds {[p.name for p in entry.iterdir()]}")

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from stemdeck_watch.control.folder import STATUS_FILE, STATUS_TEMP
 from stemdeck_watch.pipeline.publish import read_manifest
 from stemdeck_watch.registry import REGISTRY_FILE
 from stemdeck_watch.synth import write_song
@@ -57,7 +58,6 @@ SONGS = 10
 STARTED = "stemdeck-watch is running"
 SUMMARY = REPO / "benchmarks" / "results" / "kill.json"
 STAGING = ".stemdeck-staging"
-STATUS_TMP = ".STATUS.txt.tmp"  # the service's own temp file for STATUS.txt (rewritten)
 
 
 # ---------------------------------------------------------------- reading what is on disk
@@ -236,7 +236,7 @@ class Invariants:
         by_sha: collections.Counter[str] = collections.Counter()
         by_job: collections.Counter[str] = collections.Counter()
         for entry in sorted(self.outbox.iterdir()):
-            if entry.name == "STATUS.txt":
+            if entry.name == STATUS_FILE:
                 continue
             if entry.name == STAGING:
                 inside = [p.name for p in entry.iterdir()]
@@ -246,7 +246,7 @@ class Invariants:
                 if not inside:
                     self.notes["an empty .stemdeck-staging folder in the outbox"] += 1
                 continue
-            if entry.name == STATUS_TMP:
+            if entry.name == STATUS_TEMP:
                 self.notes["a killed STATUS.txt rewrite left .STATUS.txt.tmp"] += 1
                 continue
             self.expect(not entry.name.startswith("."), f"hidden {entry.name} in the outbox")
