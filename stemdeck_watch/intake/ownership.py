@@ -27,6 +27,7 @@ from typing import Callable
 
 from stemdeck_watch.errors import StemdeckError
 from stemdeck_watch.lock import _alive as _pid_alive
+from stemdeck_watch.safefile import write_replacing
 from stemdeck_watch.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,9 @@ class InboxOwnership(Ticker):
         """Write this service's heartbeat atomically (a sync client never carries half)."""
         data = {"host": self.host, "service_id": self.service_id, "pid": os.getpid(),
                 "started": self._started, "updated": self._clock()}
-        tmp = self.folder / f".{self.path.name}.tmp"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_replacing(self.path, json.dumps(data))
         except OSError as exc:
             log.warning("could not write the heartbeat %s: %s; check that the inbox is "
                         "writable", self.path, exc.strerror or exc)

@@ -33,6 +33,7 @@ from stemdeck_watch.paths import fsync_dir, unique_path
 from stemdeck_watch.pipeline import naming, resample, tags as tagging
 from stemdeck_watch.pipeline.preview import Peaks
 from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
+from stemdeck_watch.safefile import open_new
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
         encoder.set_in_sample_rate(samplerate)
         encoder.set_channels(channels)
         encoder.set_quality(2)
-        with open(path, "wb") as handle:
+        with open_new(path) as handle:  # new in the staging folder: never through a link
             for audio in blocks:
                 handle.write(encoder.encode(pcm(audio, 16).tobytes()))
             handle.write(encoder.flush())
@@ -247,7 +248,7 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
 
     subtype = {16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[out.bit_depth]
     # unbuffered, so that seeking never flushes (and fails) inside libsndfile's callbacks
-    with open(path, "wb", buffering=0) as handle:
+    with open_new(path, buffering=0) as handle:
         guarded = _GuardedFile(handle)
         try:
             with soundfile.SoundFile(guarded, "w", samplerate, channels, subtype=subtype,
@@ -302,7 +303,7 @@ def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 **manifest, "files": list_files(staging)}
     path = staging / MANIFEST
-    with open(path, "w", encoding="utf-8") as handle:
+    with open_new(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, ensure_ascii=False)
         handle.write("\n")
         handle.flush()
