@@ -8,21 +8,29 @@ characters raw to the terminal, the log, a text file or a notification.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from stemdeck_watch import paths
 from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
+from stemdeck_watch.intake.links import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
 from stemdeck_watch.paths import move_file
-from stemdeck_watch.safefile import temp_name
+from stemdeck_watch.pipeline.publish import read_manifest
+from stemdeck_watch.recovery import adopt_orphans
+from stemdeck_watch.safefile import read_regular, temp_name
 
-from conftest import wait_for
+from conftest import open_scheduler, wait_for, write_config
 
 BASHRC = "alias ll='ls -l'\n"
 
@@ -149,3 +157,109 @@ def test_a_status_rewrite_in_flight_has_a_recognisable_hidden_name():
     assert name.startswith(".STATUS.txt.") and is_status_temp(name)
     assert not is_status_temp(".STATUS.txt.tmp") and not is_status_temp("STATUS.txt")
     assert temp_name(STATUS_FILE) != name
+
+
+# ---------------------------------------------------------------- reading: planted FIFOs
+
+def finishes(call: Callable[[], Any], fifos: list[Path], timeout: float = 10.0) -> Any:
+    """`call()`'s result (or exception) if it returns within `timeout`; otherwise the FIFOs
+    are opened for writing (which lets a blocked reader go on) and the test fails."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the test below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        for fifo in fifos:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        thread.join(10)
+        pytest.fail(f"blocked for more than {timeout:.0f} s on a FIFO")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def test_a_fifo_named_like_a_link_file_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "song.url"
+    os.mkfifo(fifo)
+    with pytest.raises(LinkError, match="song.url is not a link file"):
+        finishes(lambda: read_link(fifo), [fifo])
+
+
+def test_only_plain_files_of_a_bounded_size_are_read_from_a_shared_folder(tmp_path):
+    fifo, link, big = tmp_path / "fifo", tmp_path / "link", tmp_path / "big"
+    os.mkfifo(fifo)
+    big.write_bytes(b"x" * 2000)
+    link.symlink_to(big)
+    for path in (fifo, link, big):
+        with pytest.raises(OSError):
+            finishes(lambda: read_regular(path, 1000), [fifo])
+    assert read_regular(big, 2000) == b"x" * 2000
+
+
+def test_a_malformed_manifest_planted_in_the_outbox_is_left_alone_not_a_failed_start(
+        settings):
+    """stemdeck.json files of any JSON shape in the outbox: the complete one of them is
+    adopted, the others are named in the log, and the start goes on."""
+    outbox = settings.paths.outbox
+    shapes = {"list": [], "number": 7, "stems not a list": {"stems": 1},
+              "stem not an object": {"stems": [1]}, "files not a list": {
+                  "stems": [{"file": "a.wav"}], "files": 3},
+              "input not an object": {"job_id": "j1", "stems": [{"file": "a.wav"}],
+                                      "input": "x"}}
+    for name, manifest in shapes.items():
+        (outbox / name).mkdir()
+        (outbox / name / "a.wav").write_bytes(b"RIFF")
+        (outbox / name / "stemdeck.json").write_text(json.dumps(manifest))
+    for name in list(shapes)[:-1]:
+        assert read_manifest(outbox / name) is None, name
+    scheduler = open_scheduler(settings)
+    try:
+        assert adopt_orphans(scheduler, settings) == 1
+        assert scheduler.registry.get("j1").output == str(outbox / "input not an object")
+    finally:
+        scheduler.registry.close()
+
+
+def test_fifos_planted_as_heartbeats_and_manifests_never_hang_the_start(tmp_path, model_repo):
+    """A heartbeat in inbox/.stemdeck/ and an orphan song folder's stemdeck.json that are
+    FIFOs, or links to one: `run` starts (the files are skipped and named in the log) and
+    stops on SIGTERM."""
+    config = write_config(tmp_path, model_repo)
+    pipe = tmp_path / "elsewhere" / "pipe"
+    pipe.parent.mkdir()
+    os.mkfifo(pipe)
+    beats = tmp_path / "inbox" / FOLDER
+    beats.mkdir(parents=True)
+    (beats / "owner-linked.json").symlink_to(pipe)
+    os.mkfifo(beats / "owner-fifo.json")
+    for name in ("Linked Orphan", "Fifo Orphan"):
+        (tmp_path / "outbox" / name).mkdir(parents=True)
+    (tmp_path / "outbox" / "Linked Orphan" / "stemdeck.json").symlink_to(pipe)
+    os.mkfifo(tmp_path / "outbox" / "Fifo Orphan" / "stemdeck.json")
+    log = tmp_path / "state" / "logs" / "stemdeck-watch.log"
+    with open(tmp_path / "run.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
+                                 str(config), "run", "--no-tray"], stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: log.exists() and "stemdeck-watch is running" in log.read_text(),
+                     90, "the service to start")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    for name in ("Linked Orphan", "Fifo Orphan"):
+        assert f"{name} has a damaged or incomplete stemdeck.json" in text

@@ -33,13 +33,14 @@ from stemdeck_watch.paths import fsync_dir, unique_path
 from stemdeck_watch.pipeline import naming, resample, tags as tagging
 from stemdeck_watch.pipeline.preview import Peaks
 from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
-from stemdeck_watch.safefile import open_new
+from stemdeck_watch.safefile import open_new, read_regular
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
+MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,16 +313,20 @@ def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a song folder if it is complete (every file it lists exists)."""
+    """The manifest of a song folder if it is complete (every file it lists exists). Only a
+    plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
     try:
-        with open(folder / MANIFEST, encoding="utf-8") as handle:
-            manifest = json.load(handle)
+        manifest = json.loads(read_regular(folder / MANIFEST, MAX_MANIFEST))
     except (OSError, ValueError):
         return None
-    files = [entry.get("file") for entry in manifest.get("stems", [])]
+    stems = manifest.get("stems") if isinstance(manifest, dict) else None
+    if not isinstance(stems, list):
+        return None
+    files = [entry.get("file") if isinstance(entry, dict) else None for entry in stems]
     if not files or not all(isinstance(f, str) and (folder / f).is_file() for f in files):
         return None
-    for entry in manifest.get("files", []):  # cheap: sizes only (verify_folder hashes)
+    listed = manifest.get("files", [])
+    for entry in listed if isinstance(listed, list) else [None]:  # sizes only (verify hashes)
         try:
             if (folder / entry["file"]).stat().st_size != entry["bytes"]:
                 return None
@@ -341,9 +346,9 @@ def verify_folder(folder: Path) -> list[str]:
     """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
     changed or unlisted files; an empty list for a complete, undamaged folder."""
     try:
-        with open(folder / MANIFEST, encoding="utf-8") as handle:
-            listed = {e["file"]: e for e in json.load(handle).get("files", [])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        listed = {e["file"]: e for e in json.loads(
+            read_regular(folder / MANIFEST, MAX_MANIFEST)).get("files", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"could not read {folder / MANIFEST}: {exc}"]
     present = {e["file"]: e for e in list_files(folder)}
     problems = [f"{name} is missing" for name in listed if name not in present]
