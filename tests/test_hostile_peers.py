@@ -23,6 +23,7 @@ import pytest
 
 from stemdeck_watch import paths
 from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
+from stemdeck_watch.control.notify import Note, Target
 from stemdeck_watch.intake.links import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
 from stemdeck_watch.paths import move_file
@@ -30,9 +31,16 @@ from stemdeck_watch.pipeline.publish import read_manifest
 from stemdeck_watch.recovery import adopt_orphans
 from stemdeck_watch.safefile import read_regular, temp_name
 
+import desktop
 from conftest import open_scheduler, wait_for, write_config
+from notify_receiver import Receiver
 
+HERE = Path(__file__).resolve().parent
 BASHRC = "alias ll='ls -l'\n"
+# a song name as a hostile peer would write it: a terminal title and clear-screen sequence,
+# and a newline followed by something that looks like a log line of its own
+HOSTILE = "x\x1b]0;pwned\x07\x1b[2J\n2099-01-01 00:00:00 ERROR   stemdeck_watch: forged"
+
 
 def victim_file(tmp_path: Path, name: str = ".bashrc") -> Path:
     """A file of the user's outside the synced folders, that a planted link points at."""
@@ -263,3 +271,71 @@ def test_fifos_planted_as_heartbeats_and_manifests_never_hang_the_start(tmp_path
     text = log.read_text()
     for name in ("Linked Orphan", "Fifo Orphan"):
         assert f"{name} has a damaged or incomplete stemdeck.json" in text
+
+
+# ---------------------------------------------------------------- names shown
+
+def test_a_hostile_song_name_reaches_neither_the_terminal_nor_the_log_raw(tmp_path, model_repo):
+    """A song named with escape sequences and a newline followed by a fake log line: the
+    terminal of `run`, the log file and `status` show it escaped, on one line."""
+    config = write_config(tmp_path, model_repo)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / f"{HOSTILE}.wav").write_bytes(os.urandom(20_000))  # fails at once
+    log = tmp_path / "state" / "logs" / "stemdeck-watch.log"
+    terminal = tmp_path / "run.out"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                               *args], capture_output=True, text=True, timeout=120)
+
+    def failed() -> bool:
+        result = cli("status", "--json")
+        return result.returncode == 0 and any(
+            j["state"] == "failed" for j in json.loads(result.stdout)["jobs"])
+
+    with open(terminal, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
+                                 str(config), "run", "--no-tray"], stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_for(failed, 90, "the song to fail", interval=0.5)
+            shown = cli("status")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert shown.returncode == 0, shown.stderr
+    for where, text in (("the terminal", terminal.read_text()), ("the log", log.read_text()),
+                        ("status", shown.stdout)):
+        assert "x\\x1b]0;pwned\\x07\\x1b[2J\\n2099" in text, where  # named, escaped
+        assert "\x1b" not in text and "\x07" not in text, where
+        assert not any(line.startswith("2099") for line in text.splitlines()), where
+    report = next((tmp_path / "failed").glob("*.error.txt")).read_text()
+    assert "\x1b" not in report and "x?]0;pwned??[2J?2099" in report
+
+
+def test_notifications_show_a_hostile_name_escaped_and_never_as_markup(tmp_path):
+    """A plain target gets the name's control characters escaped; a desktop notification's
+    body (read as markup by the notification server) gets `<`, `>` and `&` escaped too."""
+    name = "<b>Bold</b> & <a href='evil.example'>link</a>\x1b[31m"
+    with Receiver() as receiver:
+        assert Target(receiver.url).send(Note("done", f"Stems ready: {name}", f"{name} done"))[0]
+        (got,) = receiver.wait(1, timeout=30)
+    assert got["title"] == "Stems ready: " + name.replace("\x1b", "\\x1b")
+    assert got["message"] == name.replace("\x1b", "\\x1b") + " done"
+
+    desktop.require_desktop_notifications()
+    env = {k: v for k, v in os.environ.items() if k != "DBUS_SESSION_BUS_ADDRESS"}
+    result = subprocess.run(["dbus-run-session", "--", sys.executable,
+                             str(HERE / "notify_desktop_check.py"), str(tmp_path), name],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    first = json.loads(result.stdout.strip().splitlines()[-1])["received"][0]
+    escaped = name.replace("\x1b", "\\x1b")
+    markup = escaped.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    assert first["summary"] == f"Stems ready: {escaped}"
+    assert first["body"] == f"{markup} is separated. Stems: {tmp_path / 'outbox'}/{markup}"
