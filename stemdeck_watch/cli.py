@@ -19,6 +19,7 @@ from pathlib import Path
 from stemdeck_watch import __version__
 from stemdeck_watch.config import Settings, load_settings, write_default_config
 from stemdeck_watch.errors import ConfigError, StemdeckError
+from stemdeck_watch.safetext import escape_controls
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except StemdeckError as exc:
-        print(f"stemdeck-watch: {exc}", file=sys.stderr)
+    except StemdeckError as exc:  # may name a song or another machine: no escape sequences
+        message = escape_controls(exc, keep="\n")
+        print(f"stemdeck-watch: {message}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_FAILED
@@ -185,36 +187,46 @@ def _control(args: argparse.Namespace, settings: Settings) -> int:
     elif command == "move":
         body = {"first": True} if args.first else {"after": args.after}
         reply = client.post(job_path(args.job, "move"), body)
-        print(f"moved {_name_of(reply)} {'first' if args.first else 'after ' + args.after}")
+        print(f"moved {_shown(_name_of(reply))} "
+              f"{'first' if args.first else 'after ' + args.after}")
         if reply.get("note"):
-            print(reply["note"])
+            print(_shown(reply["note"]))
         for i, job in enumerate(reply["queued"], 1):
-            print(f"  {i:>2}. {job['name']}  ({job['id']})")
+            print(f"  {i:>2}. {_shown(job['name'])}  ({job['id']})")
     elif command == "remove":
         reply = client.post(job_path(args.job, "remove"))
-        print(f"removed {reply['removed']['name']} (job {reply['removed']['id']})")
+        print(f"removed {_shown(reply['removed']['name'])} (job {reply['removed']['id']})")
         if reply["not_deleted"]:
-            print("could not delete: " + "; ".join(reply["not_deleted"]), file=sys.stderr)
+            print("could not delete: " + "; ".join(map(_shown, reply["not_deleted"])),
+                  file=sys.stderr)
             return EXIT_FAILED
     else:
         reply = client.post(job_path(args.job, command))
         job = reply["job"]
         if command == "cancel":
-            print(f"cancelled {job['name']} (job {job['id']})")
+            print(f"cancelled {_shown(job['name'])} (job {job['id']})")
         elif job is None:
-            print(reply.get("note") or "the file waits in the inbox until the queue has room")
+            print(_shown(reply.get("note") or
+                         "the file waits in the inbox until the queue has room"))
         else:
-            print(f"queued {job['name']} again as job {job['id']}")
+            print(f"queued {_shown(job['name'])} again as job {job['id']}")
     return EXIT_OK
 
 
 def _queue_line(queue: dict) -> str:
     queued, running = len(queue["queued"]), queue["running"]
     if queue["paused"]:
-        finishing = f"{running['name']} finishes, " if running else ""
+        finishing = f"{_shown(running['name'])} finishes, " if running else ""
         what = "paused" if queue["pause_reason"] == "user" else f"paused ({queue['pause_reason']})"
         return f"{what}: {finishing}{queued} queued; `stemdeck-watch start` starts again"
-    return f"started: {'running ' + running['name'] + ', ' if running else ''}{queued} queued"
+    doing = f"running {_shown(running['name'])}, " if running else ""
+    return f"started: {doing}{queued} queued"
+
+
+def _shown(text: object) -> str:
+    """A song's name (or a message naming one) for the terminal: it comes from whoever named
+    the file, so its control characters are escaped, never sent to the terminal."""
+    return escape_controls(text)
 
 
 def _name_of(reply: dict) -> str:

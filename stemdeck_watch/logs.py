@@ -1,13 +1,40 @@
-"""Logging: a rotating file in the state dir (for `doctor` and bug reports) and the terminal."""
+"""Logging: a rotating file in the state dir (for `doctor` and bug reports) and the terminal.
+
+Log messages name songs, and a song's name is whatever someone called a file in a synced
+folder: every record is written with its control characters escaped (see SafeFormatter), so
+a name cannot forge a log line or send escape sequences to the terminal."""
 from __future__ import annotations
 
 import logging
 import logging.handlers
 import sys
 from pathlib import Path
+from typing import Any
+
+from stemdeck_watch.safetext import escape_controls
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 TERMINAL_FORMAT = "%(asctime)s %(levelname)-7s %(message)s"
+
+
+class SafeFormatter(logging.Formatter):
+    """A Formatter whose message is one line with every control character escaped (`\\n`,
+    `\\x1b`); a traceback keeps its own line breaks but nothing else. On every handler, so
+    every logger's records are covered, whatever they log."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        saved = record.message
+        record.message = escape_controls(saved)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = saved
+
+    def formatException(self, ei: Any) -> str:
+        return escape_controls(super().formatException(ei), keep="\n")
+
+    def formatStack(self, stack_info: str) -> str:
+        return escape_controls(super().formatStack(stack_info), keep="\n")
 
 
 def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool = True) -> Path | None:
@@ -25,12 +52,12 @@ def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool 
         log_file = log_dir / "stemdeck-watch.log"
         file_handler = logging.handlers.RotatingFileHandler(
             log_file, maxBytes=2_000_000, backupCount=5, encoding="utf-8")
-        file_handler.setFormatter(logging.Formatter(FORMAT))
+        file_handler.setFormatter(SafeFormatter(FORMAT))
         file_handler.setLevel(logging.DEBUG)
         root.addHandler(file_handler)
     if terminal:
         stream = logging.StreamHandler(sys.stderr)
-        stream.setFormatter(logging.Formatter(TERMINAL_FORMAT, "%H:%M:%S"))
+        stream.setFormatter(SafeFormatter(TERMINAL_FORMAT, "%H:%M:%S"))
         stream.setLevel(logging.DEBUG if verbose else logging.INFO)
         root.addHandler(stream)
     return log_file

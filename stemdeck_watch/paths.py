@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Callable
@@ -19,10 +20,13 @@ from typing import Callable
 import platformdirs
 
 from stemdeck_watch.errors import FilesystemError
+from stemdeck_watch.safefile import discard, new_temp
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "stemdeck-watch"
+
+COPY_SUFFIX = ".stemdeck-tmp"  # a copy across filesystems, before it is renamed into place
 
 # Filesystems on which inotify/FSEvents/ReadDirectoryChangesW miss changes made by other
 # machines; the watcher polls there.
@@ -103,9 +107,10 @@ def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = N
 
     A move cut off by a crash (the target already is the source, hard-linked or fully
     copied) is finished instead of making a second copy under a new number. Across
-    filesystems the file is copied to a hidden temporary name beside the target, flushed,
-    renamed into place, and only then is the source removed: a failure at any point leaves
-    the source where it was.
+    filesystems the file is copied to a new hidden file with a random name beside the target
+    (see safefile.new_temp: nothing planted there is written through), flushed, renamed into
+    place, and only then is the source removed: a failure at any point leaves the source
+    where it was.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -194,13 +199,15 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | None) -> Path:
-    tmp = dst.with_name(f".{dst.name}.stemdeck-tmp")
+    tmp: Path | None = None
     try:
-        with open(src, "rb") as reader, open(tmp, "wb") as writer:
+        with open(src, "rb") as reader, new_temp(dst, suffix=COPY_SUFFIX) as (tmp, writer):
             shutil.copyfileobj(reader, writer, 1 << 20)
             writer.flush()
-            os.fsync(writer.fileno())
-        shutil.copystat(src, tmp)
+            if os.utime in os.supports_fd:
+                _copy_mode_and_times(reader.fileno(), writer.fileno())
+        if os.utime not in os.supports_fd:  # Windows
+            shutil.copystat(src, tmp)
         while True:
             target = _free_target(dst, companion)
             try:
@@ -209,7 +216,8 @@ def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | 
             except FileExistsError:
                 continue
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            discard(tmp)
         raise FilesystemError("copy", src, dst, reason=exc) from exc
     fsync_dir(target.parent)
     try:
@@ -217,6 +225,14 @@ def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | 
     except OSError as exc:
         log.warning("copied %s to %s but could not remove the original: %s", src, target, exc)
     return target
+
+
+def _copy_mode_and_times(src: int, dst: int) -> None:
+    """The source's permissions and times onto the copy, through the open files: a link put
+    in place of the copy by name meanwhile is never touched (nor the file it points to)."""
+    info = os.fstat(src)
+    os.chmod(dst, stat.S_IMODE(info.st_mode))
+    os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
 
 
 MOUNT_TABLE = "/proc/self/mounts"

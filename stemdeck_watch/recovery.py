@@ -154,7 +154,8 @@ def adopt_orphans(scheduler: Scheduler, settings: Settings) -> int:
         job_id = str(manifest.get("job_id") or new_job_id())
         if registry.get(job_id) is not None:
             continue  # its job published it under another name: already accounted for
-        source = manifest.get("input", {})
+        source = manifest.get("input")
+        source = source if isinstance(source, dict) else {}  # a manifest written by anyone
         rel_path = str(source.get("rel_path") or folder.name)
         processed = folders.processed / PurePosixPath(rel_path)
         registry.add(Job(

@@ -16,6 +16,7 @@ from stemdeck_watch.errors import StemdeckError
 from stemdeck_watch.jobs import Job, JobKind, JobState
 from stemdeck_watch.lock import running_pid
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.safetext import escape_controls
 
 
 class RegistryDamaged(StemdeckError):
@@ -159,6 +160,9 @@ def to_json(status: dict[str, Any]) -> str:
 
 
 def render(status: dict[str, Any], recent: int = 10) -> str:
+    """`status` for a terminal. Names, errors and paths come from whoever named the files:
+    their control characters are escaped (`\\x1b`, `\\n`), so none reaches the terminal as
+    an escape sequence or adds a line of its own."""
     service = status["service"]
     lines = [f"service: {'running (pid %d)' % service['pid'] if service['running'] else 'stopped'}"]
     if status["paused"]:
@@ -169,10 +173,10 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
     else:
         lines.append("queue:   running" if service["running"] else "queue:   not paused")
-    lines += [f"note:    {note}" for note in status.get("notes", [])]
+    lines += [f"note:    {escape_controls(note)}" for note in status.get("notes", [])]
     folders = status["folders"]
-    lines.append(f"inbox:   {folders['inbox']}")
-    lines.append(f"outbox:  {folders['outbox']}")
+    lines.append(f"inbox:   {escape_controls(folders['inbox'])}")
+    lines.append(f"outbox:  {escape_controls(folders['outbox'])}")
     worker = status.get("worker") or {}
     if worker.get("precision"):
         lines.append(f"worker:  {worker.get('model')} in {worker['precision'].get('precision')} "
@@ -204,15 +208,17 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
 
 def label(job: dict[str, Any]) -> str:
     """A job's name, with its place in its playlist: "Beta (2/3 of My List)", or
-    "My List (playlist, 3 entries)" for the playlist link itself."""
+    "My List (playlist, 3 entries)" for the playlist link itself; control characters
+    escaped."""
     ref = job.get("playlist")
+    name = escape_controls(job["name"])
     if not ref:
-        return job["name"]
+        return name
     if ref.get("entry"):
-        return f"{job['name']} ({ref['entry']}/{ref['entries']} of {ref['name']})"
-    return f"{job['name']} (playlist, {ref['entries']} entries)"
+        return f"{name} ({ref['entry']}/{ref['entries']} of {escape_controls(ref['name'])})"
+    return f"{name} (playlist, {ref['entries']} entries)"
 
 
 def _short(text: str, width: int = 100) -> str:
-    text = text.replace("\n", " ")
+    text = escape_controls(text.replace("\n", " "))
     return text if len(text) <= width else text[: width - 1] + "…"

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from stemdeck_watch.config import Settings, default_toml, settings_from_dict
-from stemdeck_watch.control.folder import STATUS_FILE, STATUS_TEMP
+from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
 from stemdeck_watch.events import EventBus, JobChanged
 from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
@@ -54,7 +54,8 @@ def outbox_entries(outbox: Path) -> set[str]:
     """What the outbox holds besides the service's own STATUS.txt (and its hidden temporary
     copy while it is rewritten, a moment at a time): song folders, and any hidden leftovers
     (which must not be there)."""
-    return {p.name for p in outbox.iterdir() if p.name not in (STATUS_FILE, STATUS_TEMP)}
+    return {p.name for p in outbox.iterdir()
+            if p.name != STATUS_FILE and not is_status_temp(p.name)}
 
 
 def on_worker_side(states: dict[str, JobState]) -> list[str]:

@@ -24,7 +24,8 @@ WINDOWS = {
     "linked": "the input is hard-linked into processed/ and not yet unlinked from the inbox",
     "moved": "the input is in processed/; `done` is not stored",
     "done": "`done` is stored (the input moved before it)",
-    "copying": "half the input is copied to processed/.NAME.stemdeck-tmp (across filesystems)",
+    "copying": "half the input is copied to processed/.NAME.<random>.stemdeck-tmp (across "
+               "filesystems)",
     "copied": "the copy is renamed into processed/; the inbox original is not yet removed",
     "taken": "the dispatcher took the head of the queue; its state is not yet written",
 }

@@ -5,7 +5,7 @@ with `notify.urls = ["desktop"]`, publishes a finished song on the event bus, an
 stand-in received; then the same through apprise's `glib://` (the PyGObject route). Prints one
 JSON object: the URL "desktop" resolved to and the notifications received.
 
-    dbus-run-session -- python tests/notify_desktop_check.py WORKDIR
+    dbus-run-session -- python tests/notify_desktop_check.py WORKDIR [SONG NAME]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     raise TimeoutError(f"nothing from the stand-in within {timeout} s")
 
 
-def main(workdir: Path) -> None:
+def main(workdir: Path, name: str = "Desk Song") -> None:
     standin = subprocess.Popen([sys.executable, str(HERE / "notify_standin.py")],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     result: dict = {"received": []}
@@ -49,9 +49,9 @@ def main(workdir: Path) -> None:
         try:
             result["labels"] = [c.target.label for c in notifier.channels]
             bus.publish(JobChanged(Job(
-                id="j1", name="Desk Song", kind=JobKind.FILE, state=JobState.DONE,
-                source=str(workdir / "processed" / "Desk Song.wav"), rel_path="Desk Song.wav",
-                output=str(workdir / "outbox" / "Desk Song"))))
+                id="j1", name=name, kind=JobKind.FILE, state=JobState.DONE,
+                source=str(workdir / "processed" / f"{name}.wav"), rel_path=f"{name}.wav",
+                output=str(workdir / "outbox" / name))))
             result["received"].append(json.loads(read_line(standin, 20)))
         finally:
             notifier.stop()
@@ -68,4 +68,4 @@ def main(workdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3])

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from stemdeck_watch.control.folder import STATUS_FILE, STATUS_TEMP
+from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
 from stemdeck_watch.pipeline.publish import read_manifest
 from stemdeck_watch.registry import REGISTRY_FILE
 from stemdeck_watch.synth import write_song
@@ -246,8 +246,8 @@ class Invariants:
                 if not inside:
                     self.notes["an empty .stemdeck-staging folder in the outbox"] += 1
                 continue
-            if entry.name == STATUS_TEMP:
-                self.notes["a killed STATUS.txt rewrite left .STATUS.txt.tmp"] += 1
+            if is_status_temp(entry.name):
+                self.notes["a killed STATUS.txt rewrite left its temporary copy"] += 1
                 continue
             self.expect(not entry.name.startswith("."), f"hidden {entry.name} in the outbox")
             self.expect(entry.is_dir(), f"a stray file {entry.name} in the outbox")
@@ -614,7 +614,7 @@ def test_window(window: str, tmp_path: Path, model_repo: Path,
     assert (job["state"], found) == (state, places), (job, found)
     assert read_manifest(tmp_path / "outbox" / "song") is not None  # published in every window
     if window == "copying":
-        partial = processed / ".song.wav.stemdeck-tmp"
+        (partial,) = processed.glob(".song.wav.*.stemdeck-tmp")
         assert 0 < partial.stat().st_size < (tmp_path / "inbox" / "song.wav").stat().st_size
 
     after = restart_until_done(tmp_path, config, env, 1)

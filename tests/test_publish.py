@@ -233,7 +233,7 @@ def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
         def __exit__(self, *exc):
             return self._handle.__exit__(*exc)
 
-    monkeypatch.setattr(publish, "open", lambda *a, **k: FillingUp(open(*a, **k)),
-                        raising=False)
+    real_open_new = publish.open_new
+    monkeypatch.setattr(publish, "open_new", lambda *a, **k: FillingUp(real_open_new(*a, **k)))
     with pytest.raises(PublishError, match="could not write .*drums.* No space left"):
         write_song(tmp_path / "s", stems, SR, "song", sep(), out(format=fmt), block_frames=4096)

@@ -20,12 +20,13 @@ from typing import Any, Callable
 
 from stemdeck_watch.events import Event
 from stemdeck_watch.intake.filters import is_pause_file
+from stemdeck_watch.safefile import is_temp_name, write_replacing
+from stemdeck_watch.safetext import strip_controls
 from stemdeck_watch.scheduler import PAUSE_FOLDER, PAUSE_RESTORE, Scheduler
 
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "STATUS.txt"
-STATUS_TEMP = f".{STATUS_FILE}.tmp"  # written first, renamed over STATUS_FILE
 STATUS_EVERY = 3.0  # seconds between rewrites of STATUS.txt at most
 PAUSE_CHECK_EVERY = 1.0
 # the inbox is listed again only when its own mtime changed (a file was added, removed or
@@ -136,19 +137,15 @@ class FolderControl:
     def write_status(self) -> None:
         self._last_written = self._clock()
         text = render_status_text(self.scheduler.snapshot(), running=not self._stop.is_set())
-        tmp = self.status_path.with_name(STATUS_TEMP)
-        try:
-            with open(tmp, "w", encoding="utf-8", newline="\n") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.status_path)
+        try:  # a failed rewrite leaves the last status whole and no temporary file
+            write_replacing(self.status_path, text)
         except OSError as exc:
-            try:
-                tmp.unlink(missing_ok=True)  # never leave a half-written status beside the songs
-            except OSError:
-                pass
             log.warning("could not write %s: %s", self.status_path, exc)
+
+
+def is_status_temp(name: str) -> bool:
+    """Whether `name` is STATUS.txt's temporary copy while it is rewritten (hidden, random)."""
+    return is_temp_name(name, STATUS_FILE)
 
 
 def render_status_text(status: dict[str, Any], running: bool = True) -> str:
@@ -164,20 +161,23 @@ def render_status_text(status: dict[str, Any], running: bool = True) -> str:
         lines.append("Queue: running.")
     job = status["running"]
     lines.append("")
-    lines.append(f"Now: {job['name']} — {job['state']} {job['progress'] * 100:.0f}%" if job
-                 else "Now: nothing is being separated.")
+    # names and messages come from other people: a control character in one (a newline that
+    # would add a line of its own, an escape sequence) is shown as `?`
+    lines.append(f"Now: {strip_controls(job['name'])} — {job['state']} "
+                 f"{job['progress'] * 100:.0f}%" if job else "Now: nothing is being separated.")
     queued = status["queued"]
     lines += ["", f"Queued ({len(queued)}):"]
-    lines += [f"  {i}. {j['name']}" for i, j in enumerate(queued[:QUEUE_LINES], 1)]
+    lines += [f"  {i}. {strip_controls(j['name'])}" for i, j in enumerate(queued[:QUEUE_LINES], 1)]
     if len(queued) > QUEUE_LINES:
         lines.append(f"  … and {len(queued) - QUEUE_LINES} more")
     if status["waiting"]:
         lines += ["", f"Waiting for room in the queue ({len(status['waiting'])}):"]
-        lines += [f"  {Path(w['source']).name}" for w in status["waiting"][:QUEUE_LINES]]
+        lines += [f"  {strip_controls(Path(w['source']).name)}"
+                  for w in status["waiting"][:QUEUE_LINES]]
     failures = [j for j in status["jobs"] if j["state"] == "failed"][:RECENT_FAILURES]
     if failures:
         lines += ["", "Recent failures:"]
-        lines += [f"  {j['name']}: {j['error']}" for j in failures]
+        lines += [f"  {strip_controls(j['name'])}: {strip_controls(j['error'])}" for j in failures]
     lines += ["", "Pause from here: put a file named PAUSE at the top of the inbox; delete it "
               "to start again."]
     return "\n".join(lines) + "\n"

@@ -36,6 +36,7 @@ from stemdeck_watch.events import (DiskLow, Event, EventBus, JobChanged, JobsRes
                                    QueueDrained, QueueFull)
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.paths import report_path
+from stemdeck_watch.safetext import escape_controls, escape_markup
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ WINDOW = 60.0            # seconds: more notes of one kind within this are coale
 STOP_GRACE = 3.0         # seconds a channel may take to send what is held when stopping
 NAMES_SHOWN = 5          # song names listed in a coalesced message
 SEEN_LIMIT = 10_000      # job ids remembered to never announce one ending twice
+# desktop notification servers (freedesktop) read the body as markup: `<b>`, `<a href>`
+MARKUP_SCHEMES = frozenset({"dbus", "kde", "qt", "glib", "gnome"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +175,11 @@ def coalesce(kind: str, notes: list[Note], count: int) -> Note:
 
 class Target:
     """One apprise URL. `send` returns (ok, why not); it blocks for as long as the service
-    takes (its own timeouts), which is why every target has a thread of its own."""
+    takes (its own timeouts), which is why every target has a thread of its own.
+
+    A note names songs, and a song's name comes from whoever named the file: its control
+    characters are escaped for every target, and `&`, `<`, `>` too where the body is read as
+    markup (a name must not turn into a link or hide the rest of the message)."""
 
     def __init__(self, url: str, label: str | None = None):
         apprise = _load_apprise()
@@ -182,14 +189,18 @@ class Target:
         if not self._apprise.add(url):
             raise ValueError(f"apprise cannot use {url!r}")
         service = self._apprise[0]
+        self.markup = url.split("://", 1)[0].lower() in MARKUP_SCHEMES
         self.label = label or service.url(privacy=True).split("?", 1)[0]
         self._types = {"info": apprise.NotifyType.INFO, "success": apprise.NotifyType.SUCCESS,
                        "warning": apprise.NotifyType.WARNING,
                        "failure": apprise.NotifyType.FAILURE}
 
     def send(self, note: Note) -> tuple[bool, str]:
+        title, body = escape_controls(note.title), escape_controls(note.body)
+        if self.markup:
+            body = escape_markup(body)
         try:
-            result = self._apprise.notify(body=note.body, title=note.title,
+            result = self._apprise.notify(body=body, title=title,
                                           notify_type=self._types.get(note.level, "info"))
         except Exception as exc:  # a plugin that raises instead of reporting
             return False, f"{type(exc).__name__}: {exc}"

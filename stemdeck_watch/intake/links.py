@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stemdeck_watch.errors import StageError
+from stemdeck_watch.safefile import FileTooLarge, NotRegularFile, read_regular
 
 LINK_EXTENSIONS = frozenset({"url", "webloc", "desktop"})
 MAX_LINK_FILE = 64 * 1024  # a link file is a few hundred bytes; more is not a link file
@@ -26,13 +27,16 @@ def is_link_file(path: Path | str) -> bool:
 
 
 def read_link(path: Path) -> str:
-    """The http(s) URL in a link file; LinkError with a reason that names the file."""
+    """The http(s) URL in a link file; LinkError with a reason that names the file. Only a
+    plain file is read (a FIFO would block the queue for ever)."""
     try:
-        size = path.stat().st_size
-        if size > MAX_LINK_FILE:
-            raise LinkError(f"{path.name} is not a link file: it holds {size:,} bytes (a link "
-                            f"file holds a few hundred); save the link again")
-        data = path.read_bytes()
+        data = read_regular(path, MAX_LINK_FILE)
+    except FileTooLarge:
+        raise LinkError(f"{path.name} is not a link file: it holds more than "
+                        f"{MAX_LINK_FILE:,} bytes (a link file holds a few hundred); save the "
+                        f"link again") from None
+    except NotRegularFile:
+        raise LinkError(f"{path.name} is not a link file: it is not a plain file") from None
     except OSError as exc:
         raise LinkError(f"could not read the link file {path}: {exc.strerror or exc}") from exc
     kind = path.suffix.lower().lstrip(".")

@@ -27,6 +27,7 @@ from typing import Callable
 
 from stemdeck_watch.errors import StemdeckError
 from stemdeck_watch.lock import _alive as _pid_alive
+from stemdeck_watch.safefile import read_regular_text, write_replacing
 from stemdeck_watch.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ PREFIX = "owner-"
 BEAT_EVERY = 30.0              # seconds between heartbeats of the owner
 STALE_AFTER = 180.0            # a heartbeat older than this is an owner that is gone
 STANDBY_CHECK_EVERY = 1.0      # how often a standby service looks at the owner's heartbeat
+MAX_HEARTBEAT = 64 * 1024      # a heartbeat is ~150 bytes; a bigger file is not one
 
 
 class InboxOwned(StemdeckError):
@@ -57,7 +59,8 @@ class Heartbeat:
 
 
 def read_heartbeats(folder: Path) -> list[Heartbeat]:
-    """Every readable heartbeat in `folder`; a half-synced or foreign file is skipped."""
+    """Every readable heartbeat in `folder`; a half-synced or foreign file is skipped, and so
+    is anything but a plain file (a link to a FIFO would block the start for ever)."""
     beats = []
     try:
         entries = list(os.scandir(folder))
@@ -67,7 +70,7 @@ def read_heartbeats(folder: Path) -> list[Heartbeat]:
         if not (entry.name.startswith(PREFIX) and entry.name.endswith(".json")):
             continue
         try:
-            data = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+            data = json.loads(read_regular_text(Path(entry.path), MAX_HEARTBEAT))
             beats.append(Heartbeat(str(data["host"]), str(data["service_id"]), int(data["pid"]),
                                    float(data["started"]), float(data["updated"]),
                                    Path(entry.path)))
@@ -158,11 +161,9 @@ class InboxOwnership(Ticker):
         """Write this service's heartbeat atomically (a sync client never carries half)."""
         data = {"host": self.host, "service_id": self.service_id, "pid": os.getpid(),
                 "started": self._started, "updated": self._clock()}
-        tmp = self.folder / f".{self.path.name}.tmp"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_replacing(self.path, json.dumps(data))
         except OSError as exc:
             log.warning("could not write the heartbeat %s: %s; check that the inbox is "
                         "writable", self.path, exc.strerror or exc)

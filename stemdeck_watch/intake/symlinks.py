@@ -16,6 +16,8 @@ import os
 from pathlib import Path, PurePosixPath
 
 from stemdeck_watch.paths import report_path, unique_path
+from stemdeck_watch.safefile import write_replacing
+from stemdeck_watch.safetext import strip_controls
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,9 @@ def set_aside(link: Path, rel: PurePosixPath, failed: Path, reason: str) -> Path
             raise
         os.symlink(os.readlink(link), target)  # another filesystem: recreate the link
         os.unlink(link)
-    report = report_path(target)
-    report.write_text(
-        f"stemdeck-watch did not separate {rel.name}\n\nWhy: {reason}.\n\n"
-        f"Link:    {link}\nNow at:  {target}\n"
-        f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n",
-        encoding="utf-8")
+    shown = strip_controls  # names from someone else: no line of their own, no escapes
+    write_replacing(report_path(target),
+                    f"stemdeck-watch did not separate {shown(rel.name)}\n\n"
+                    f"Why: {shown(reason)}.\n\nLink:    {shown(link)}\nNow at:  {shown(target)}\n"
+                    f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n")
     return target

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from stemdeck_watch.pipeline.naming import clean_text
+from stemdeck_watch.safefile import open_new
 
 WIDTH = 1200
 HEADER = 64
@@ -78,7 +79,7 @@ def draw_preview(path: Path, peaks: dict[str, Peaks], title: str, seconds: float
             y0 = middle - int(round(peak.high[x] * scale))
             y1 = middle - int(round(peak.low[x] * scale))
             draw.line([(LABEL + x, y0), (LABEL + x, max(y0, y1))], fill=colour)
-    with open(path, "wb") as handle:
+    with open_new(path) as handle:  # new in the staging folder: never through a link
         image.save(handle, format="PNG", optimize=False)
         handle.flush()
         os.fsync(handle.fileno())

@@ -33,12 +33,14 @@ from stemdeck_watch.paths import fsync_dir, unique_path
 from stemdeck_watch.pipeline import naming, resample, tags as tagging
 from stemdeck_watch.pipeline.preview import Peaks
 from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
+from stemdeck_watch.safefile import open_new, read_regular
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
+MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +237,7 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
         encoder.set_in_sample_rate(samplerate)
         encoder.set_channels(channels)
         encoder.set_quality(2)
-        with open(path, "wb") as handle:
+        with open_new(path) as handle:  # new in the staging folder: never through a link
             for audio in blocks:
                 handle.write(encoder.encode(pcm(audio, 16).tobytes()))
             handle.write(encoder.flush())
@@ -247,7 +249,7 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
 
     subtype = {16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[out.bit_depth]
     # unbuffered, so that seeking never flushes (and fails) inside libsndfile's callbacks
-    with open(path, "wb", buffering=0) as handle:
+    with open_new(path, buffering=0) as handle:
         guarded = _GuardedFile(handle)
         try:
             with soundfile.SoundFile(guarded, "w", samplerate, channels, subtype=subtype,
@@ -302,7 +304,7 @@ def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 **manifest, "files": list_files(staging)}
     path = staging / MANIFEST
-    with open(path, "w", encoding="utf-8") as handle:
+    with open_new(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, ensure_ascii=False)
         handle.write("\n")
         handle.flush()
@@ -311,16 +313,20 @@ def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a song folder if it is complete (every file it lists exists)."""
+    """The manifest of a song folder if it is complete (every file it lists exists). Only a
+    plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
     try:
-        with open(folder / MANIFEST, encoding="utf-8") as handle:
-            manifest = json.load(handle)
+        manifest = json.loads(read_regular(folder / MANIFEST, MAX_MANIFEST))
     except (OSError, ValueError):
         return None
-    files = [entry.get("file") for entry in manifest.get("stems", [])]
+    stems = manifest.get("stems") if isinstance(manifest, dict) else None
+    if not isinstance(stems, list):
+        return None
+    files = [entry.get("file") if isinstance(entry, dict) else None for entry in stems]
     if not files or not all(isinstance(f, str) and (folder / f).is_file() for f in files):
         return None
-    for entry in manifest.get("files", []):  # cheap: sizes only (verify_folder hashes)
+    listed = manifest.get("files", [])
+    for entry in listed if isinstance(listed, list) else [None]:  # sizes only (verify hashes)
         try:
             if (folder / entry["file"]).stat().st_size != entry["bytes"]:
                 return None
@@ -340,9 +346,9 @@ def verify_folder(folder: Path) -> list[str]:
     """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
     changed or unlisted files; an empty list for a complete, undamaged folder."""
     try:
-        with open(folder / MANIFEST, encoding="utf-8") as handle:
-            listed = {e["file"]: e for e in json.load(handle).get("files", [])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        listed = {e["file"]: e for e in json.loads(
+            read_regular(folder / MANIFEST, MAX_MANIFEST)).get("files", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"could not read {folder / MANIFEST}: {exc}"]
     present = {e["file"]: e for e in list_files(folder)}
     problems = [f"{name} is missing" for name in listed if name not in present]

@@ -18,6 +18,8 @@ from stemdeck_watch import __version__
 from stemdeck_watch.errors import FilesystemError
 from stemdeck_watch.jobs import FileSignature, Job
 from stemdeck_watch.paths import move_file, report_path, unique_path
+from stemdeck_watch.safefile import write_replacing
+from stemdeck_watch.safetext import strip_controls
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +53,17 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     except OSError:
         current = None
     if current is None:
-        move_note = f"\nThe input {source} was no longer there to move.\n"
+        move_note = f"The input {source} was no longer there to move."
     elif job.signature is not None and current != job.signature:
-        move_note = (f"\nThe input {source} was replaced by a new version after this job took "
+        move_note = (f"The input {source} was replaced by a new version after this job took "
                      f"it. The new version stays in the inbox and is separated as a new job; "
-                     f"this report is about the old version.\n")
+                     f"this report is about the old version.")
         log.info("%s changed while its job ran; the new version stays in the inbox", source)
     else:
         try:
             where = move_file(source, target, companion=report_path)
         except FilesystemError as exc:
-            move_note = f"\nThe input stays at {source}: {exc}.\n"
+            move_note = f"The input stays at {source}: {exc}."
             log.error("%s", exc)
     report = report_path(where) if where != source else unique_path(report_path(target))
     text = _diagnosis(job, stage=stage, message=message, details=details,
@@ -69,7 +71,7 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
                       where=where, move_note=move_note)
     try:
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(text, encoding="utf-8")
+        write_replacing(report, text)
     except OSError as exc:
         log.error("%s", FilesystemError("write", report, reason=exc))
     return where
@@ -77,23 +79,28 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
 
 def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,
                versions: dict[str, str], where: Path, move_note: str) -> str:
+    """The report. Names, paths and messages come from whoever named the file: their control
+    characters are shown as `?`, so none adds a line of its own or reaches a terminal that
+    shows the report (the worker's lines and details keep their line breaks)."""
+    shown = strip_controls
     lines = [
-        f"stemdeck-watch could not separate {Path(job.rel_path).name}",
+        f"stemdeck-watch could not separate {shown(Path(job.rel_path).name)}",
         "",
-        f"What went wrong: {message}",
+        f"What went wrong: {shown(message)}",
         "",
         f"To try again, fix the cause, then run `stemdeck-watch retry {job.id}` (or drop the "
         f"file into the inbox again).",
-        move_note,
+        f"\n{shown(move_note)}\n" if move_note else "",
         f"Stage:   {stage}",
-        f"Job:     {job.id}{f' (preset {job.preset})' if job.preset else ''}",
-        f"Input:   {job.source}",
-        f"Now at:  {where}",
+        f"Job:     {job.id}{f' (preset {shown(job.preset)})' if job.preset else ''}",
+        f"Input:   {shown(job.source)}",
+        f"Now at:  {shown(where)}",
         f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
     ]
     if worker_tail.strip():
-        lines += ["", "Last lines from the separation worker:", worker_tail.rstrip()]
+        lines += ["", "Last lines from the separation worker:",
+                  shown(worker_tail.rstrip(), keep="\n\t")]
     if details.strip():
-        lines += ["", "Details:", details.rstrip()]
+        lines += ["", "Details:", shown(details.rstrip(), keep="\n\t")]
     return "\n".join(lines) + "\n"

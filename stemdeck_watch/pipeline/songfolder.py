@@ -20,6 +20,7 @@ from stemdeck_watch.pipeline import publish
 from stemdeck_watch.pipeline.decode import DecodedAudio
 from stemdeck_watch.pipeline.preview import Peaks, draw_preview
 from stemdeck_watch.pipeline.scratch import AudioReader
+from stemdeck_watch.safefile import open_new
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
         grid = {"source": source, "tempo": None, "beats": [], "downbeats": [],
                 "notes": [f"no beat grid: {exc}; install librosa"]}
     try:
-        with open(path, "w", encoding="utf-8") as handle:
+        with open_new(path, "w", encoding="utf-8") as handle:
             json.dump(grid, handle, indent=1)
             handle.write("\n")
             handle.flush()
