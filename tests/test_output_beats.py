@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.pipeline.beats import NO_DOWNBEATS, beat_grid, onset_envelope
+from stemdeck_watch.pipeline.beats import (HOP, NO_DOWNBEATS, RATE, beat_grid, mean_tempogram,
+                                           onset_envelope)
 from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter
 from stemdeck_watch.pipeline.songfolder import write_beat_grid
 
@@ -102,3 +103,44 @@ def test_a_cancel_stops_the_beat_grid_between_blocks(tmp_path: Path) -> None:
     with pytest.raises(Cancelled):
         write_beat_grid(tmp_path / "beats.json", stems, SR, check)
     assert len(calls) == 3 and not (tmp_path / "beats.json").exists()
+
+
+def test_the_beat_grid_of_a_long_song_needs_no_more_memory_than_a_short_one(
+        tmp_path: Path) -> None:
+    """Twenty minutes of a steady kick: the tempo estimate is librosa's, summed in blocks, so
+    the peak stays far below the +300 MB an hour may cost (librosa's whole-song tempogram
+    took 926 MB for this song, and grows with its length)."""
+    import tracemalloc
+
+    sr, bpm, minutes = 11025, 120.0, 20
+    bar = click_track(bpm, seconds=60.0, first=0.25, sr=sr)[:1]  # one minute, mono
+    path = tmp_path / "drums.npy"
+    with AudioWriter(path, 1) as writer:
+        for _ in range(minutes):
+            writer.write(bar)
+    reader = AudioReader(path)
+    tracemalloc.start()
+    try:
+        grid = beat_grid([reader], sr, "drums")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert abs(grid["tempo"] - bpm) < 1.0, grid["tempo"]
+    assert len(grid["beats"]) > 0.9 * minutes * bpm
+    assert peak < 150 * 2**20, f"the beat grid peaked at {peak / 2**20:.0f} MB"
+
+
+def test_the_tempogram_summed_in_blocks_is_librosas_whole_song_mean() -> None:
+    """The block-wise sum gives the tempo estimate librosa gives from the whole tempogram."""
+    import librosa
+
+    rng = np.random.default_rng(3)
+    envelope = (0.1 * rng.random(9000)).astype(np.float32)
+    envelope[::23] += 1.0
+    envelope[7::31] += 0.5
+    whole = librosa.feature.tempogram(onset_envelope=envelope, sr=RATE, hop_length=HOP,
+                                      win_length=mean_tempogram(envelope).shape[0])
+    blocks = mean_tempogram(envelope, block=1000)
+    assert np.allclose(blocks[:, 0], whole.mean(axis=-1), rtol=0, atol=1e-12)
+    assert librosa.feature.tempo(tg=blocks, sr=RATE, hop_length=HOP, aggregate=None) == \
+        librosa.feature.tempo(onset_envelope=envelope, sr=RATE, hop_length=HOP)

@@ -7,9 +7,16 @@ so it is imported here, inside the step, only when a song is published with
 Memory stays bounded for a song of any length: the stem is read block by block, mixed to
 mono, resampled to 22.05 kHz by a streaming soxr resampler and turned into librosa's onset
 strength envelope (one number per 23 ms) block by block; only that envelope — 0.6 MB for an
-hour — reaches the beat tracker. The tempo is the slope of the beat times the tracker found
-(least squares), which is finer than the tempogram's own estimate (its lags are whole frames:
-at 120 BPM its neighbours are 117.5 and 123 BPM).
+hour — reaches the beat tracker.
+
+The tracker's tempo estimate is the mean of an autocorrelation tempogram over the whole song.
+librosa builds that tempogram whole (8 s of lags for every frame, then its FFT): 0.6 GB for
+15 minutes, several GB for an hour. Here the same mean is summed over blocks of frames
+(`mean_tempogram`), so the estimate is librosa's and its memory does not grow with the song;
+the tracker itself is then given that tempo and needs memory in proportion to the envelope.
+The tempo written is the slope of the beat times the tracker found (least squares), which is
+finer than the tempogram's own estimate (its lags are whole frames: at 120 BPM its neighbours
+are 117.5 and 123 BPM).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ RATE = 22050
 HOP = 512
 N_FFT = 2048
 TOP_DB = 80.0
+AC_SECONDS = 8.0  # librosa's tempo window (ac_size)
+TEMPOGRAM_BLOCK = 2048  # envelope frames per block of the summed tempogram (~47 s of audio)
 NO_DOWNBEATS = ("librosa tracks beats, not bars: downbeats are not marked")
 
 
@@ -42,7 +51,10 @@ def beat_grid(readers: list[AudioReader], samplerate: int, source: str,
     if envelope.size < 2 or not envelope.any():
         grid["notes"].insert(0, "no beat found: the source is silent or has no onsets")
         return grid
-    tempo, frames = librosa.beat.beat_track(onset_envelope=envelope, sr=RATE, hop_length=HOP)
+    estimate = librosa.feature.tempo(tg=mean_tempogram(envelope, check), sr=RATE,
+                                     hop_length=HOP, aggregate=None)
+    tempo, frames = librosa.beat.beat_track(onset_envelope=envelope, sr=RATE, hop_length=HOP,
+                                            bpm=float(np.atleast_1d(estimate).ravel()[0]))
     times = librosa.frames_to_time(frames, sr=RATE, hop_length=HOP)
     if len(times) < 2:
         grid["notes"].insert(0, "no steady beat found")
@@ -50,6 +62,28 @@ def beat_grid(readers: list[AudioReader], samplerate: int, source: str,
     grid["beats"] = [round(float(t), 4) for t in times]
     grid["tempo"] = round(_tempo(times, float(np.atleast_1d(tempo)[0])), 2)
     return grid
+
+
+def mean_tempogram(envelope: np.ndarray, check: Callable[[], None] = lambda: None,
+                   block: int = TEMPOGRAM_BLOCK) -> np.ndarray:
+    """The time average of librosa's tempogram of `envelope` (shape: lags x 1), as
+    `librosa.feature.tempo` takes it, summed block by block: each column needs only the
+    envelope around its frame, so no more than `block` columns exist at once."""
+    import librosa
+
+    window = int(librosa.time_to_frames(AC_SECONDS, sr=RATE, hop_length=HOP))
+    frames = envelope.shape[-1]
+    # the centred tempogram's padding, as librosa.feature.tempogram pads
+    padded = np.pad(envelope, window // 2, mode="linear_ramp", end_values=[0, 0])
+    total = np.zeros(window, np.float64)
+    for start in range(0, frames, block):
+        check()
+        stop = min(frames, start + block)
+        part = librosa.feature.tempogram(onset_envelope=padded[start:stop + window - 1],
+                                         sr=RATE, hop_length=HOP, win_length=window,
+                                         center=False)
+        total += part.sum(axis=-1)
+    return (total / max(frames, 1))[:, None]
 
 
 def _tempo(times: np.ndarray, estimate: float) -> float:
