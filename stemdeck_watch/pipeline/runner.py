@@ -366,13 +366,17 @@ class Pipeline:
         return output, None
 
     def _duplicate_of(self, digest: str, key: str) -> Path | None:
-        """A complete outbox folder of a done job with the same content and settings, if
-        duplicates are skipped (`queue.on_duplicate`)."""
+        """A complete outbox folder holding this content separated with these settings, by
+        its manifest, if duplicates are skipped (`queue.on_duplicate`). The folder a done
+        job published may hold another song by now (moved away, another published there)."""
         if self.settings.queue.on_duplicate != "skip":
             return None
-        for folder in self._published(digest, key):
-            if publish.read_manifest(Path(folder)) is not None:
-                return Path(folder)
+        for folder in map(Path, self._published(digest, key)):
+            manifest = publish.read_manifest(folder) or {}
+            source = manifest.get("input")
+            if (isinstance(source, dict) and source.get("sha256") == digest
+                    and settings_key_of(manifest.get("settings")) == key):
+                return folder
         return None
 
     def finish_published(self, job: Job, source: Path, output: Path,
