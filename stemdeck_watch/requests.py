@@ -18,6 +18,7 @@ from stemdeck_watch.events import EventBus, JobRemoved
 from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.jobs import FileSignature, Job, JobState
 from stemdeck_watch.paths import move_file, report_path
+from stemdeck_watch.pipeline import publish
 from stemdeck_watch.registry import Registry
 
 if TYPE_CHECKING:
@@ -140,23 +141,32 @@ class Requests:
         return new
 
     def remove(self, job_id: str) -> list[str]:
-        """Forget a finished job: delete its outbox folder and leave tombstones, so neither
-        orphan adoption nor a rescan brings it back. Returns what could not be deleted."""
+        """Forget a finished job: delete the outbox folder it published and leave tombstones,
+        so neither orphan adoption nor a rescan brings it back. Returns what could not be
+        deleted. A folder is deleted only if its manifest names the job: a duplicate's
+        `output` is the original's folder, and the folder a job once published may hold
+        another song by now (moved away, another published there); those stay."""
         with self._lock:
             job = self._get(job_id)
             if not job.state.is_final:
                 raise Conflict(f"{job.name} is {job.state.value}; cancel it first, then remove it")
             left: list[str] = []
-            if job.output:
-                shutil.rmtree(job.output, onerror=lambda _f, path, exc: left.append(
+            own = self._published_by(job)
+            for folder in own:
+                shutil.rmtree(folder, onerror=lambda _f, path, exc: left.append(
                     f"{path} ({exc[1].strerror if isinstance(exc[1], OSError) else exc[1]})"))
+            if job.output and job.playlist is not None and job.playlist.is_link:
+                publish.remove_if_empty(Path(job.output))  # the entries' folder
             try:
                 signature = FileSignature.of(os.stat(job.source))
             except OSError:
                 signature = job.signature
             tombstones = [(job.source, "input", signature)]
-            if job.output:
+            if job.output and (Path(job.output) in own or not os.path.lexists(job.output)):
                 tombstones.append((job.output, "output", None))
+            elif job.output:
+                log.info("%s is not a folder %s published (its manifest names another job, or "
+                         "none); it stays", job.output, job.name)
             self.registry.remove(job.id, tombstones)
             self._left.discard(job.source)
         log.info("removed %s (job %s)%s", job.name, job.id,
@@ -164,6 +174,15 @@ class Requests:
         self.bus.publish(JobRemoved(job.id))
         self._announce_queue()
         return left
+
+    def _published_by(self, job: Job) -> list[Path]:
+        """The outbox folders that hold what `job` published, by the job id in their
+        manifests: its song folder, or a playlist link's entries' folders."""
+        jobs = [job]
+        if job.playlist is not None and job.playlist.is_link:
+            jobs = self.registry.entries_of(job.id)
+        return [Path(each.output) for each in jobs
+                if each.output and publish.publisher_of(Path(each.output)) == each.id]
 
     def _get(self, job_id: str) -> Job:
         job = self.registry.get(job_id)

@@ -185,6 +185,9 @@ def test_a_playlist_becomes_one_song_per_entry_in_order(make_settings, service_f
     assert "Beta (2/3 of My Mix)" in status.render(snapshot)
     wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
     assert not (settings.paths.state / "playlists" / link_job.id).exists()
+    # removing the playlist's job deletes its entries' folders, then the emptied group
+    assert service.scheduler.remove(link_job.id) == []
+    assert outbox_entries(settings.paths.outbox) == set()
 
 
 @pytest.mark.slow

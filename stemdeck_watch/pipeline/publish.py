@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -38,6 +39,7 @@ from stemdeck_watch.safefile import open_new, read_regular
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
+MANIFEST_LIMIT = 16 << 20  # bytes: a larger stemdeck.json is no manifest this service wrote
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
 MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
@@ -333,6 +335,27 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         except (OSError, KeyError, TypeError):
             return None
     return manifest
+
+
+def publisher_of(folder: Path) -> str | None:
+    """The job id a song folder's manifest names, complete or not: whose folder it is. Read
+    only from a regular file of bounded size, never through a link (anyone who can write the
+    outbox could plant one)."""
+    try:
+        fd = os.open(folder / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            text = handle.read(MANIFEST_LIMIT + 1)
+        manifest = json.loads(text) if len(text) <= MANIFEST_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    job_id = manifest.get("job_id") if isinstance(manifest, dict) else None
+    return job_id if isinstance(job_id, str) else None
 
 
 def list_files(folder: Path) -> list[dict[str, Any]]:
