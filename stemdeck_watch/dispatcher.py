@@ -169,6 +169,7 @@ class Dispatcher:
         if not queue.set_running(control, self.slot):
             # cancelled between take() and now: we own the job, so we close it out
             self._cancelled(job, control.reason or "cancelled")
+            queue.finish(control)
             return
         self._note_job(job.name)
         prefetcher = self.prefetcher
@@ -193,7 +194,8 @@ class Dispatcher:
             self._conclude(job, control, step.rest, final=True)
             return
         # publish behind: the worker is free, so the next job may start separating while
-        # this one is written out
+        # this one is written out; the queue still holds it, so a cancel reaches it
+        queue.publish_behind(control, self.slot)
         self._behind = threading.Thread(target=self._conclude,
                                         args=(job, control, step.rest, True),
                                         name=f"publish-{job.id}", daemon=True)

@@ -12,11 +12,16 @@ becomes "one job per worker". With one consumer (slot 0) nothing differs.
 A job taken from the deque is, for a moment, neither queued nor running. A cancel that lands
 in that gap only sets the flag on the job's `JobControl`; `set_running` then refuses it and the
 consumer, which owns the job by then, is the only thing that can close it out.
+
+A job whose publish step runs behind the worker leaves its slot to the next job but stays in
+flight until it finishes: a cancel must still reach its own `JobControl`, which decides (until
+its `commit()`) whether there is anything left to cancel.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 from typing import Callable, Iterator
@@ -39,6 +44,7 @@ class JobControl:
 
     def __init__(self, job_id: str):
         self.job_id = job_id
+        self.taken = 0  # when the queue handed it out (a count): earlier was ahead in the queue
         self._lock = threading.Lock()
         # held while a cancel stops the registered steps: the step's owner cannot leave
         # `registered()` (and hand a half-killed worker to the next job) until they are stopped
@@ -114,6 +120,11 @@ class JobQueue:
         # per consumer slot (one per worker): the job taken and the job running there
         self._claimed: dict[int, JobControl] = {}
         self._running: dict[int, JobControl] = {}
+        # jobs that left their slot to publish behind the worker, until they finish
+        self._behind: list[JobControl] = []
+        self._takes = itertools.count(1)
+        # jobs put back at the head after being taken: job id -> when it had been taken
+        self._returned: dict[str, int] = {}
         self._closed = False
 
     # ------------------------------------------------------------ producers
@@ -122,10 +133,28 @@ class JobQueue:
         with self._lock:
             if job_id in self._order:
                 return
+            self._returned.pop(job_id, None)
             if front:
                 self._order.appendleft(job_id)
             else:
                 self._order.append(job_id)
+            self._changed.notify_all()
+
+    def put_back(self, job_id: str) -> None:
+        """Return a taken job to the head of the queue, behind every job that was taken
+        before it and went back too: a stop cuts off the song publishing behind and the one
+        separating at once, in whatever order their threads get there, and they must come
+        back in the order they were queued."""
+        with self._lock:
+            if job_id in self._order:
+                return
+            taken = next((c.taken for c in self._controls() if c.job_id == job_id), 0)
+            at = 0
+            while (at < len(self._order) and self._order[at] in self._returned
+                   and self._returned[self._order[at]] < taken):
+                at += 1
+            self._order.insert(at, job_id)
+            self._returned[job_id] = taken
             self._changed.notify_all()
 
     def discard(self, job_id: str) -> bool:
@@ -152,21 +181,23 @@ class JobQueue:
             return list(self._order)
 
     def cancel(self, job_id: str, reason: str) -> str | None:
-        """Cancel wherever the job is: "queued" (removed), "running" or "claimed" (flag set and
-        its step stopped), or None if the queue does not hold it."""
+        """Cancel wherever the job is: "queued" (removed), "running", "claimed" or
+        "publishing" (behind the worker: flag set and its step stopped), or None if there is
+        nothing to cancel: the queue does not hold it, or its stems are already going out
+        (committed)."""
         with self._lock:
             if job_id in self._order:
                 self._order.remove(job_id)
                 return "queued"
-            running = [c for c in self._running.values() if c.job_id == job_id]
-            claimed = [c for c in self._claimed.values() if c.job_id == job_id]
-            if running:
-                control, where = running[0], "running"
-            elif claimed:
-                control, where = claimed[0], "claimed"
-            else:
+            found = [(c, where) for table, where in ((self._running.values(), "running"),
+                                                     (self._claimed.values(), "claimed"),
+                                                     (self._behind, "publishing"))
+                     for c in table if c.job_id == job_id]
+            if not found:
                 return None
-        control.cancel(reason)
+            control, where = found[0]
+        if not control.cancel(reason) and not control.cancelled:
+            return None  # committed: the song is out, the cancel changes nothing
         return where
 
     def cancel_running(self, reason: str) -> None:
@@ -185,24 +216,40 @@ class JobQueue:
             if not ready or self._closed:
                 return None
             control = JobControl(self._order.popleft())
+            control.taken = next(self._takes)
+            # every job still queued was behind this one: a job put back before now no
+            # longer orders the ones put back later
+            self._returned.clear()
             self._claimed[slot] = control
             return control
 
     def set_running(self, control: JobControl, slot: int = 0) -> bool:
-        """False if the job was cancelled between `take` and now: the caller finalises it."""
+        """False if the job was cancelled between `take` and now: the caller finalises it,
+        then calls `finish` (until then the job stays taken, in its place among those taken)."""
         with self._lock:
-            if self._claimed.get(slot) is control:
-                del self._claimed[slot]
             if control.cancelled:
                 return False
+            if self._claimed.get(slot) is control:
+                del self._claimed[slot]
             self._running[slot] = control
             return True
+
+    def publish_behind(self, control: JobControl, slot: int = 0) -> None:
+        """The job's worker part is over: its slot takes the next job while it publishes,
+        and it stays in flight (cancels reach it) until `finish`."""
+        with self._lock:
+            if self._running.get(slot) is control:
+                del self._running[slot]
+            if control not in self._behind:
+                self._behind.append(control)
 
     def finish(self, control: JobControl) -> None:
         with self._lock:
             for table in (self._running, self._claimed):
                 for slot in [s for s, c in table.items() if c is control]:
                     del table[slot]
+            if control in self._behind:
+                self._behind.remove(control)
 
     # ------------------------------------------------------------ control
 
@@ -236,13 +283,19 @@ class JobQueue:
             return list(self._order)
 
     def running(self) -> JobControl | None:
-        """The first worker's job (running, else taken); None when no job is in flight."""
+        """The first worker's job (running, else taken, else publishing behind); None when
+        no job is in flight."""
         with self._lock:
             return (next(iter(self._running.values()), None)
-                    or next(iter(self._claimed.values()), None))
+                    or next(iter(self._claimed.values()), None)
+                    or next(iter(self._behind), None))
 
     def in_flight(self) -> list[JobControl]:
-        """Every job taken or running, on every worker."""
+        """Every job taken, running or publishing behind, on every worker, in the order they
+        were taken (their order in the queue)."""
         with self._lock:
-            controls = [*self._running.values(), *self._claimed.values()]
-        return list({id(c): c for c in controls}.values())
+            controls = self._controls()
+        return sorted({id(c): c for c in controls}.values(), key=lambda c: c.taken)
+
+    def _controls(self) -> list[JobControl]:
+        return [*self._running.values(), *self._claimed.values(), *self._behind]

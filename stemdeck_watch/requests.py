@@ -76,6 +76,12 @@ class Requests:
             if job.state.is_final:
                 raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel")
             where = self.queue.cancel(job.id, CANCELLED_BY_USER)
+            if where is None:  # its stems are out (or going out): saying "cancelled" would lie
+                job = self._get(job.id)
+                raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel"
+                               if job.state.is_final else
+                               f"{job.name} can no longer be cancelled: its stems are being "
+                               f"published")
             if where == "queued":
                 job = self.update(job.id, state=JobState.CANCELLED, error=CANCELLED_BY_USER,
                                   finished_at=self._clock())

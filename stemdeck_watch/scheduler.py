@@ -287,8 +287,8 @@ class Scheduler(Requests):
             for entry in self.registry.entries_of(link_id):
                 if entry.state.is_final:
                     continue
-                # a queued entry ends here; a running one is stopped and its dispatcher ends
-                # it; one already publishing (None: no longer held) is out and stays out
+                # a queued entry ends here; a running or publishing one is stopped and its
+                # dispatcher ends it; one committed (None: its stems are going out) stays out
                 where = self.queue.cancel(entry.id, reason)
                 if where == "queued":
                     removed = True
@@ -371,8 +371,10 @@ class Scheduler(Requests):
         return job
 
     def requeue_front(self, job_id: str) -> Job:
+        """A taken job goes back to the head of the queue (stopping, or no disk room yet),
+        behind any job taken before it that went back too."""
         job = self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None)
-        self.queue.put(job_id, front=True)
+        self.queue.put_back(job_id)
         self._save_order()
         return job
 

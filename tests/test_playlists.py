@@ -217,16 +217,21 @@ def test_an_entry_over_the_limits_fails_alone(make_settings, service_factory, me
 
 
 def until_slow_runs(make_settings, service_factory, media):
-    """A playlist Alpha, Slow (a 12 s song, downloaded slowly), Beta, run until Slow is under
-    way (downloading, or separating if its download was done ahead); returns (settings,
-    service, its job log, the link file)."""
+    """A playlist Alpha, Slow (a 12 s song, downloaded slowly), Beta, run until Alpha is
+    published and Slow is under way (downloading, or separating if its download was done
+    ahead); returns (settings, service, its job log, the link file). Alpha may publish behind
+    Slow: until it is done, a cancel or a stop still reaches it."""
     settings = make_settings(links={"playlists": True})
     service, jobs = service_factory(settings)
     url = media.xspf("mix.xspf", [("s0.wav", "Alpha", None), ("slow-long.wav", "Slow", None),
                                   ("s1.wav", "Beta", None)])
     link = url_file(settings.paths.inbox, "Mix.url", url)
-    wait_for(lambda: any(j.name == "Slow" and j.state in UNDER_WAY for j in jobs.jobs()), 60,
-             "Slow to run")
+
+    def slow_runs() -> bool:
+        states = {j.name: j.state for j in jobs.jobs()}
+        return states.get("Alpha") is JobState.DONE and states.get("Slow") in UNDER_WAY
+
+    wait_for(slow_runs, 60, "Alpha done and Slow to run")
     return settings, service, jobs, link
 
 
