@@ -5,8 +5,9 @@ first (a link's download; the hash and decode of a file, once the worker holds t
 model) can run beside it (`Pipeline.prepare`). At most one job is prepared ahead: the head of
 the queue, and only while another job is separating and the queue is not paused. The prepared
 job stays queued — a cancel, a move or a pause treats it exactly as if nothing had been
-prepared: a cancel, a pause or the job leaving the head of the queue stops the work and
-removes its scratch, and the dispatcher prepares it itself if the work was dropped.
+prepared: a cancel, a pause, the job leaving the head of the queue or its input changing (a
+new signature recorded by the intake) stops the work and removes its scratch, and the
+dispatcher prepares it itself if the work was dropped.
 
 When the dispatcher takes a job that is being prepared, it adopts the work in flight: the
 running job's cancel now stops it, and its progress becomes the job's progress.
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 NOT_AHEAD = "no longer next in the queue"
 PAUSED = "the queue was paused"
+CHANGED = "its input changed while it was queued"
 
 
 @dataclasses.dataclass(eq=False)
@@ -132,8 +134,12 @@ class Prefetcher:
     def _on_job(self, event: JobChanged) -> None:
         with self._lock:
             ahead = self._ahead
-            if ahead is not None and ahead.job.id == event.job.id and event.job.state.is_final:
-                self._drop(ahead, event.job.error or "cancelled")  # cancelled while queued
+            if ahead is not None and ahead.job.id == event.job.id:
+                if event.job.state.is_final:
+                    self._drop(ahead, event.job.error or "cancelled")  # cancelled while queued
+                elif event.job.signature != ahead.job.signature:
+                    # a new version (a link edited, a file replaced): prepared again from it
+                    self._drop(ahead, CHANGED)
         self._wake.set()
 
     def _drop(self, ahead: _Ahead, reason: str) -> None:

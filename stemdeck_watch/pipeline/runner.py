@@ -9,8 +9,13 @@ The worker is the scarce part, so the steps around it run beside it: `prepare` (
 download, and the decode and hash of the next file) runs ahead, off the lock, driven by the
 Prefetcher; `start` holds the lock only up to the end of separation and hands back the
 publish step, which the dispatcher runs behind the next job's separation (`run` does both in
-turn). Decoded-ahead audio is used only if it was decoded from the same bytes (size and
-mtime unchanged) for the same model rate and channels; otherwise the job decodes again.
+turn). Decoded-ahead audio is used only if it was decoded from the same file (size, mtime
+and inode unchanged) for the same model rate and channels, and a download only if the link
+file still holds the URL it was made from; otherwise the job decodes or downloads again.
+
+A job is queued with its input's signature, but the file may be replaced before the job
+reads it: the job takes the signature of the version it actually read, so the check after
+publishing ("changed while it was separated") compares against what was separated.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from stemdeck_watch.config import Folders, OutputSettings, SeparationSettings, S
 from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.events import EventBus, JobSeparated
 from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.intake.links import read_link
+from stemdeck_watch.intake.links import LinkError, read_link
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
 from stemdeck_watch.paths import find_moved, move_file
 from stemdeck_watch.pipeline import publish, songfolder
@@ -50,12 +55,25 @@ class Prepared:
 
     download: Downloaded | None = None
     playlist: Playlist | None = None  # a playlist link's entries, listed (links.playlists)
+    # a link job: the link file's signature and its URL when it was read; the download (or
+    # listing) is the job's only while the link file is still exactly that
+    link: FileSignature | None = None
+    url: str | None = None
     decoded: DecodedAudio | None = None
     sha256: str | None = None
-    # the input's (size, mtime_ns) when it was hashed and decoded, and the model rate and
-    # channels it was decoded for: the decode is used only if all still hold
-    signature: tuple[int, int] | None = None
+    # the input's signature when it was hashed and decoded, and the model rate and channels
+    # it was decoded for: the decode is used only if all still hold
+    signature: FileSignature | None = None
     format: tuple[int, int] | None = None
+
+    def made_from(self, link: Path) -> bool:
+        """Whether the download or listing was made from `link` as it is now."""
+        if self.link is None or _signature(link) != self.link:
+            return False
+        try:
+            return read_link(link) == self.url
+        except LinkError:
+            return False
 
     def decoded_for(self, source: Path, samplerate: int, channels: int) -> DecodedAudio | None:
         """The decoded audio if it is still the input's, at this rate and channel count."""
@@ -69,12 +87,11 @@ class Prepared:
         return self.sha256 if self.sha256 and _signature(source) == self.signature else None
 
 
-def _signature(path: Path) -> tuple[int, int] | None:
+def _signature(path: Path) -> FileSignature | None:
     try:
-        st = path.stat()
+        return FileSignature.of(path.stat())
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns
 
 
 Claim = Callable[[Callable[[float], None]], Optional[Prepared]]
@@ -163,7 +180,8 @@ class Pipeline:
             if self.playlists is not None and self.playlists.expanded(job):
                 return prepared  # a playlist link's last step: nothing to fetch
             link = Path(job.source)
-            url = read_link(link)
+            prepared.link = _signature(link)  # before reading: a later edit shows as a change
+            prepared.url = url = read_link(link)
             entry = job.playlist  # an entry of a playlist: its title and length are known
             got = download(url, self.settings.paths.scratch / job.id / "download",
                            self.settings.links, check=control.check, on_progress=on_progress,
@@ -218,7 +236,7 @@ class Pipeline:
                 raise
 
         with self._lock:
-            enter, write = cleaned_on_error(
+            enter, write, as_read = cleaned_on_error(
                 lambda: self._run(job, control, scratch, staging, claim))
 
         def rest() -> Job:
@@ -228,8 +246,9 @@ class Pipeline:
                 _clean(folders, scratch, staging)
             if ran is None:  # a playlist link: its entries are queued, it waits behind them
                 return job
-            # announced as done only once the hidden staging folder is gone too
-            return self.finish_published(job, Path(job.source), *ran)
+            # announced as done only once the hidden staging folder is gone too; checked
+            # against the version of the input that was read
+            return self.finish_published(as_read, Path(job.source), *ran)
 
         def rest_then_release() -> Job:
             try:
@@ -240,11 +259,12 @@ class Pipeline:
         return PublishStep(lambda: cleaned_on_error(enter), rest_then_release)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
-             claim: Claim | None) -> tuple[Callable[[], None], Callable[[], Written]]:
+             claim: Claim | None) -> tuple[Callable[[], None], Callable[[], Written], Job]:
         """Download (links), decode and separate; returns the start of the publish step (it
-        marks the job publishing) and the rest, which returns the published folder (or the
+        marks the job publishing), the rest, which returns the published folder (or the
         existing one of a duplicate) and a note for the job, or None for a playlist link that
-        queued its entries or waits for them."""
+        queued its entries or waits for them, and the job with the signature of the input
+        (the link file, for a link) as it was read."""
         sep, out = self.settings.for_preset(job.preset)
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
@@ -261,23 +281,31 @@ class Pipeline:
 
         link: Downloaded | None = None
         prepared: Prepared | None = None
+        read: FileSignature | None = None  # the input's (a link's file's) when it was read
         if job.kind is JobKind.LINK:
             if self.playlists is not None and self.playlists.expanded(job):
                 settled = self.playlists.settle(job, control)  # the playlist's last step
                 if settled is not None and not control.commit():
                     raise Cancelled(control.reason or "cancelled")
-                return _nothing, lambda: settled
+                return _nothing, lambda: settled, job
             start = DOWNLOAD_SHARE
             report.stage(JobState.DOWNLOADING, 0.0)
             started = time.monotonic()
             progress = lambda v: report.progress(DOWNLOAD_SHARE * v)  # noqa: E731
             prepared = claim(progress) if claim else None
-            if prepared is None or (prepared.download is None and prepared.playlist is None):
+            if prepared is not None and not prepared.made_from(source):
+                if prepared.link is not None:
+                    log.info("%s changed after its download was prepared; fetching what it "
+                             "says now", source.name)
+                publish.remove_tree(scratch)  # none of it is this link's
+                prepared = None
+            if prepared is None:
                 prepared = self.prepare(job, control, progress, decode=False)
+            read = prepared.link
             if prepared.playlist is not None:
                 assert self.playlists is not None  # only then are playlists listed
                 self.playlists.expand(job, prepared.playlist, control)
-                return _nothing, lambda: None
+                return _nothing, lambda: None, job
             link = prepared.download
             assert link is not None
             timer.measure("download", started)
@@ -288,6 +316,9 @@ class Pipeline:
         report.stage(JobState.DECODING, start)
         if prepared is None and claim is not None:
             prepared = claim(lambda _v: None)  # a decode ahead in flight is waited for
+        if link is None:
+            read = _signature(source)  # looked at before it is read: a later change shows
+        job = dataclasses.replace(job, signature=read or job.signature)
         try:
             digest = (prepared and prepared.sha256_for(source)) or publish.sha256_of(source)
             size = source.stat().st_size
@@ -301,7 +332,7 @@ class Pipeline:
             log.info("%s was separated before with the same settings: the stems are in %s",
                      Path(job.source).name, copy)
             note = f"already separated with the same settings: the stems are in {copy}"
-            return enter, lambda: (copy, note)
+            return enter, lambda: (copy, note), job
         started = time.monotonic()
         model = self.client.ensure_model(sep.model, str(repo) if repo else None, control,
                                          precision=sep.precision)
@@ -318,7 +349,8 @@ class Pipeline:
 
         separate_share = SEPARATE_SHARE - start
         # one registry write (a sync to disk) for both: between two jobs it is worker idle time
-        report.stage(JobState.SEPARATING, start + DECODE_SHARE, sha256=digest, settings_key=key)
+        report.stage(JobState.SEPARATING, start + DECODE_SHARE, sha256=digest, settings_key=key,
+                     signature=job.signature)
         result = self.client.separate(
             job.id, sep.model, str(repo) if repo else None, decoded.path, scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
@@ -330,7 +362,7 @@ class Pipeline:
 
         return enter, lambda: self._publish(job, control, staging, source, result, model,
                                             decoded, digest, size, sep, out, settings, link,
-                                            timer)
+                                            timer), job
 
     def _publish(self, job: Job, control: JobControl, staging: Path, source: Path,
                  result: Separation, model: ModelInfo, decoded: DecodedAudio, digest: str,
