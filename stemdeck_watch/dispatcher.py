@@ -242,7 +242,10 @@ class Dispatcher:
             # the song is out; only recording it failed (a registry write): record it again
             log.error("%s was published to %s but recording it failed (%s); recording again",
                       job.name, published, message)
-            until_stored(lambda: self.pipeline.finish_published(job, Path(job.source), published),
+            # as recorded: the registry holds the signature of the version that was read
+            recorded = self.scheduler.registry.get(job.id) or job
+            until_stored(lambda: self.pipeline.finish_published(recorded, Path(job.source),
+                                                                published),
                          f"{job.name} as done", self._stop)
             return
         if not os.path.lexists(job.source):
