@@ -25,6 +25,7 @@ from stemdeck_watch.intake.ownership import InboxOwnership
 from stemdeck_watch.intake.watcher import Intake
 from stemdeck_watch.jobqueue import JobQueue
 from stemdeck_watch.lock import ServiceLock
+from stemdeck_watch.pipeline.inflight import SongsInFlight
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.playlist import Playlists
 from stemdeck_watch.prefetch import Prefetcher
@@ -87,10 +88,11 @@ class Service:
             # pipeline (and below, one dispatcher) per worker
             self.executor = pool.build(self.settings, self._worker_env)
             self.client = self.executor.clients[0]
+            songs = SongsInFlight()  # a song separating on one worker is no new song on another
             self.pipelines = [Pipeline(
                 self.settings, client, self.bus, self.scheduler.update,
                 lambda sha, key: [job.output for job in self.registry.done_with(sha, key)
-                                  if job.output]) for client in self.executor.clients]
+                                  if job.output], songs) for client in self.executor.clients]
             self.pipeline = self.pipelines[0]
             self.notifier = Notifier(self.bus, self.settings)
             self.notifier.start()  # before restore, which announces the restored jobs

@@ -1,25 +1,32 @@
 """Duplicates, seen from the outbox: a duplicate names a folder that holds its own song's
-stems, and `remove` deletes only the folder its job published.
+stems, `remove` deletes only the folder its job published, and the same song dropped twice
+back to back is separated once even while the first copy is still being published.
 
-Real service, real worker with the tiny model.
+Real service, real worker with the tiny model. The publish of the first copy is held back by
+a gate on the real stem writer, so "the second copy was checked while the first was still
+publishing" follows from the order of events, not from how fast this machine is.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from stemdeck_watch.config import Settings
+from stemdeck_watch.errors import PublishError
+from stemdeck_watch.events import JobChanged
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline import publish
 from stemdeck_watch.service import Service
 from stemdeck_watch.synth import write_song
 
-from conftest import JobLog, outbox_entries
+from conftest import JobLog, outbox_entries, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +124,108 @@ def test_removing_a_duplicate_leaves_the_original_songs_stems(
     # the original is still removed with its folder
     assert service.scheduler.remove(original.id) == []
     assert outbox_entries(settings.paths.outbox) == set()
+
+
+class FirstPublishHeld:
+    """Holds the real stem writer for the song `name` until the job `second` has been
+    checked against it: it started separating (the same song separated twice), or it says
+    it waits for the song in flight. Then the write goes on, or (`fail`) fails as a full
+    disk would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, service: Service, name: str,
+                 fail: bool = False) -> None:
+        self.checked = threading.Event()
+        self.held_for_nothing = False  # the gate gave up waiting: the check never came
+        self._second: str | None = None
+        real = publish.write_song
+
+        def held(staging: Path, stems: Any, samplerate: int, song: str, *args: Any,
+                 **kwargs: Any) -> Any:
+            if song == name:
+                self.held_for_nothing = not self.checked.wait(120)
+                if fail:
+                    raise PublishError(f"could not write the stems of {song}: injected")
+            return real(staging, stems, samplerate, song, *args, **kwargs)
+
+        monkeypatch.setattr(publish, "write_song", held)
+        service.bus.subscribe(JobChanged, self._on_change)
+        gate = self
+
+        class Waits(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "in flight" in record.getMessage():
+                    gate.checked.set()
+
+        self._handler = Waits(logging.INFO)
+        self._logger = logging.getLogger("stemdeck_watch.pipeline.runner")
+        self._level = self._logger.level
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(logging.INFO)
+
+    def second(self, job_id: str) -> None:
+        self._second = job_id
+
+    def _on_change(self, event: JobChanged) -> None:
+        if event.job.id == self._second and event.job.state is JobState.SEPARATING:
+            self.checked.set()
+
+    def close(self) -> None:
+        self.checked.set()
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+
+
+def twins_back_to_back(settings: Settings, service: Service, jobs: JobLog,
+                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                       fail: bool) -> tuple[dict[str, Job], Path]:
+    """song.wav and `song copy.wav` (the same bytes) dropped back to back; the first one's
+    publish is held until the second has been checked. Returns the jobs by name."""
+    gate = FirstPublishHeld(monkeypatch, service, "song", fail=fail)
+    try:
+        song = write_song(tmp_path / "song.wav", 1.5, seed=4)
+        service.scheduler.pause("user")
+        drop(song, settings.paths.inbox, "song.wav")
+        wait_for(lambda: len(service.queue.order()) == 1, 30, "song queued")
+        drop(song, settings.paths.inbox, "song copy.wav")
+        wait_for(lambda: len(service.queue.order()) == 2, 30, "song copy queued")
+        gate.second(service.queue.order()[1])
+        service.scheduler.start()
+        finished = {job.name: job for job in jobs.wait_final(2, timeout=240)}
+    finally:
+        gate.close()
+    assert not gate.held_for_nothing
+    return finished, song
+
+
+def test_the_same_song_dropped_twice_back_to_back_is_separated_once(
+        make_settings, service_factory, monkeypatch, tmp_path: Path) -> None:
+    settings = make_settings(queue={"work_beside": "on"})
+    service, jobs = service_factory(settings)
+    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path,
+                                        fail=False)
+
+    first, second = finished["song"], finished["song copy"]
+    assert first.state is JobState.DONE and first.error is None, first
+    # the second waited for the first and is its duplicate: one folder, one separation
+    assert second.state is JobState.DONE and second.output == first.output, second
+    assert "already separated" in (second.error or "")
+    assert outbox_entries(settings.paths.outbox) == {"song"}
+    assert manifest_of(first.output)["input"]["sha256"] == publish.sha256_of(song)
+    assert len(service.client.busy) == 1  # the worker separated it once
+    assert {p.name for p in settings.paths.processed.iterdir()} == {"song.wav", "song copy.wav"}
+
+
+def test_a_song_whose_twin_in_flight_fails_is_separated_itself(
+        make_settings, service_factory, monkeypatch, tmp_path: Path) -> None:
+    settings = make_settings(queue={"work_beside": "on"})
+    service, jobs = service_factory(settings)
+    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path,
+                                        fail=True)
+
+    first, second = finished["song"], finished["song copy"]
+    assert first.state is JobState.FAILED and "injected" in (first.error or ""), first
+    assert second.state is JobState.DONE and second.error is None, second
+    assert second.output == str(settings.paths.outbox / "song copy")
+    assert manifest_of(second.output)["input"]["sha256"] == publish.sha256_of(song)
+    assert outbox_entries(settings.paths.outbox) == {"song copy"}
+    assert (settings.paths.failed / "song.wav").is_file()

@@ -32,6 +32,7 @@ from stemdeck_watch.paths import find_moved, move_file
 from stemdeck_watch.pipeline import publish, songfolder
 from stemdeck_watch.pipeline.decode import DecodedAudio, decode_to_file
 from stemdeck_watch.pipeline.fetch import Downloaded, Playlist, download
+from stemdeck_watch.pipeline.inflight import SongsInFlight
 from stemdeck_watch.pipeline.separate import ModelInfo, Separation, WorkerClient
 from stemdeck_watch.playlist import Playlists
 
@@ -108,12 +109,14 @@ class StageTimer:
 class Pipeline:
     def __init__(self, settings: Settings, client: WorkerClient, bus: EventBus,
                  update: Callable[..., Job],
-                 published: Callable[[str, str], list[str]] = lambda _sha, _key: []):
+                 published: Callable[[str, str], list[str]] = lambda _sha, _key: [],
+                 songs: SongsInFlight | None = None):
         self.settings = settings
         self.client = client
         self.bus = bus
         self._update = update
         self._published = published  # outbox folders of done jobs with this content + settings
+        self._songs = songs or SongsInFlight()  # shared by the pipelines of every worker
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
 
@@ -211,6 +214,7 @@ class Pipeline:
                 return work()
             except BaseException:
                 _clean(folders, scratch, staging)
+                self._songs.release(job.id)
                 raise
 
         with self._lock:
@@ -227,7 +231,13 @@ class Pipeline:
             # announced as done only once the hidden staging folder is gone too
             return self.finish_published(job, Path(job.source), *ran)
 
-        return PublishStep(lambda: cleaned_on_error(enter), rest)
+        def rest_then_release() -> Job:
+            try:
+                return rest()
+            finally:  # done (or failed) on record: a job waiting for this song looks again
+                self._songs.release(job.id)
+
+        return PublishStep(lambda: cleaned_on_error(enter), rest_then_release)
 
     def _run(self, job: Job, control: JobControl, scratch: Path, staging: Path,
              claim: Claim | None) -> tuple[Callable[[], None], Callable[[], Written]]:
@@ -286,7 +296,7 @@ class Pipeline:
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
         settings = {"separation": dataclasses.asdict(sep), "output": dataclasses.asdict(out)}
         key = settings_key_of(settings) or ""
-        copy = self._duplicate_of(digest, key)
+        copy = self._duplicate_of(job, digest, key, control)
         if copy is not None:
             log.info("%s was separated before with the same settings: the stems are in %s",
                      Path(job.source).name, copy)
@@ -365,17 +375,27 @@ class Pipeline:
                  timer.timings["write"])
         return output, None
 
-    def _duplicate_of(self, digest: str, key: str) -> Path | None:
+    def _duplicate_of(self, job: Job, digest: str, key: str,
+                      control: JobControl) -> Path | None:
         """A complete outbox folder holding this content separated with these settings, by
         its manifest, if duplicates are skipped (`queue.on_duplicate`). The folder a done
-        job published may hold another song by now (moved away, another published there)."""
+        job published may hold another song by now (moved away, another published there).
+
+        A job with the same song in flight is waited for: its end decides. Otherwise this
+        job holds the song until it ends (SongsInFlight), so a copy behind it waits."""
         if self.settings.queue.on_duplicate != "skip":
             return None
+        while (ahead := self._songs.claim((digest, key), job.id)) is not None:
+            log.info("%s is the same song as job %s, in flight with the same settings: "
+                     "waiting for it", Path(job.source).name, ahead[0])
+            while not ahead[1].wait(0.1):
+                control.check()
         for folder in map(Path, self._published(digest, key)):
             manifest = publish.read_manifest(folder) or {}
             source = manifest.get("input")
             if (isinstance(source, dict) and source.get("sha256") == digest
                     and settings_key_of(manifest.get("settings")) == key):
+                self._songs.release(job.id)
                 return folder
         return None
 
