@@ -132,8 +132,8 @@ class FirstPublishHeld:
     it waits for the song in flight. Then the write goes on, or (`fail`) fails as a full
     disk would."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, service: Service, jobs: JobLog,
-                 name: str, fail: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, service: Service, name: str,
+                 fail: bool = False) -> None:
         self.checked = threading.Event()
         self.held_for_nothing = False  # the gate gave up waiting: the check never came
         self._second: str | None = None
@@ -180,7 +180,7 @@ def twins_back_to_back(settings: Settings, service: Service, jobs: JobLog,
                        fail: bool) -> tuple[dict[str, Job], Path]:
     """song.wav and `song copy.wav` (the same bytes) dropped back to back; the first one's
     publish is held until the second has been checked. Returns the jobs by name."""
-    gate = FirstPublishHeld(monkeypatch, service, jobs, "song", fail=fail)
+    gate = FirstPublishHeld(monkeypatch, service, "song", fail=fail)
     try:
         song = write_song(tmp_path / "song.wav", 1.5, seed=4)
         service.scheduler.pause("user")
