@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.paths import private_dir, private_file, tighten
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,12 @@ class Registry:
 
     @classmethod
     def open(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # for the user only: the history names every song and link (URLs may carry share
+        # tokens); SQLite gives its -wal and -shm files the database file's mode
+        private_dir(path.parent)
+        private_file(path)
+        for suffix in ("-wal", "-shm"):
+            tighten(Path(str(path) + suffix))
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
         try:
             db.execute("PRAGMA journal_mode=WAL")
