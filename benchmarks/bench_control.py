@@ -362,7 +362,8 @@ def queue_latency(bench: Bench, requests: int, spacing: float) -> list[dict[str,
             raise RuntimeError(f"GET /api/queue answered {status}: {body[:300]!r}")
         snap = json.loads(body)
         running = snap["running"]
-        rows.append({"seconds": seconds, "bytes": len(body), "jobs": len(snap["jobs"]),
+        rows.append({"seconds": seconds, "bytes": len(body),
+                     "jobs": len(snap["jobs"]) + snap.get("older_jobs", 0),
                      "separating": bool(running and running["state"] == "separating")})
     return rows
 

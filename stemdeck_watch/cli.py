@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
     status = add("status", help="show the queue (works while stopped too)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true",
+                        help="every job ever (default: the queue and the most recent "
+                             "finished jobs)")
     add("pause", help="pause the queue: the running song finishes, no new one starts")
     add("start", help="start the queue (also a queue restored after a restart)")
     job_help = "a job id, a unique id prefix or a unique song name"
@@ -157,8 +160,9 @@ def _on_stop_signals(stop: threading.Event) -> None:
 def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stemdeck_watch.status import collect, render, to_json
 
-    status = collect(settings)
-    print(to_json(status) if args.json else render(status))
+    status = collect(settings, every_job=args.all)
+    recent = len(status["jobs"]) if args.all else 10
+    print(to_json(status) if args.json else render(status, recent))
     return EXIT_OK
 
 
@@ -174,12 +178,11 @@ def _control(args: argparse.Namespace, settings: Settings) -> int:
     if command == "open":
         import webbrowser
 
-        client.get("/api/queue")  # the service answers and the token is right
-        url = client.page_url
+        url, seconds = client.page_link()  # the service answers and the token is right
         print(url)
         if not webbrowser.open(url):
-            print("stemdeck-watch: could not start a browser; open the address above",
-                  file=sys.stderr)
+            print(f"stemdeck-watch: could not start a browser; open the address above (it "
+                  f"works once, within {seconds:.0f} s)", file=sys.stderr)
         return EXIT_OK
     if command in ("pause", "start"):
         queue = client.post(f"/api/queue/{command}")

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from stemdeck_watch.errors import ConfigError
 from stemdeck_watch.executor import KINDS as EXECUTOR_KINDS, ray_address
 from stemdeck_watch.paths import default_config_file, default_state_dir
+from stemdeck_watch.redact import redact_url
 from stemdeck_watch.validators import (MP3_RATES, Check, boolean, byte_size, choice, choice_list,
                                        check_model_stems, extension_list, layout_template,
                                        mix_table, number, sample_rate, show, stem_name, text,
@@ -270,9 +271,8 @@ def _check(field: dataclasses.Field, value: Any, where: str) -> Any:
 
 
 def _show_value(value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        return repr(value)
-    return show(value)
+    """A value as an error message shows it; a URL without its credentials."""
+    return redact_url(repr(value) if isinstance(value, (dict, list)) else show(value))
 
 
 def _build_presets(table: Any) -> dict[str, dict[str, Any]]:

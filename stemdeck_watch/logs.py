@@ -2,16 +2,21 @@
 
 Log messages name songs, and a song's name is whatever someone called a file in a synced
 folder: every record is written with its control characters escaped (see SafeFormatter), so
-a name cannot forge a log line or send escape sequences to the terminal."""
+a name cannot forge a log line or send escape sequences to the terminal. The log also names
+links, whose URLs may carry share tokens: its folder and files are for the user only (0700 /
+0600), whatever the umask.
+"""
 from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from stemdeck_watch.safetext import escape_controls
+from stemdeck_watch.paths import private_dir, tighten
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 TERMINAL_FORMAT = "%(asctime)s %(levelname)-7s %(message)s"
@@ -47,10 +52,11 @@ def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool 
     root.propagate = False
     log_file = None
     if state_dir is not None:
-        log_dir = state_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = private_dir(private_dir(state_dir) / "logs")
         log_file = log_dir / "stemdeck-watch.log"
-        file_handler = logging.handlers.RotatingFileHandler(
+        for old in log_dir.glob(log_file.name + "*"):
+            tighten(old)  # written by an older version with the umask's mode
+        file_handler = _PrivateFileHandler(
             log_file, maxBytes=2_000_000, backupCount=5, encoding="utf-8")
         file_handler.setFormatter(SafeFormatter(FORMAT))
         file_handler.setLevel(logging.DEBUG)
@@ -61,3 +67,11 @@ def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool 
         stream.setLevel(logging.DEBUG if verbose else logging.INFO)
         root.addHandler(stream)
     return log_file
+
+
+class _PrivateFileHandler(logging.handlers.RotatingFileHandler):
+    """A rotating log whose files (each new one after a rollover too) are created 0600."""
+
+    def _open(self) -> Any:
+        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors,
+                    opener=lambda path, flags: os.open(path, flags, 0o600))

@@ -44,6 +44,47 @@ def default_config_file() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME)) / "stemdeck.toml"
 
 
+def private_dir(path: Path) -> Path:
+    """Make the folder `path` (with missing parents) for the user only (0700), whatever the
+    umask: the state folder holds the job history, whose sources and link URLs (which may
+    carry share tokens) are nobody else's business. One of ours that others can read (made
+    by an older version) is tightened."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    tighten(path)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Make sure the file `path` exists and is for the user only (0600): created so, or
+    tightened if it is ours and others could read it (a file from an older version)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        return path
+    except FileExistsError:
+        pass
+    tighten(path)
+    return path
+
+
+def tighten(path: Path) -> None:
+    """Take the group's and others' access away from a file or folder of ours, if it is
+    there (never through a symbolic link)."""
+    if sys.platform == "win32":
+        return  # ACLs, not mode bits; the profile folder is private already
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_uid == os.geteuid() and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+            and st.st_mode & 0o077):
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
 def numbered(path: Path, n: int, keep_suffix: bool = True) -> Path:
     """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`."""
     if n < 2:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.paths import private_dir, private_file, tighten
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     playlist TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at);
+CREATE INDEX IF NOT EXISTS jobs_by_finished ON jobs (finished_at);
 CREATE TABLE IF NOT EXISTS tombstones (
     path TEXT NOT NULL, kind TEXT NOT NULL, size INTEGER, mtime_ns INTEGER, inode INTEGER,
     job_id TEXT, removed_at REAL NOT NULL, PRIMARY KEY (path, kind)
@@ -84,7 +88,12 @@ class Registry:
 
     @classmethod
     def open(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # for the user only: the history names every song and link (URLs may carry share
+        # tokens); SQLite gives its -wal and -shm files the database file's mode
+        private_dir(path.parent)
+        private_file(path)
+        for suffix in ("-wal", "-shm"):
+            tighten(Path(str(path) + suffix))
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
         try:
             db.execute("PRAGMA journal_mode=WAL")
@@ -223,6 +232,42 @@ class Registry:
         with self._lock:
             rows = self._db.execute(query, params).fetchall()
         return [_job(row) for row in rows]
+
+    def recent(self, finished: int) -> tuple[list[Job], int]:
+        """Every job not finished yet and the `finished` most recently finished ones, newest
+        first, with the number of finished jobs left out: what a snapshot of the queue shows,
+        whose size must not grow with the history (the indexes keep it a few lookups)."""
+        final = [s.value for s in JobState if s.is_final]
+        active = [s.value for s in JobState if not s.is_final]
+        marks = lambda values: ", ".join("?" * len(values))  # noqa: E731
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE rowid IN "
+                f"(SELECT rowid FROM jobs WHERE state IN ({marks(active)}) UNION ALL "
+                f"SELECT rowid FROM (SELECT rowid FROM jobs WHERE +state IN ({marks(final)}) "
+                "ORDER BY finished_at DESC, rowid DESC LIMIT ?)) "
+                "ORDER BY created_at DESC, rowid DESC", (*active, *final, finished)).fetchall()
+            total = self._db.execute(
+                f"SELECT count(*) FROM jobs WHERE state IN ({marks(final)})", final).fetchone()[0]
+        jobs = [_job(row) for row in rows]
+        return jobs, max(0, total - sum(1 for job in jobs if job.state.is_final))
+
+    def page(self, before: tuple[float, int] | None,
+             limit: int) -> tuple[list[Job], tuple[float, int] | None]:
+        """Up to `limit` jobs older than the cursor `before` (created_at, rowid), newest
+        first, and the cursor of the next page (None after the last): every job, a page at a
+        time, however long the history."""
+        query = f"SELECT {_JOB_COLUMNS}, rowid FROM jobs"
+        params: list[Any] = []
+        if before is not None:
+            query += " WHERE (created_at, rowid) < (?, ?)"
+            params += before
+        query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(query, (*params, limit + 1)).fetchall()
+        jobs = [_job(row[:-1]) for row in rows[:limit]]
+        cursor = (jobs[-1].created_at, rows[limit - 1][-1]) if len(rows) > limit else None
+        return jobs, cursor
 
     def entries_of(self, playlist_id: str) -> list[Job]:
         """The jobs of a playlist link's entries, in playlist order."""

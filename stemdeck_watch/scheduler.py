@@ -411,14 +411,21 @@ class Scheduler(Requests):
         self._announce_queue()
 
     def snapshot(self) -> dict[str, Any]:
-        """The live `status --json` object (the API's GET /api/queue)."""
+        """The live `status --json` object (the API's GET /api/queue), as small with a
+        history of 20,000 songs as with none: older jobs are paged (`jobs_page`)."""
         with self._lock:
             waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
-            return status.build(self.registry.jobs(), self.queue.order(), waiting,
+            jobs, older = self.registry.recent(status.RECENT_JOBS)
+            return status.build(jobs, self.queue.order(), waiting,
                                 self.queue.pause_reason if self.queue.paused else None,
                                 self.settings.paths, {"running": True, "pid": os.getpid()},
                                 worker=status.worker_of(self.registry),
-                                workers=status.workers_of(self.registry))
+                                workers=status.workers_of(self.registry), older=older)
+
+    def jobs_page(self, before: tuple[float, int] | None,
+                  limit: int) -> tuple[list[Job], tuple[float, int] | None]:
+        """Every job, newest first, a page at a time (GET /api/jobs)."""
+        return self.registry.page(before, limit)
 
     def waiting(self) -> list[str]:
         with self._lock:

@@ -29,7 +29,8 @@ from stemdeck_watch.pipeline.inflight import SongsInFlight
 from stemdeck_watch.pipeline.runner import Pipeline
 from stemdeck_watch.playlist import Playlists
 from stemdeck_watch.prefetch import Prefetcher
-from stemdeck_watch.paths import default_state_dir, filesystem_type, is_network_filesystem
+from stemdeck_watch.paths import (default_state_dir, filesystem_type, is_network_filesystem,
+                                  private_dir)
 from stemdeck_watch.recovery import adopt_orphans, restore
 from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.scheduler import Scheduler
@@ -62,8 +63,8 @@ class Service:
         """Start every part. With `watch.standby` this first waits until another computer's
         service gives up the inbox; `stop` set meanwhile returns without starting."""
         folders = self.folders
-        for folder in (folders.inbox, folders.outbox, folders.processed, folders.failed,
-                       folders.state):
+        private_dir(folders.state)
+        for folder in (folders.inbox, folders.outbox, folders.processed, folders.failed):
             folder.mkdir(parents=True, exist_ok=True)
         for preset in self.settings.presets:
             (folders.inbox / preset).mkdir(exist_ok=True)

@@ -19,6 +19,9 @@ from stemdeck_watch.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.safetext import escape_controls
 
 
+RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
+
+
 class RegistryDamaged(StemdeckError):
     """The registry file exists but SQLite cannot read it."""
 
@@ -27,12 +30,14 @@ def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, f
           pause_reason: str | None, folders: Folders,
           service: dict[str, Any], notes: list[str] | None = None,
           worker: dict[str, Any] | None = None,
-          workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
     """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
     resident worker's device, threads, model and precision with the figures that chose it).
 
     One builder for the stopped service (read from disk) and the running one (the API), so
-    the CLI, the page and scripts see the same shape.
+    the CLI, the page and scripts see the same shape. `jobs` holds the jobs not finished and
+    the most recent finished ones (`Registry.recent`); `older` finished jobs are left out,
+    so a snapshot's size does not grow with the history.
     """
     by_id = {job.id: job for job in jobs}
     running = next((job for job in jobs if job.state.is_running), None)
@@ -44,6 +49,7 @@ def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, f
         "queued": [by_id[i].to_status() for i in order if i in by_id],
         "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
         "jobs": [job.to_status() for job in jobs],
+        "older_jobs": older,
         "folders": {name: str(getattr(folders, name))
                     for name in ("inbox", "outbox", "processed", "failed", "state")},
         "notes": notes or [],
@@ -93,8 +99,9 @@ def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
     return workers if workers is not None else ([worker] if worker else [])
 
 
-def collect(settings: Settings) -> dict[str, Any]:
-    """The status object read from the registry on disk (works while the service is stopped).
+def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
+    """The status object read from the registry on disk (works while the service is stopped);
+    `jobs` as in a snapshot, or (`every_job`) the whole history.
 
     A registry the service has only just created has no tables yet: that is "no jobs yet",
     not an error. A damaged file is named, with what to do about it.
@@ -106,6 +113,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     order: list[str] = []
     waiting: list[tuple[str, JobKind, float]] = []
     pause_reason = None
+    older = 0
     worker = None
     workers = None
     notes: list[str] = []
@@ -113,7 +121,10 @@ def collect(settings: Settings) -> dict[str, Any]:
         registry = Registry.open_readonly(path)
         if registry is not None:
             try:
-                jobs = registry.jobs()
+                if every_job:
+                    jobs = registry.jobs()
+                else:
+                    jobs, older = registry.recent(RECENT_JOBS)
                 order = registry.queued_order()
                 waiting = registry.waiting()
                 pause_reason = registry.get_meta("pause_reason") or None
@@ -132,7 +143,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
     return build(jobs, order, waiting, pause_reason, folders,
-                 {"running": pid is not None, "pid": pid}, notes, worker, workers)
+                 {"running": pid is not None, "pid": pid}, notes, worker, workers, older)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -203,6 +214,10 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
             when = _dt.datetime.fromtimestamp(j["finished_at"] or j["created_at"]).strftime("%m-%d %H:%M")
             detail = j["output"] if j["state"] == JobState.DONE.value else (j["error"] or "")
             lines.append(f"  {when}  {j['state']:<9} {label(j)}  {_short(detail)}")
+    older = len(finished) - min(len(finished), recent) + status.get("older_jobs", 0)
+    if older:
+        lines.append(f"  … and {older} older job(s): `stemdeck-watch status --all` lists "
+                     f"every job")
     return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@ import string
 from pathlib import PurePosixPath
 from typing import Any, Callable
 
+from stemdeck_watch.redact import redact_url
+
 Check = Callable[[Any], Any]
 LAYOUT_FIELDS = ("stem", "name", "ext", "model", "title", "artist", "album", "preset")
 MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG audio
@@ -99,7 +101,7 @@ def url_list(value: Any) -> tuple[str, ...]:
     bad = [v for v in items if v.strip() != "desktop" and "://" not in v]
     if bad:
         raise ValueError('a list of apprise URLs such as "json://host/" or "mailto://…", or '
-                         f'"desktop" (not a URL: {", ".join(show(v) for v in bad)})')
+                         f'"desktop" (not a URL: {", ".join(redact_url(show(v)) for v in bad)})')
     return tuple(v.strip() for v in items)
 
 

@@ -548,3 +548,132 @@ def test_a_taken_port_fails_to_start_and_leaves_nothing_behind(tmp_path):
             server.start()
         server.stop()
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ the real API and scheduler, no worker
+
+@pytest.fixture
+def api_on_registry(settings: Any) -> Any:
+    """The real API over the real scheduler and registry (no watcher, no worker): what the
+    queue shows and pages through depends on the registry alone."""
+    from types import SimpleNamespace
+
+    from stemdeck_watch.config import ApiSettings
+    from stemdeck_watch.control.api import ApiServer
+
+    from conftest import open_scheduler
+
+    scheduler = open_scheduler(settings)
+    server = ApiServer(scheduler, scheduler.bus, ApiSettings(port=0), settings.paths.state)
+    server.start()
+    try:
+        yield SimpleNamespace(api=server, scheduler=scheduler, settings=settings)
+    finally:
+        server.stop()
+        scheduler.registry.close()
+
+
+def history(count: int, start: float = 1.7e9) -> list[Job]:
+    """`count` songs separated one after the other, the last one newest."""
+    return [Job(id=f"old{i:06d}", name=f"Song {i}", kind=JobKind.FILE, state=JobState.DONE,
+                source=f"/music/processed/Song {i}.flac", rel_path=f"Song {i}.flac",
+                output=f"/music/outbox/Song {i}", created_at=start + i,
+                finished_at=start + i + 0.5) for i in range(count)]
+
+
+def test_a_long_history_keeps_the_queue_small_and_every_job_can_be_paged(api_on_registry):
+    scheduler = api_on_registry.scheduler
+    scheduler.registry.add_all(history(20_000))
+    failed = scheduler.registry.add(Job(
+        id="failedlong", name="Broken", kind=JobKind.FILE, state=JobState.FAILED,
+        source="/music/failed/Broken.wav", rel_path="Broken.wav", error="not audio",
+        created_at=1.0, finished_at=2.0e9))  # created long ago, failed just now
+    queued = [scheduler.registry.add(Job(
+        id=f"queued{i}", name=f"Next {i}", kind=JobKind.FILE, state=JobState.QUEUED,
+        source=f"/music/inbox/Next {i}.wav", rel_path=f"Next {i}.wav")) for i in range(3)]
+    scheduler.enqueue_restored([job.id for job in queued])
+    api = Api(api_on_registry)
+
+    status, raw, headers = api.call("GET", "/api/queue")
+    size = int(headers["Content-Length"])
+    assert status == 200 and size < 64 * 1024, size  # not 8 MB
+    shown = [job["id"] for job in raw["jobs"]]
+    assert [job["id"] for job in raw["queued"]] == [job.id for job in queued]
+    assert {job.id for job in queued} | {failed.id} <= set(shown)
+    assert shown[len(queued):len(queued) + 3] == ["old019999", "old019998", "old019997"]
+    finished = [job for job in raw["jobs"] if job["state"] in ("done", "failed")]
+    assert raw["older_jobs"] == 20_001 - len(finished) > 19_000
+
+    stream = Stream(api.port, api.token)  # an open page's first frame is as small
+    try:
+        stream.headers()
+        kind, frame = stream.next(5.0)
+        assert kind == "queue" and len(json.dumps(frame)) < 64 * 1024
+        assert [job["id"] for job in frame["jobs"]] == shown
+    finally:
+        stream.close()
+
+    seen: list[str] = []
+    cursor = None
+    while True:
+        query = "?limit=1000" + (f"&before={cursor}" if cursor else "")
+        page = api.ok("GET", "/api/jobs" + query)
+        assert len(page["jobs"]) <= 1000
+        seen += [job["id"] for job in page["jobs"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+    everyone = [job.id for job in scheduler.registry.jobs()]
+    assert seen == everyone and len(seen) == 20_004  # every job once, newest first
+    assert len(api.ok("GET", "/api/jobs")["jobs"]) == 100  # the default page
+    for bad in ("?limit=0", "?limit=1001", "?limit=x", "?before=yesterday", "?limit=5&limit=6",
+                "?page=2"):
+        status, reply, _ = api.call("GET", "/api/jobs" + bad)
+        assert status == 400 and reply["error"], bad
+
+
+def test_the_status_command_lists_recent_jobs_and_says_how_many_are_older(settings, capsys):
+    from stemdeck_watch.cli import main
+
+    from conftest import open_scheduler
+
+    scheduler = open_scheduler(settings)
+    scheduler.registry.add_all(history(500))
+    scheduler.registry.close()
+    config = settings.paths.state.parent / "stemdeck.toml"
+    config.write_text("[folders]\n" + "".join(f'{name} = "{getattr(settings.paths, name)}"\n'
+                                              for name in ("inbox", "outbox", "processed",
+                                                           "failed", "state")))
+    assert main(["status", "--config", str(config)]) == 0
+    text = capsys.readouterr().out
+    assert "Song 499" in text and "Song 489" not in text
+    assert "and 490 older job(s): `stemdeck-watch status --all`" in text
+    assert main(["status", "--json", "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(shown["jobs"]) + shown["older_jobs"] == 500 and len(shown["jobs"]) < 100
+    assert main(["status", "--json", "--all", "--config", str(config)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["jobs"]) == 500
+
+
+def test_deeply_nested_json_is_refused_with_400_not_a_500(api_on_registry):
+    api = Api(api_on_registry)
+    for raw in (b"[" * 30_000 + b"]" * 30_000, b'{"a":' * 10_000 + b"1" + b"}" * 10_000):
+        assert len(raw) <= 64 * 1024
+        status, reply, _ = api.call("POST", "/api/queue/pause", raw=raw)
+        assert status == 400 and "nested too deeply" in reply["error"], (status, reply)
+    assert api.ok("GET", "/api/queue")["paused"] is False  # refused, nothing changed
+
+
+def test_a_one_time_page_code_works_once_and_only_for_a_minute():
+    from stemdeck_watch.control.pagecode import CODE_TTL, MAX_CODES, OneTimeCodes
+
+    now = [1000.0]
+    codes = OneTimeCodes(clock=lambda: now[0])
+    first, late = codes.issue(), codes.issue()
+    assert len(first) >= 32 and first != late
+    assert codes.redeem(first) and not codes.redeem(first)  # once
+    now[0] += CODE_TTL + 0.1
+    assert not codes.redeem(late)  # expired, and gone
+    assert not codes.redeem("") and not codes.redeem("made-up")
+    issued = [codes.issue() for _ in range(MAX_CODES + 5)]  # a flood keeps only the newest
+    assert not codes.redeem(issued[0]) and codes.redeem(issued[-1])

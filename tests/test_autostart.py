@@ -163,6 +163,88 @@ def test_quoting_for_each_format():
     assert autostart.windows_cmdline(["C:\\a b\\x.exe", "run"]) == '"C:\\a b\\x.exe" run'
 
 
+def cmd_exe_reads(line: str) -> str:
+    """The text a batch file's line becomes before cmd.exe runs it (phase 1: `%%` is `%`),
+    failing where cmd.exe would do more than read characters: a lone `%` (a variable or a
+    batch argument), or `&`, `|`, `<`, `>`, `^`, `(`, `)`, `,`, `;`, `=` outside double
+    quotes (operators, escapes, blocks, separators)."""
+    out, i = [], 0
+    while i < len(line):
+        if line[i] == "%":
+            assert line[i + 1:i + 2] == "%", f"cmd.exe would expand the % at {i}: {line!r}"
+            i += 1
+        out.append(line[i])
+        i += 1
+    text, quoted = "".join(out), False
+    for i, c in enumerate(text):
+        if c == '"':
+            quoted = not quoted
+        elif not quoted:
+            assert c not in "&|<>^(),;=", f"cmd.exe would read {c!r} at {i} as syntax: {text!r}"
+    assert not quoted, text
+    return text
+
+
+def command_line_to_argv(text: str) -> list[str]:
+    """Split a Windows command line as the program's C runtime does (CommandLineToArgvW):
+    whitespace separates outside quotes; 2n backslashes before a quote are n and the quote
+    opens or closes; 2n+1 are n and a literal quote; other backslashes are literal."""
+    args: list[str] = []
+    current: list[str] = []
+    quoted = started = False
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            n = len(text[i:]) - len(text[i:].lstrip("\\"))
+            if text[i + n:i + n + 1] == '"':
+                current.append("\\" * (n // 2))
+                if n % 2:
+                    current.append('"')
+                    i += n + 1
+                else:
+                    i += n
+                started = True
+                continue
+            current.append("\\" * n)
+            i += n
+            started = True
+            continue
+        if c == '"':
+            quoted, started = not quoted, True
+        elif c in " \t" and not quoted:
+            if started:
+                args.append("".join(current))
+                current, started = [], False
+        else:
+            current.append(c)
+            started = True
+        i += 1
+    if started:
+        args.append("".join(current))
+    return args
+
+
+def test_a_windows_path_with_ampersand_parentheses_or_caret_starts_the_right_program(tmp_path):
+    exe = ["C:\\Users\\R&D\\stemdeck^watch(2)\\.venv\\Scripts\\stemdeck-watch.exe"]
+    config = "C:\\Users\\Tom & Jerry\\100%\\a,b;c=d!\\stemdeck.toml"
+    for argv in (autostart.command(config, False, exe),
+                 autostart.command(config, True, ["C:\\Py thon\\python.exe", "-m",
+                                                  "stemdeck_watch"]),
+                 ["C:\\x.exe", "C:\\folder with space\\", "%PATH%", "%1", "a^b"]):
+        entry = autostart.entry_for("win32", tmp_path, argv, Path(config), False,
+                                    env={"APPDATA": "C:\\Users\\you\\AppData\\Roaming"})
+        lines = entry.text.split("\r\n")
+        assert lines[0] == "@echo off" and lines[-1] == ""
+        assert lines[1].startswith("rem ") and "%%" in lines[1]  # the rem line's % too
+        assert lines[2] == "setlocal DisableDelayedExpansion"  # `!` stays a character
+        start = cmd_exe_reads(lines[3])
+        assert start.startswith('start "stemdeck-watch" /min ')
+        assert command_line_to_argv(start.removeprefix('start "stemdeck-watch" /min ')) == argv
+    with pytest.raises(ValueError, match="double quote"):
+        autostart.windows_cmdline(['C:\\a"b.exe'])
+
+
 def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path):
     if shutil.which("systemd-analyze") is None:  # skipped locally, never under CI=true
         desktop.require("systemd-analyze is not installed here (apt-get install systemd); "

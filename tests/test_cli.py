@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,34 @@ def test_demo_runs_offline_and_reports_where_the_stems_are(tmp_path: Path) -> No
         assert f"{name} → {tmp_path / 'demo' / 'outbox' / name}" in result.stdout
         assert (tmp_path / "demo" / "outbox" / name / "vocals.wav").is_file()
     assert "never been trained" in result.stdout and "htdemucs" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX modes")
+def test_the_state_folder_registry_and_log_are_private_even_under_umask_022(config, tmp_path):
+    """The history names every song and link (URLs may carry share tokens): nobody else on
+    the machine reads it, however permissive the umask, also when an older version left
+    world-readable files behind."""
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True, mode=0o755)
+    state.chmod(0o755)
+    old_log = state / "logs" / "stemdeck-watch.log.1"  # a rotated log from before
+    old_log.write_text("2024-01-01 INFO an old line\n")
+    old_log.chmod(0o644)
+    log = open(tmp_path / "run.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "run", "--no-tray"], stdout=log, stderr=subprocess.STDOUT,
+                            umask=0o022)
+    try:
+        wait_for(lambda: (state / "api.json").is_file(), 90, "the service to start")
+        modes = {path.relative_to(state).as_posix(): stat.S_IMODE(path.stat().st_mode)
+                 for path in [state, *state.rglob("*")]}
+        assert modes["."] == 0o700 and modes["logs"] == 0o700, modes
+        for name in ("registry.sqlite3", "registry.sqlite3-wal", "logs/stemdeck-watch.log",
+                     "logs/stemdeck-watch.log.1", "api.token", "service.lock"):
+            assert modes.get(name) == 0o600, (name, modes)
+        assert not [name for name, mode in modes.items() if mode & 0o077 and name != "api.json"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        log.close()

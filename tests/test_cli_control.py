@@ -2,9 +2,12 @@
 service (started in this process, so the test can see its queue) through its real local API."""
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,19 @@ def queued_names(service: Any) -> list[str]:
 
 def jobs_named(service: Any, name: str) -> list[dict[str, Any]]:
     return [j for j in queue(service)["jobs"] if j["name"] == name]
+
+
+def trade(service: Any, link: str) -> tuple[int, str | None]:
+    """What the queue page does with a one-time link: trade its code for the token."""
+    conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
+    try:
+        code = link.split("#code=", 1)[1]
+        conn.request("POST", "/api/token", body=json.dumps({"code": code}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read()).get("token")
+    finally:
+        conn.close()
 
 
 COMMANDS = (["pause"], ["start"], ["cancel", "x"], ["move", "x", "--first"], ["retry", "x"],
@@ -135,7 +151,9 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
     monkeypatch.setattr("webbrowser.open", lambda url, *a, **k: opened.append(url) or True)
     out = cli.ok("open")
     port, token = service.api.port, service.api.token
-    assert opened == [f"http://127.0.0.1:{port}/#token={token}"] and out == opened[0] + "\n"
+    assert len(opened) == 1 and out == opened[0] + "\n" and token not in out
+    assert opened[0].startswith(f"http://127.0.0.1:{port}/#code=")
+    assert trade(service, opened[0]) == (200, token)  # the page's one trade
 
     out = cli.ok("start")
     assert out.startswith("started")
@@ -189,3 +207,39 @@ def test_with_the_api_off_the_cli_says_so(tmp_path, model_repo, capsys, service_
     assert service.api is None
     code, _, err = Cli(config, capsys)("pause")
     assert code == 1 and f"pid {os.getpid()}" in err and "local API is not" in err
+
+
+@pytest.mark.slow
+def test_the_browser_command_line_never_holds_the_token(config, service_factory, tmp_path,
+                                                        monkeypatch):
+    """`open` and the tray start a browser, whose command line every local user can read
+    (`ps`): it carries a one-time code that opens the page once, never the token."""
+    from stemdeck_watch.control.tray import Tray
+
+    service, _ = service_factory(load_settings(config))
+    token = service.api.token
+    record = tmp_path / "launched.jsonl"
+    launchers = tmp_path / "bin"
+    launchers.mkdir()
+    for name in ("browser", "xdg-open"):  # what webbrowser ($BROWSER) and the tray start
+        fake = launchers / name
+        fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"with open({str(record)!r}, 'a') as out:\n"
+                        f"    out.write(json.dumps(sys.argv) + '\\n')\n")
+        fake.chmod(0o755)
+    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "open"], env={**os.environ, "BROWSER": str(launchers / "browser")},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("PATH", f"{launchers}{os.pathsep}{os.environ['PATH']}")
+    Tray(service, threading.Event()).open_page()
+    launched = wait_for(lambda: record.is_file() and len(lines := record.read_text()
+                                                         .splitlines()) == 2 and lines,
+                        10, "the tray's opener to run")
+    argvs = [json.loads(line) for line in launched]
+    assert [Path(argv[0]).name for argv in argvs] == ["browser", "xdg-open"]
+    for argv in argvs:
+        assert not any(token in arg for arg in argv), argv
+        assert argv[-1].startswith(f"{service.api.url}#code=")
+        assert trade(service, argv[-1]) == (200, token)  # the page's one trade ...
+        assert trade(service, argv[-1]) == (403, None)  # ... and nobody's after it

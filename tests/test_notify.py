@@ -186,6 +186,36 @@ def test_bad_urls_and_event_names_are_config_errors(tmp_path, model_repo):
     assert not (tmp_path / "state" / "registry.sqlite3").exists()
 
 
+def test_a_bad_notify_url_is_reported_without_its_password(settings, tmp_path, model_repo,
+                                                          caplog):
+    secrets = ("hunter2", "s3cret", "Abc123Def456Ghi789", "pw0rd")
+    bad = "nosuchservice://admin:s3cret@example.invalid/x?token=Abc123Def456Ghi789&mode=a"
+    good = "json://user:hunter2@127.0.0.1:9/"
+    # `run` refuses it before anything starts: the entry is named, its secrets are not
+    config = write_config(tmp_path, model_repo, notify={"urls": [good, bad]})
+    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "run", "--no-tray"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert ("configuration error: notify.urls: 'nosuchservice://admin:***@example.invalid/x?"
+            "token=***&mode=a' is not a URL apprise can use") in result.stderr
+    # a value the configuration refuses (no scheme) is shown with the list it is in
+    with pytest.raises(ConfigError) as info:
+        settings_from_dict({"notify": {"urls": [good, "mailto:me:pw0rd@example.org"]}})
+    assert "json://user:***@127.0.0.1:9/" in str(info.value)
+    assert "mailto:me:***@example.org" in str(info.value)
+    # an entry refused at run time is logged, never fatal, and never with its password
+    with caplog.at_level(logging.INFO, logger="stemdeck_watch"):
+        n = notifier(settings, EventBus(), [bad, "json://127.0.0.1:9/"])
+        try:
+            assert [c.target.label for c in n.channels] == ["json://127.0.0.1:9/"]
+        finally:
+            n.stop()
+    logged = caplog.text
+    assert "nosuchservice://admin:***@example.invalid" in logged
+    for secret in secrets:
+        assert secret not in result.stderr + str(info.value) + logged, secret
+
+
 def test_a_target_apprise_refuses_at_run_time_is_never_fatal(settings):
     channel = Channel(Target("json://127.0.0.1:9/"), window=0)
     assert channel.target.label == "json://127.0.0.1:9/"

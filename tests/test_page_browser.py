@@ -85,8 +85,9 @@ def token_of(service: Any) -> str:
 
 
 def open_page(driver: Any, service: Any) -> dict[str, Any]:
-    """Open the page as `stemdeck-watch open` does and wait for the first frame."""
-    driver.get(page_url(service, token_of(service)))
+    """Open the page as `stemdeck-watch open` and the tray do (a one-time code in the
+    address, traded for the token) and wait for the first frame."""
+    driver.get(service.api.page_url())
     return wait_page(driver, lambda p: p["connection"] == "live", "the page to go live")
 
 
@@ -346,3 +347,22 @@ def test_the_page_without_a_token_says_how_to_open_it(start, driver):
     driver.get(page_url(service, "not-the-token"))  # a stale token, e.g. from before a restart
     shown = wait_page(driver, lambda p: p["connection"] == "refused", "the token to be refused")
     assert "wrong token" in shown["help"] and "stemdeck-watch open" in shown["help"]
+
+
+def test_a_one_time_page_link_opens_the_page_once_and_is_useless_after(start, driver):
+    service = start()
+    link = service.api.page_url()
+    assert token_of(service) not in link
+    driver.get(link)
+    shown = wait_page(driver, lambda p: p["connection"] == "live", "the page to go live")
+    assert shown["hash"] == "" and shown["help"] is None  # the code left the address
+
+    driver.get("about:blank")
+    driver.get(link)  # the same link again (someone who read it off the command line)
+    shown = wait_page(driver, lambda p: p["connection"] == "refused", "the used link refused")
+    assert "already used or has expired" in shown["help"]
+    assert "stemdeck-watch open" in shown["help"]
+    screenshot(driver, "used-link")
+
+    driver.get(page_url(service, token_of(service)))  # a #token= address still works as is
+    wait_page(driver, lambda p: p["connection"] == "live", "the page to go live again")

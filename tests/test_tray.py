@@ -126,7 +126,8 @@ def test_menu_and_icon_follow_the_live_service(make_settings, service_factory, t
         icon.item("Open outbox")(icon)
         icon.item("Open queue page")(icon)
         assert opened[-3:-1] == [str(settings.paths.inbox), str(settings.paths.outbox)]
-        assert opened[-1] == f"{service.api.url}#token={service.api.token}"
+        assert opened[-1].startswith(f"{service.api.url}#code=")
+        assert service.api.token not in opened[-1]
         assert {"icon", "title", "menu"} <= set(icon.calls)
     finally:
         tray.stop()

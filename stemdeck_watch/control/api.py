@@ -10,9 +10,11 @@ Security, because any web page the user visits can make the browser send request
 constant time); a Host that is not a loopback name with our port is refused (DNS rebinding: a
 foreign name that resolves to 127.0.0.1); an Origin other than our own is refused; no CORS
 headers, so a foreign page cannot read a reply; no cookies, so nothing is sent on its own;
-bodies are capped. The static page needs no token: it holds nothing secret, and it reads the
-token from the URL fragment, which never reaches a server.
-The stream itself is `stream.py`.
+bodies are capped. The static page needs no token: it holds nothing secret, and it gets the
+token by trading a one-time code from its URL fragment (`pagecode.py`; the fragment never
+reaches a server, and the code is useless once traded or after a minute). The only other
+`/api/` requests without a token are that trade and the API's own description
+(`openapi.py`). The stream itself is `stream.py`.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from stemdeck_watch.config import ApiSettings
-from stemdeck_watch.control import discovery
+from stemdeck_watch.control import discovery, openapi
+from stemdeck_watch.control.pagecode import OneTimeCodes
 from stemdeck_watch.control.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
 from stemdeck_watch.errors import ConfigError, ControlError, JobNotFound
 from stemdeck_watch.events import EventBus
@@ -57,6 +60,10 @@ JOB = r"/api/jobs/(?P<ref>[^/]+)"
 ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
     (re.compile(pattern), methods) for pattern, methods in (
         (r"/api/queue", {"GET": "queue"}),
+        (r"/api/jobs", {"GET": "jobs"}),
+        (r"/api/openapi\.json", {"GET": "openapi"}),
+        (r"/api/page-code", {"POST": "page_code"}),
+        (r"/api/token", {"POST": "token"}),
         (r"/api/queue/events", {"GET": "events"}),
         (r"/api/queue/pause", {"POST": "pause"}),
         (r"/api/queue/start", {"POST": "start"}),
@@ -68,6 +75,9 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
         (JOB + r"/move", {"POST": "move"}),
     )
 ]
+PUBLIC = ("/api/openapi.json", "/api/token")  # the only /api/ paths served without the token
+PAGE_LIMIT, MAX_PAGE_LIMIT = 100, 1000  # GET /api/jobs: jobs per page, by default and at most
+CURSOR = re.compile(openapi.CURSOR)  # its `before`: a job's created_at and rowid
 
 
 class HttpError(Exception):
@@ -94,6 +104,7 @@ class ApiServer:
         self._wanted_port = settings.port
         self.port = 0
         self.token = ""
+        self.codes = OneTimeCodes()
         self.broadcaster = Broadcaster(self.snapshot, bus, progress_interval)
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -135,6 +146,11 @@ class ApiServer:
         self.broadcaster.stop()
         httpd.disconnect_all()
         httpd.server_close()  # joins the connection threads
+
+    def page_url(self) -> str:
+        """The queue page's address with a fresh one-time code (never the token): what a
+        browser is started with, where every local user can read its command line."""
+        return f"{self.url}#code={self.codes.issue()}"
 
     def snapshot(self) -> dict[str, Any]:
         snap = dict(self.scheduler.snapshot())
@@ -236,7 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
             path = urlsplit(self.path).path
             if path != "/api" and not path.startswith("/api/"):
                 return self._static(method, path)
-            self._authorize(api)
+            if path not in PUBLIC:
+                self._authorize(api)
             name, params = _route(method, path)
             if name == "events":
                 return self._stream(api)
@@ -295,6 +312,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError as exc:
             raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:  # nested deeper than the parser's stack allows
+            raise HttpError(400, "the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the request body must be a JSON object")
         return body
@@ -303,6 +322,34 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _api_queue(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         return self.server.api.snapshot()
+
+    def _api_jobs(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        query = self._query("before", "limit")
+        limit = _integer(query.get("limit", str(PAGE_LIMIT)), "limit", 1, MAX_PAGE_LIMIT)
+        before = _cursor(query["before"]) if "before" in query else None
+        jobs, after = scheduler.jobs_page(before, limit)
+        return {"jobs": [job.to_status() for job in jobs],
+                "next": f"{after[0]!r}_{after[1]}" if after else None}
+
+    def _api_openapi(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        return openapi.document(self.server.api.url)
+
+    def _api_page_code(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        _only(body)
+        api = self.server.api
+        return {"url": api.page_url(), "expires_in": api.codes.ttl}
+
+    def _api_token(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        _only(body, "code")
+        code = body.get("code")
+        if not isinstance(code, str) or not code:
+            raise HttpError(400, 'send the one-time code from the page\'s address: {"code": CODE}')
+        api = self.server.api
+        if not api.codes.redeem(code):
+            raise HttpError(403, "this page link was already used or has expired; open the "
+                                 "page again with `stemdeck-watch open` or the tray")
+        log.info("the queue page traded a one-time code for the token")
+        return {"token": api.token}
 
     def _api_job(self, scheduler: Any, body: dict[str, Any], ref: str) -> dict[str, Any]:
         return {"job": scheduler.find(ref).to_status()}
@@ -340,7 +387,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _api_reorder(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         ref = body.get("job")
-        if not isinstance(ref, str) or not ref.strip():
+        if not isinstance(ref, str) or not ref:
             raise HttpError(400, 'say which job to move: {"job": ID, "after": ID} or '
                                  '{"job": ID, "first": true}')
         return self._move(scheduler, ref, *_move_target(body, "job"))
@@ -360,6 +407,17 @@ class _Handler(BaseHTTPRequestHandler):
         if anchor is not None and anchor not in order:
             reply["note"] = f"{after} is not queued any more, so {job.name} went to the end"
         return reply
+
+    def _query(self, *allowed: str) -> dict[str, str]:
+        """The query string's parameters: only `allowed` ones, each at most once."""
+        pairs = parse_qsl(urlsplit(self.path).query, keep_blank_values=True)
+        names = [name for name, _ in pairs]
+        unknown = sorted(set(names) - set(allowed))
+        if unknown:
+            raise HttpError(400, f"unexpected query parameter(s): {', '.join(unknown)[:200]}")
+        if len(names) != len(set(names)):
+            raise HttpError(400, "a query parameter is given more than once")
+        return dict(pairs)
 
     # ------------------------------------------------------------ the page and the stream
 
@@ -480,6 +538,21 @@ def _only(body: dict[str, Any], *allowed: str) -> None:
         raise HttpError(400, f"unexpected field(s) in the request body: {', '.join(unknown)}")
 
 
+def _integer(text: str, name: str, low: int, high: int) -> int:
+    value = int(text) if re.fullmatch(r"-?[0-9]{1,9}", text) else None
+    if value is None or not low <= value <= high:
+        raise HttpError(400, f"{name} must be a whole number from {low} to {high}")
+    return value
+
+
+def _cursor(text: str) -> tuple[float, int]:
+    """The `before` of GET /api/jobs: the `next` of the page before, as it was given."""
+    match = CURSOR.fullmatch(text)
+    if match is None:
+        raise HttpError(400, "before must be the `next` of the page before, as it was given")
+    return float(match[1]), int(match[2])
+
+
 def _move_target(body: dict[str, Any], *extra: str) -> tuple[str | None, bool]:
     """(after, first) from {"after": JOB} or {"first": true}."""
     _only(body, "after", "first", *extra)
@@ -490,6 +563,6 @@ def _move_target(body: dict[str, Any], *extra: str) -> tuple[str | None, bool]:
         raise HttpError(400, 'send either "after" or "first", not both')
     if first:
         return None, True
-    if not isinstance(after, str) or not after.strip():
+    if not isinstance(after, str) or not after:
         raise HttpError(400, 'say where to move the job: {"after": JOB} or {"first": true}')
-    return after.strip(), False
+    return after, False

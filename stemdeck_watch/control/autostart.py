@@ -86,8 +86,26 @@ def systemd_exec(argv: list[str]) -> str:
     return " ".join(one(a) for a in argv)
 
 
+CMD_SPECIAL = frozenset(' \t&|<>^(),;=!%')  # what cmd.exe reads as more than a character
+
+
 def windows_cmdline(argv: list[str]) -> str:
-    return " ".join(f'"{a}"' if (" " in a or not a) else a for a in argv).replace("%", "%%")
+    """A command line for a `.cmd` file: an argument holding anything cmd.exe treats
+    specially (`&`, `(`, `^`, a space …) goes in double quotes, where cmd.exe takes those
+    literally and the program's own parser (CommandLineToArgvW rules) reads it back whole, its
+    trailing backslashes doubled so that none escapes the closing quote; `%` is doubled
+    everywhere (a batch file expands `%…%` and `%1` even inside quotes). A double quote or
+    a control character cannot be passed this way (no Windows path holds one): ValueError."""
+    out = []
+    for arg in argv:
+        if '"' in arg or any(ord(c) < 32 for c in arg):
+            raise ValueError(f"{arg!r} cannot be written into a .cmd file: it holds a double "
+                             f"quote or a control character")
+        if arg and not CMD_SPECIAL.intersection(arg):
+            out.append(arg)
+        else:
+            out.append('"' + arg + "\\" * (len(arg) - len(arg.rstrip("\\"))) + '"')
+    return " ".join(out).replace("%", "%%")
 
 
 # ---------------------------------------------------------------- the files
@@ -110,7 +128,9 @@ def entry_for(platform: str, home: Path, argv: list[str], config: Path | None,
         appdata = Path(env.get("APPDATA") or home / "AppData" / "Roaming")
         path = appdata / "Microsoft" / "Windows" / "Start Menu" / "Programs" / "Startup" \
             / WINDOWS_FILE
-        text = (f"@echo off\r\nrem {MARKER}; {uses}\r\n"
+        # `setlocal`: `!` stays literal even where delayed expansion is on by default
+        text = (f"@echo off\r\nrem {MARKER}; {uses.replace('%', '%%')}\r\n"
+                "setlocal DisableDelayedExpansion\r\n"
                 f"start \"stemdeck-watch\" /min {windows_cmdline(argv)}\r\n")
         return Entry("startup", path, text, "it starts at your next login")
     config_home = Path(env.get("XDG_CONFIG_HOME") or home / ".config")

@@ -59,10 +59,12 @@ class Client:
                 f"why")
         return cls(found, state_dir)
 
-    @property
-    def page_url(self) -> str:
-        """The queue page with the token in the fragment, which never reaches a server log."""
-        return f"{self.found.url}#token={quote(self.found.token, safe='')}"
+    def page_link(self) -> tuple[str, float]:
+        """A one-time address of the queue page and for how many seconds it works: what a
+        browser is started with, so its command line (visible to every local user) never
+        holds the token."""
+        reply = self.post("/api/page-code")
+        return str(reply["url"]), float(reply["expires_in"])
 
     def get(self, path: str) -> Any:
         return self.request("GET", path)

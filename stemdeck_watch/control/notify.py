@@ -37,6 +37,7 @@ from stemdeck_watch.events import (DiskLow, Event, EventBus, JobChanged, JobsRes
 from stemdeck_watch.jobs import JobState
 from stemdeck_watch.paths import report_path
 from stemdeck_watch.safetext import escape_controls, escape_markup
+from stemdeck_watch.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Target:
         _quiet_apprise_logger()
         self._apprise = apprise.Apprise(asset=_asset())
         if not self._apprise.add(url):
-            raise ValueError(f"apprise cannot use {url!r}")
+            raise ValueError(f"apprise cannot use {redact_url(repr(url))}")
         service = self._apprise[0]
         self.markup = url.split("://", 1)[0].lower() in MARKUP_SCHEMES
         self.label = label or service.url(privacy=True).split("?", 1)[0]
@@ -303,9 +304,9 @@ def check_urls(settings: NotifySettings) -> None:
     _quiet_apprise_logger()
     for url in urls:
         if not apprise.Apprise(asset=_asset()).add(url):
-            raise ConfigError(f"notify.urls: {url!r} is not a URL apprise can use (unknown "
-                              f"service, or a part it needs is missing); see the apprise "
-                              f"URL list at github.com/caronc/apprise/wiki")
+            raise ConfigError(f"notify.urls: {redact_url(repr(url))} is not a URL apprise can "
+                              f"use (unknown service, or a part it needs is missing); see the "
+                              f"apprise URL list at github.com/caronc/apprise/wiki")
 
 
 # ---------------------------------------------------------------- one thread per target

@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import quote
 
 from stemdeck_watch.control import opener
 from stemdeck_watch.errors import ConfigError
@@ -319,7 +318,7 @@ class Tray:
             log.warning("the queue page is off (the local API is not running)")
             return
         self._seen()
-        self._open_logged(f"{api.url}#token={quote(api.token, safe='')}", "the queue page")
+        self._open_logged(api.page_url(), "the queue page")
 
     def open_folder(self, which: str) -> None:
         folder: Path = getattr(self.folders, which)

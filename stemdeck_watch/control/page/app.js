@@ -1,9 +1,11 @@
 /* stemdeck-watch queue page.
  *
- * Static, no build step, nothing from the internet. The token arrives in the URL fragment
- * (#token=…, what `stemdeck-watch open` launches): it is kept in sessionStorage so a reload
- * works, removed from the visible address, and sent as `Authorization: Bearer …` on every call
- * (never as a cookie). The page lives on the one event stream GET /api/queue/events, read with
+ * Static, no build step, nothing from the internet. The page is opened with a one-time code in
+ * the URL fragment (#code=…, what `stemdeck-watch open` and the tray launch: a browser's command
+ * line is visible to every local user, so it never carries the token) and trades it once for
+ * the token (POST /api/token); #token=… is taken as it is. The token is kept in sessionStorage so
+ * a reload works, removed from the visible address, and sent as `Authorization: Bearer …` on
+ * every call (never as a cookie). The page lives on the one event stream GET /api/queue/events, read with
  * fetch() and a reader because EventSource cannot send an Authorization header.
  *
  * The DOM is updated in place (one element per job, keyed by id), so a frame does not take the
@@ -43,23 +45,43 @@
 
   // ------------------------------------------------------------------ token
 
-  function readToken() {
+  /** The token: from #token=…, traded for #code=…, or kept from before in this tab. A code
+   * that cannot be traded (used, expired) is an Error whose message says so. */
+  async function readToken() {
     let found = null;
     const hash = location.hash.replace(/^#/, "");
     if (hash) {
       const params = new URLSearchParams(hash);
-      if (params.has("token")) {
-        found = params.get("token") || null;
-        try {
-          if (found) sessionStorage.setItem(TOKEN_KEY, found);
-        } catch (e) { /* storage disabled: the token lives only in this page */ }
-        history.replaceState(null, "", location.pathname + location.search);
-      }
+      history.replaceState(null, "", location.pathname + location.search);
+      if (params.get("code")) found = await tradeCode(params.get("code"));
+      else if (params.has("token")) found = params.get("token") || null;
+      try {
+        if (found) sessionStorage.setItem(TOKEN_KEY, found);
+      } catch (e) { /* storage disabled: the token lives only in this page */ }
     }
     if (!found) {
       try { found = sessionStorage.getItem(TOKEN_KEY); } catch (e) { found = null; }
     }
     return found || null;
+  }
+
+  async function tradeCode(code) {
+    let response;
+    try {
+      response = await fetch("/api/token", {
+        method: "POST", cache: "no-store", credentials: "omit",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ code: code }),
+      });
+    } catch (e) {
+      throw new Error("Could not reach the service to open this page.");
+    }
+    let data = null;
+    try { data = await response.json(); } catch (e) { data = null; }
+    if (!response.ok || !data || typeof data.token !== "string") {
+      throw new Error(data && data.error ? data.error : "The service answered " + response.status + ".");
+    }
+    return data.token;
   }
 
   function forgetToken() {
@@ -651,20 +673,31 @@
 
   // ------------------------------------------------------------------ start
 
-  function onHashChange() {
-    // A fresh #token=… on an open page (the service restarted, `open` ran again): take it.
+  async function onHashChange() {
+    // A fresh #code=… or #token=… on an open page (the service restarted, `open` ran again):
+    // take it, then start over with it.
     const params = new URLSearchParams(location.hash.replace(/^#/, ""));
-    if (!params.get("token")) return;
-    try { sessionStorage.setItem(TOKEN_KEY, params.get("token")); } catch (e) { /* see readToken */ }
-    history.replaceState(null, "", location.pathname + location.search);
-    location.reload();
+    if (!params.get("token") && !params.get("code")) return;
+    try {
+      if (await readToken()) location.reload();
+    } catch (e) {
+      notice(e.message);
+    }
   }
 
-  function main() {
+  async function main() {
     document.addEventListener("click", onClick);
     window.addEventListener("hashchange", onHashChange);
     setUpDragAndDrop();
-    token = readToken();
+    try {
+      token = await readToken();
+    } catch (e) {
+      stopped = true;
+      forgetToken();
+      setConnection("refused", "not connected: this page link does not work");
+      showHelp("This page link does not work", e.message);
+      return;
+    }
     if (!token) {
       stopped = true;
       setConnection("no-token", "not connected: no token");

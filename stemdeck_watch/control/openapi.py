@@ -1,0 +1,235 @@
+"""The local API described as an OpenAPI 3.1 document (`GET /api/openapi.json`).
+
+Written by hand next to the routes in `api.py`, and checked against the live service by
+Schemathesis in the test suite (every operation, valid and malformed input): a route, a
+parameter or an answer that this document does not describe fails there.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from stemdeck_watch import __version__
+
+JSON = "application/json"
+CURSOR = r"([0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)_([0-9]{1,18})"  # GET /api/jobs's `before`
+NULLABLE_STRING = {"type": ["string", "null"]}
+STATES = ["queued", "downloading", "decoding", "separating", "publishing", "done", "failed",
+          "cancelled"]
+ERRORS = {
+    400: "a body, query or job reference that is not valid (bad JSON, an unexpected field, a "
+         "name that matches several jobs)",
+    401: "no token, or a wrong one (it is new at every start)",
+    403: "a Host other than this service's loopback address, or a foreign Origin",
+    404: "no such job",
+    405: "the path exists with another method",
+    409: "the job's state does not allow it",
+    411: "a chunked body (send a Content-Length)",
+    413: "a body over 64 KiB",
+}
+
+
+
+def _move_target(job: bool = False) -> dict[str, Any]:
+    """{"after": JOB} or {"first": true}; for reorder, with the job to move as "job"."""
+    ref = {"type": "string", "minLength": 1, "description": "a job id, id prefix or song name"}
+    mover = {"job": ref} if job else {}
+    return {"oneOf": [
+        {"type": "object", "required": [*mover, "after"], "additionalProperties": False,
+         "properties": {**mover, "after": ref}},
+        {"type": "object", "required": [*mover, "first"], "additionalProperties": False,
+         "properties": {**mover, "first": {"const": True}}}]}
+
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error"],
+              "properties": {"error": {"type": "string"}}},
+    "Playlist": {
+        "type": "object", "required": ["id", "name", "entry", "entries"],
+        "properties": {"id": {"type": "string"}, "name": {"type": "string"},
+                       "entry": {"type": ["integer", "null"]}, "entries": {"type": "integer"},
+                       "listed": {"type": ["integer", "null"]}}},
+    "Job": {
+        "type": "object",
+        "required": ["id", "name", "kind", "state", "progress", "source", "output", "error",
+                     "preset", "created_at", "finished_at", "playlist"],
+        "properties": {
+            "id": {"type": "string"}, "name": {"type": "string"},
+            "kind": {"enum": ["file", "link"]}, "state": {"enum": STATES},
+            "progress": {"type": "number", "minimum": 0, "maximum": 1},
+            "source": {"type": "string", "description": "where the input is now"},
+            "output": NULLABLE_STRING, "error": NULLABLE_STRING, "preset": NULLABLE_STRING,
+            "created_at": {"type": "number"}, "finished_at": {"type": ["number", "null"]},
+            "playlist": {"oneOf": [{"$ref": "#/components/schemas/Playlist"},
+                                   {"type": "null"}]}}},
+    "Status": {
+        "type": "object", "description": "the `status --json` object",
+        "required": ["service", "paused", "pause_reason", "running", "queued", "waiting", "jobs",
+                     "older_jobs", "folders"],
+        "properties": {
+            "service": {"type": "object"},
+            "paused": {"type": "boolean"},
+            "pause_reason": NULLABLE_STRING,
+            "running": {"oneOf": [{"$ref": "#/components/schemas/Job"}, {"type": "null"}]},
+            "queued": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
+            "waiting": {"type": "array", "items": {
+                "type": "object", "required": ["source", "kind", "since"],
+                "properties": {"source": {"type": "string"}, "kind": {"enum": ["file", "link"]},
+                               "since": {"type": "number"}}}},
+            "jobs": {"type": "array", "items": {"$ref": "#/components/schemas/Job"},
+                     "description": "the jobs not finished and the most recent finished ones, "
+                                    "newest first; GET /api/jobs pages through every job"},
+            "older_jobs": {"type": "integer", "minimum": 0,
+                           "description": "finished jobs not listed in `jobs`"},
+            "folders": {"type": "object", "additionalProperties": {"type": "string"}},
+            "notes": {"type": "array", "items": {"type": "string"}},
+            "worker": {"type": ["object", "null"]},
+            "workers": {"type": "array", "items": {"type": "object"}}}},
+    "JobReply": {"type": "object", "required": ["job"],
+                 "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
+    "Moved": {
+        "type": "object", "required": ["job", "order", "queued"],
+        "properties": {
+            "job": {"type": "string"},
+            "order": {"type": "array", "items": {"type": "string"}},
+            "queued": {"type": "array", "items": {
+                "type": "object", "required": ["id", "name"],
+                "properties": {"id": {"type": "string"}, "name": {"type": "string"}}}},
+            "note": {"type": "string", "description": "the anchor left the queue: the job "
+                                                      "went to the end"}}},
+    "MoveTarget": _move_target(),
+    "Reorder": _move_target(job=True),
+    "Empty": {"type": "object", "maxProperties": 0,
+              "description": "no fields (an empty body may be left out)"},
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(code): {"description": ERRORS[code], "content": {
+        JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}} for code in codes}
+
+
+def _ok(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _body(schema: dict[str, Any], required: bool = False) -> dict[str, Any]:
+    return {"required": required, "content": {JSON: {"schema": schema}}}
+
+
+JOB_REF = {"name": "ref", "in": "path", "required": True,
+           "description": "a job id, a unique id prefix or a unique song name",
+           "schema": {"type": "string", "minLength": 1}}
+
+
+def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
+               body: dict[str, Any] | None = None, job: bool = False,
+               public: bool = False, parameters: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
+    post = body is not None
+    codes = set(errors) | {403, 405}
+    codes |= set() if public else {401}
+    codes |= {400, 411, 413} if post else set()
+    codes |= {404} if job else set()
+    op: dict[str, Any] = {"summary": summary,
+                          "responses": {"200": ok, **_errors(*sorted(codes))}}
+    if body is not None:
+        op["requestBody"] = body
+    params = ([JOB_REF] if job else []) + (parameters or [])
+    if params:
+        op["parameters"] = params
+    if public:
+        op["security"] = []
+    return op
+
+
+def document(base_url: str) -> dict[str, Any]:
+    """The document, with this service's own address as its server."""
+    empty = _body(_ref("Empty"))
+    status = _ok("the queue: the `status --json` object", _ref("Status"))
+    paths = {
+        "/api/queue": {"get": _operation("the queue, live", status, ())},
+        "/api/queue/events": {"get": _operation(
+            "Server-Sent Events: an `event: queue` frame with the Status object whenever "
+            "something visible changes, `: keep-alive` comments while nothing does",
+            {"description": "an endless event stream",
+             "content": {"text/event-stream": {"schema": {"type": "string"}}}}, ())},
+        "/api/queue/pause": {"post": _operation(
+            "pause the queue: the running song finishes, no new one starts", status, (),
+            body=empty)},
+        "/api/queue/start": {"post": _operation(
+            "start the queue (also one paused after a restart)", status, (), body=empty)},
+        "/api/queue/reorder": {"post": _operation(
+            "move a queued job after another one, or first", _ok("the new order", _ref("Moved")),
+            (404, 409), body=_body(_ref("Reorder"), required=True))},
+        "/api/jobs": {"get": _operation(
+            "every job, newest first, a page at a time",
+            _ok("one page; `next` is the `before` of the next page, null after the last", {
+                "type": "object", "required": ["jobs", "next"],
+                "properties": {"jobs": {"type": "array", "items": _ref("Job")},
+                               "next": NULLABLE_STRING}}), (400,),
+            parameters=[
+                {"name": "before", "in": "query", "required": False,
+                 "description": "the `next` of the page before",
+                 "schema": {"type": "string", "pattern": f"^{CURSOR}$"}},
+                {"name": "limit", "in": "query", "required": False,
+                 "description": "jobs per page (default 100)",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}])},
+        "/api/jobs/{ref}": {"get": _operation("one job", _ok("the job", _ref("JobReply")),
+                                              (400,), job=True)},
+        "/api/jobs/{ref}/cancel": {"post": _operation(
+            "cancel a job; its file stays where it is", _ok("the job", _ref("JobReply")),
+            (409,), body=empty, job=True)},
+        "/api/jobs/{ref}/retry": {"post": _operation(
+            "queue a failed or cancelled job again, as a new job at the end",
+            _ok("the new job (null while the queue is full)", {
+                "type": "object", "required": ["job", "retried"],
+                "properties": {"job": {"oneOf": [_ref("Job"), {"type": "null"}]},
+                               "retried": {"type": "string"}, "note": {"type": "string"}}}),
+            (409,), body=empty, job=True)},
+        "/api/jobs/{ref}/remove": {"post": _operation(
+            "delete a finished job's stems and forget the job",
+            _ok("the job removed, and what could not be deleted", {
+                "type": "object", "required": ["removed", "not_deleted"],
+                "properties": {"removed": _ref("Job"),
+                               "not_deleted": {"type": "array", "items": {"type": "string"}}}}),
+            (409,), body=empty, job=True)},
+        "/api/jobs/{ref}/move": {"post": _operation(
+            "move a queued job after another one, or first", _ok("the new order", _ref("Moved")),
+            (409,), body=_body(_ref("MoveTarget"), required=True), job=True)},
+        "/api/page-code": {"post": _operation(
+            "a one-time address of the queue page: its code is traded for the token once, "
+            "within `expires_in` seconds",
+            _ok("the address", {"type": "object", "required": ["url", "expires_in"],
+                                "properties": {"url": {"type": "string"},
+                                               "expires_in": {"type": "number"}}}),
+            (), body=empty)},
+        "/api/token": {"post": _operation(
+            "trade a one-time code from the page's address for the token (no token needed; "
+            "403 for a code used before, expired or never issued)",
+            _ok("the token", {"type": "object", "required": ["token"],
+                              "properties": {"token": {"type": "string"}}}),
+            (), public=True, body=_body({
+                "type": "object", "required": ["code"], "additionalProperties": False,
+                "properties": {"code": {"type": "string", "minLength": 1}}}, required=True))},
+        "/api/openapi.json": {"get": _operation(
+            "this document (no token needed)", _ok("the OpenAPI document", {"type": "object"}),
+            (), public=True)},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "stemdeck-watch local API", "version": __version__,
+                 "description": "The running service's queue, on a loopback address only. "
+                                "Every request needs `Authorization: Bearer <token>` (the "
+                                "token is in `api.token` in the state folder, new at every "
+                                "start) except the two marked otherwise."},
+        "servers": [{"url": base_url.rstrip("/")}],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {"schemas": copy.deepcopy(SCHEMAS),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
