@@ -41,7 +41,7 @@ test: install
 DOCS_EXTRAS := $(if $(filter docs,$(subst $(comma), ,$(EXTRAS))),$(EXTRAS),$(EXTRAS),docs)
 docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py

@@ -112,7 +112,7 @@ def test_every_marker_in_the_docs_is_generated_and_an_unknown_one_fails() -> Non
     for page in DOCS.rglob("*.md"):
         text = page.read_text(encoding="utf-8")
         used |= set(hooks.MARKER.findall(text))
-        assert "<!-- generated:" not in hooks.render(text), page
+        assert not hooks.MARKER.search(hooks.render(text)), page
     assert used == {"config-keys", "cli", "api"}
     with pytest.raises(ValueError, match="unknown generated section"):
         hooks.render("<!-- generated: colours -->")
