@@ -1,4 +1,4 @@
-# Two commands on a fresh clone: `make demo` and `make test` (see README).
+# Two commands on a fresh clone: `make demo` and `make test` (see README.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
+.PHONY: demo test docs install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the manual (docs/, mkdocs.yml) into site/; --strict: a broken link or anchor, a page outside
+# the nav or a reference page the code cannot generate fails the build
+DOCS_EXTRAS := $(if $(filter docs,$(subst $(comma), ,$(EXTRAS))),$(EXTRAS),$(EXTRAS),docs)
+docs:
+	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py

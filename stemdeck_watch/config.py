@@ -1,7 +1,8 @@
 """`stemdeck.toml` → typed, validated settings.
 
 Every key is declared once, as a dataclass field whose metadata holds its check and its TOML
-default; the loader, `config init` and the README's key table all come from these fields.
+default; the loader, `config init` and the reference's key table (docs/reference/config.md)
+all come from these fields.
 Unknown keys and bad values are errors that name the key, the value and what is allowed: a
 typo in a config file must never be silently ignored.
 """
@@ -32,7 +33,7 @@ NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "d
 
 
 def key(default: Any, check: Check, doc: str) -> Any:
-    """Declare a config key: its TOML default, its check and a one-line meaning (README)."""
+    """Declare a config key: its TOML default, its check and its meaning (the reference)."""
     meta = {"check": check, "doc": doc, "toml": default}
     checked = check(default)
     if isinstance(checked, (dict, list)):
@@ -57,9 +58,11 @@ class WatchSettings:
                     "auto: native events, polling on network filesystems or when native fails")
     settle_seconds: float = key(3.0, number(0.1, unit="(seconds)"),
                                 "a file must stay unchanged this long before it is queued")
-    poll_interval: float = key(2.0, number(0.1, unit="(seconds)"), "polling observer interval")
+    poll_interval: float = key(2.0, number(0.1, unit="(seconds)"),
+                               "seconds between polls in polling mode")
     rescan_seconds: float = key(300.0, number(0, unit="(seconds)"),
-                                "full rescan of the inbox every N seconds; 0 = only at start")
+                                "full rescan of the inbox every N seconds; 0 = only at start "
+                                "and after watcher errors")
     recursive: bool = key(True, boolean, "watch subfolders of the inbox too")
     ignore: tuple[str, ...] = key([], text_list,
                                   "extra glob patterns to ignore, added to the built-in ones")
@@ -76,30 +79,42 @@ class QueueSettings:
     max_pending_links: int = key(200, number(1, integer=True), "the same for links")
     resume_attempts: int = key(1, number(0, integer=True),
                                "how often a job cut off by a crash is resumed before it fails")
-    start_paused_after_restore: bool = key(True, boolean,
-                                           "jobs restored after a restart wait for Start")
+    start_paused_after_restore: bool = key(True, boolean, "jobs restored after a restart "
+                                           "wait for Start (or a new file)")
     on_duplicate: str = key("skip", choice("skip", "separate"),
-                            "a song already separated with the same settings: skip or separate")
+                            "a song whose content and settings match a done job whose outbox "
+                            "folder still holds them: skip (the input moves to processed/, the "
+                            "job names the existing folder) or separate it again")
     work_beside: str = key("auto", choice("auto", "on", "off"),
-                           "publish the last song and decode the next one while the worker "
-                           "separates; auto: where the worker leaves a core free or runs on "
-                           "a GPU, and for songs without a beat grid")
+                           "publish the last song behind and decode the next one ahead while "
+                           "the worker separates; auto: where the worker leaves a core free or "
+                           "runs on a GPU, and on a CPU it fills for songs without a beat "
+                           "grid; on: always; off: never")
 
 
 @dataclasses.dataclass(frozen=True)
 class SeparationSettings:
-    model: str = key("htdemucs", text, "Demucs model name (htdemucs, htdemucs_ft, htdemucs_6s, …)")
-    model_repo: str = key("", text, 'local folder of model files (offline); "" = download')
-    device: str = key("auto", choice("auto", "cpu", "cuda", "mps"), "where the model runs")
-    shifts: int = key(1, number(0, 20, integer=True), "random-shift passes averaged (quality vs time)")
+    model: str = key("htdemucs", text, "Demucs model name (htdemucs, htdemucs_ft, "
+                     "htdemucs_6s, mdx_extra, …) or a name in model_repo")
+    model_repo: str = key("", text, 'a local folder of model files, fully offline; "" = the '
+                          'model hub')
+    device: str = key("auto", choice("auto", "cpu", "cuda", "mps"),
+                      "where the model runs; auto: cuda, then mps, then cpu")
+    shifts: int = key(1, number(0, 20, integer=True),
+                      "random-shift passes averaged: better quality, proportionally slower")
     overlap: float = key(0.25, number(0, below=1), "overlap between segments")
-    segment: float = key(0.0, number(0, unit="(seconds)"), "segment length; 0 = the model's own")
-    two_stems: str = key("", stem_name, 'a stem name for STEM + no_STEM output; "" = all stems')
+    segment: float = key(0.0, number(0, unit="(seconds)"),
+                         "segment length in seconds; 0 = the model's own")
+    two_stems: str = key("", stem_name, 'a stem name for STEM + no_STEM output, e.g. "vocals" '
+                         '→ vocals + no_vocals (the sum of the others); "" = every stem')
     precision: str = key("auto", choice("auto", "float32", "bfloat16", "float16"),
-                         "auto: measured once per model load (bfloat16 kept only if ≥ 1.2× "
-                         "faster and ≥ 35 dB SNR on every stem); float16 needs CUDA")
+                         "auto: measured once per model load: bfloat16 (on CUDA also float16) "
+                         "autocast is kept only if ≥ 1.2× faster than float32 and every stem "
+                         "matches float32 to ≥ 35 dB SNR, else float32; float32, bfloat16 or "
+                         "float16 (CUDA only) force one")
     threads: int = key(0, number(0, 1024, integer=True),
-                       "threads the worker separates with; 0 = one per physical core")
+                       "threads the worker separates with; 0 = one per physical core; set "
+                       "fewer to keep the computer responsive while you work on it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,56 +123,78 @@ class OutputSettings:
     bit_depth: int = key(16, choice(16, 24, 32), "16 or 24-bit integer; 32 = float (wav only)")
     mp3_bitrate: int = key(320, choice(96, 128, 160, 192, 224, 256, 320), "kbit/s for mp3")
     clip: str = key("rescale", choice("rescale", "clamp"),
-                    "avoid clipping by scaling the stem down (rescale) or clamping samples")
-    layout: str = key("{stem}.{ext}", layout_template, "file name of each stem inside the song folder")
-    mixes: dict = key({}, mix_table, 'extra mixes, e.g. instrumental = ["drums", "bass", "other"]')
+                    "keep integer and mp3 output from clipping: rescale (scale that file down) "
+                    "or clamp; float wav is written as is")
+    layout: str = key("{stem}.{ext}", layout_template,
+                      "file name of each stem inside the song folder; fields {stem}, {name} "
+                      "(song), {ext}, {model}, {title}, {artist}, {album} (tags; the file name "
+                      "when missing), {preset}; may contain subfolders; .., absolute paths and "
+                      "anything that could leave the song folder are refused at load")
+    mixes: dict = key({}, mix_table, "extra mixes written beside the stems, e.g. instrumental = "
+                      '["drums", "bass", "other"], or a play-along mix without your instrument')
     samplerate: str | int = key("model", sample_rate,
                                 '"model" (44100 for demucs), "input" (the input\'s rate and '
-                                'exact length) or a rate in Hz')
-    beat_grid: bool = key(True, boolean, "beats.json: tempo and beat times (librosa)")
+                                'exact frame count) or a rate in Hz (mp3: the MPEG rates '
+                                '8000–48000 only)')
+    beat_grid: bool = key(True, boolean, "beats.json: tempo and beat times from the drums stem "
+                          "(or the mix), librosa")
     preview: bool = key(True, boolean, "preview.png: the stems' waveforms with title and length")
-    tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album')
+    tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album, '
+                     'track number (mutagen)')
 
 
 @dataclasses.dataclass(frozen=True)
 class LinkSettings:
-    enabled: bool = key(True, boolean, "accept .url/.webloc/.desktop link files")
+    enabled: bool = key(True, boolean, ".url / .webloc / .desktop link files become downloads")
     max_duration: int = key(1800, number(0, integer=True, unit="(seconds)"),
                             "longest download accepted; 0 = no limit")
     max_filesize: int = key("500MB", byte_size, "largest download accepted")
     playlists: bool = key(False, boolean, "a playlist link becomes one job per entry, in "
                           "playlist order; false = its first item only")
     max_entries: int = key(50, number(1, 1000, integer=True),
-                           "a playlist longer than this queues its first N entries only")
+                           "a playlist longer than this queues its first N entries only; the "
+                           "rest are named in its summary")
 
 
 @dataclasses.dataclass(frozen=True)
 class NotifySettings:
-    urls: tuple[str, ...] = key(["desktop"], url_list, 'apprise URLs; "desktop" = desktop notifications')
+    urls: tuple[str, ...] = key(["desktop"], url_list,
+                                'where notifications go: any apprise URL (ntfy://…, mailto://…, '
+                                'json://host/…, …); "desktop" = the platform\'s desktop '
+                                "notifications; a URL apprise cannot use stops run with exit 2")
     events: tuple[str, ...] = key(list(NOTIFY_EVENTS), choice_list(*NOTIFY_EVENTS, what="events"),
                                   "which events notify")
 
 
 @dataclasses.dataclass(frozen=True)
 class ApiSettings:
-    enabled: bool = key(True, boolean, "local HTTP API on loopback")
-    host: str = key("127.0.0.1", choice("127.0.0.1", "localhost", "::1"), "loopback address")
-    port: int = key(0, number(0, 65535, integer=True), "0 = pick a free port")
+    enabled: bool = key(True, boolean, "the local HTTP API and queue page, on loopback")
+    host: str = key("127.0.0.1", choice("127.0.0.1", "localhost", "::1"),
+                    "loopback only: any other address is a configuration error")
+    port: int = key(0, number(0, 65535, integer=True),
+                    "0 = pick a free port (the discovery file <state>/api.json names it)")
 
 
 @dataclasses.dataclass(frozen=True)
 class TraySettings:
-    enabled: bool | str = key("auto", choice(True, False, "auto"), "tray icon: true, false or auto")
+    enabled: bool | str = key("auto", choice(True, False, "auto"),
+                              "tray icon: auto (where a display and a tray backend with a menu "
+                              "exist, else headless; the log and doctor say why), true (no tray "
+                              "= exit 2, saying what to install), false")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorSettings:
-    kind: str = key("local", choice(*EXECUTOR_KINDS), 'where separation runs: "local" (one '
-                    'worker process here) or "ray" (resident workers on a Ray cluster)')
-    address: str = key("auto", ray_address, 'the Ray cluster: "auto", "local" (a private one '
-                       'on this machine), "ray://HOST:10001" or "HOST:6379"')
+    kind: str = key("local", choice(*EXECUTOR_KINDS), 'where separation runs: "local" (the one '
+                    "resident worker process on this machine; Ray is never imported) or "
+                    '"ray" (resident workers on a Ray cluster)')
+    address: str = key("auto", ray_address, 'the Ray cluster: "auto" (the cluster this machine '
+                       'joined with ray start), "local" (a private one started with the '
+                       'service), "ray://HOST:10001" (Ray Client) or "HOST:6379" (the head); an '
+                       "address where nothing listens is an error at start")
     workers: int = key(1, number(1, 256, integer=True),
-                       "resident workers (Ray actors), one job in flight on each")
+                       'resident workers (Ray actors), one job in flight on each; above 1 needs '
+                       'kind = "ray"')
     gpus_per_worker: float = key(0.0, number(0, 64),
                                  "GPUs each worker reserves: 1 on GPU machines, 0 for CPU")
     cpus_per_worker: float = key(1.0, number(0.5, 1024),
@@ -375,7 +412,7 @@ def _toml_value(value: Any) -> Any:
 
 
 def key_table() -> list[tuple[str, Any, str]]:
-    """(key, default, meaning) for every key; the README's table is checked against it."""
+    """(key, default, meaning) for every key: the reference's key table is built from it."""
     return [(f"{name}.{f.name}", f.metadata["toml"], f.metadata["doc"])
             for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 

@@ -32,8 +32,9 @@ Note: the demo uses a tiny model that has never been trained, so its "stems" are
 musically meaningful — the demo shows the service, not separation quality. For real stems,
 use a real Demucs model: leave separation.model = "htdemucs" (downloaded once, on first use,
 from the model hub), or put downloaded model files in a folder and set
-separation.model_repo to it (README: "Using a real model offline"). Then:
-    stemdeck-watch config init && stemdeck-watch run"""
+separation.model_repo to it (docs/guide/models.md, "Using a real model offline"). Then
+(after `make demo`, the command is .venv/bin/stemdeck-watch in the clone's folder):
+    stemdeck-watch doctor && stemdeck-watch run"""
 
 
 def make_workspace(root: Path) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stemdeck_watch.cli import main
-from stemdeck_watch.config import (default_toml, key_table, load_settings, settings_from_dict,
+from stemdeck_watch.config import (default_toml, load_settings, settings_from_dict,
                                    write_default_config)
 from stemdeck_watch.errors import ConfigError
 
@@ -34,12 +34,6 @@ def test_repository_stemdeck_toml_is_the_documented_default() -> None:
     with open(REPO / "stemdeck.toml", "rb") as handle:
         data = tomllib.load(handle)
     assert data == default_toml()
-
-
-def test_every_key_is_in_the_readme_table() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    missing = [name for name, _, _ in key_table() if f"`{name}`" not in readme]
-    assert missing == []
 
 
 def test_unknown_key_names_the_key_and_suggests_the_right_one() -> None:
