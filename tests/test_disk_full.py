@@ -9,9 +9,9 @@ from typing import Iterator
 
 import pytest
 
-from stemdeck_watch.events import DiskLow, JobChanged
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.events import DiskLow, JobChanged
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for
 
@@ -44,7 +44,7 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
                                                                    service_factory,
                                                                    small_outbox: Path,
                                                                    monkeypatch):
-    from stemdeck_watch import diskguard
+    from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)  # a 3 MB disk has no room for the real one
     settings = make_settings()
@@ -66,7 +66,7 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
 
 def test_a_write_that_fails_mid_song_leaves_no_partial_folder(make_settings, service_factory,
                                                              small_outbox: Path, monkeypatch):
-    from stemdeck_watch import diskguard
+    from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)
     settings = make_settings()
