@@ -16,7 +16,8 @@ from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.workers import executor as pool, ray_installed
 from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.cli.status import WORKERS_META, build, render
+from stemdeck_watch.cli.status import render
+from stemdeck_watch.store.snapshot import WORKERS_META, build_snapshot as build
 
 REPO = Path(__file__).resolve().parent.parent
 

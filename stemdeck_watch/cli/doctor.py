@@ -218,7 +218,7 @@ def check_executor(settings: Settings) -> list[Finding]:
     """Where separation runs (for Ray: whether it is installed; Ray is never imported with
     "local"), and each worker as the service last recorded it: machine, device, process."""
     from stemdeck_watch.workers import ray_installed
-    from stemdeck_watch.cli.status import recorded_workers
+    from stemdeck_watch.store.snapshot import recorded_workers
 
     ex = settings.executor
     if ex.kind == "local":

@@ -11,92 +11,17 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from stemdeck_watch.core.config import Folders, Settings
+from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, worker_of, workers_of
 from stemdeck_watch.util.safetext import escape_controls
-
-
-RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
 
 
 class RegistryDamaged(StemdeckError):
     """The registry file exists but SQLite cannot read it."""
-
-
-def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
-          pause_reason: str | None, folders: Folders,
-          service: dict[str, Any], notes: list[str] | None = None,
-          worker: dict[str, Any] | None = None,
-          workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
-    """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
-    resident worker's device, threads, model and precision with the figures that chose it).
-
-    One builder for the stopped service (read from disk) and the running one (the API), so
-    the CLI, the page and scripts see the same shape. `jobs` holds the jobs not finished and
-    the most recent finished ones (`Registry.recent`); `older` finished jobs are left out,
-    so a snapshot's size does not grow with the history.
-    """
-    by_id = {job.id: job for job in jobs}
-    running = next((job for job in jobs if job.state.is_running), None)
-    return {
-        "service": service,
-        "paused": pause_reason is not None,
-        "pause_reason": pause_reason,
-        "running": running.to_status() if running else None,
-        "queued": [by_id[i].to_status() for i in order if i in by_id],
-        "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
-        "jobs": [job.to_status() for job in jobs],
-        "older_jobs": older,
-        "folders": {name: str(getattr(folders, name))
-                    for name in ("inbox", "outbox", "processed", "failed", "state")},
-        "notes": notes or [],
-        "worker": worker,
-        # every worker (several with executor.kind = "ray"): where it runs, its device, the
-        # job it holds
-        "workers": workers if workers is not None else ([worker] if worker else []),
-    }
-
-
-WORKER_META = "worker"  # registry meta key: the dispatcher records the worker's state there
-WORKERS_META = "workers"  # the same for every worker (executor.workers), as a list
-
-
-def worker_of(registry: Registry) -> dict[str, Any] | None:
-    """The worker section as the service last recorded it (None before a model loaded)."""
-    return _recorded(registry, WORKER_META)
-
-
-def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
-    """Every worker as the service last recorded them (None: only `worker` was recorded)."""
-    return _recorded(registry, WORKERS_META)
-
-
-def _recorded(registry: Registry, key: str) -> Any:
-    """A JSON value the service keeps in the registry's meta table; None if absent or torn."""
-    text = registry.get_meta(key)
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
-
-
-def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
-    """The workers as the service last recorded them (doctor); [] before any was."""
-    try:
-        registry = Registry.open_readonly(settings.paths.state / REGISTRY_FILE)
-        if registry is None:
-            return []
-        try:
-            workers = workers_of(registry)
-            worker = worker_of(registry)
-        finally:
-            registry.close()
-    except sqlite3.Error:  # no tables yet, locked, damaged: status says which
-        return []
-    return workers if workers is not None else ([worker] if worker else [])
 
 
 def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
@@ -142,7 +67,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
         jobs, order, waiting, pause_reason = [], [], [], None
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
-    return build(jobs, order, waiting, pause_reason, folders,
+    return build_snapshot(jobs, order, waiting, pause_reason, folders,
                  {"running": pid is not None, "pid": pid}, notes, worker, workers, older)
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.workers import KINDS as EXECUTOR_KINDS, ray_address
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.util.redact import redact_url
-from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice, choice_list,
-                                       check_model_stems, extension_list, layout_template,
-                                       mix_table, number, sample_rate, show, stem_name, text,
-                                       text_list, url_list)
+from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
+                                           choice_list, check_model_stems, extension_list,
+                                           layout_template, mix_table, number, ray_address,
+                                           sample_rate, show, stem_name, text, text_list,
+                                           url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -185,7 +185,7 @@ class TraySettings:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorSettings:
-    kind: str = key("local", choice(*EXECUTOR_KINDS), 'where separation runs: "local" (the one '
+    kind: str = key("local", choice("local", "ray"), 'where separation runs: "local" (the one '
                     "resident worker process on this machine; Ray is never imported) or "
                     '"ray" (resident workers on a Ray cluster)')
     address: str = key("auto", ray_address, 'the Ray cluster: "auto" (the cluster this machine '

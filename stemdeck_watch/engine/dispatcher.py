@@ -26,7 +26,7 @@ from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.engine.pipeline import Pipeline, PublishStep
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, Scheduler
-from stemdeck_watch.cli.status import WORKER_META
+from stemdeck_watch.store.snapshot import WORKER_META
 from stemdeck_watch.util.retry import until_stored
 
 log = logging.getLogger(__name__)

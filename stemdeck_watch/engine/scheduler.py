@@ -17,13 +17,13 @@ import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
-from stemdeck_watch.cli import status
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.links.linkfile import is_link_file
 from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
 from stemdeck_watch.store.jobqueue import JobControl, JobQueue
 from stemdeck_watch.core.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
                                  PlaylistRef, new_job_id)
+from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, worker_of, workers_of
 from stemdeck_watch.store.registry import Registry
 from stemdeck_watch.engine.requests import Requests
 
@@ -415,12 +415,12 @@ class Scheduler(Requests):
         history of 20,000 songs as with none: older jobs are paged (`jobs_page`)."""
         with self._lock:
             waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
-            jobs, older = self.registry.recent(status.RECENT_JOBS)
-            return status.build(jobs, self.queue.order(), waiting,
-                                self.queue.pause_reason if self.queue.paused else None,
-                                self.settings.paths, {"running": True, "pid": os.getpid()},
-                                worker=status.worker_of(self.registry),
-                                workers=status.workers_of(self.registry), older=older)
+            jobs, older = self.registry.recent(RECENT_JOBS)
+            return build_snapshot(jobs, self.queue.order(), waiting,
+                                  self.queue.pause_reason if self.queue.paused else None,
+                                  self.settings.paths, {"running": True, "pid": os.getpid()},
+                                  worker=worker_of(self.registry),
+                                  workers=workers_of(self.registry), older=older)
 
     def jobs_page(self, before: tuple[float, int] | None,
                   limit: int) -> tuple[list[Job], tuple[float, int] | None]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.cli.status import WORKERS_META
+from stemdeck_watch.store.snapshot import WORKERS_META
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,90 @@
+"""The queue's snapshot: one status object for the stopped service and the running one.
+
+`status` builds it from the registry on disk, the running service (the API, the page) from its
+own scheduler, so the CLI, the page and scripts see the same shape. The worker sections are
+what the service last recorded in the registry's meta table.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from stemdeck_watch.core.config import Folders, Settings
+from stemdeck_watch.core.jobs import Job, JobKind
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+
+RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
+
+
+def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
+          pause_reason: str | None, folders: Folders,
+          service: dict[str, Any], notes: list[str] | None = None,
+          worker: dict[str, Any] | None = None,
+          workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
+    """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
+    resident worker's device, threads, model and precision with the figures that chose it).
+
+    One builder for the stopped service (read from disk) and the running one (the API), so
+    the CLI, the page and scripts see the same shape. `jobs` holds the jobs not finished and
+    the most recent finished ones (`Registry.recent`); `older` finished jobs are left out,
+    so a snapshot's size does not grow with the history.
+    """
+    by_id = {job.id: job for job in jobs}
+    running = next((job for job in jobs if job.state.is_running), None)
+    return {
+        "service": service,
+        "paused": pause_reason is not None,
+        "pause_reason": pause_reason,
+        "running": running.to_status() if running else None,
+        "queued": [by_id[i].to_status() for i in order if i in by_id],
+        "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
+        "jobs": [job.to_status() for job in jobs],
+        "older_jobs": older,
+        "folders": {name: str(getattr(folders, name))
+                    for name in ("inbox", "outbox", "processed", "failed", "state")},
+        "notes": notes or [],
+        "worker": worker,
+        # every worker (several with executor.kind = "ray"): where it runs, its device, the
+        # job it holds
+        "workers": workers if workers is not None else ([worker] if worker else []),
+    }
+
+
+WORKER_META = "worker"  # registry meta key: the dispatcher records the worker's state there
+WORKERS_META = "workers"  # the same for every worker (executor.workers), as a list
+
+
+def worker_of(registry: Registry) -> dict[str, Any] | None:
+    """The worker section as the service last recorded it (None before a model loaded)."""
+    return _recorded(registry, WORKER_META)
+
+
+def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
+    """Every worker as the service last recorded them (None: only `worker` was recorded)."""
+    return _recorded(registry, WORKERS_META)
+
+
+def _recorded(registry: Registry, key: str) -> Any:
+    """A JSON value the service keeps in the registry's meta table; None if absent or torn."""
+    text = registry.get_meta(key)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
+    """The workers as the service last recorded them (doctor); [] before any was."""
+    try:
+        registry = Registry.open_readonly(settings.paths.state / REGISTRY_FILE)
+        if registry is None:
+            return []
+        try:
+            workers = workers_of(registry)
+            worker = worker_of(registry)
+        finally:
+            registry.close()
+    except sqlite3.Error:  # no tables yet, locked, damaged: status says which
+        return []
+    return workers if workers is not None else ([worker] if worker else [])
