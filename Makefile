@@ -79,7 +79,7 @@ bench-output: install
 bench-precision: install
 	$(BIN)/python benchmarks/bench_precision.py
 
-# decode ahead / publish behind on against off, alternating (issue #13)
+# decode ahead / publish behind on against off, alternating
 bench-work-beside: install
 	$(BIN)/python benchmarks/bench_work_beside.py
 

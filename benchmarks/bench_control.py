@@ -4,8 +4,8 @@ One real Service in this process (real watcher, registry, resident worker proces
 on 127.0.0.1, port picked at start), the tiny model on the CPU, steered the way a person or a
 client does: files deleted from the inbox, `stemdeck-watch cancel` (the CLI's main() in this
 process, so the reading starts after Python's own start-up), HTTP with the token from the
-discovery file, the event stream read on a raw socket. Five measures (the numbers of issue 5's
-benchmark; they run in the order 1, 5 with 2, 4, 3 — the idle window last, once the registry
+discovery file, the event stream read on a raw socket. Five measures (numbered as in
+the docs' benchmark table; they run in the order 1, 5 with 2, 4, 3 — the idle window last, once the registry
 holds every finished job, so that a snapshot that changed with time alone would show):
 
 (1) cancel of the RUNNING job: a 30 s song separating (worker progress seen, not just the stage

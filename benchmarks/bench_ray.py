@@ -1,7 +1,7 @@
 """The Ray executor against the local worker: overhead, scaling, cancel latency.
 
 Ten 10 s clips (decoded scratch files, as the pipeline hands them to the worker) go through
-the separation client of each executor with the tiny model (`pipeline/tinymodel.py`), the
+the separation client of each executor with the tiny model (`workers/tinymodel.py`), the
 model loaded before the clock starts:
 
 - local, 1 and 2 threads: the resident worker subprocess (`WorkerClient`);

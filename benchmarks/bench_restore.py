@@ -137,7 +137,7 @@ def restore_direct(root: Path, pristine: Path, queued: int) -> float:
     pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
     try:
         t = time.perf_counter()
-        restored = recovery.restore(scheduler, settings, pipeline.finish_published)
+        restored = recovery.restore(scheduler, settings, pipeline.file_input)
         adopted = recovery.adopt_orphans(scheduler, settings)
         seconds = time.perf_counter() - t
     finally:

@@ -11,7 +11,7 @@ Ten synthetic clips, separated with the tiny untrained model on the CPU, four wa
 
 Why: the service's one resident worker should cost little over (b) (targets: a <= 1.15 b +
 settle), clearly beat a user running the CLI per song (c/a >= 2), and be no slower than a
-batch CLI call (a <= d). With decode ahead and publish behind (#13) the worker never waits for
+batch CLI call (a <= d). With decode ahead and publish behind the worker never waits for
 decoding or writing: its idle fraction between the first and the last separation (gaps
 between separate requests over that span) should be <= 3 %, and (a - settle) / b <= 1.0 —
 faster than the serial loop where the cores allow. The main process stays torch-free; torch

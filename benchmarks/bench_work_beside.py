@@ -1,4 +1,4 @@
-"""Work beside the worker (#13): the same ten clips through the service with
+"""Work beside the worker: the same ten clips through the service with
 `queue.work_beside = "on"` (decode ahead and publish behind), `"auto"` (on a CPU the worker
 fills: "on" without the beat grid, "off" with it) and `"off"`, in turns whose order
 alternates, so that a slow spell of a shared machine hits every setting alike. With the

@@ -15,7 +15,7 @@ from typing import Callable
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.ui.api import ApiServer
-from stemdeck_watch.ui.folder import FolderControl
+from stemdeck_watch.ui.folder import FolderRemote
 from stemdeck_watch.ui.notify import Notifier
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.engine.dispatcher import Dispatcher
@@ -100,7 +100,7 @@ class Service:
             self.pipeline.playlists = Playlists(self.scheduler)
             for pipeline in self.pipelines[1:]:
                 pipeline.playlists = self.pipeline.playlists
-            restore(self.scheduler, self.settings, self.pipeline.finish_published)
+            restore(self.scheduler, self.settings, self.pipeline.file_input)
             self.pipeline.playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
@@ -109,12 +109,12 @@ class Service:
             self.dispatchers = [
                 Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
                            self.prefetcher, guard, slot=slot,
-                           record=self.executor.record if self.executor.kind == "ray" else None)
+                           record=self.executor.record)
                 for slot, pipeline in enumerate(self.pipelines)]
             self.dispatcher = self.dispatchers[0]
             self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
-            self.folder_control = FolderControl(self.scheduler, folders.inbox, folders.outbox)
+            self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
                         if self.settings.api.enabled else None)
         except BaseException:
@@ -135,7 +135,7 @@ class Service:
             dispatcher.start()
         self.prefetcher.start()
         self.intake.start()
-        self.folder_control.start()
+        self.folder_remote.start()
         self._started = True
         self._start_api()
         self._log_start()
@@ -179,9 +179,9 @@ class Service:
             log.error("the prefetch thread died; restarting it")
             self.prefetcher.start()
         self.intake.check_health()
-        if not self.folder_control.alive():
+        if not self.folder_remote.alive():
             log.error("the folder control thread died; restarting it")
-            self.folder_control.start()
+            self.folder_remote.start()
         if self.notifier is not None:
             self.notifier.restart_dead()
         if self.ownership is not None and not self.ownership.alive():
@@ -219,7 +219,7 @@ class Service:
         self.prefetcher.stop()
         for dispatcher in self.dispatchers:
             dispatcher.stop()
-        self.folder_control.stop()
+        self.folder_remote.stop()
         self.executor.close()
         if self.notifier is not None:  # last: it sends what it still holds
             self.notifier.stop()

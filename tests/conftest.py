@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # every worker the tests start (directly, through a service, or a service the CLI starts)
 # inherits this: without oneDNN the tiny model's first separation takes 0.4 s instead of 2.5 s
-# (see pipeline/worker.py); the precision tests turn it back on for themselves
+# (see workers/worker.py); the precision tests turn it back on for themselves
 os.environ.setdefault(ONEDNN_ENV, "0")
 
 
@@ -59,8 +59,8 @@ def outbox_entries(outbox: Path) -> set[str]:
 
 
 def on_worker_side(states: dict[str, JobState]) -> list[str]:
-    """The jobs taken and not yet publishing (one publishes behind the next one's separation,
-    #13): more than one is two songs shown separating at once."""
+    """The jobs taken and not yet publishing (one publishes behind the next one's
+    separation): more than one is two songs shown separating at once."""
     return [job_id for job_id, state in states.items()
             if state.is_running and state is not JobState.PUBLISHING]
 
@@ -271,4 +271,4 @@ def add_job(scheduler: Scheduler, settings: Settings, name: str, state: JobState
 def run_restore(settings: Settings) -> tuple[Scheduler, int]:
     scheduler = open_scheduler(settings)
     pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
-    return scheduler, restore(scheduler, settings, pipeline.finish_published)
+    return scheduler, restore(scheduler, settings, pipeline.file_input)

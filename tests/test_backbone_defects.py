@@ -1,5 +1,5 @@
-"""Regression tests for defects found in the backbone from the outside (issue: "Eight defects
-in the backbone"). Each is named after what the user saw; where a crash must land between two
+"""Regression tests for defects found in the backbone from the outside. Each is named after
+what the user saw; where a crash must land between two
 steps, the state it leaves on disk is built directly, never reached by sleeping."""
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_a_file_changed_while_its_job_runs_is_separated_again_without_a_rescan(
 
     finished = jobs.wait_final(2, timeout=120)
     by_id = {j.id: j for j in finished}
-    # design §1: changed while running, the run is cancelled and the new content queued
+    # changed while running: the run is cancelled and the new content queued
     assert by_id[first.id].state is JobState.CANCELLED
     assert by_id[first.id].error == CHANGED_WHILE_RUNNING
     second = next(j for j in finished if j.id != first.id)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stemdeck_watch.ui.folder import STATUS_FILE, FolderControl
+from stemdeck_watch.ui.folder import STATUS_FILE, FolderRemote
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.util.synth import write_song
 
@@ -33,7 +33,7 @@ def test_a_pause_file_pauses_the_queue_while_it_exists(make_settings, service_fa
     service.scheduler.pause("user")
     (inbox / "PAUSE").write_bytes(b"")
     (inbox / "PAUSE").unlink()
-    service.folder_control.check_pause_file()
+    service.folder_remote.check_pause_file()
     assert queue.paused and queue.pause_reason == "user"
 
 
@@ -80,7 +80,7 @@ def test_a_failed_status_rewrite_keeps_the_last_status_and_leaves_no_temp_file(
     network share gone) must leave the previous STATUS.txt whole and no hidden temp file."""
     scheduler = open_scheduler(settings)
     try:
-        control = FolderControl(scheduler, settings.paths.inbox, settings.paths.outbox)
+        control = FolderRemote(scheduler, settings.paths.inbox, settings.paths.outbox)
         control.write_status()
         status = settings.paths.outbox / STATUS_FILE
         before = status.read_text()

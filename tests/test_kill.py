@@ -348,8 +348,8 @@ class Invariants:
                 self.expect(False, f"the head of the queue ({before.jobs[job_id]['name']}), "
                                    f"taken but not started when the kill hit, was restored "
                                    f"behind {self.names(queued, after)}")
-        # two jobs can be cut off at once (one publishing behind the next one's separation,
-        # #13): together they head the restored queue
+        # two jobs can be cut off at once (one publishing behind the next one's
+        # separation): together they head the restored queue
         cut_off = [j for j in before.running() if j in queued]
         for job_id in cut_off:
             if job_id in queued:

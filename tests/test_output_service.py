@@ -1,5 +1,5 @@
 """Musicians' output through the real service: the six-stem tiny model through two-stem,
-mixes, layout and beat grid; the bad inputs of issue #9 each give correct stems."""
+mixes, layout and beat grid; awkward inputs each give correct stems."""
 from __future__ import annotations
 
 import json
@@ -66,7 +66,7 @@ def test_six_stems_flow_through_two_stem_mixes_layout_and_beat_grid(make_setting
 
 
 def bad_inputs(folder: Path) -> dict[str, tuple[int, int]]:
-    """The issue's list of awkward songs; name → (sample rate, frames) of each input."""
+    """Awkward songs; name → (sample rate, frames) of each input."""
     folder.mkdir(parents=True, exist_ok=True)
     made = {}
 

@@ -1,4 +1,4 @@
-"""Decode ahead, publish behind (#13): the worker is kept busy, one job at a time, in order.
+"""Decode ahead, publish behind: the worker is kept busy, one job at a time, in order.
 
 Real service, real worker with the tiny model. Slowness is injected by wrapping the real
 decode and the real stem writer (they still do their work), so that "the worker did not wait"
@@ -216,7 +216,7 @@ def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_p
     from stemdeck_watch.core.events import EventBus
     from stemdeck_watch.store.jobqueue import JobQueue
     from stemdeck_watch.core.jobs import Job, JobKind
-    from stemdeck_watch.engine.pipeline import Prepared
+    from stemdeck_watch.engine.prepared import Prepared
     from stemdeck_watch.engine.prefetch import Prefetcher
 
     jobs = {i: Job(id=i, name=i, kind=JobKind.FILE, state=JobState.QUEUED, source=f"/{i}.wav",

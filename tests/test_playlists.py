@@ -348,14 +348,14 @@ def test_the_link_settles_after_its_entries_with_a_summary(settings) -> None:
     for i in [*ids[:2], link.id]:  # the first two were taken, and now the link's job is
         scheduler.queue.discard(i)
     control = JobControl(link.id)
-    assert playlists.settle(link, control) is None  # it waits behind the moved entry
+    assert playlists.finish(link, control) is None  # it waits behind the moved entry
     assert scheduler.queue.order() == [ids[2], link.id, behind]
 
     scheduler.update(ids[0], state=JobState.DONE)
     scheduler.update(ids[1], state=JobState.FAILED, error="boom")
     scheduler.queue.discard(ids[2])
     scheduler.update(ids[2], state=JobState.CANCELLED)
-    output, note = playlists.settle(link, control)
+    output, note = playlists.finish(link, control)
     assert output == settings.paths.outbox / "Mix"
     assert note == ("1 of 3 entries published, 1 failed (2. Song 1: boom), 1 cancelled, "
                     "2 more entries left out (links.max_entries = 50)")

@@ -1,4 +1,4 @@
-"""The fastest safe precision (#13): the measured rule, its figures, and the path end to end."""
+"""The fastest safe precision: the measured rule, its figures, and the path end to end."""
 from __future__ import annotations
 
 import json

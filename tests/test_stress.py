@@ -49,7 +49,7 @@ class Invariants:
                 self.violations.append(f"{event.job.id} left final state {previous.value} for "
                                        f"{event.job.state.value}")
             self.states[event.job.id] = event.job.state
-            # one job publishes behind the next one's separation (#13): at most one job on
+            # one job publishes behind the next one's separation: at most one job on
             # the worker side and one publishing
             running = on_worker_side(self.states)
             if len(running) > 1:

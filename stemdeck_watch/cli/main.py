@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "autostart":
             return _autostart(args)
         settings = load_settings(args.config)
-        if args.command in CONTROL_COMMANDS:
-            return _control(args, settings)
+        if args.command in STEERING_COMMANDS:
+            return _steer(args, settings)
         return {"run": _run, "status": _status, "doctor": _doctor}[args.command](args, settings)
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
@@ -166,10 +166,10 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-CONTROL_COMMANDS = ("pause", "start", "cancel", "move", "retry", "remove", "open")
+STEERING_COMMANDS = ("pause", "start", "cancel", "move", "retry", "remove", "open")
 
 
-def _control(args: argparse.Namespace, settings: Settings) -> int:
+def _steer(args: argparse.Namespace, settings: Settings) -> int:
     """The commands that steer the running service through its local API."""
     from stemdeck_watch.ui.client import Client, job_path
 
@@ -238,7 +238,7 @@ def _name_of(reply: dict) -> str:
 
 
 def _autostart(args: argparse.Namespace) -> int:
-    """Install (or remove) what starts the service at login; see control/autostart.py."""
+    """Install (or remove) what starts the service at login; see ui/autostart.py."""
     from stemdeck_watch.ui import autostart
 
     home = Path.home()

@@ -16,7 +16,7 @@ from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, worker_of, workers_of
+from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.util.safetext import escape_controls
 
 
@@ -39,7 +39,6 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
     waiting: list[tuple[str, JobKind, float]] = []
     pause_reason = None
     older = 0
-    worker = None
     workers = None
     notes: list[str] = []
     try:
@@ -53,7 +52,6 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
                 order = registry.queued_order()
                 waiting = registry.waiting()
                 pause_reason = registry.get_meta("pause_reason") or None
-                worker = worker_of(registry)
                 workers = workers_of(registry)
                 rebuilt = registry.get_meta("rebuilt_from")
                 if rebuilt:
@@ -68,7 +66,8 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
     return build_snapshot(jobs, order, waiting, pause_reason, folders,
-                 {"running": pid is not None, "pid": pid}, notes, worker, workers, older)
+                 {"running": pid is not None, "pid": pid}, notes, workers=workers,
+                          older=older)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:

@@ -114,7 +114,7 @@ class Job:
     playlist: PlaylistRef | None = None  # the playlist link or entry this job is
 
     def to_status(self) -> dict[str, Any]:
-        """The job object of `status --json` (design §1)."""
+        """The job object of `status --json`."""
         return {
             "id": self.id,
             "name": self.name,

@@ -6,7 +6,6 @@ catches and logs everything and goes on: one bad song must never stop the queue.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -23,10 +22,9 @@ from stemdeck_watch.stages.quarantine import quarantine
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.engine.prefetch import Prefetcher
 from stemdeck_watch.engine.recovery import find_published
-from stemdeck_watch.engine.pipeline import Pipeline, PublishStep
-from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.engine.pipeline import Pipeline, Publishing
+from stemdeck_watch.workers.separator import Separator
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, Scheduler
-from stemdeck_watch.store.snapshot import WORKER_META
 from stemdeck_watch.util.retry import until_stored
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,7 @@ log = logging.getLogger(__name__)
 DISK_RECHECK_SECONDS = 3.0
 
 class Dispatcher:
-    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: WorkerClient,
+    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: Separator,
                  settings: Settings, prefetcher: Prefetcher | None = None,
                  guard: DiskGuard | None = None, slot: int = 0,
                  record: Callable[[int, str | None], None] | None = None):
@@ -45,14 +43,13 @@ class Dispatcher:
         self.client = client
         self.settings = settings
         # this dispatcher's worker and queue slot: one dispatcher per worker
-        # (executor.workers); with several, `record` notes which song each worker holds
+        # (executor.workers); `record` notes each worker's state and the song it holds
         self.slot = slot
         self._record = record
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._disk_checked = 0.0
         self._behind: threading.Thread | None = None  # the previous job's publish step
-        self._recorded: str | None = None  # the worker state last written for status
 
     # ------------------------------------------------------------ lifecycle
 
@@ -94,26 +91,12 @@ class Dispatcher:
         return self.scheduler.queue.running() is None and (behind is None
                                                             or not behind.is_alive())
 
-    def _record_worker(self) -> None:
-        """The worker's state for `status --json` (read from the registry, also by the CLI);
-        written only when it changed: a registry write between two jobs is worker idle time."""
-        self._note_job(None)
-        if self.slot:
-            return  # status has every worker in `workers` (the executor records them)
-        try:
-            text = json.dumps(self.client.info())
-            if text != self._recorded:
-                self.scheduler.registry.set_meta(WORKER_META, text)
-                self._recorded = text
-        except Exception as exc:  # status is a view: never fail a job for it
-            log.warning("could not record the worker's state for status: %s", exc)
-
-    def _note_job(self, name: str | None) -> None:
-        """Which song this worker holds now (several workers: status shows each)."""
+    def _record_worker(self, job: str | None = None) -> None:
+        """This worker's state and the song it holds (`job`, None: free) for `status`."""
         if self._record is None:
             return
         try:
-            self._record(self.slot, name)
+            self._record(self.slot, job)
         except Exception as exc:  # status is a view: never fail a job for it
             log.warning("could not record worker %d's state for status: %s", self.slot, exc)
 
@@ -171,33 +154,34 @@ class Dispatcher:
             self._cancelled(job, control.reason or "cancelled")
             queue.finish(control)
             return
-        self._note_job(job.name)
+        self._record_worker(job.name)
         prefetcher = self.prefetcher
         claim = (lambda report: prefetcher.claim(job, control, report)) if prefetcher else None
-        step: PublishStep | None = None
+        publishing: Publishing | None = None
 
-        def separate() -> None:
-            nonlocal step
+        def separate() -> None:  # the stages that need the worker: prepare → separate
+            nonlocal publishing
             try:
-                step = self.pipeline.start(job, control, claim)
+                publishing = self.pipeline.start(job, control, claim)
             finally:
                 self._record_worker()
 
         if not self._conclude(job, control, separate, final=False):
             return
-        assert step is not None
+        assert publishing is not None
         self._wait_behind()  # publishes run one at a time, in queue order
         # marked publishing on this thread, before the next job is taken
-        if not self._conclude(job, control, step.begin, final=False):
+        if not self._conclude(job, control, publishing.begin, final=False):
             return
         if not self.pipeline.works_beside(job):  # (the song before may have gone behind)
-            self._conclude(job, control, step.rest, final=True)
+            self._conclude(job, control, publishing.finish, final=True)
             return
         # publish behind: the worker is free, so the next job may start separating while
-        # this one is written out; the queue still holds it, so a cancel reaches it
+        # this one is written out (write → publish → file the input); the queue still holds
+        # it, so a cancel reaches it
         queue.publish_behind(control, self.slot)
         self._behind = threading.Thread(target=self._conclude,
-                                        args=(job, control, step.rest, True),
+                                        args=(job, control, publishing.finish, True),
                                         name=f"publish-{job.id}", daemon=True)
         self._behind.start()
 
@@ -244,8 +228,7 @@ class Dispatcher:
                       job.name, published, message)
             # as recorded: the registry holds the signature of the version that was read
             recorded = self.scheduler.registry.get(job.id) or job
-            until_stored(lambda: self.pipeline.finish_published(recorded, Path(job.source),
-                                                                published),
+            until_stored(lambda: self.pipeline.file_input(recorded, Path(job.source), published),
                          f"{job.name} as done", self._stop)
             return
         if not os.path.lexists(job.source):

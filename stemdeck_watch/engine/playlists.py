@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = "playlists"  # in the state dir: one folder of entry link files per playlist
 ALL_CANCELLED = "every entry of the playlist was cancelled"
-SETTLE_WAIT = 300.0  # seconds the link's last step waits for an entry still publishing
+FINISH_WAIT = 300.0  # seconds the link's last step waits for an entry still publishing
 
 
 class PlaylistError(StageError):
@@ -90,14 +90,14 @@ class Playlists:
         rel = PurePosixPath(job.rel_path)
         return rel.parent / (sanitise(rel.stem) or sanitise(job.name) or "playlist")
 
-    # ------------------------------------------------------------ second turn: settle
+    # ------------------------------------------------------------ second turn: finish
 
-    def settle(self, job: Job, control: JobControl) -> tuple[Path, str] | None:
+    def finish(self, job: Job, control: JobControl) -> tuple[Path, str] | None:
         """The playlist link's job comes up again: None if entries are still to run (it goes
         back behind them); else the outbox folder of its entries and a summary, or
         PlaylistError when none could be separated, or Cancelled when all were cancelled."""
         registry = self.scheduler.registry
-        deadline = time.monotonic() + SETTLE_WAIT
+        deadline = time.monotonic() + FINISH_WAIT
         while True:
             entries = registry.entries_of(job.id)
             pending = [e.id for e in entries if not e.state.is_final]
@@ -111,7 +111,7 @@ class Playlists:
             control.wait(0.1)
         if pending:
             log.error("entries %s of the playlist %s did not end within %.0f s; finishing the "
-                      "playlist without them", ", ".join(pending), job.name, SETTLE_WAIT)
+                      "playlist without them", ", ".join(pending), job.name, FINISH_WAIT)
         shutil.rmtree(self.folder(job.id), ignore_errors=True)
         done = [e for e in entries if e.state is JobState.DONE]
         failed = [e for e in entries if e.state is JobState.FAILED]

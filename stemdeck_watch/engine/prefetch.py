@@ -32,7 +32,8 @@ from stemdeck_watch.core.events import JobChanged, QueueChanged
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import Job, JobState
 from stemdeck_watch.stages.publish import remove_tree
-from stemdeck_watch.engine.pipeline import Pipeline, Prepared
+from stemdeck_watch.engine.pipeline import Pipeline
+from stemdeck_watch.engine.prepared import Prepared
 from stemdeck_watch.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -42,6 +42,7 @@ class Requests:
     update: Callable[..., Job]
     submit_file: Callable[..., Job | None]
     admit_waiting: Callable[[], None]
+    cancel_and_close: Callable[[list[Job], str], dict[str, str | None]]
     cancel_entries: Callable[[list[str], str], None]
     _save_order: Callable[[], None]
     _announce_queue: Callable[[], None]
@@ -75,7 +76,7 @@ class Requests:
             job = self._get(job_id)
             if job.state.is_final:
                 raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel")
-            where = self.queue.cancel(job.id, CANCELLED_BY_USER)
+            where = self.cancel_and_close([job], CANCELLED_BY_USER)[job.id]
             if where is None:  # its stems are out (or going out): saying "cancelled" would lie
                 job = self._get(job.id)
                 raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel"
@@ -83,9 +84,7 @@ class Requests:
                                f"{job.name} can no longer be cancelled: its stems are being "
                                f"published")
             if where == "queued":
-                job = self.update(job.id, state=JobState.CANCELLED, error=CANCELLED_BY_USER,
-                                  finished_at=self._clock())
-                self._save_order()
+                job = self._get(job.id)
             if job.playlist is not None and job.playlist.is_link:
                 self.cancel_entries([job.id], CANCELLED_BY_USER)
         log.info("cancelled %s (job %s) on request", job.name, job.id)

@@ -23,7 +23,7 @@ from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, Queue
 from stemdeck_watch.store.jobqueue import JobControl, JobQueue
 from stemdeck_watch.core.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
                                  PlaylistRef, new_job_id)
-from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, worker_of, workers_of
+from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.store.registry import Registry
 from stemdeck_watch.engine.requests import Requests
 
@@ -267,38 +267,41 @@ class Scheduler(Requests):
             jobs = [job for job in self.registry.jobs(ACTIVE_STATES)
                     if job.source == str(source) or job.source.startswith(prefix)]
             self._note_left(source, prefix)
+        cancelled = self.cancel_and_close(jobs, INPUT_REMOVED)
         for job in jobs:
-            where = self.queue.cancel(job.id, INPUT_REMOVED)
-            if where == "queued":
+            if cancelled[job.id] == "queued":
                 log.info("%s left the inbox: cancelled job %s", job.source, job.id)
-                self.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
-                            finished_at=self._clock())
-                self._save_order()
-                self.admit_waiting()
+        if "queued" in cancelled.values():
+            self.admit_waiting()
         # a playlist link taken away takes its entries not yet done with it
         self.cancel_entries([job.id for job in jobs if job.playlist is not None
                              and job.playlist.is_link], INPUT_REMOVED)
 
+    def cancel_and_close(self, jobs: list[Job], reason: str) -> dict[str, str | None]:
+        """Cancel each of `jobs` for `reason`; returns where each one was (JobQueue.cancel).
+
+        A queued job leaves the queue and ends here, cancelled on record. A running or
+        publishing one is stopped, and its dispatcher ends it. One whose stems are already
+        going out (None) is left to finish: saying "cancelled" would lie."""
+        where = {job.id: self.queue.cancel(job.id, reason) for job in jobs}
+        closed = [job_id for job_id, place in where.items() if place == "queued"]
+        for job_id in closed:
+            self.update(job_id, state=JobState.CANCELLED, error=reason,
+                        finished_at=self._clock())
+        if closed:
+            self._save_order()
+        return where
+
     def cancel_entries(self, link_job_ids: list[str], reason: str) -> None:
         """Cancel the entries of these playlist links that are not done yet: queued ones are
         removed at once, a running one is stopped; published entries stay published."""
-        removed = False
         for link_id in link_job_ids:
-            for entry in self.registry.entries_of(link_id):
-                if entry.state.is_final:
-                    continue
-                # a queued entry ends here; a running or publishing one is stopped and its
-                # dispatcher ends it; one committed (None: its stems are going out) stays out
-                where = self.queue.cancel(entry.id, reason)
-                if where == "queued":
-                    removed = True
-                    self.update(entry.id, state=JobState.CANCELLED, error=reason,
-                                finished_at=self._clock())
-                if where is not None:
+            entries = [e for e in self.registry.entries_of(link_id) if not e.state.is_final]
+            cancelled = self.cancel_and_close(entries, reason)
+            for entry in entries:
+                if cancelled[entry.id] is not None:
                     log.info("cancelled entry %s of the playlist %s: %s", entry.name,
                              entry.playlist.name if entry.playlist else link_id, reason)
-        if removed:
-            self._save_order()
 
     def expand_playlist(self, link_id: str, ref: PlaylistRef, entries: list[Job],
                         control: JobControl) -> bool:
@@ -419,7 +422,6 @@ class Scheduler(Requests):
             return build_snapshot(jobs, self.queue.order(), waiting,
                                   self.queue.pause_reason if self.queue.paused else None,
                                   self.settings.paths, {"running": True, "pid": os.getpid()},
-                                  worker=worker_of(self.registry),
                                   workers=workers_of(self.registry), older=older)
 
     def jobs_page(self, before: tuple[float, int] | None,

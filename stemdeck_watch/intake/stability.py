@@ -1,4 +1,4 @@
-"""When a dropped file is complete: the stability rule of design §1.
+"""When a dropped file is complete: the stability rule.
 
 A file is ready once it is non-empty and its (size, mtime_ns, inode) has not changed for
 `settle_seconds` with no watcher events in between. A close-after-write event (Linux) shortens

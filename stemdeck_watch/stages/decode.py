@@ -6,7 +6,7 @@ cut short (a wav or flac copied half-way) are caught by comparing what the heade
 with what came out: separating half a song and calling it done would lose the rest silently.
 
 Decoding streams: resampled blocks are appended to the scratch file as they come (see
-pipeline/scratch.py) and the normalisation statistics demucs needs are accumulated on the way,
+stages/scratch.py) and the normalisation statistics demucs needs are accumulated on the way,
 so the service never holds the whole song, however long it is.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class DecodedAudio:
     std: float | None = None
     # frames of the input at its own rate (what `output.samplerate = "input"` gives back)
     source_frames: int | None = None
-    # the input's tags (pipeline/tags.py), read while decoding
+    # the input's tags (stages/tags.py), read while decoding
     tags: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -101,7 +101,7 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
                    check_cancel: Callable[[], None] = lambda: None,
                    on_progress: Callable[[float], None] = lambda _: None) -> DecodedAudio:
     """Decode `source` into `target` (.npy, shape (channels, frames), float32), streaming:
-    frames go to disk in blocks as they are decoded (see pipeline/scratch.py), so memory does
+    frames go to disk in blocks as they are decoded (see stages/scratch.py), so memory does
     not grow with the song. On any failure or cancel `target` is removed."""
     import av  # imported here: commands that never decode should not pay for it
 

@@ -9,8 +9,8 @@ job: a folder with a complete manifest is a published song, which is how a resta
 Stems are read from the worker's scratch files and written block by block (mixes summed block
 by block), so publishing a song of any length takes the same memory. On the way each block may
 be resampled (`output.samplerate`) and feed the preview's peaks; file names come from the
-layout template filled with sanitised tags (pipeline/naming.py), flac/mp3 stems are tagged
-(pipeline/tags.py). The manifest lists every file of the folder with its size and sha256.
+layout template filled with sanitised tags (stages/naming.py), flac/mp3 stems are tagged
+(stages/tags.py). The manifest lists every file of the folder with its size and sha256.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Exactly one job runs at a time, and that is a correctness requirement rather than a tuning
 choice: every job talks to the same resident Demucs worker over one stdin and one stderr, so
 two jobs at once would interleave requests, read each other's progress, and a cancel of one
-would kill the worker under the other (design §3).
+would kill the worker under the other.
 
 With several workers (`executor.workers`, the Ray executor) there is one consumer per
 worker, each with its own slot: a slot holds at most one taken job, so "one job at a time"

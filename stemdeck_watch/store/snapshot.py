@@ -22,8 +22,9 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
           service: dict[str, Any], notes: list[str] | None = None,
           worker: dict[str, Any] | None = None,
           workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
-    """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
-    resident worker's device, threads, model and precision with the figures that chose it).
+    """The `status --json` object: the queue, the service, its folders, and every worker
+    (`workers`; `worker` is the first of them: its device, threads, model and precision with
+    the figures that chose it).
 
     One builder for the stopped service (read from disk) and the running one (the API), so
     the CLI, the page and scripts see the same shape. `jobs` holds the jobs not finished and
@@ -44,34 +45,25 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         "folders": {name: str(getattr(folders, name))
                     for name in ("inbox", "outbox", "processed", "failed", "state")},
         "notes": notes or [],
-        "worker": worker,
+        "worker": worker if worker is not None else (workers[0] if workers else None),
         # every worker (several with executor.kind = "ray"): where it runs, its device, the
         # job it holds
         "workers": workers if workers is not None else ([worker] if worker else []),
     }
 
 
-WORKER_META = "worker"  # registry meta key: the dispatcher records the worker's state there
-WORKERS_META = "workers"  # the same for every worker (executor.workers), as a list
-
-
-def worker_of(registry: Registry) -> dict[str, Any] | None:
-    """The worker section as the service last recorded it (None before a model loaded)."""
-    return _recorded(registry, WORKER_META)
+WORKERS_META = "workers"  # registry meta key: the executor records every worker's state there
 
 
 def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
-    """Every worker as the service last recorded them (None: only `worker` was recorded)."""
-    return _recorded(registry, WORKERS_META)
-
-
-def _recorded(registry: Registry, key: str) -> Any:
-    """A JSON value the service keeps in the registry's meta table; None if absent or torn."""
-    text = registry.get_meta(key)
+    """Every worker as the service last recorded them (None before any model loaded, or if
+    the record is torn)."""
+    text = registry.get_meta(WORKERS_META)
     try:
-        return json.loads(text) if text else None
+        workers = json.loads(text) if text else None
     except ValueError:
         return None
+    return workers if isinstance(workers, list) else None
 
 
 def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
@@ -82,9 +74,8 @@ def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
             return []
         try:
             workers = workers_of(registry)
-            worker = worker_of(registry)
         finally:
             registry.close()
     except sqlite3.Error:  # no tables yet, locked, damaged: status says which
         return []
-    return workers if workers is not None else ([worker] if worker else [])
+    return workers or []

@@ -40,7 +40,7 @@ REASONS = {"user": "paused by you", "restore": "jobs restored after a restart wa
            "disk": "paused: the disk is almost full"}
 
 
-class FolderControl:
+class FolderRemote:
     def __init__(self, scheduler: Scheduler, inbox: Path, outbox: Path,
                  clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler

@@ -4,7 +4,7 @@ A registry write can fail for a moment: a flaky share, a disk that is full until
 frees some room. A job whose final write failed would stay `running` in the registry while no
 queue holds it, stuck until the next restart. The dispatcher retries such writes instead,
 with growing pauses, until they land or the service stops (then the restore at the next start
-settles the job, as it does after a crash).
+ends the job, as it does after a crash).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def until_stored(action: Callable[[], T], what: str, stop: threading.Event) -> T
         except (sqlite3.Error, OSError) as exc:
             if stop.is_set():
                 log.error("could not record %s (%s); the service is stopping, so the restore "
-                          "at the next start will settle it", what, exc)
+                          "at the next start will end it", what, exc)
                 return None
             log.error("could not record %s: %s; trying again in %.2g s", what, exc, pause)
         if stop.wait(pause):
@@ -40,6 +40,6 @@ def until_stored(action: Callable[[], T], what: str, stop: threading.Event) -> T
                 return action()
             except (sqlite3.Error, OSError) as exc:
                 log.error("could not record %s (%s); the restore at the next start will "
-                          "settle it", what, exc)
+                          "end it", what, exc)
                 return None
         pause = min(pause * 2, LAST_PAUSE)

@@ -124,7 +124,7 @@ def layout_template(value: Any) -> str:
     """A stem's file name inside the song folder. Refused here, at config load, is anything
     that could place a file outside the song folder: an absolute path, a drive, `..`, a
     backslash, or a field that is not a plain name (`{stem.__class__}`, `{name[0]}`). The
-    values filled in later are sanitised too (pipeline/naming.py), so a tag cannot escape."""
+    values filled in later are sanitised too (stages/naming.py), so a tag cannot escape."""
     value = text(value)
     allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" or ' \
               f'"{{artist}}/{{title}} - {{stem}}.{{ext}}" (fields: ' \

@@ -1,9 +1,10 @@
-"""Executors: where separation runs.
+"""Workers: where separation runs.
 
-`executor.kind = "local"` (the default) is the one resident worker subprocess
-(pipeline/separate.py's WorkerClient). `"ray"` runs one resident-model Ray actor per worker
-across the machines of a Ray cluster (ray_actor.py, ray_client.py, cluster.py), behind the
-same client interface, so the pipeline cannot tell them apart.
+Every worker is reached through one interface, `Separator` (separator.py).
+`executor.kind = "local"` (the default) is the one resident worker subprocess (local.py's
+WorkerClient, running worker.py). `"ray"` runs one resident-model Ray actor per worker across
+the machines of a Ray cluster (ray_actor.py, ray_client.py, cluster.py). executor.py builds
+the workers the configuration asks for.
 
 Nothing in this package's `__init__` imports Ray: with `kind = "local"` Ray is never imported,
 and without the `ray` extra installed everything but the Ray executor works.

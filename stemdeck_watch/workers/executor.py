@@ -15,6 +15,7 @@ from typing import Any
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.store.snapshot import WORKERS_META
+from stemdeck_watch.workers.separator import Separator
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +23,14 @@ log = logging.getLogger(__name__)
 class Executor:
     """The clients (one per worker) and, for Ray, the connection and its watch."""
 
-    def __init__(self, kind: str, clients: list[Any], connection: Any = None):
+    def __init__(self, kind: str, clients: list[Separator], connection: Any = None):
         self.kind = kind
         self.clients = clients
         self.connection = connection
         self.watch: Any = None
         self._registry: Any = None
         self._jobs: dict[int, str | None] = {}  # the job each worker holds, by slot
+        self._recorded: str | None = None  # the workers as last written to the registry
         self._lock = threading.Lock()
 
     def attach(self, scheduler: Any) -> None:
@@ -49,23 +51,30 @@ class Executor:
             self.watch.start()
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker for `status --json` and `doctor`: where it runs, its device, the job
-        it holds (by name)."""
+        """Each worker for `status --json` and `doctor`: its device, threads, model and
+        precision; a Ray worker also where it runs and the job it holds (by name)."""
         out = []
         for index, client in enumerate(self.clients):
-            info = {**client.info(), "executor": self.kind, "index": index,
-                    "job": self._jobs.get(index)}
-            if self.kind == "local":
-                info.setdefault("hostname", _hostname())
+            info = client.info()
+            if self.kind == "ray":
+                info = {**info, "executor": self.kind, "index": index,
+                        "job": self._jobs.get(index)}
             out.append(info)
         return out
 
     def record(self, slot: int, job: str | None) -> None:
-        """Worker `slot` took `job` (None: it is free); the workers go to the registry."""
+        """Worker `slot` took `job` (None: it is free); the workers go to the registry, the
+        one place their state is kept (status reads it there, also while the service is
+        stopped). Written only when it changed: a registry write between two jobs is
+        worker idle time."""
         with self._lock:
             self._jobs[slot] = job
-            if self._registry is not None:
-                self._registry.set_meta(WORKERS_META, json.dumps(self.workers()))
+            if self._registry is None:
+                return
+            text = json.dumps(self.workers())
+            if text != self._recorded:
+                self._registry.set_meta(WORKERS_META, text)
+                self._recorded = text
 
     def close(self) -> None:
         if self.watch is not None:
@@ -94,15 +103,10 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
     connection = connect(ex.address)
     from stemdeck_watch.workers.ray_client import RayWorkerClient
 
-    clients = [RayWorkerClient(sep.device, sep.threads, sep.precision,
-                               gpus=ex.gpus_per_worker, cpus=ex.cpus_per_worker, index=i,
-                               env=worker_env)
-               for i in range(ex.workers)]
+    clients: list[Separator] = [
+        RayWorkerClient(sep.device, sep.threads, sep.precision, gpus=ex.gpus_per_worker,
+                        cpus=ex.cpus_per_worker, index=i, env=worker_env)
+        for i in range(ex.workers)]
     log.info("separating with %d Ray worker(s) on the cluster at %s", ex.workers, ex.address)
     return Executor("ray", clients, connection)
 
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()

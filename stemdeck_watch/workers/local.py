@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import PROGRESS_PREFIX
 
@@ -31,40 +31,6 @@ worker_log = logging.getLogger("stemdeck_watch.worker")
 
 STDERR_TAIL_LINES = 40
 START_TIMEOUT = 300.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    repo: str | None
-    samplerate: int
-    audio_channels: int
-    sources: tuple[str, ...]
-    # pipeline/precision.py's Choice as a dict: the precision in use, why, measured figures
-    precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-
-    @property
-    def dtype(self) -> str:
-        """The precision the worker separates this model in."""
-        return str(self.precision.get("precision", "float32"))
-
-    def serves(self, name: str, repo: str | None, setting: str) -> bool:
-        """Whether this loaded model answers a request for `name` from `repo` under the
-        precision `setting` (a changed setting loads again: it may decide differently)."""
-        return (self.name, self.repo) == (name, repo) and self.precision.get("setting") == setting
-
-    @classmethod
-    def loaded(cls, name: str, repo: str | None, reply: dict[str, Any]) -> "ModelInfo":
-        """From a worker's (local or Ray) reply to a load request."""
-        return cls(name, repo, reply["samplerate"], reply["audio_channels"],
-                   tuple(reply["sources"]), dict(reply.get("precision") or {}))
-
-
-@dataclasses.dataclass(frozen=True)
-class Separation:
-    stems: dict[str, Path]
-    worker_pid: int
-    seconds: float
 
 
 class _Process:
@@ -163,7 +129,8 @@ class _Process:
 
 
 class WorkerClient:
-    """Talks to the one worker. Only the pipeline (under its lock) calls request methods."""
+    """The one local worker process (a Separator). Only the pipeline, under its lock, calls
+    the request methods."""
 
     def __init__(self, device: str = "auto", env: dict[str, str] | None = None,
                  threads: int = 0, precision: str = "auto"):
@@ -206,7 +173,7 @@ class WorkerClient:
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
                      precision: str | None = None) -> ModelInfo:
-        """Start the worker if needed and have it load `name` and settle its precision
+        """Start the worker if needed and have it load `name` and choose its precision
         (`precision`: the setting, default the client's); cached while it lives."""
         setting = precision or self.precision
         key = (name, repo, setting)
@@ -262,7 +229,7 @@ class WorkerClient:
         accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
         streamed pass over the input. `window`: seconds of output the worker separates at a
         time (default: the worker's, 30 s); memory grows with it, never with the song.
-        `precision`: the one to run in (`ModelInfo.dtype`, as settled by `ensure_model`)."""
+        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`)."""
         request: dict[str, Any] = {
             "op": "separate", "id": job_id, "model": model, "repo": repo,
             "input": str(input_path), "output": str(output_dir), "shifts": shifts,

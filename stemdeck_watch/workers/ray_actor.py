@@ -1,11 +1,11 @@
 """The Ray actor: one resident-model separation worker on one machine of a Ray cluster.
 
-It is the subprocess worker's twin (pipeline/worker.py) and loads, warms and calibrates the
+It is the subprocess worker's twin (workers/worker.py) and loads, warms and calibrates the
 model with the same code (`Worker.model`, `Worker.precision`), so a job gives the same
 stems on either. What differs is how data moves: no worker machine has the inbox or the
 outbox, so the service uploads the decoded song window by window (`begin`, `upload`: each
 window one object in Ray's object store, never the whole song in one), the actor stages it
-on its own scratch disk, separates it window by window (pipeline/chunked.py) and streams
+on its own scratch disk, separates it window by window (workers/chunked.py) and streams
 progress and then the stems back, again one window per object (`separate` is a streaming
 generator with backpressure, so stems waiting to be fetched stay bounded).
 
@@ -76,14 +76,14 @@ class SeparationActor:
         import torch
 
         from stemdeck_watch.workers.precision import threads_for
-        from stemdeck_watch.workers.worker import Worker, _resolve_device
+        from stemdeck_watch.workers.worker import Worker, resolve_device
 
         # 0 = the CPUs Ray gave this actor (two actors on one machine must not both take
         # every core), else the configured count
         assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
         torch.set_num_threads(threads_for(threads) if threads or not assigned
                               else max(1, int(assigned)))
-        self._worker = Worker(_resolve_device(device), sys.stderr)
+        self._worker = Worker(resolve_device(device), sys.stderr)
         self._versions = {"torch": torch.__version__, "demucs": demucs.__version__,
                           "python": sys.version.split()[0], "ray": ray.__version__}
         self._lock = threading.Lock()  # held by the one running separation

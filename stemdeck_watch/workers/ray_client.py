@@ -1,4 +1,4 @@
-"""The service's side of one Ray worker: the same interface as the local WorkerClient.
+"""The service's side of one Ray worker: a Separator, like the local WorkerClient.
 
 The pipeline calls `ensure_model`, `separate`, `stop`, `shutdown`, `close`, `stderr_tail`,
 `versions`, `model_info` and `info` exactly as on the local client and cannot tell the two
@@ -33,7 +33,7 @@ from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.chunked import WINDOW_SECONDS
 from stemdeck_watch.workers.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
-from stemdeck_watch.workers.local import ModelInfo, Separation
+from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.worker import ModelUnavailable
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class RayWorkerClient:
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
                      precision: str | None = None) -> ModelInfo:
-        """Start the actor if needed and have it load `name` (see WorkerClient)."""
+        """Start the actor if needed and have it load `name` (see Separator.ensure_model)."""
         setting = precision or self.precision
         key = (name, repo, setting)
         with self._lock:
@@ -141,7 +141,7 @@ class RayWorkerClient:
                  stats: tuple[float, float] | None = None,
                  window: float | None = None, precision: str = "float32") -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
-        back into `output_dir/<stem>.npy` (see WorkerClient.separate)."""
+        back into `output_dir/<stem>.npy` (see Separator.separate)."""
         request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
                                    "overlap": overlap, "segment": segment,
                                    "precision": precision, "window": window}

@@ -17,14 +17,14 @@ stdout, replies (nothing else is ever written to stdout):
     {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
 stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
 
-A song is separated window by window (pipeline/chunked.py: `window` seconds of output at a
+A song is separated window by window (workers/chunked.py: `window` seconds of output at a
 time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and appended to one
 `<stem>.npy` per stem in "output", so memory does not grow with the song; the samples are
 those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation statistics of
 the mono mix (decode accumulates them); without them the worker computes them with one
 streamed pass. A song of at most one window is read whole and normalised exactly as before.
 
-After loading a model the worker settles its precision (pipeline/precision.py): with
+After loading a model the worker chooses its precision (workers/precision.py): with
 "auto" it calibrates once per model load, unless the client passes "decided" (a choice this
 machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 `precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
@@ -234,7 +234,7 @@ def _warm_up(model: Any, device: str) -> None:
                     device=device)
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
     import torch
 
     if device != "auto":
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(threads_for(args.threads))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
-    worker = Worker(_resolve_device(args.device), protocol)
+    worker = Worker(resolve_device(args.device), protocol)
     _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
                       "threads": torch.get_num_threads(),
                       "versions": {"torch": torch.__version__, "demucs": demucs.__version__,

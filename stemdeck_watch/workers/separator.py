@@ -1,0 +1,113 @@
+"""The one interface to a separation worker, whatever runs it.
+
+The pipeline, the dispatcher and the executor speak only `Separator`: the local
+`WorkerClient` (local.py: one resident subprocess on this machine) and the `RayWorkerClient`
+(ray_client.py: one resident actor on a Ray cluster) both implement it, so neither the
+pipeline nor the queue can tell them apart. A client serves one request at a time; the job's `JobControl` reaches a
+request in flight, so a cancel stops the worker at once.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from stemdeck_watch.store.jobqueue import JobControl
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """The model a worker holds, and the precision it separates in."""
+
+    name: str
+    repo: str | None
+    samplerate: int
+    audio_channels: int
+    sources: tuple[str, ...]
+    # precision.py's Choice as a dict: the precision in use, why, measured figures
+    precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def dtype(self) -> str:
+        """The precision the worker separates this model in."""
+        return str(self.precision.get("precision", "float32"))
+
+    def serves(self, name: str, repo: str | None, setting: str) -> bool:
+        """Whether this loaded model answers a request for `name` from `repo` under the
+        precision `setting` (a changed setting loads again: it may decide differently)."""
+        return (self.name, self.repo) == (name, repo) and self.precision.get("setting") == setting
+
+    @classmethod
+    def loaded(cls, name: str, repo: str | None, reply: dict[str, Any]) -> ModelInfo:
+        """From a worker's (local or Ray) reply to a load request."""
+        return cls(name, repo, reply["samplerate"], reply["audio_channels"],
+                   tuple(reply["sources"]), dict(reply.get("precision") or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Separation:
+    """What a separate request made: one `<stem>.npy` per stem, by whom, how long it took."""
+
+    stems: dict[str, Path]
+    worker_pid: int
+    seconds: float
+
+
+class Separator(Protocol):
+    """The service's side of one resident worker."""
+
+    # every worker process started, in order (diagnostics, tests)
+    pids: list[int]
+    # (start, end) of the latest separate requests, time.monotonic(): how busy the worker is
+    # kept (the throughput benchmarks' idle fraction)
+    busy: collections.deque[tuple[float, float]]
+
+    @property
+    def pid(self) -> int | None:
+        """The live worker's process id, if one runs."""
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """The worker's library versions (torch, demucs, …) for the manifest."""
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The model the live worker holds, without waiting for the worker (which may be
+        separating): what decoding ahead needs to know."""
+
+    def stderr_tail(self) -> str:
+        """The last lines the worker wrote, for a failed job's report."""
+
+    def info(self) -> dict[str, Any]:
+        """This worker for `status --json` and `doctor`: where it runs, on what, its model."""
+
+    def leaves_room(self) -> bool:
+        """Whether work beside a separation (decoding ahead, publishing behind) costs the
+        separation nothing."""
+
+    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
+                     precision: str | None = None) -> ModelInfo:
+        """Start the worker if needed and have it load `name` and choose its precision
+        (`precision`: the setting, default the client's); cached while the worker lives."""
+
+    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
+                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
+                 control: JobControl, on_progress: Callable[[float], None],
+                 stats: tuple[float, float] | None = None,
+                 window: float | None = None, precision: str = "float32") -> Separation:
+        """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
+
+        `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
+        accumulated them; without them the worker makes one extra pass over the input.
+        `window`: seconds of output separated at a time (memory grows with it, never with
+        the song). `precision`: the one to run in (`ModelInfo.dtype`)."""
+
+    def stop(self) -> None:
+        """Stop the worker now (a cancel); the next request gets a fresh one. Any thread."""
+
+    def shutdown(self) -> None:
+        """Start no new request: the service is stopping."""
+
+    def close(self) -> None:
+        """Stop the worker for good (the service stopped)."""
