@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test docs install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
+.PHONY: demo test docs lint install bench $(addprefix bench-,$(BENCHES)) clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,50 +43,18 @@ docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
-bench: install
-	$(BIN)/python benchmarks/bench_throughput.py
-	$(BIN)/python benchmarks/bench_control.py
-	$(BIN)/python benchmarks/bench_links.py
-	$(BIN)/python benchmarks/bench_notify.py
-	$(BIN)/python benchmarks/bench_restore.py
-	$(BIN)/python benchmarks/bench_intake.py
-	$(BIN)/python benchmarks/bench_memory.py
-	$(BIN)/python benchmarks/bench_output.py
-	$(BIN)/python benchmarks/bench_precision.py
-	$(BIN)/python benchmarks/bench_work_beside.py
+# every benchmark is benchmarks/bench_NAME.py, run by `make bench-NAME` (hyphens for
+# underscores: bench-work-beside); BENCH_ARGS go to it, e.g. BENCH_ARGS="--runs 3".
+# `make bench` runs them all but the Ray one, which needs the ray extra (BENCH_EXTRAS_ray).
+BENCHES := $(subst _,-,$(patsubst benchmarks/bench_%.py,%,$(wildcard benchmarks/bench_*.py)))
+BENCH_ARGS ?=
+BENCH_EXTRAS_ray := ray
 
-bench-memory: install
-	$(BIN)/python benchmarks/bench_memory.py
+bench: $(addprefix bench-,$(filter-out ray,$(BENCHES)))
 
-bench-intake: install
-	$(BIN)/python benchmarks/bench_intake.py
-
-bench-control: install
-	$(BIN)/python benchmarks/bench_control.py
-
-bench-links: install
-	$(BIN)/python benchmarks/bench_links.py
-
-bench-notify: install
-	$(BIN)/python benchmarks/bench_notify.py
-
-bench-restore: install
-	$(BIN)/python benchmarks/bench_restore.py
-
-bench-output: install
-	$(BIN)/python benchmarks/bench_output.py
-
-bench-precision: install
-	$(BIN)/python benchmarks/bench_precision.py
-
-# decode ahead / publish behind on against off, alternating
-bench-work-beside: install
-	$(BIN)/python benchmarks/bench_work_beside.py
-
-# the Ray executor against the local worker (needs the ray extra)
-bench-ray:
-	$(MAKE) install EXTRAS=$(EXTRAS),ray
-	$(BIN)/python benchmarks/bench_ray.py
+bench-%:
+	$(MAKE) install EXTRAS=$(EXTRAS)$(if $(BENCH_EXTRAS_$*),$(comma)$(BENCH_EXTRAS_$*))
+	$(BIN)/python benchmarks/bench_$(subst -,_,$*).py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

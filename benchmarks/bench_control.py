@@ -31,18 +31,15 @@ before each measure; the machine may be shared. Raw numbers: benchmarks/results/
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import io
 import json
 import logging
-import math
 import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,29 +47,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import cpu_snapshot, machine, other_cores, wait_quiet  # noqa: E402
+from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, summary,
+                     tiny_model, wait_quiet, write_results)
+from support.helpers import child_pids  # noqa: F401  (bench_links imports it from here)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import child_pids  # noqa: E402,F401  (bench_links imports it from here)
-
-RESULTS = Path(__file__).resolve().parent / "results" / "control.json"
 SONG_SECONDS = 30.0    # the songs that are cancelled while they separate
 SHIFTS = 2             # [separation] shifts: ~4 s of separation per song on a quiet 2-core box
 LONG_PRESET = "long"   # inbox/long/: shifts = 20, the song separating under (2) and (5)
 POLL = 0.002           # how often the worker's /proc entry is looked at during a cancel
 TARGETS = {"running": 0.5, "queued": 0.2, "frame": 0.2, "get": 0.020, "idle": 0}
 
-
-def p95(values: list[float]) -> float:
-    """Nearest rank: the value that 95 % of the trials do not exceed (the 19th of 20)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "median": statistics.median(values), "p95": p95(values),
-            "min": min(values), "max": max(values)}
 
 
 def proc_state(pid: int) -> str:
@@ -520,15 +504,12 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "control", quiet=True, patience=20)
     parser.add_argument("--trials", type=int, default=20, help="per way of cancelling")
     parser.add_argument("--changes", type=int, default=20, help="pause/start changes for (4)")
     parser.add_argument("--requests", type=int, default=200, help="GET /api/queue for (5)")
     parser.add_argument("--spacing", type=float, default=0.025, help="between GETs, s")
     parser.add_argument("--idle", type=float, default=60.0, help="idle window for (3), s")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="before each measure wait until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=20, help="longest such wait, s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from stemdeck_watch.util.synth import write_song
@@ -550,8 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         song = write_song(work / "songs" / "song.wav", SONG_SECONDS, seed=1)
         bench = Bench(work / "service", repo, song)
         settings = bench.settings
@@ -607,9 +587,8 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {info['torch']}, demucs {info['demucs']}\n")
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s; no processes left: {not leaked}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": info, "args": vars(args), "targets_s": TARGETS, "verdicts": verdicts,
+    write_results(args.out, {
+        "machine": info, "args": {k: v for k, v in vars(args).items() if k != "out"}, "targets_s": TARGETS, "verdicts": verdicts,
         "quiet_before": quiet, "leaked_children": sorted(leaked), "total_seconds": total,
         "summaries": {key: summary([r["seconds"] for r in rows if r["seconds"] is not None])
                       for key, rows in (
@@ -623,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                                           if r["how"] == "cli"]),
                           ("queue_get", results["queue_get"]),
                           ("change_to_frame", results["change_to_frame"]))},
-        **results}, indent=2) + "\n")
+        **results})
     return 1 if leaked else 0
 
 

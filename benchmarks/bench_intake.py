@@ -16,7 +16,6 @@ settings unless given:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -30,17 +29,13 @@ from typing import Any
 
 import tomli_w
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results" / "intake.json"
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_throughput import machine  # noqa: E402
-from conftest import config_data  # noqa: E402
+from harness import machine, p95, parser as bench_parser, tiny_model, write_results
+from support.helpers import config_data
 
-from stemdeck_watch.core.config import load_settings  # noqa: E402
-from stemdeck_watch.core.events import JobChanged  # noqa: E402
-from stemdeck_watch.core.jobs import JobState  # noqa: E402
-from stemdeck_watch.service import Service  # noqa: E402
+from stemdeck_watch.core.config import load_settings
+from stemdeck_watch.core.events import JobChanged
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.service import Service
 
 
 def start(root: Path, repo: Path, mode: str) -> tuple[Service, Path]:
@@ -128,13 +123,9 @@ def library(root: Path, repo: Path, mode: str, files: int) -> dict[str, Any]:
         service.shutdown()
 
 
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, int(0.95 * len(ordered) + 0.5) - 1)]
-
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "intake")
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument("--latency", type=int, default=20)
     args = parser.parse_args(argv)
@@ -142,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stemdeck-bench-intake-") as tmp:
         work = Path(tmp)
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         for mode in ("native", "polling"):
             delays = latency(work / f"latency-{mode}", repo, mode, args.latency)
             results["latency"][mode] = delays
@@ -157,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.files} files {mode:<8} accounted in {row['seconds']:.1f} s  "
                   f"peak RSS {row['peak_rss_mb']:.0f} MB  slowest status {row['slowest_status_s']:.2f} s  "
                   f"idle CPU {row['idle_cpu'] * 100:.1f} %", flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    write_results(args.out, results)
     return 0
 
 

@@ -45,7 +45,6 @@ Exit status 1 if a check fails or a child process is left behind.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.server
 import json
@@ -53,7 +52,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,12 +59,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import cpu_snapshot, machine, other_cores, wait_quiet  # noqa: E402
-from bench_control import child_pids  # noqa: E402
+from bench_control import child_pids
+from harness import (cpu_snapshot, machine, median, other_cores, parser as bench_parser,
+                     tiny_model, wait_quiet, write_results)
 
 STEMS = ("drums", "bass", "other", "vocals")
-RESULTS = Path(__file__).resolve().parent / "results" / "links.json"
 CHUNKS = 40          # a throttled body goes out in this many evenly paced pieces
 RUN_TIMEOUT = 180.0  # seconds for one run's five jobs
 GAP_SLACK = 0.10     # "idle close to zero": with the prefetch, a gap may exceed the plain-file
@@ -317,7 +314,7 @@ def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], j
         poll_until(lambda: len(service.queue.order()) == jobs, 30, f"{jobs} links queued")
         queued = list(service.queue.order())
         waited = time.monotonic()
-        other_before = wait_quiet(quiet, patience) if quiet > 0 else None
+        other_before = wait_quiet(quiet, patience)
         waited = time.monotonic() - waited
         t0, cpu0 = time.monotonic(), cpu_snapshot()
         service.scheduler.start()
@@ -386,9 +383,6 @@ def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], j
             "fetched_more_than_once": repeated, "jobs": per_job, "other_cores": other,
             "quiet_before": other_before, "waited_for_quiet": waited}
 
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def report(runs: list[dict[str, Any]], download: float, calibration: dict[str, Any],
@@ -459,7 +453,7 @@ def report(runs: list[dict[str, Any]], download: float, calibration: dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "links", quiet=True, patience=20)
     parser.add_argument("--runs", type=int, default=3, help="per mode")
     parser.add_argument("--jobs", type=int, default=5, help="link files per run")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the clip")
@@ -470,9 +464,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-download", type=float, default=3.0, metavar="S",
                         help="cap on the measured default: on a busy machine separations slow "
                              "down and the runs would grow with them")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="before each run wait until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=20, help="longest such wait, s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from stemdeck_watch.util.synth import write_song
@@ -487,12 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     leaked: set[int] = set()
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         songs = [write_song(work / f"link{i}.wav", args.seconds, seed=i)
                  for i in range(args.jobs)]
         files = [write_song(work / f"file{i}.wav", args.seconds, seed=100 + i) for i in range(4)]
-        quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+        quiet = wait_quiet(args.quiet, args.patience)
         print("calibrating: separation time of the clip ...", file=sys.stderr, flush=True)
         calibration = calibrate(work / "calibrate", repo, files, args.shifts)
         calibration["quiet_before"] = quiet
@@ -540,12 +530,10 @@ def main(argv: list[str] | None = None) -> int:
           f"for those runs (the service is not edited).\n")
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s; no processes left: {not leaked}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_results(args.out, {
         "machine": info, "args": vars(args), "calibration": calibration,
         "download_seconds": download, "gap_slack": GAP_SLACK, **summary,
-        "runs": runs, "leaked_children": sorted(leaked), "total_seconds": total},
-        indent=2, default=str) + "\n")
+        "runs": runs, "leaked_children": sorted(leaked), "total_seconds": total})
     ok = all(summary["verdicts"].values()) and not leaked
     return 0 if ok else 1
 

@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import machine, parser as bench_parser, tiny_model, wait_quiet, write_results
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results" / "memory.json"
 SR = 44100
 PIECE_SECONDS = 60
-sys.path.insert(0, str(HERE))
 
 
 def status_kb(pid: int, field: str) -> int | None:
@@ -166,7 +166,7 @@ def run_one(song: Path, repo: Path, work: Path, pythonpath: str | None) -> dict[
     sampler.start()
     processed = root / "processed" / song.name
     try:
-        wait(lambda: registry_row(root, "SELECT value FROM meta WHERE key = 'worker'"), proc,
+        wait(lambda: registry_row(root, "SELECT value FROM meta WHERE key IN ('worker', 'workers')"), proc,
              600, "the worker to load the model")
         os.replace(song, root / "inbox" / song.name)
         row = wait(lambda: registry_row(
@@ -204,25 +204,19 @@ def mb(kb: int | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "memory", quiet=True, patience=300)
     parser.add_argument("--minutes", type=int, nargs="*", default=[1, 10, 30, 60])
     parser.add_argument("--speed-minutes", type=int, default=5)
     parser.add_argument("--speed-runs", type=int, default=3)
     parser.add_argument("--before", type=Path, help="an earlier source tree to compare speed")
     parser.add_argument("--before-minutes", type=int, nargs="*", default=[],
                         help="also measure the earlier tree's peaks at these lengths")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="before each speed run wait until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=300)
     parser.add_argument("--work", type=Path, help="working folder (default: a temp folder)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="raw results (JSON)")
     parser.add_argument("--child-songs", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_songs:
         child_songs(args.child_songs[0], [int(m) for m in args.child_songs[1:]])
         return 0
-    from bench_throughput import machine, wait_quiet
-
     began = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="stemdeck-mem-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -230,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                                "speed": {}}
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         lengths = sorted(set(args.minutes) | set(args.before_minutes)
                          | ({args.speed_minutes} if args.speed_runs else set()))
         songs = work / "songs"
@@ -261,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict[str, Any]]] = {"now": [], "before": []}
             for n in range(args.speed_runs):
                 for label, path in (("now", None), ("before", str(args.before))):
-                    quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+                    quiet = wait_quiet(args.quiet, args.patience)
                     r = run_one(song(args.speed_minutes), repo, work, path)
                     r["other_cores_before"] = quiet
                     runs[label].append(r)
@@ -274,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     results["total_seconds"] = time.monotonic() - began
     print(report(results, args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, results)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Real components in this process: the Service (watcher, registry, resident worker with the tiny
 model on the CPU), its Notifier with apprise posting `json://127.0.0.1:PORT/` to a loopback HTTP
-receiver (tests/notify_receiver.py), and a closed port as the dead target.
+receiver (tests/support/notify_receiver.py), and a closed port as the dead target.
 
 (1) publish -> notification, target p95 <= 0.5 s:
     (a) through the service: each trial a fresh service and one 5 s song (a service announces
@@ -23,13 +23,10 @@ bounded time for a quiet machine. Raw numbers: benchmarks/results/notify.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,20 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from bench_throughput import cpu_snapshot, machine, other_cores  # noqa: E402
-from notify_receiver import Receiver, closed_port  # noqa: E402
-from bench_throughput import wait_quiet as _wait_quiet  # noqa: E402
+from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, percentile,
+                     tiny_model, wait_quiet, write_results)
+from support.notify_receiver import Receiver, closed_port
 
-RESULTS = HERE / "results" / "notify.json"
 SETTLE = 0.5
 
-
-def wait_quiet(limit: float, patience: float) -> None:
-    if limit > 0:
-        _wait_quiet(limit, patience)
 
 
 def settings_for(root: Path, repo: Path, urls: list[str]) -> Any:
@@ -185,25 +174,19 @@ def latency_notifier(work: Path, events: int, spacing: float) -> list[float]:
     return [m["received_at"] - sent[m["title"].removeprefix("Stems ready: ")] for m in got]
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
-
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50": statistics.median(values), "p95": pct(values, 95),
+    return {"n": len(values), "p50": statistics.median(values), "p95": percentile(values, 95),
             "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "notify", quiet=True, patience=120)
     parser.add_argument("--trials", type=int, default=10, help="(1a) fresh services")
     parser.add_argument("--events", type=int, default=200, help="(1b) events")
     parser.add_argument("--runs", type=int, default=3, help="(2) runs with and without")
     parser.add_argument("--songs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each song")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES")
-    parser.add_argument("--patience", type=float, default=120)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from stemdeck_watch.util.synth import write_song
@@ -211,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="stemdeck-bench-notify-"))
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         clips = [write_song(work / "clips" / f"song{i:02d}.wav", args.seconds, seed=i)
                  for i in range(args.songs)]
         lat_a = latency_service(work, repo, clips[0], args.trials, args.quiet, args.patience)
@@ -270,14 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     spread = max(max(without) - min(without), max(with_dead) - min(with_dead))
     print(f"\nmedian difference {diff:+.2f} s; run-to-run spread up to {spread:.2f} s "
           f"({'within the noise' if abs(diff) <= spread else 'OUTSIDE the noise'})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_results(args.out, {
         "machine": info, "latency_service": lat_a, "latency_notifier": lat_b,
         "summary": {"service": a, "notifier": b, "median_without": statistics.median(without),
                     "median_with_dead": statistics.median(with_dead), "difference": diff,
                     "spread": spread},
-        "runs": runs, "args": vars(args)}, indent=2) + "\n")
-    print(f"raw numbers: {RESULTS.relative_to(HERE.parent)}")
+        "runs": runs, "args": vars(args)})
+    print(f"raw numbers: {args.out}")
     return 0
 
 

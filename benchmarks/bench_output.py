@@ -18,11 +18,8 @@ median is reported in seconds per minute of audio:
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -32,17 +29,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "output.json"
-SR = 44100
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, machine, parser as bench_parser, write_results
 
-from stemdeck_watch.core.config import OutputSettings, SeparationSettings  # noqa: E402
-from stemdeck_watch.stages.preview import Peaks, draw_preview  # noqa: E402
-from stemdeck_watch.stages.publish import SongInfo, list_files, write_song  # noqa: E402
-from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
-from stemdeck_watch.stages.songfolder import write_beat_grid  # noqa: E402
+SR = 44100
+
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.stages.preview import Peaks, draw_preview
+from stemdeck_watch.stages.publish import SongInfo, list_files, write_song
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
+from stemdeck_watch.stages.songfolder import write_beat_grid
 
 STEMS = ("drums", "bass", "other", "vocals")
 PLAIN = dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, tags=False)
@@ -171,13 +166,12 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "output")
     parser.add_argument("--minutes", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--separation-seconds", type=float, default=10.0,
                         help="audio for the separation reference; 0 = skip it")
     parser.add_argument("--separation-runs", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="raw results (JSON)")
     args = parser.parse_args()
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-output-") as tmp:
@@ -186,8 +180,7 @@ def main() -> int:
         steps = measure_steps(work, stems, args.runs)
         cold = cold_beat_grid(stems, max(1, args.runs // 2))
     results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load": os.getloadavg()},
+        "machine": {**machine(), "cpus": os.cpu_count(), "load": os.getloadavg()},
         "minutes": args.minutes, "runs": args.runs,
         "per_minute": {k: v / args.minutes for k, v in steps.items()},
         "cold_beat_grid_seconds": cold,
@@ -197,8 +190,7 @@ def main() -> int:
                                                                  args.separation_runs)
     results["total_seconds"] = time.monotonic() - began
     print(report(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, results)
     return 0
 
 

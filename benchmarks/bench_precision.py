@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import cpu_snapshot, machine, other_cores, wait_quiet  # noqa: E402
+from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, wait_quiet,
+                     write_results)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "precision.json"
 MODEL = "htfull"
 STEMS = ("drums", "bass", "other", "vocals")
 
@@ -131,13 +130,10 @@ def stems_snr(a: Path, b: Path, clips: list[Path]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "precision", quiet=True, patience=120)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--clips", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="before each service wait until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=120, help="longest such wait, s")
     parser.add_argument("--build", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.build:
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.rounds):
             outs = {}
             for precision in ("float32", "auto"):
-                quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+                quiet = wait_quiet(args.quiet, args.patience)
                 run = run_service(clips, repo, work / f"r{n}-{precision}", precision)
                 run["quiet_before"] = quiet
                 runs[precision].append(run)
@@ -203,12 +199,11 @@ def main(argv: list[str] | None = None) -> int:
               "", f"reason: {choice.get('reason')}",
               f"total benchmark time {time.monotonic() - began:.0f} s"]
     print("\n".join(lines))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": info, "args": {k: v for k, v in vars(args).items()
-                                   if k != "build"}, "parameters": parameters,
-                                   "seconds_per_10s": per10, "snr_db": None if math.isinf(snr)
-                                   else snr, "choice": choice, "runs": runs,
-                                   "total_seconds": time.monotonic() - began}, indent=2) + "\n")
+    write_results(args.out, {"machine": info, "args": {k: v for k, v in vars(args).items()
+                                                       if k not in ("build", "out")},
+                             "parameters": parameters, "seconds_per_10s": per10,
+                             "snr_db": None if math.isinf(snr) else snr, "choice": choice,
+                             "runs": runs, "total_seconds": time.monotonic() - began})
     return 0
 
 

@@ -22,24 +22,20 @@ waits for a quiet machine first and the cores other processes used are recorded.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import cpu_snapshot, machine, other_cores, wait_quiet  # noqa: E402
+from harness import (cpu_snapshot, machine, other_cores, p95, parser as bench_parser,
+                     tiny_model, wait_quiet, write_results)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ray.json"
 RATE = 44100
 
 
@@ -93,12 +89,14 @@ def separate_all(clients: list[Any], clips: list[Path], repo: Path, out: Path) -
 
 
 def measure(name: str, clients: list[Any], clips: list[Path], repo: Path, root: Path,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, quiet: tuple[float, float]) -> dict[str, Any]:
+    """Median wall time of separating `clips` on `clients`, each round after a wait for a
+    quiet machine (`quiet`: cores, patience)."""
     for client in clients:
         client.ensure_model("tiny", str(repo), precision="float32")
     walls, loads = [], []
     for r in range(rounds):
-        wait_quiet(0.3, 30)
+        wait_quiet(*quiet)
         before = cpu_snapshot()
         wall = separate_all(clients, clips, repo, root / f"{name}-{r}")
         walls.append(wall)
@@ -154,12 +152,13 @@ def cancel_latency(client: Any, clip: Path, repo: Path, out: Path, count: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__, "ray", quiet=True, patience=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cancels", type=int, default=20)
     args = parser.parse_args(argv)
+    quiet = (args.quiet, args.patience)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private benchmark cluster
     import ray
@@ -171,15 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         root = Path(tmp)
         repo = root / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                        "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+        tiny_model(repo)
         clips = make_clips(root, args.clips, args.seconds)
         for threads in (1, 2):
             results.append(with_clients(
                 lambda threads=threads: [WorkerClient("cpu", threads=threads,
                                                       precision="float32")],
                 lambda c, threads=threads: measure(f"local, {threads} thread(s)", c, clips,
-                                                   repo, root, args.rounds)))
+                                                   repo, root, args.rounds, quiet)))
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  logging_level=logging.WARNING)
         try:
@@ -187,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(with_clients(
                     lambda count=count: ray_clients(count, spread=False),
                     lambda c, count=count: measure(f"ray, {count} worker(s)", c, clips, repo,
-                                                   root, args.rounds)))
+                                                   root, args.rounds, quiet)))
         finally:
             ray.shutdown()
         cluster = Cluster(initialize_head=True,
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def two_nodes(clients: list[Any]) -> dict[str, Any]:
                 result = measure("ray, 2 workers on 2 nodes", clients, clips, repo, root,
-                                 args.rounds)
+                                 args.rounds, quiet)
                 result["nodes"] = len({c.info()["node_id"] for c in clients})
                 head = cluster.head_node.node_id
                 remote = next(c for c in clients if c.info()["node_id"] != head)
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 latencies = sorted(cancel_latency(remote, long_clip, repo, root, args.cancels))
                 result["cancel"] = {
                     "count": len(latencies), "p50": round(statistics.median(latencies), 3),
-                    "p95": round(latencies[max(0, int(0.95 * len(latencies)) - 1)], 3),
+                    "p95": round(p95(latencies), 3),
                     "max": round(latencies[-1], 3), "restarts": len(remote.pids) - 1}
                 print(json.dumps(result["cancel"]), flush=True)
                 return result
@@ -227,10 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                                         / by["ray, 2 workers on 2 nodes"]["median"], 2),
     }
     print(json.dumps(summary))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine(), "clips": args.clips,
-                                   "seconds": args.seconds, "rounds": args.rounds,
-                                   "results": results, "summary": summary}, indent=2) + "\n")
+    write_results(args.out, {"machine": machine(), "clips": args.clips,
+                             "seconds": args.seconds, "rounds": args.rounds,
+                             "results": results, "summary": summary})
     return 0
 
 

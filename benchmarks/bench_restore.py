@@ -17,7 +17,7 @@
     service opens it (WAL, synchronous=FULL: every transition is on disk before it is
     announced). 500 updates: 125 queued jobs each through decoding → separating → publishing →
     done. Median and p99 (the 495th of 500).
-(3) Kill-test totals: runs tests/test_kill.py::test_kill_at_random_points (20 SIGKILLs of a
+(3) Kill-test totals: runs tests/service/test_kill.py::test_kill_at_random_points (20 SIGKILLs of a
     10-job run, restarting each time, invariants checked after every restart) with
     STEMDECK_KILL_SUMMARY=1, which writes benchmarks/results/kill.json; `--no-kill-test`
     reports an existing kill.json instead.
@@ -30,11 +30,9 @@ test fails, or it reports a violation.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -45,26 +43,23 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import machine  # noqa: E402
+from harness import (RESULTS, ROOT as REPO, machine, parser as bench_parser, percentile,
+                     tiny_model, write_results)
 
-from stemdeck_watch.engine import recovery  # noqa: E402
+from stemdeck_watch.engine import recovery
 from stemdeck_watch import service as service_module
-from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict  # noqa: E402
-from stemdeck_watch.core.events import EventBus  # noqa: E402
-from stemdeck_watch.store.jobqueue import JobQueue  # noqa: E402
-from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState  # noqa: E402
-from stemdeck_watch.core.paths import filesystem_type  # noqa: E402
-from stemdeck_watch.stages.publish import MANIFEST  # noqa: E402
-from stemdeck_watch.engine.pipeline import Pipeline  # noqa: E402
-from stemdeck_watch.workers.local import WorkerClient  # noqa: E402
-from stemdeck_watch.store.registry import REGISTRY_FILE, Registry  # noqa: E402
-from stemdeck_watch.engine.scheduler import Scheduler  # noqa: E402
+from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.core.events import EventBus
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.core.paths import filesystem_type
+from stemdeck_watch.stages.publish import MANIFEST
+from stemdeck_watch.engine.pipeline import Pipeline
+from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.engine.scheduler import Scheduler
 
-RESULTS = REPO / "benchmarks" / "results" / "restore.json"
-KILL_SUMMARY = REPO / "benchmarks" / "results" / "kill.json"
+KILL_SUMMARY = RESULTS / "kill.json"
 RESTORE_TARGET = 2.0  # seconds, (1b)
 STEMS = ("drums", "bass", "other", "vocals")
 FOLDERS = ("inbox", "outbox", "processed", "failed", "state")
@@ -215,25 +210,15 @@ def transitions(root: Path, pristine: Path, updates: int) -> list[float]:
     return seconds
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
-def tiny_model(folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(folder),
-                    "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
-    return folder
-
 
 def kill_test(seed: int | None) -> tuple[dict[str, Any] | None, int]:
     env = {**os.environ, "STEMDECK_KILL_SUMMARY": "1"}
     if seed is not None:
         env["STEMDECK_KILL_SEED"] = str(seed)
     KILL_SUMMARY.unlink(missing_ok=True)
-    print("running the kill test (tests/test_kill.py, about 2–3 minutes)…", flush=True)
+    print("running the kill test (tests/service/test_kill.py, about 2–3 minutes)…", flush=True)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                           "tests/test_kill.py::test_kill_at_random_points"],
+                           "tests/service/test_kill.py::test_kill_at_random_points"],
                           cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
@@ -242,7 +227,7 @@ def kill_test(seed: int | None) -> tuple[dict[str, Any] | None, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "restore")
     parser.add_argument("--done", type=int, default=10_000)
     parser.add_argument("--queued", type=int, default=1_000)
     parser.add_argument("--updates", type=int, default=500)
@@ -329,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if kill is not None:
         print(f"kill test: seed {kill['seed']}, phases {kill['kill_phases']}, notes "
               f"{kill['notes']}, {kill['seconds']} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     return 0 if ok else 1
 
 

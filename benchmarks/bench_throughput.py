@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,67 +32,22 @@ import sys
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, tiny_model,
+                     wait_quiet, with_load, write_results)
 
 STEMS = ("drums", "bass", "other", "vocals")
-RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 CLI_ARGS = ["--shifts", "1", "--overlap", "0.25"]
 CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-LOAD_SAMPLE_SECONDS = 2.0
-
-
-def cpu_snapshot() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process, its reaped children
-    and its live children); other users of the machine = the difference of the deltas."""
-    tick = os.sysconf("SC_CLK_TCK")
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / tick
-    t, me = os.times(), str(os.getpid())
-    ours = t.user + t.system + t.children_user + t.children_system
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parts = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if parts[1] == me:
-            ours += (int(parts[11]) + int(parts[12])) / tick
-    return busy, ours
-
-
-def other_cores(before: tuple[float, float], wall: float) -> float:
-    """Cores that processes outside this benchmark kept busy, on average, since `before`."""
-    after = cpu_snapshot()
-    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
-
-
-def wait_quiet(limit: float, patience: float) -> float:
-    """Wait (at most `patience` s) until other processes use under `limit` cores, measured over
-    LOAD_SAMPLE_SECONDS; the machine may be shared. Returns the last measurement."""
-    deadline = time.monotonic() + patience
-    while True:
-        before = cpu_snapshot()
-        time.sleep(LOAD_SAMPLE_SECONDS)  # the measurement window, not a wait for a condition
-        other = other_cores(before, LOAD_SAMPLE_SECONDS)
-        if other < limit or time.monotonic() > deadline:
-            return other
-
-
-def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """fn(*args) and the cores other processes kept busy meanwhile."""
-    t, cpu = time.monotonic(), cpu_snapshot()
-    result = fn(*args)
-    return result, other_cores(cpu, time.monotonic() - t)
-
 
 def tiny_model_and_clips(work: Path, count: int, seconds: float) -> tuple[Path, list[Path]]:
     """The tiny model's repo (built in a child: no torch here) and `count` synthetic clips."""
     from stemdeck_watch.util.synth import write_song
 
     repo = work / "models"
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                    "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
+    tiny_model(repo)
     clips = [write_song(work / "clips" / f"clip{i:02d}.wav", seconds, seed=i)
              for i in range(count)]
     return repo, clips
@@ -255,13 +209,6 @@ def run_cli(clips: list[Path], repo: Path, out: Path) -> float:
     return seconds
 
 
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "executable": sys.executable,
-            "torch": metadata.version("torch"), "demucs": metadata.version("demucs")}
-
 
 def stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
@@ -323,7 +270,7 @@ def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "throughput", quiet=True, patience=300)
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -335,9 +282,6 @@ def main(argv: list[str] | None = None) -> int:
                              "physical core")
     parser.add_argument("--ab-only", action="store_true",
                         help="only (a) and (b): the demucs CLI ignores --threads")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="before each run wait until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=300, help="longest such wait, s")
     parser.add_argument("--child-limit", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_limit:
@@ -351,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[dict[str, Any]] = []
         for n in range(args.runs):
             run, waited = work / f"run{n}", time.monotonic()
-            quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+            quiet = wait_quiet(args.quiet, args.patience)
             waited = time.monotonic() - waited
             a = run_service(clips, repo, run / "a", args.settle, args.work_beside,
                             threads=args.threads)
@@ -379,12 +323,11 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {info['torch']}, demucs {info['demucs']}\n")
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s")
-    results = RESULTS.with_name(f"throughput_threads{args.threads}.json") if args.threads \
-        else RESULTS
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"machine": info, "args": {k: v for k, v in vars(args).items()
-                                   if k != "child_limit"}, "runs": runs, **summary,
-                                   "total_seconds": total}, indent=2) + "\n")
+    results = args.out.with_name(f"throughput_threads{args.threads}.json") if args.threads \
+        else args.out
+    write_results(results, {"machine": info, "args": {k: v for k, v in vars(args).items()
+                                                      if k not in ("child_limit", "out")},
+                            "runs": runs, **summary, "total_seconds": total})
     return 0
 
 

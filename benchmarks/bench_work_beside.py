@@ -16,8 +16,6 @@ the heaviest work beside the worker).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -26,25 +24,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import (machine, run_service, tiny_model_and_clips,  # noqa: E402
-                              wait_quiet)
+from bench_throughput import run_service, tiny_model_and_clips
+from harness import machine, parser as bench_parser, wait_quiet, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results" / "work_beside.json"
 MODES = ("on", "auto", "off")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, "work_beside", quiet=True, patience=120)
     parser.add_argument("--turns", type=int, default=5, help="turns of the three settings")
     parser.add_argument("--clips", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--output-steps", action="store_true",
                         help="beat grid, preview and tags on (the defaults), as a user runs it")
-    parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                        help="wait before each run until other processes use fewer cores")
-    parser.add_argument("--patience", type=float, default=120, help="longest such wait, s")
     args = parser.parse_args(argv)
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="stemdeck-beside-"))
@@ -56,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / "warm-up", ignore_errors=True)
         for n in range(args.turns):
             for mode in MODES if n % 2 == 0 else MODES[::-1]:  # turns: on auto off off auto on
-                quiet = wait_quiet(args.quiet, args.patience) if args.quiet > 0 else None
+                quiet = wait_quiet(args.quiet, args.patience)
                 a = run_service(clips, repo, work / f"{mode}{n}", args.settle, mode,
                                 args.output_steps)
                 runs[mode].append({"a": a["seconds"], "separate": a["stage_sums"]["separate"],
@@ -88,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
           f"on / off = {median('on', 'separate') / median('off', 'separate'):.3f}")
     total = time.monotonic() - began
     print(f"total benchmark time {total:.0f} s")
-    results = RESULTS.with_name("work_beside_output_steps.json") if args.output_steps else RESULTS
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
-                                   "a_ratio_to_off": ratio, "total_seconds": total},
-                                  indent=2) + "\n")
+    results = args.out.with_name("work_beside_output_steps.json") if args.output_steps \
+        else args.out
+    write_results(results, {"machine": info, "args": vars(args), "runs": runs,
+                            "a_ratio_to_off": ratio, "total_seconds": total})
     return 0
 
 

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 # Where the generators find the code they document: (module, attribute). If a module moves,
-# change it here; `tests/test_docs.py` fails until every generated page is whole again.
+# change it here; `tests/docs/test_docs.py` fails until every generated page is whole again.
 PARSER_SOURCE = ("stemdeck_watch.cli.main", "_parser")
 CONFIG_SOURCE = "stemdeck_watch.core.config"
 # The OpenAPI document, a function of the service's base URL. While a checkout has no such

@@ -1,0 +1,102 @@
+"""Moving inputs never overwrites, and a failed copy leaves the source in place."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+import shutil
+
+import pytest
+
+from stemdeck_watch.core import paths
+from stemdeck_watch.core.errors import FilesystemError
+from stemdeck_watch.core.paths import move_file, numbered, unique_path
+
+
+def test_collisions_get_numbered_names(tmp_path: Path) -> None:
+    assert numbered(Path("song.mp3"), 2) == Path("song (2).mp3")
+    assert numbered(Path("My.Song"), 3, keep_suffix=False) == Path("My.Song (3)")
+    (tmp_path / "song.mp3").touch()
+    (tmp_path / "song (2).mp3").touch()
+    assert unique_path(tmp_path / "song.mp3") == tmp_path / "song (3).mp3"
+
+
+def test_move_never_overwrites(tmp_path: Path) -> None:
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "song.mp3").write_text("old")
+    src = tmp_path / "song.mp3"
+    src.write_text("new")
+    target = move_file(src, tmp_path / "done" / "song.mp3")
+    assert target.name == "song (2).mp3" and target.read_text() == "new"
+    assert (tmp_path / "done" / "song.mp3").read_text() == "old"
+    assert not src.exists()
+
+
+def test_move_across_filesystems_copies_then_removes(tmp_path: Path, monkeypatch) -> None:
+    def cross_device(src, dst):  # what os.link/os.rename say across mounts
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(paths.os, "link", cross_device)
+    real_rename = os.rename
+    calls = []
+
+    def rename(src, dst):
+        calls.append(Path(src).name)
+        if not Path(src).name.startswith("."):
+            cross_device(src, dst)
+        return real_rename(src, dst)  # the temporary copy beside the target
+
+    monkeypatch.setattr(paths.os, "rename", rename)
+    src = tmp_path / "in" / "song.mp3"
+    src.parent.mkdir()
+    src.write_bytes(b"audio" * 1000)
+    target = move_file(src, tmp_path / "out" / "song.mp3")
+    assert target.read_bytes() == b"audio" * 1000 and not src.exists()
+    assert not list((tmp_path / "out").glob(".*"))
+
+
+def test_a_failed_copy_leaves_the_source(tmp_path: Path, monkeypatch) -> None:
+    def cross_device(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(paths.os, "link", cross_device)
+    monkeypatch.setattr(paths.os, "rename", cross_device)
+
+    def disk_full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(paths.shutil, "copyfileobj", disk_full)
+    src = tmp_path / "song.mp3"
+    src.write_bytes(b"audio")
+    with pytest.raises(FilesystemError, match="could not copy .*song.mp3 to .*: No space left"):
+        move_file(src, tmp_path / "out" / "song.mp3")
+    assert src.read_bytes() == b"audio"
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_only_one_service_per_state_folder(tmp_path: Path) -> None:
+    from stemdeck_watch.core.lock import AlreadyRunning, ServiceLock, running_pid
+
+    assert running_pid(tmp_path) is None
+    lock = ServiceLock.acquire(tmp_path)
+    try:
+        assert running_pid(tmp_path) == os.getpid()
+        with pytest.raises(AlreadyRunning, match=f"pid {os.getpid()}.*{tmp_path}"):
+            ServiceLock.acquire(tmp_path)
+    finally:
+        lock.release()
+    assert running_pid(tmp_path) is None
+    ServiceLock.acquire(tmp_path).release()
+
+
+def test_a_copy_cut_off_before_the_source_was_removed_is_finished(tmp_path: Path) -> None:
+    src, dst = tmp_path / "inbox" / "song.wav", tmp_path / "failed" / "song.wav"
+    src.parent.mkdir()
+    dst.parent.mkdir()
+    src.write_bytes(b"audio" * 1000)
+    shutil.copy2(src, dst)  # what the cross-filesystem move had done when the power went
+    assert move_file(src, dst) == dst
+    assert not src.exists() and sorted(p.name for p in dst.parent.iterdir()) == ["song.wav"]
+    other = tmp_path / "inbox" / "song.wav"
+    other.write_bytes(b"other" * 1000)  # same name, other content: a new number
+    assert move_file(other, dst) == dst.with_name("song (2).wav")

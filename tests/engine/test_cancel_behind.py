@@ -1,0 +1,247 @@
+"""Cancels and stops reach a song that publishes behind the next one's separation.
+
+The queue on its own first; then the real service, real worker with the tiny model,
+`queue.work_beside = "on"`. The moments that matter ("a publishes while b separates", "a is cut off before b") are made by gates on the
+real steps, never by sleeps: a gate holds a real step until the test opens it, or until the
+job's own cancel check fires, exactly as the step itself would stop.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages import publish, songfolder
+from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.util.synth import write_song
+
+from support.helpers import SeparationGate, outbox_entries, run_restore, wait_for
+
+HOLD = 60.0  # seconds a gate holds at most: a test that never opens it fails, not hangs
+
+
+class StepGate:
+    """Holds one job's call of a pipeline function (found by the staging folder it works in,
+    named by the job id) until `open()`. With `cancellable`, the job's cancel check runs while
+    it waits, as the real step's would: a cancel ends the wait with Cancelled."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str, job_id: str,
+                 cancellable: bool) -> None:
+        self.reached = threading.Event()
+        self._opened = threading.Event()
+        real = getattr(module, name)
+
+        def gated(staging: Path, *args: Any, **kwargs: Any) -> Any:
+            if Path(staging).name == job_id:
+                self.reached.set()
+                check: Callable[[], None] = kwargs.get("check") or (lambda: None)
+                for _ in range(int(HOLD / 0.05)):
+                    if self._opened.wait(0.05):
+                        break
+                    if cancellable:
+                        check()
+            return real(staging, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, gated)
+
+    def open(self) -> None:
+        self._opened.set()
+
+
+class CancelsAnswered:
+    """The queue's answers to cancels, recorded after the real call returns: the test knows
+    that a delete or a replacement was acted on before it lets the song go on."""
+
+    def __init__(self, queue: Any) -> None:
+        self.answers: list[tuple[str, str | None]] = []
+        real = queue.cancel
+
+        def recorded(job_id: str, reason: str) -> str | None:
+            where = real(job_id, reason)
+            self.answers.append((job_id, where))
+            return where
+
+        queue.cancel = recorded
+
+    def asked(self, job_id: str) -> bool:
+        return any(j == job_id for j, _ in self.answers)
+
+
+def api_cancel(service: Any, job_id: str) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
+    try:
+        conn.request("POST", f"/api/jobs/{job_id}/cancel", headers={
+            "Host": f"127.0.0.1:{service.api.port}",
+            "Authorization": f"Bearer {service.api.token}"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def queued_while_paused(service: Any, inbox: Path, names: list[str]) -> list[str]:
+    """Drop 2-second songs while the queue is paused; their job ids in queue order."""
+    service.scheduler.pause("user")
+    for count, name in enumerate(names, start=1):
+        write_song(inbox / name, 2.0, seed=count)
+        wait_for(lambda n=count: len(service.queue.order()) == n, 30, f"{name} queued")
+    return service.queue.order()
+
+
+def test_the_queue_routes_a_cancel_to_the_song_publishing_behind_until_it_commits() -> None:
+    queue = JobQueue()
+    for job_id in ("a", "b", "c"):
+        queue.put(job_id)
+    a = queue.take(timeout=0)
+    assert a is not None and queue.set_running(a)
+    queue.publish_behind(a)  # a's worker part is over; the slot takes b
+    b = queue.take(timeout=0)
+    assert b is not None and queue.set_running(b)
+    assert queue.running() is b and [c.job_id for c in queue.in_flight()] == ["a", "b"]
+    assert queue.cancel("a", "you") == "publishing" and a.cancelled and not b.cancelled
+    assert b.commit()  # b's stems are going out: nothing is cancelled, and it says so
+    assert queue.cancel("b", "you") is None and not b.cancelled
+    queue.finish(a)
+    assert queue.cancel("a", "again") is None and queue.in_flight() == [b]
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_songs_cut_off_together_go_back_in_their_queue_order(first: str) -> None:
+    queue = JobQueue()
+    for job_id in ("a", "b", "c"):
+        queue.put(job_id)
+    a, b = queue.take(timeout=0), queue.take(timeout=0, slot=1)
+    assert a is not None and b is not None
+    for job_id in (first, "b" if first == "a" else "a"):
+        queue.put_back(job_id)
+    assert queue.order() == ["a", "b", "c"]
+    queue.finish(a)
+    queue.finish(b)
+    taken = queue.take(timeout=0)
+    assert taken is not None and taken.job_id == "a"
+    queue.put_back("a")  # one taken again and put back goes first once more
+    assert queue.order() == ["a", "b", "c"]
+
+
+def publishing_behind(request: Any, make_settings: Any, service_factory: Any,
+                      monkeypatch: Any, cancellable: bool = True,
+                      step: tuple[Any, str] = (songfolder, "make_song_folder")
+                      ) -> tuple[Any, Any, str, str, StepGate, SeparationGate]:
+    """A service where song a is held in its publish step, behind the worker, while song b
+    is held separating (so b holds the worker's slot). Both gates open before the service
+    stops, also when the test failed first."""
+    settings = make_settings(queue={"work_beside": "on"})
+    service, jobs = service_factory(settings)
+    a, b = queued_while_paused(service, settings.paths.inbox, ["a.wav", "b.wav"])
+    held = StepGate(monkeypatch, *step, a, cancellable)
+    separating = SeparationGate(service.client, b)
+    request.addfinalizer(held.open)
+    request.addfinalizer(separating.open)
+    service.scheduler.start()
+    assert held.reached.wait(HOLD), "a never reached its publish step"
+    wait_for(lambda: jobs.latest[b].state is JobState.SEPARATING, HOLD, "b separating")
+    assert jobs.latest[a].state is JobState.PUBLISHING
+    return service, jobs, a, b, held, separating
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["api", "delete", "replace"])
+def test_a_song_publishing_behind_the_next_one_is_cancelled_when_the_user_asks(
+        request, make_settings, service_factory, monkeypatch, tmp_path, how) -> None:
+    """Cancelling through the API, deleting the input or replacing it while the song is
+    written out behind the next one's separation stops it: nothing of it is published and
+    its input is not moved to processed/ (a replacement is separated once, as `a`)."""
+    service, jobs, a, _b, held, separating = publishing_behind(request, make_settings,
+                                                               service_factory, monkeypatch)
+    settings = service.settings
+    song = settings.paths.inbox / "a.wav"
+    answered = CancelsAnswered(service.queue)
+    new_sha = ""
+    if how == "api":
+        status, reply = api_cancel(service, a)
+        assert status == 200, reply
+    elif how == "delete":
+        song.unlink()
+    else:  # an editor's atomic save: new bytes under the same name
+        fresh = write_song(tmp_path / "elsewhere" / "a.wav", 3.0, seed=7)
+        new_sha = hashlib.sha256(fresh.read_bytes()).hexdigest()
+        os.replace(fresh, song)
+    wait_for(lambda: answered.asked(a), 30, "the cancel to reach the queue")
+    held.open()
+    wait_for(lambda: jobs.latest[a].state.is_final, HOLD, "a to end")
+    assert jobs.latest[a].state is JobState.CANCELLED, jobs.latest[a]
+    assert not (settings.paths.outbox / "a").exists()
+    assert not (settings.paths.processed / "a.wav").exists()
+    assert song.is_file() is (how != "delete")
+
+    separating.open()
+    ends = 3 if how == "replace" else 2  # a replacement is queued again once a has ended
+    done = jobs.wait_final(ends, timeout=HOLD)
+    assert sorted(j.state.value for j in done if j.id != a) == ["done"] * (ends - 1), done
+    expected = {"a", "b"} if how == "replace" else {"b"}
+    assert outbox_entries(settings.paths.outbox) == expected
+    if how == "replace":
+        manifest = read_manifest(settings.paths.outbox / "a")
+        assert manifest is not None and manifest["input"]["sha256"] == new_sha
+
+
+@pytest.mark.slow
+def test_a_cancel_after_the_song_is_committed_is_refused_not_reported_done(
+        request, make_settings, service_factory, monkeypatch) -> None:
+    """Once a song publishing behind is past its last cancel check (its folder is going out),
+    the API answers 409 and says why, instead of "cancelled" for a song that is published."""
+    service, jobs, a, _b, held, separating = publishing_behind(
+        request, make_settings, service_factory, monkeypatch, cancellable=False,
+        step=(publish, "publish_folder"))
+    status, reply = api_cancel(service, a)
+    assert status == 409 and "can no longer be cancelled" in reply["error"], (status, reply)
+    held.open()
+    separating.open()
+    done = jobs.wait_final(2, timeout=HOLD)
+    assert [j.state for j in done] == [JobState.DONE, JobState.DONE], done
+    assert outbox_entries(service.settings.paths.outbox) == {"a", "b"}
+
+
+@pytest.mark.slow
+def test_a_clean_stop_puts_the_songs_it_cut_off_back_in_their_queue_order(
+        request, make_settings, service_factory, monkeypatch) -> None:
+    """Stopping while a publishes behind and b has just been taken sends both back to the
+    head of the queue; after the restart the queue is a, b, c as it was, whichever of the two
+    threads gets there first (here a does: the order that used to come back as b, a, c)."""
+    settings = make_settings(queue={"work_beside": "on"})
+    service, _jobs = service_factory(settings)
+    a, b, c = queued_while_paused(service, settings.paths.inbox, ["a.wav", "b.wav", "c.wav"])
+    held = StepGate(monkeypatch, songfolder, "make_song_folder", a, cancellable=True)
+    request.addfinalizer(held.open)
+    guard = service.dispatcher.guard
+    real_hold, taken = guard.hold, threading.Event()
+
+    def b_goes_back_after_a(job: Any) -> bool:
+        """b's disk check, between its take and its start: it lets b go on only once the
+        stop has put a back in the queue."""
+        if job.id == b:
+            taken.set()
+            wait_for(lambda: a in service.queue.order(), HOLD, "a back in the queue")
+        return real_hold(job)
+
+    monkeypatch.setattr(guard, "hold", b_goes_back_after_a)
+    service.scheduler.start()
+    assert held.reached.wait(HOLD), "a never reached its publish step"
+    assert taken.wait(HOLD), "b was never taken"
+    service.shutdown()
+    assert outbox_entries(settings.paths.outbox) == set()
+
+    restored, count = run_restore(settings)
+    try:
+        names = {a: "a", b: "b", c: "c"}
+        assert count == 3 and [names[j] for j in restored.queue.order()] == ["a", "b", "c"]
+    finally:
+        restored.registry.close()

@@ -1,0 +1,44 @@
+"""The disk check before a job: its estimate follows the file, and a duration probed ahead
+(by the prefetcher, while the previous job separates) is not probed again between two jobs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from stemdeck_watch.engine import diskguard
+from stemdeck_watch.engine.diskguard import DiskGuard
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.util.synth import write_song
+
+from support.helpers import open_scheduler
+
+
+def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatch) -> None:
+    probed: list[str] = []
+    real_probe = diskguard.probe_duration
+
+    def counting_probe(source: Path) -> float | None:
+        probed.append(Path(source).name)
+        return real_probe(source)
+
+    monkeypatch.setattr(diskguard, "probe_duration", counting_probe)
+    scheduler = open_scheduler(settings)
+    try:
+        source = write_song(settings.paths.inbox / "song.wav", 20.0)
+        job = Job(id="j1", name="song", kind=JobKind.FILE, state=JobState.QUEUED,
+                  source=str(source), rel_path="song.wav")
+        room = 10 * 2**20  # a 20 s song's stems and scratch need more than this
+        guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
+
+        guard.probe(job)  # ahead, as the prefetcher does
+        short = guard.shortfall(job)
+        assert short is not None and short[1] > room + diskguard.MARGIN
+        assert probed == ["song.wav"]  # the check before the job used the probe made ahead
+
+        write_song(source, 1.0)  # replaced by a short take: the estimate follows the file
+        assert guard.shortfall(job) is None
+        assert probed == ["song.wav", "song.wav"]
+
+        source.unlink()  # gone: assume a long song; the decode step will say what happened
+        assert guard.shortfall(job) is not None
+    finally:
+        scheduler.registry.close()

@@ -1,0 +1,150 @@
+"""The resident worker process with the tiny model, over its real protocol."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stemdeck_watch.core.errors import Cancelled, ModelError, WorkerDied
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.local import WorkerClient
+
+from support.helpers import wait_for
+
+pytestmark = pytest.mark.slow
+SR = 44100
+
+
+@pytest.fixture
+def client() -> WorkerClient:
+    client = WorkerClient("cpu")
+    yield client
+    client.close()
+
+
+def mix(tmp_path: Path, seconds: float) -> Path:
+    path = tmp_path / "mix.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, (0.1 * rng.standard_normal((2, int(seconds * SR)))).astype(np.float32))
+    return path
+
+
+def separate(client: WorkerClient, model_repo: Path, source: Path, out: Path,
+             control: JobControl, progress: list[float] | None = None):
+    return client.separate("job", "tiny", str(model_repo), source, out, shifts=1, overlap=0.25,
+                           segment=None, control=control,
+                           on_progress=(progress.append if progress is not None else lambda v: None))
+
+
+def test_one_worker_serves_every_request_and_reports_progress(client, model_repo, tmp_path):
+    info = client.ensure_model("tiny", str(model_repo))
+    assert info.sources == ("drums", "bass", "other", "vocals") and info.samplerate == SR
+    source = mix(tmp_path, 9.0)
+    progress: list[float] = []
+    first = separate(client, model_repo, source, tmp_path / "a", JobControl("job"), progress)
+    second = separate(client, model_repo, source, tmp_path / "b", JobControl("job"))
+    assert first.worker_pid == second.worker_pid == client.pid
+    assert client.pids == [first.worker_pid]
+    assert progress and progress == sorted(progress) and progress[-1] == pytest.approx(1.0)
+    for name, path in first.stems.items():
+        assert np.load(path).shape == (2, 9 * SR), name
+    assert client.versions["demucs"] == "4.1.0"
+
+
+def test_a_missing_model_is_a_clear_error_and_the_worker_lives_on(client, model_repo):
+    with pytest.raises(ModelError) as info:
+        client.ensure_model("htdemucs_6s", str(model_repo))
+    message = str(info.value)
+    assert "htdemucs_6s" in message and "separation.model_repo" in message and "tiny.th" in message
+    pid = client.pid
+    assert client.ensure_model("tiny6", str(model_repo)).sources[-2:] == ("guitar", "piano")
+    assert client.pid == pid
+
+
+def test_no_network_and_no_repo_fails_fast_and_says_what_to_do(tmp_path):
+    client = WorkerClient("cpu", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    try:
+        started = time.monotonic()
+        with pytest.raises(ModelError) as info:
+            client.ensure_model("htdemucs", None)
+        assert time.monotonic() - started < 20  # worker start + check, no 30 s network hang
+        assert "separation.model_repo" in str(info.value) and "htdemucs" in str(info.value)
+    finally:
+        client.close()
+
+
+def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
+    client.ensure_model("tiny", str(model_repo))
+    source = mix(tmp_path, 240.0)
+    control = JobControl("job")
+    progress: list[float] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            separate(client, model_repo, source, tmp_path / "out", control, progress)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: progress, 60, "separation progress")
+    pid = client.pid
+    assert pid
+    cancelled_at = time.monotonic()
+    control.cancel("input removed")
+    thread.join(10)
+    assert time.monotonic() - cancelled_at < 1.0
+    assert len(errors) == 1 and isinstance(errors[0], Cancelled)
+    assert client.pid is None  # the worker is gone; the next request starts a new one
+    assert separate(client, model_repo, mix(tmp_path, 2.0), tmp_path / "next",
+                    JobControl("job")).worker_pid != pid
+
+
+def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_repo, tmp_path):
+    client.ensure_model("tiny", str(model_repo))
+    source = mix(tmp_path, 240.0)
+    progress: list[float] = []
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(
+        errors, separate, client, model_repo, source, tmp_path / "o", JobControl("job"), progress))
+    thread.start()
+    wait_for(lambda: progress, 60, "separation progress")
+    os.kill(client.pid, signal.SIGKILL)  # what the OOM killer does
+    thread.join(20)
+    assert len(errors) == 1 and isinstance(errors[0], WorkerDied)
+    assert "killed by SIGKILL" in str(errors[0]) and "out of memory" in str(errors[0])
+    assert separate(client, model_repo, mix(tmp_path, 2.0), tmp_path / "n", JobControl("job"))
+
+
+def _capture(errors: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model_repo, tmp_path):
+    from stemdeck_watch.stages.scratch import stats_of
+
+    client.ensure_model("tiny", str(model_repo))
+    source = mix(tmp_path, 12.0)
+    kwargs = dict(shifts=0, overlap=0.25, segment=None)  # no random shifts: comparable runs
+    whole = client.separate("job", "tiny", str(model_repo), source, tmp_path / "whole",
+                            control=JobControl("job"), on_progress=lambda v: None, **kwargs)
+    progress: list[float] = []
+    windows = client.separate("job", "tiny", str(model_repo), source, tmp_path / "win",
+                              control=JobControl("job"), on_progress=progress.append,
+                              stats=stats_of(source), window=2.5, **kwargs)  # 5 windows
+    assert len(progress) >= 4 and progress == sorted(progress)  # one per 4 s segment
+    assert progress[-1] == pytest.approx(1.0)
+    for name, path in windows.stems.items():
+        got, want = np.load(path), np.load(whole.stems[name])
+        assert got.shape == want.shape == (2, 12 * SR)
+        snr = 10 * np.log10(np.square(want).sum() / max(np.square(got - want).sum(), 1e-30))
+        assert snr > 100, f"{name}: {snr:.1f} dB"
