@@ -30,15 +30,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness import ROOT, machine, parser as bench_parser, write_results
-
-SR = 44100
-
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.stages.preview import Peaks, draw_preview
 from stemdeck_watch.stages.publish import SongInfo, list_files, write_song
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.stages.songfolder import write_beat_grid
 
+SR = 44100
 STEMS = ("drums", "bass", "other", "vocals")
 PLAIN = dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, tags=False)
 

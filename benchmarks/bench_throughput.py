@@ -219,7 +219,7 @@ RATIOS = {"a/b": lambda r, s: r["a"] / r["b"], "(a-settle)/b": lambda r, s: (r["
 
 
 def report(runs: list[dict[str, Any]], settle: float, clips: int) -> tuple[str, dict[str, Any]]:
-    labels = {"a": "(a) service (settle %.1f s)" % settle, "b": "(b) in-process limit",
+    labels = {"a": f"(a) service (settle {settle:.1f} s)", "b": "(b) in-process limit",
               "c": "(c) demucs CLI, one call per clip", "d": "(d) demucs CLI, one call"}
     labels = {k: v for k, v in labels.items() if k in runs[0]}  # --ab-only: no CLI runs
     med = {k: stats([r[k] for r in runs])[0] for k in labels}

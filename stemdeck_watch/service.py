@@ -232,7 +232,7 @@ class Service:
             self._lock.release()
         log.info("stopped")
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         self.start()
         return self
 

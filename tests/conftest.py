@@ -42,7 +42,7 @@ def no_leaks() -> Iterator[None]:
     try:
         wait_for(lambda: leaks() == ([], set()), 10, "threads and child processes to end")
     except AssertionError:
-        raise AssertionError("test leaked threads / child processes: %r" % (leaks(),)) from None
+        raise AssertionError(f"test leaked threads / child processes: {leaks()!r}") from None
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,8 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     their control characters are escaped (`\\x1b`, `\\n`), so none reaches the terminal as
     an escape sequence or adds a line of its own."""
     service = status["service"]
-    lines = [f"service: {'running (pid %d)' % service['pid'] if service['running'] else 'stopped'}"]
+    running = f"running (pid {service['pid']})" if service["running"] else "stopped"
+    lines = [f"service: {running}"]
     if status["paused"]:
         why = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start "
                "(or drop a new file)", "disk": "the disk is almost full",

@@ -12,7 +12,12 @@ import dataclasses
 import difflib
 import functools
 import os
-import tomllib
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 from pathlib import Path
 from typing import Any, Mapping
 

@@ -20,7 +20,7 @@ class ConfigError(StemdeckError):
 class FilesystemError(StemdeckError):
     """A file operation failed: "could not move X to Y: reason"."""
 
-    def __init__(self, verb: str, *paths: os.PathLike | str, reason: BaseException | str):
+    def __init__(self, verb: str, *paths: os.PathLike[str] | str, reason: BaseException | str):
         self.verb = verb
         self.paths = tuple(Path(p) for p in paths)
         self.reason = reason

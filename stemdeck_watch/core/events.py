@@ -100,7 +100,7 @@ class EventBus:
         def unsubscribe() -> None:
             with self._lock:
                 if entry in self._listeners:
-                    self._listeners.remove(entry)  # type: ignore[arg-type]
+                    self._listeners.remove(entry)
 
         return unsubscribe
 

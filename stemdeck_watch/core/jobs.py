@@ -69,7 +69,7 @@ class PlaylistRef:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | None) -> "PlaylistRef | None":
+    def from_json(cls, text: str | None) -> PlaylistRef | None:
         return cls(**json.loads(text)) if text else None
 
     def to_status(self) -> dict[str, Any]:
@@ -86,7 +86,7 @@ class FileSignature:
     inode: int
 
     @classmethod
-    def of(cls, stat_result: Any) -> "FileSignature":
+    def of(cls, stat_result: Any) -> FileSignature:
         return cls(stat_result.st_size, stat_result.st_mtime_ns, stat_result.st_ino)
 
 

@@ -24,7 +24,7 @@ class ServiceLock:
         self._fd = handle
 
     @classmethod
-    def acquire(cls, state_dir: Path) -> "ServiceLock":
+    def acquire(cls, state_dir: Path) -> ServiceLock:
         path = state_dir / LOCK_NAME
         state_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

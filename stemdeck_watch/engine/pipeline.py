@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
@@ -57,7 +57,7 @@ DOWNLOAD_SHARE, DECODE_SHARE, SEPARATE_SHARE = 0.15, 0.05, 0.90
 
 # Hands over what `prepare` made (or is making) ahead for a job, reporting its progress from
 # then on; None: nothing was prepared.
-Claim = Callable[[Callable[[float], None]], Optional[Prepared]]
+Claim = Callable[[Callable[[float], None]], Prepared | None]
 
 
 class Pipeline:

@@ -43,7 +43,7 @@ class PlaylistError(StageError):
 
 
 class Playlists:
-    def __init__(self, scheduler: "Scheduler"):
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.settings = scheduler.settings
 

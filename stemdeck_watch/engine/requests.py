@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable
@@ -35,7 +36,7 @@ class Requests:
     registry: Registry
     queue: JobQueue
     bus: EventBus
-    settings: "Settings"
+    settings: Settings
     _lock: threading.RLock
     _clock: Callable[[], float]
     _left: set[str]
@@ -157,16 +158,23 @@ class Requests:
                 raise Conflict(f"{job.name} is {job.state.value}; cancel it first, then remove it")
             left: list[str] = []
             own = self._published_by(job)
+            def note(path: str, exc: BaseException) -> None:
+                left.append(f"{path} ({exc.strerror if isinstance(exc, OSError) else exc})")
+
             for folder in own:
-                shutil.rmtree(folder, onerror=lambda _f, path, exc: left.append(
-                    f"{path} ({exc[1].strerror if isinstance(exc[1], OSError) else exc[1]})"))
+                if sys.version_info >= (3, 12):
+                    shutil.rmtree(folder, onexc=lambda _f, path, exc: note(path, exc))
+                else:  # `onerror` (the exception as sys.exc_info()), deprecated since 3.12
+                    shutil.rmtree(folder, onerror=lambda _f, path, info: note(path, info[1]))
             if job.output and job.playlist is not None and job.playlist.is_link:
                 publish.remove_if_empty(Path(job.output))  # the entries' folder
+            signature: FileSignature | None
             try:
                 signature = FileSignature.of(os.stat(job.source))
             except OSError:
                 signature = job.signature
-            tombstones = [(job.source, "input", signature)]
+            tombstones: list[tuple[str, str, FileSignature | None]] = [
+                (job.source, "input", signature)]
             if job.output and (Path(job.output) in own or not os.path.lexists(job.output)):
                 tombstones.append((job.output, "output", None))
             elif job.output:

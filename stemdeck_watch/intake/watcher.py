@@ -52,7 +52,7 @@ class _Handler(FileSystemEventHandler):
     """Turns watchdog events into calls on the Intake; never lets an exception escape (a
     handler that raises kills the observer thread)."""
 
-    def __init__(self, intake: "Intake"):
+    def __init__(self, intake: Intake):
         self.intake = intake
 
     def on_any_event(self, event: FileSystemEvent) -> None:

@@ -87,7 +87,7 @@ class Registry:
     # ------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
+    def open(cls, path: Path, clock: Callable[[], float] = time.time) -> Registry:
         # for the user only: the history names every song and link (URLs may carry share
         # tokens); SQLite gives its -wal and -shm files the database file's mode
         private_dir(path.parent)
@@ -113,7 +113,7 @@ class Registry:
         return cls(db, clock, path)
 
     @classmethod
-    def open_or_rebuild(cls, path: Path, clock: Callable[[], float] = time.time) -> "Registry":
+    def open_or_rebuild(cls, path: Path, clock: Callable[[], float] = time.time) -> Registry:
         """Open the registry; a damaged file never stops the service for good: it is moved
         aside with a timestamp (named in the log and in `status`) and a new one starts, which
         orphan adoption and the inbox rescan fill again — only the queue order is lost."""
@@ -133,7 +133,7 @@ class Registry:
             return registry
 
     @classmethod
-    def open_readonly(cls, path: Path) -> "Registry | None":
+    def open_readonly(cls, path: Path) -> Registry | None:
         """For `status`: never creates or changes anything; None if there is no registry yet."""
         if not path.is_file():
             return None
@@ -239,7 +239,10 @@ class Registry:
         whose size must not grow with the history (the indexes keep it a few lookups)."""
         final = [s.value for s in JobState if s.is_final]
         active = [s.value for s in JobState if not s.is_final]
-        marks = lambda values: ", ".join("?" * len(values))  # noqa: E731
+
+        def marks(values: list[str]) -> str:
+            return ", ".join("?" * len(values))
+
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE rowid IN "
@@ -400,7 +403,7 @@ class Registry:
                                     "ORDER BY since, source").fetchall()
         return [(s, JobKind(k), t) for s, k, t in rows]
 
-    def _transaction(self) -> "_Transaction":
+    def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
 
 
@@ -415,7 +418,7 @@ class _Transaction:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-def _job(row: tuple) -> Job:
+def _job(row: tuple[Any, ...]) -> Job:
     (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
      mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256,
      settings_key, playlist) = row

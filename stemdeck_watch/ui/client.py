@@ -46,7 +46,7 @@ class Client:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     @classmethod
-    def connect(cls, state_dir: Path) -> "Client":
+    def connect(cls, state_dir: Path) -> Client:
         """The service using `state_dir`; ServiceNotRunning if there is none."""
         pid = running_pid(state_dir)
         found = discovery.read(state_dir)

@@ -38,7 +38,7 @@ class Discovery:
 
 def base_url(host: str, port: int) -> str:
     """`http://127.0.0.1:8765/`; an IPv6 literal gets its brackets."""
-    return f"http://{'[%s]' % host if ':' in host else host}:{port}/"
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
 
 def new_token() -> str:

@@ -63,7 +63,7 @@ class Broadcaster:
         for client in clients:
             client.close()
 
-    def attach(self) -> "StreamClient":
+    def attach(self) -> StreamClient:
         """A new client. Its first frame is the state as of now, ready at once (if that is
         news, the other clients get it too; no one gets it twice)."""
         client = StreamClient()
@@ -80,7 +80,7 @@ class Broadcaster:
                 self._clients.add(client)
         return client
 
-    def detach(self, client: "StreamClient") -> None:
+    def detach(self, client: StreamClient) -> None:
         with self._lock:
             self._clients.discard(client)
 

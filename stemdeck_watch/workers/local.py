@@ -323,7 +323,7 @@ class WorkerClient:
                     if deadline is not None and time.monotonic() > deadline:
                         proc.stop()
                         raise WorkerDied(f"the separation worker did not start within "
-                                         f"{timeout:.0f} s", details=proc.stderr_tail())
+                                         f"{timeout:.0f} s", details=proc.stderr_tail()) from None
                     continue
                 if match(message):
                     return message

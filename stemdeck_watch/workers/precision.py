@@ -63,7 +63,7 @@ class Choice:
                 for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Choice":
+    def from_dict(cls, data: dict[str, Any]) -> Choice:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

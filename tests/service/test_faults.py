@@ -131,7 +131,7 @@ class FaultyFile:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
 
-    def __enter__(self) -> "FaultyFile":
+    def __enter__(self) -> FaultyFile:
         self._handle.__enter__()
         return self
 

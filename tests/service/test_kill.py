@@ -70,7 +70,7 @@ class Snapshot:
         self.order = order
 
     @classmethod
-    def read(cls, state: Path) -> "Snapshot":
+    def read(cls, state: Path) -> Snapshot:
         path = state / REGISTRY_FILE
         if not path.exists():
             return cls({}, [])

@@ -25,7 +25,7 @@ class IntakeRig:
         self.intake = Intake(settings.watch, self.inbox, self.scheduler,
                              mount_table=mount_table)
 
-    def __enter__(self) -> "IntakeRig":
+    def __enter__(self) -> IntakeRig:
         self.intake.start()
         return self
 

@@ -40,7 +40,7 @@ class Receiver:
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name="test-receiver", daemon=True)
 
-    def __enter__(self) -> "Receiver":
+    def __enter__(self) -> Receiver:
         self._thread.start()
         return self
 

@@ -108,7 +108,7 @@ class Stream:
         self.sock.settimeout(timeout)
         try:
             chunk = self.sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             return False
         if not chunk:
             raise EOFError("the server closed the stream")
