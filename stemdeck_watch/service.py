@@ -22,7 +22,7 @@ from stemdeck_watch.engine.dispatcher import Dispatcher
 from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers import executor as pool
 from stemdeck_watch.intake.ownership import InboxOwnership
-from stemdeck_watch.intake.watcher import Intake
+from stemdeck_watch.intake.watcher import InboxWatcher
 from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.core.lock import ServiceLock
 from stemdeck_watch.engine.inflight import SongsInFlight
@@ -112,7 +112,7 @@ class Service:
                            record=self.executor.record)
                 for slot, pipeline in enumerate(self.pipelines)]
             self.dispatcher = self.dispatchers[0]
-            self.intake = Intake(self.settings.watch, folders.inbox, self.scheduler,
+            self.intake = InboxWatcher(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
             self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)

@@ -49,10 +49,10 @@ def choose_mode(settings: WatchSettings, inbox: Path,
 
 
 class _Handler(FileSystemEventHandler):
-    """Turns watchdog events into calls on the Intake; never lets an exception escape (a
+    """Turns watchdog events into calls on the InboxWatcher; never lets an exception escape (a
     handler that raises kills the observer thread)."""
 
-    def __init__(self, intake: Intake):
+    def __init__(self, intake: InboxWatcher):
         self.intake = intake
 
     def on_any_event(self, event: FileSystemEvent) -> None:
@@ -63,7 +63,7 @@ class _Handler(FileSystemEventHandler):
             self.intake.request_rescan()
 
 
-class Intake:
+class InboxWatcher:
     def __init__(self, settings: WatchSettings, inbox: Path, scheduler: Scheduler,
                  clock: Callable[[], float] = time.monotonic, links: bool = False,
                  mount_table: str | os.PathLike[str] = MOUNT_TABLE):

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from stemdeck_watch.core.config import Settings
-from stemdeck_watch.intake.watcher import Intake
+from stemdeck_watch.intake.watcher import InboxWatcher
 from stemdeck_watch.core.jobs import FileSignature, Job
 from stemdeck_watch.core.paths import MOUNT_TABLE
 
@@ -22,7 +22,7 @@ class IntakeRig:
         self.settings = settings
         self.inbox = settings.paths.inbox
         self.scheduler = open_scheduler(settings)
-        self.intake = Intake(settings.watch, self.inbox, self.scheduler,
+        self.intake = InboxWatcher(settings.watch, self.inbox, self.scheduler,
                              mount_table=mount_table)
 
     def __enter__(self) -> IntakeRig:
