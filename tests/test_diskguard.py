@@ -29,7 +29,7 @@ def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatc
         room = 10 * 2**20  # a 20 s song's stems and scratch need more than this
         guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
 
-        guard.probe(job)  # ahead, as the prefetcher does
+        assert not guard.fits_ahead(job)  # ahead, as the prefetcher asks
         short = guard.shortfall(job)
         assert short is not None and short[1] > room + diskguard.MARGIN
         assert probed == ["song.wav"]  # the check before the job used the probe made ahead
