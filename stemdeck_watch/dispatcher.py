@@ -20,7 +20,7 @@ from stemdeck_watch.errors import SHUTDOWN, Cancelled, StageError
 from stemdeck_watch.jobqueue import JobControl
 from stemdeck_watch.jobs import Job, JobState
 from stemdeck_watch.pipeline.quarantine import quarantine
-from stemdeck_watch.diskguard import DiskGuard
+from stemdeck_watch.diskguard import NO_ROOM, DiskGuard
 from stemdeck_watch.prefetch import Prefetcher
 from stemdeck_watch.recovery import find_published
 from stemdeck_watch.pipeline.runner import Pipeline, PublishStep
@@ -230,6 +230,10 @@ class Dispatcher:
     def _record_cancel(self, job: Job, reason: str) -> None:
         if reason == SHUTDOWN:
             log.info("%s was cut off by shutdown; it goes back to the head of the queue", job.name)
+            self.scheduler.requeue_front(job.id)
+            return
+        if reason == NO_ROOM:  # the queue is paused for disk: it runs first once there is room
+            log.info("%s waits at the head of the queue for room on disk", job.name)
             self.scheduler.requeue_front(job.id)
             return
         log.info("cancelled %s: %s", job.name, reason)

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stemdeck_watch.config import Folders, OutputSettings, SeparationSettings, Settings
 from stemdeck_watch.errors import Cancelled, DecodeError, FilesystemError
@@ -40,6 +40,9 @@ from stemdeck_watch.pipeline.fetch import Downloaded, Playlist, download
 from stemdeck_watch.pipeline.inflight import SongsInFlight
 from stemdeck_watch.pipeline.separate import ModelInfo, Separation, WorkerClient
 from stemdeck_watch.playlist import Playlists
+
+if TYPE_CHECKING:
+    from stemdeck_watch.diskguard import DiskGuard
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,9 @@ class Pipeline:
         self._songs = songs or SongsInFlight()  # shared by the pipelines of every worker
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
+        # set by the service: a link is checked for room again once its download says its
+        # length, and decoded ahead only if it fits
+        self.disk: DiskGuard | None = None
 
     def works_beside(self, job: Job) -> bool:
         """Whether to publish `job` behind the worker, or decode it ahead of it
@@ -194,8 +200,11 @@ class Pipeline:
                 return prepared
             prepared.download = got
             source = got.path
+            if self.disk is not None:
+                self.disk.learn_download(job, got.path)
         form = self._loaded_format(job) if decode else None
-        if form is None:
+        if form is None or (job.kind is JobKind.LINK and self.disk is not None
+                            and not self.disk.fits_ahead(job)):
             return prepared
         signature = _signature(source)
         try:
@@ -310,6 +319,8 @@ class Pipeline:
             assert link is not None
             timer.measure("download", started)
             control.check()
+            if self.disk is not None:  # its length is known now: does all of it fit?
+                self.disk.admit_download(job, link.path)
             job = self._update(job.id, name=link.title)  # the song is named by its title
             source = link.path
 
