@@ -102,7 +102,7 @@ class JobWatch:
     """Every job change the service announces, with the time it was announced."""
 
     def __init__(self, bus: Any):
-        from stemdeck_watch.events import JobChanged
+        from stemdeck_watch.core.events import JobChanged
 
         self._cond = threading.Condition()
         self.latest: dict[str, Any] = {}        # job id -> Job
@@ -211,8 +211,8 @@ class Bench:
     def __init__(self, work: Path, repo: Path, song: Path):
         import tomli_w
 
-        from stemdeck_watch.config import default_toml, settings_from_dict
-        from stemdeck_watch.events import EventBus
+        from stemdeck_watch.core.config import default_toml, settings_from_dict
+        from stemdeck_watch.core.events import EventBus
         from stemdeck_watch.service import Service
 
         data = default_toml()  # as tests/conftest.py config_data does
@@ -266,7 +266,7 @@ class Bench:
         return json.loads(body)
 
     def cli_cancel(self, job_id: str) -> None:
-        from stemdeck_watch.cli import main as cli_main
+        from stemdeck_watch.cli.main import main as cli_main
 
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -277,7 +277,7 @@ class Bench:
     def separating(self, name: str, timeout: float = 180.0) -> Any:
         """Wait until `name` separates and the worker has reported progress of its own (the
         stage starts at DECODE_SHARE; anything above it came from the worker)."""
-        from stemdeck_watch.pipeline.runner import DECODE_SHARE
+        from stemdeck_watch.engine.pipeline import DECODE_SHARE
 
         def ready() -> Any:
             job = self.watch.job(name)
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=float, default=20, help="longest such wait, s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from stemdeck_watch.synth import write_song
+    from stemdeck_watch.util.synth import write_song
 
     began = time.monotonic()
     children_before = child_pids()
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         song = write_song(work / "songs" / "song.wav", SONG_SECONDS, seed=1)
         bench = Bench(work / "service", repo, song)

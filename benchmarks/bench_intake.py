@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_throughput import machine  # noqa: E402
 from conftest import config_data  # noqa: E402
 
-from stemdeck_watch.config import load_settings  # noqa: E402
-from stemdeck_watch.events import JobChanged  # noqa: E402
-from stemdeck_watch.jobs import JobState  # noqa: E402
+from stemdeck_watch.core.config import load_settings  # noqa: E402
+from stemdeck_watch.core.events import JobChanged  # noqa: E402
+from stemdeck_watch.core.jobs import JobState  # noqa: E402
 from stemdeck_watch.service import Service  # noqa: E402
 
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stemdeck-bench-intake-") as tmp:
         work = Path(tmp)
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         for mode in ("native", "polling"):
             delays = latency(work / f"latency-{mode}", repo, mode, args.latency)

@@ -12,7 +12,7 @@ are queued, then starts the queue. Two modes, alternated, 3 runs each:
 
   with     the service as shipped: while the worker separates a job, the Prefetcher downloads
            the next queued link.
-  without  the same, with `stemdeck_watch.prefetch.Prefetcher._consider` monkeypatched to a
+  without  the same, with `stemdeck_watch.engine.prefetch.Prefetcher._consider` monkeypatched to a
            no-op for the run: nothing is prepared ahead, every link downloads when its job
            runs (the service itself is not edited).
 
@@ -156,7 +156,7 @@ class Timeline:
     monotonic clock at the moment the service announced it."""
 
     def __init__(self, bus: Any, expect: int):
-        from stemdeck_watch.events import JobChanged, JobSeparated
+        from stemdeck_watch.core.events import JobChanged, JobSeparated
 
         self.expect = expect
         self._cond = threading.Condition()
@@ -196,7 +196,7 @@ class Timeline:
 
 
 def make_settings(root: Path, repo: Path, shifts: int) -> Any:
-    from stemdeck_watch.config import default_toml, settings_from_dict
+    from stemdeck_watch.core.config import default_toml, settings_from_dict
 
     data = default_toml()  # as tests/conftest.py config_data does
     data["folders"] = {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed",
@@ -209,7 +209,7 @@ def make_settings(root: Path, repo: Path, shifts: int) -> Any:
 
 @contextlib.contextmanager
 def running_service(settings: Any, expect: int) -> Iterator[tuple[Any, Timeline]]:
-    from stemdeck_watch.events import EventBus
+    from stemdeck_watch.core.events import EventBus
     from stemdeck_watch.service import Service
 
     bus = EventBus()
@@ -228,7 +228,7 @@ def running_service(settings: Any, expect: int) -> Iterator[tuple[Any, Timeline]
 def prefetch_disabled(disabled: bool) -> Iterator[None]:
     """`without`: the Prefetcher never starts preparing a job (its _consider is a no-op);
     the dispatcher's claim then finds nothing and the pipeline downloads the link itself."""
-    from stemdeck_watch.prefetch import Prefetcher
+    from stemdeck_watch.engine.prefetch import Prefetcher
 
     if not disabled:
         yield
@@ -299,7 +299,7 @@ def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], j
               shifts: int, mode: str, tag: str, quiet: float, patience: float) -> dict[str, Any]:
     """One run: the five links queued while paused, then the queue started; see the module
     docstring for what is measured."""
-    from stemdeck_watch.jobs import JobKind
+    from stemdeck_watch.core.jobs import JobKind
 
     settings = make_settings(work, repo, shifts)
     paths = [f"{tag}/link{i}.wav" for i in range(jobs)]
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=float, default=20, help="longest such wait, s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from stemdeck_watch.synth import write_song
+    from stemdeck_watch.util.synth import write_song
 
     import yt_dlp  # noqa: F401  -- imported once here, as in a service that has run a link
 
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     leaked: set[int] = set()
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         songs = [write_song(work / f"link{i}.wav", args.seconds, seed=i)
                  for i in range(args.jobs)]
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU, shifts {args.shifts}); {args.runs} runs per mode; {info['nproc']} cores "
           f"({info['cpu']}), Python {info['python']}, torch {info['torch']}, demucs "
           f"{info['demucs']}, yt-dlp {info['yt_dlp']}\n"
-          f"`without`: stemdeck_watch.prefetch.Prefetcher._consider monkeypatched to a no-op "
+          f"`without`: stemdeck_watch.engine.prefetch.Prefetcher._consider monkeypatched to a no-op "
           f"for those runs (the service is not edited).\n")
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s; no processes left: {not leaked}")

@@ -82,7 +82,7 @@ def child_songs(folder: str, minutes: list[int]) -> None:
     """Write one 16-bit wav per length, piece by piece (a minute at a time), never whole."""
     import soundfile
 
-    from stemdeck_watch.synth import song
+    from stemdeck_watch.util.synth import song
 
     files = {m: soundfile.SoundFile(Path(folder) / f"song-{m:03d}min.wav", "w", SR, 2,
                                     subtype="PCM_16") for m in minutes}
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                "speed": {}}
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         lengths = sorted(set(args.minutes) | set(args.before_minutes)
                          | ({args.speed_minutes} if args.speed_runs else set()))

@@ -54,7 +54,7 @@ def wait_quiet(limit: float, patience: float) -> None:
 
 
 def settings_for(root: Path, repo: Path, urls: list[str]) -> Any:
-    from stemdeck_watch.config import default_toml, settings_from_dict
+    from stemdeck_watch.core.config import default_toml, settings_from_dict
 
     data = default_toml()
     data["folders"] = {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed",
@@ -69,7 +69,7 @@ def settings_for(root: Path, repo: Path, urls: list[str]) -> Any:
 def timed_bus() -> Any:
     """The service's event bus, timing how long each publish spends in the notifier's listener
     (the only moment a notification touches the publisher's thread — often the pipeline's)."""
-    from stemdeck_watch.events import EventBus
+    from stemdeck_watch.core.events import EventBus
 
     class TimedBus(EventBus):
         def __init__(self) -> None:
@@ -95,8 +95,8 @@ def service_run(root: Path, repo: Path, urls: list[str], clips: list[Path]) -> d
     """A fresh service; `clips` renamed into the inbox at once; until all are done. Returns the
     wall time from the last rename to the last done, when each song was done, and the time the
     publishers spent in the notifier's listener."""
-    from stemdeck_watch.events import JobChanged
-    from stemdeck_watch.jobs import JobState
+    from stemdeck_watch.core.events import JobChanged
+    from stemdeck_watch.core.jobs import JobState
     from stemdeck_watch.service import Service
 
     settings = settings_for(root, repo, urls)
@@ -159,9 +159,9 @@ def latency_service(work: Path, repo: Path, clip: Path, trials: int, quiet: floa
 
 
 def latency_notifier(work: Path, events: int, spacing: float) -> list[float]:
-    from stemdeck_watch.control.notify import Notifier
-    from stemdeck_watch.events import EventBus, JobChanged
-    from stemdeck_watch.jobs import Job, JobKind, JobState
+    from stemdeck_watch.ui.notify import Notifier
+    from stemdeck_watch.core.events import EventBus, JobChanged
+    from stemdeck_watch.core.jobs import Job, JobKind, JobState
 
     with Receiver() as receiver:
         settings = settings_for(work / "stream", work, [receiver.url])
@@ -206,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=float, default=120)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from stemdeck_watch.synth import write_song
+    from stemdeck_watch.util.synth import write_song
 
     work = Path(tempfile.mkdtemp(prefix="stemdeck-bench-notify-"))
     try:
         repo = work / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         clips = [write_song(work / "clips" / f"song{i:02d}.wav", args.seconds, seed=i)
                  for i in range(args.songs)]

@@ -1,6 +1,6 @@
 """What each optional output step costs per minute of audio, next to the separation itself.
 
-One synthetic song (`stemdeck_watch.synth`, a beat at 120 BPM) of `--minutes`, split into four
+One synthetic song (`stemdeck_watch.util.synth`, a beat at 120 BPM) of `--minutes`, split into four
 stems written as the worker writes them (scratch .npy). Each step runs `--runs` times and the
 median is reported in seconds per minute of audio:
 
@@ -38,11 +38,11 @@ RESULTS = HERE / "results" / "output.json"
 SR = 44100
 sys.path.insert(0, str(ROOT))
 
-from stemdeck_watch.config import OutputSettings, SeparationSettings  # noqa: E402
-from stemdeck_watch.pipeline.preview import Peaks, draw_preview  # noqa: E402
-from stemdeck_watch.pipeline.publish import SongInfo, list_files, write_song  # noqa: E402
-from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter  # noqa: E402
-from stemdeck_watch.pipeline.songfolder import write_beat_grid  # noqa: E402
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings  # noqa: E402
+from stemdeck_watch.stages.preview import Peaks, draw_preview  # noqa: E402
+from stemdeck_watch.stages.publish import SongInfo, list_files, write_song  # noqa: E402
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
+from stemdeck_watch.stages.songfolder import write_beat_grid  # noqa: E402
 
 STEMS = ("drums", "bass", "other", "vocals")
 PLAIN = dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, tags=False)
@@ -50,7 +50,7 @@ PLAIN = dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, ta
 
 def make_stems(folder: Path, minutes: float) -> dict[str, Path]:
     """Four stems whose sum is the synthetic song, appended in 10 s pieces."""
-    from stemdeck_watch.synth import song
+    from stemdeck_watch.util.synth import song
 
     audio = song(minutes * 60, SR, seed=1).T
     stems = {}
@@ -119,7 +119,7 @@ def measure_steps(work: Path, stems: dict[str, Path], runs: int) -> dict[str, fl
 def cold_beat_grid(stems: dict[str, Path], runs: int) -> float:
     """Seconds of the first beat grid in a fresh process (imports included), median."""
     code = ("import sys, time; t = time.perf_counter(); from pathlib import Path; "
-            "from stemdeck_watch.pipeline.songfolder import write_beat_grid; "
+            "from stemdeck_watch.stages.songfolder import write_beat_grid; "
             "stems = {'drums': Path(sys.argv[1])}; "
             "write_beat_grid(Path(sys.argv[2]), stems, 44100); print(time.perf_counter() - t)")
     out = stems["drums"].parent / "cold.json"

@@ -56,8 +56,8 @@ def build_model(folder: Path) -> None:
 def run_service(clips: list[Path], repo: Path, root: Path, precision: str) -> dict[str, Any]:
     """One service with `precision`; the clips renamed into its inbox once the model (and
     its calibration) is loaded. Returns per-clip worker seconds and the manifests' choice."""
-    from stemdeck_watch.config import default_toml, settings_from_dict
-    from stemdeck_watch.events import EventBus, JobChanged
+    from stemdeck_watch.core.config import default_toml, settings_from_dict
+    from stemdeck_watch.core.events import EventBus, JobChanged
     from stemdeck_watch.service import Service
 
     data = default_toml()
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build:
         build_model(Path(args.build))
         return 0
-    from stemdeck_watch.synth import write_song
+    from stemdeck_watch.util.synth import write_song
 
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="stemdeck-bench-precision-"))

@@ -46,7 +46,7 @@ RATE = 44100
 def make_clips(folder: Path, count: int, seconds: float) -> list[Path]:
     import numpy as np
 
-    from stemdeck_watch.pipeline.scratch import AudioWriter
+    from stemdeck_watch.stages.scratch import AudioWriter
 
     clips = []
     for i in range(count):
@@ -60,7 +60,7 @@ def make_clips(folder: Path, count: int, seconds: float) -> list[Path]:
 
 def separate_all(clients: list[Any], clips: list[Path], repo: Path, out: Path) -> float:
     """Wall seconds for every clip, each client taking the next clip in order when free."""
-    from stemdeck_watch.jobqueue import JobControl
+    from stemdeck_watch.store.jobqueue import JobControl
 
     todo = list(enumerate(clips))
     lock = threading.Lock()
@@ -111,7 +111,7 @@ def measure(name: str, clients: list[Any], clips: list[Path], repo: Path, root: 
 
 
 def ray_clients(count: int, spread: bool) -> list[Any]:
-    from stemdeck_watch.executor.ray_client import RayWorkerClient
+    from stemdeck_watch.workers.ray_client import RayWorkerClient
 
     return [RayWorkerClient("cpu", precision="float32", cpus=1, index=i, spread=spread)
             for i in range(count)]
@@ -128,8 +128,8 @@ def with_clients(make: Callable[[], list[Any]], fn: Callable[[list[Any]], Any]) 
 
 def cancel_latency(client: Any, clip: Path, repo: Path, out: Path, count: int) -> list[float]:
     """Seconds from cancel to `Cancelled` raised, cancelling at a random point of a job."""
-    from stemdeck_watch.errors import Cancelled
-    from stemdeck_watch.jobqueue import JobControl
+    from stemdeck_watch.core.errors import Cancelled
+    from stemdeck_watch.store.jobqueue import JobControl
 
     rng = random.Random(7)
     latencies = []
@@ -165,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from stemdeck_watch.pipeline.separate import WorkerClient
+    from stemdeck_watch.workers.local import WorkerClient
 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         root = Path(tmp)
         repo = root / "models"
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                         "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
         clips = make_clips(root, args.clips, args.seconds)
         for threads in (1, 2):

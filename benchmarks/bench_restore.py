@@ -1,7 +1,7 @@
 """Start-up restore with a big registry, the cost of one state transition, kill-test totals.
 
 (1) Restore at start-up. A registry of 10,000 done jobs and 1,000 queued ones, built with
-    `stemdeck_watch.registry.Registry` directly: every done job has its song folder in the
+    `stemdeck_watch.store.registry.Registry` directly: every done job has its song folder in the
     outbox (a complete `stemdeck.json` and four 1-byte stems: what orphan adoption reads), every
     queued job its input in the inbox (1,000 tiny files). Two measures, each on a fresh copy of
     the registry file, with the page cache warm (the first run reads the files once):
@@ -50,17 +50,18 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import machine  # noqa: E402
 
-from stemdeck_watch import recovery, service as service_module  # noqa: E402
-from stemdeck_watch.config import Settings, default_toml, settings_from_dict  # noqa: E402
-from stemdeck_watch.events import EventBus  # noqa: E402
-from stemdeck_watch.jobqueue import JobQueue  # noqa: E402
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState  # noqa: E402
-from stemdeck_watch.paths import filesystem_type  # noqa: E402
-from stemdeck_watch.pipeline.publish import MANIFEST  # noqa: E402
-from stemdeck_watch.pipeline.runner import Pipeline  # noqa: E402
-from stemdeck_watch.pipeline.separate import WorkerClient  # noqa: E402
-from stemdeck_watch.registry import REGISTRY_FILE, Registry  # noqa: E402
-from stemdeck_watch.scheduler import Scheduler  # noqa: E402
+from stemdeck_watch.engine import recovery  # noqa: E402
+from stemdeck_watch import service as service_module
+from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict  # noqa: E402
+from stemdeck_watch.core.events import EventBus  # noqa: E402
+from stemdeck_watch.store.jobqueue import JobQueue  # noqa: E402
+from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState  # noqa: E402
+from stemdeck_watch.core.paths import filesystem_type  # noqa: E402
+from stemdeck_watch.stages.publish import MANIFEST  # noqa: E402
+from stemdeck_watch.engine.pipeline import Pipeline  # noqa: E402
+from stemdeck_watch.workers.local import WorkerClient  # noqa: E402
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry  # noqa: E402
+from stemdeck_watch.engine.scheduler import Scheduler  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "restore.json"
 KILL_SUMMARY = REPO / "benchmarks" / "results" / "kill.json"
@@ -220,7 +221,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def tiny_model(folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(folder),
+    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(folder),
                     "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
     return folder
 

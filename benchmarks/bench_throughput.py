@@ -89,10 +89,10 @@ def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def tiny_model_and_clips(work: Path, count: int, seconds: float) -> tuple[Path, list[Path]]:
     """The tiny model's repo (built in a child: no torch here) and `count` synthetic clips."""
-    from stemdeck_watch.synth import write_song
+    from stemdeck_watch.util.synth import write_song
 
     repo = work / "models"
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(repo),
+    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
                     "--name", "tiny"], check=True, stdout=subprocess.DEVNULL)
     clips = [write_song(work / "clips" / f"clip{i:02d}.wav", seconds, seed=i)
              for i in range(count)]
@@ -104,9 +104,9 @@ def run_service(clips: list[Path], repo: Path, root: Path, settle: float,
                 threads: int = 0) -> dict[str, Any]:
     """(a): seconds from the last rename into the inbox to the last job DONE, plus where the
     time went (event times relative to the last rename, and each job's manifest timings)."""
-    from stemdeck_watch.config import default_toml, settings_from_dict
-    from stemdeck_watch.events import EventBus, JobChanged
-    from stemdeck_watch.jobs import JobState
+    from stemdeck_watch.core.config import default_toml, settings_from_dict
+    from stemdeck_watch.core.events import EventBus, JobChanged
+    from stemdeck_watch.core.jobs import JobState
     from stemdeck_watch.service import Service
 
     data = default_toml()  # as tests/conftest.py make_settings does
@@ -191,8 +191,8 @@ def child_limit(repo: str, out: str, threads: int, clips: list[str]) -> None:
     from demucs.apply import apply_model
     from demucs.pretrained import get_model
 
-    from stemdeck_watch.pipeline.decode import decode_to_file
-    from stemdeck_watch.pipeline.precision import threads_for
+    from stemdeck_watch.stages.decode import decode_to_file
+    from stemdeck_watch.workers.precision import threads_for
 
     torch.set_num_threads(threads_for(threads))
     model = get_model("tiny", repo=Path(repo)).to("cpu")

@@ -2,7 +2,7 @@
 
 A page holds a marker line such as `<!-- generated: config-keys -->`; `on_page_markdown`
 replaces it with markdown built here from this checkout's own code: every config key from
-`stemdeck_watch.config`, every command and flag from the CLI's argparse parser, and the local
+`stemdeck_watch.core.config`, every command and flag from the CLI's argparse parser, and the local
 API from its OpenAPI document (or, where the checkout has none, from the API's route table).
 The repository root goes first on `sys.path` whenever a generator imports (MkDocs restores
 `sys.path` after loading a hook), and a module found anywhere else is an error: an installed
@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Where the generators find the code they document: (module, attribute). If a module moves,
 # change it here; `tests/test_docs.py` fails until every generated page is whole again.
-PARSER_SOURCE = ("stemdeck_watch.cli", "_parser")
-CONFIG_SOURCE = "stemdeck_watch.config"
+PARSER_SOURCE = ("stemdeck_watch.cli.main", "_parser")
+CONFIG_SOURCE = "stemdeck_watch.core.config"
 # The OpenAPI document, a function of the service's base URL. While a checkout has no such
 # module, the API page is generated from ROUTES_SOURCE instead.
-OPENAPI_SOURCE = ("stemdeck_watch.control.openapi", "document")
-ROUTES_SOURCE = ("stemdeck_watch.control.api", "ROUTES")
+OPENAPI_SOURCE = ("stemdeck_watch.ui.openapi", "document")
+ROUTES_SOURCE = ("stemdeck_watch.ui.api", "ROUTES")
 BASE_URL = "http://127.0.0.1:PORT"
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->[ \t]*$", re.MULTILINE)

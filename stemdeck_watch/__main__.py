@@ -1,3 +1,3 @@
-from stemdeck_watch.cli import main
+from stemdeck_watch.cli.main import main
 
 raise SystemExit(main())

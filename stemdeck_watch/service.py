@@ -12,28 +12,28 @@ import threading
 import time
 from typing import Callable
 
-from stemdeck_watch.config import Settings
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.control.api import ApiServer
-from stemdeck_watch.control.folder import FolderControl
-from stemdeck_watch.control.notify import Notifier
-from stemdeck_watch.diskguard import DiskGuard
-from stemdeck_watch.dispatcher import Dispatcher
-from stemdeck_watch.events import EventBus
-from stemdeck_watch.executor import pool
+from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.ui.api import ApiServer
+from stemdeck_watch.ui.folder import FolderControl
+from stemdeck_watch.ui.notify import Notifier
+from stemdeck_watch.engine.diskguard import DiskGuard
+from stemdeck_watch.engine.dispatcher import Dispatcher
+from stemdeck_watch.core.events import EventBus
+from stemdeck_watch.workers import executor as pool
 from stemdeck_watch.intake.ownership import InboxOwnership
 from stemdeck_watch.intake.watcher import Intake
-from stemdeck_watch.jobqueue import JobQueue
-from stemdeck_watch.lock import ServiceLock
-from stemdeck_watch.pipeline.inflight import SongsInFlight
-from stemdeck_watch.pipeline.runner import Pipeline
-from stemdeck_watch.playlist import Playlists
-from stemdeck_watch.prefetch import Prefetcher
-from stemdeck_watch.paths import (default_state_dir, filesystem_type, is_network_filesystem,
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.core.lock import ServiceLock
+from stemdeck_watch.engine.inflight import SongsInFlight
+from stemdeck_watch.engine.pipeline import Pipeline
+from stemdeck_watch.engine.playlists import Playlists
+from stemdeck_watch.engine.prefetch import Prefetcher
+from stemdeck_watch.core.paths import (default_state_dir, filesystem_type, is_network_filesystem,
                                   private_dir)
-from stemdeck_watch.recovery import adopt_orphans, restore
-from stemdeck_watch.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.scheduler import Scheduler
+from stemdeck_watch.engine.recovery import adopt_orphans, restore
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,17 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from stemdeck_watch.config import Settings, default_toml, settings_from_dict
-from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
-from stemdeck_watch.events import EventBus, JobChanged
-from stemdeck_watch.jobqueue import JobQueue
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
-from stemdeck_watch.pipeline.runner import Pipeline
-from stemdeck_watch.pipeline.separate import WorkerClient
-from stemdeck_watch.pipeline.worker import ONEDNN_ENV
-from stemdeck_watch.recovery import restore
-from stemdeck_watch.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.scheduler import Scheduler
+from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
+from stemdeck_watch.core.events import EventBus, JobChanged
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.engine.pipeline import Pipeline
+from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.workers.worker import ONEDNN_ENV
+from stemdeck_watch.engine.recovery import restore
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.engine.scheduler import Scheduler
 from stemdeck_watch.service import Service
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,7 +151,7 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     demucs's local-repo format by the project's own code, in a subprocess (no torch here)."""
     folder = tmp_path_factory.mktemp("models")
     for args in (["--name", "tiny"], ["--name", "tiny6", "--six"]):
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.pipeline.tinymodel", str(folder),
+        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(folder),
                         *args], check=True, stdout=subprocess.DEVNULL)
     return folder
 

@@ -47,11 +47,12 @@ def _under(path: object, folder: Path) -> bool:
 def install(window: str, processed: Path, fake_exdev: bool) -> None:
     import shutil
 
-    from stemdeck_watch import paths
-    from stemdeck_watch.jobs import JobState
-    from stemdeck_watch.pipeline import publish, runner
-    from stemdeck_watch.registry import Registry
-    from stemdeck_watch.scheduler import Scheduler
+    from stemdeck_watch.core import paths
+    from stemdeck_watch.core.jobs import JobState
+    from stemdeck_watch.stages import publish
+    from stemdeck_watch.engine import pipeline as runner
+    from stemdeck_watch.store.registry import Registry
+    from stemdeck_watch.engine.scheduler import Scheduler
 
     if fake_exdev:
         real_link, real_rename = os.link, os.rename
@@ -143,7 +144,7 @@ def main() -> int:
     window, argv = sys.argv[1], sys.argv[2:]
     install(window, Path(os.environ["STEMDECK_SEAM_PROCESSED"]),
             os.environ.get("STEMDECK_SEAM_FAKE_EXDEV") == "1")
-    from stemdeck_watch.cli import main as cli_main
+    from stemdeck_watch.cli.main import main as cli_main
 
     return cli_main(argv)
 

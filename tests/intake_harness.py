@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from stemdeck_watch.config import Settings
+from stemdeck_watch.core.config import Settings
 from stemdeck_watch.intake.watcher import Intake
-from stemdeck_watch.jobs import FileSignature, Job
-from stemdeck_watch.paths import MOUNT_TABLE
+from stemdeck_watch.core.jobs import FileSignature, Job
+from stemdeck_watch.core.paths import MOUNT_TABLE
 
 from conftest import open_scheduler, wait_for
 

@@ -19,10 +19,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from stemdeck_watch.config import settings_from_dict  # noqa: E402
-from stemdeck_watch.control.notify import Note, Notifier, Target  # noqa: E402
-from stemdeck_watch.events import EventBus, JobChanged  # noqa: E402
-from stemdeck_watch.jobs import Job, JobKind, JobState  # noqa: E402
+from stemdeck_watch.core.config import settings_from_dict  # noqa: E402
+from stemdeck_watch.ui.notify import Note, Notifier, Target  # noqa: E402
+from stemdeck_watch.core.events import EventBus, JobChanged  # noqa: E402
+from stemdeck_watch.core.jobs import Job, JobKind, JobState  # noqa: E402
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -28,8 +28,8 @@ from typing import Any
 def main() -> int:
     import torch
 
-    from stemdeck_watch.pipeline import precision
-    from stemdeck_watch.pipeline.worker import load_model
+    from stemdeck_watch.workers import precision
+    from stemdeck_watch.workers.worker import load_model
 
     model = load_model("tiny", str(Path(sys.argv[1])))
     speed = {"close": 1.5, "far": 1.5, "slower": 0.8}

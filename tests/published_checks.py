@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stemdeck_watch.pipeline.publish import read_manifest
+from stemdeck_watch.stages.publish import read_manifest
 
 
 def damaged_stems(folder: Path) -> list[str]:

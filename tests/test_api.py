@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.control import discovery
-from stemdeck_watch.control.stream import Broadcaster, fingerprints
-from stemdeck_watch.events import EventBus, JobChanged, QueueChanged
-from stemdeck_watch.jobs import Job, JobKind, JobState
-from stemdeck_watch.status import collect
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.stream import Broadcaster, fingerprints
+from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.cli.status import collect
+from stemdeck_watch.util.synth import write_song
 
 from conftest import wait_for
 
@@ -506,8 +506,8 @@ def ipv6_loopback() -> bool:
                                                                   reason="no IPv6 loopback")),
 ])
 def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
-    from stemdeck_watch.config import ApiSettings
-    from stemdeck_watch.control.api import ApiServer
+    from stemdeck_watch.core.config import ApiSettings
+    from stemdeck_watch.ui.api import ApiServer
 
     server = ApiServer(IdleScheduler(), EventBus(), ApiSettings(host=host, port=0), tmp_path)
     server.start()
@@ -526,9 +526,9 @@ def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
 
 
 def test_a_non_loopback_host_is_refused(tmp_path):
-    from stemdeck_watch.config import ApiSettings
-    from stemdeck_watch.control.api import ApiServer
-    from stemdeck_watch.errors import ConfigError
+    from stemdeck_watch.core.config import ApiSettings
+    from stemdeck_watch.ui.api import ApiServer
+    from stemdeck_watch.core.errors import ConfigError
 
     for host in ("0.0.0.0", "192.168.1.2", "example.com", "::"):
         with pytest.raises(ConfigError, match="not a loopback address"):
@@ -536,8 +536,8 @@ def test_a_non_loopback_host_is_refused(tmp_path):
 
 
 def test_a_taken_port_fails_to_start_and_leaves_nothing_behind(tmp_path):
-    from stemdeck_watch.config import ApiSettings
-    from stemdeck_watch.control.api import ApiServer
+    from stemdeck_watch.core.config import ApiSettings
+    from stemdeck_watch.ui.api import ApiServer
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -558,8 +558,8 @@ def api_on_registry(settings: Any) -> Any:
     queue shows and pages through depends on the registry alone."""
     from types import SimpleNamespace
 
-    from stemdeck_watch.config import ApiSettings
-    from stemdeck_watch.control.api import ApiServer
+    from stemdeck_watch.core.config import ApiSettings
+    from stemdeck_watch.ui.api import ApiServer
 
     from conftest import open_scheduler
 
@@ -633,7 +633,7 @@ def test_a_long_history_keeps_the_queue_small_and_every_job_can_be_paged(api_on_
 
 
 def test_the_status_command_lists_recent_jobs_and_says_how_many_are_older(settings, capsys):
-    from stemdeck_watch.cli import main
+    from stemdeck_watch.cli.main import main
 
     from conftest import open_scheduler
 
@@ -665,7 +665,7 @@ def test_deeply_nested_json_is_refused_with_400_not_a_500(api_on_registry):
 
 
 def test_a_one_time_page_code_works_once_and_only_for_a_minute():
-    from stemdeck_watch.control.pagecode import CODE_TTL, MAX_CODES, OneTimeCodes
+    from stemdeck_watch.ui.pagecode import CODE_TTL, MAX_CODES, OneTimeCodes
 
     now = [1000.0]
     codes = OneTimeCodes(clock=lambda: now[0])

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from stemdeck_watch.control import api as api_module
-from stemdeck_watch.control import openapi
+from stemdeck_watch.ui import api as api_module
+from stemdeck_watch.ui import openapi
 
 try:
     import schemathesis

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import desktop
-from stemdeck_watch.cli import main
-from stemdeck_watch.control import autostart
+from stemdeck_watch.cli.main import main
+from stemdeck_watch.ui import autostart
 
 
 REPO = Path(__file__).resolve().parent.parent

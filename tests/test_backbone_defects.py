@@ -13,15 +13,15 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from stemdeck_watch import cli
-from stemdeck_watch.config import Settings, default_toml, settings_from_dict
-from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.jobs import FileSignature, JobState
-from stemdeck_watch.paths import move_file
-from stemdeck_watch.pipeline.quarantine import quarantine
-from stemdeck_watch.registry import REGISTRY_FILE
-from stemdeck_watch.scheduler import CHANGED_WHILE_RUNNING, PAUSE_RESTORE
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.cli import main as cli
+from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.core.jobs import FileSignature, JobState
+from stemdeck_watch.core.paths import move_file
+from stemdeck_watch.stages.quarantine import quarantine
+from stemdeck_watch.store.registry import REGISTRY_FILE
+from stemdeck_watch.engine.scheduler import CHANGED_WHILE_RUNNING, PAUSE_RESTORE
+from stemdeck_watch.util.synth import write_song
 
 from conftest import add_job, open_scheduler, run_restore, wait_for, write_config
 

@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 import pytest
 
-from stemdeck_watch.jobqueue import JobQueue
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.pipeline import publish, songfolder
-from stemdeck_watch.pipeline.publish import read_manifest
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages import publish, songfolder
+from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.util.synth import write_song
 
 from conftest import SeparationGate, outbox_entries, run_restore, wait_for
 

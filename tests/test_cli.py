@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for, write_config
 
@@ -121,7 +121,7 @@ def test_a_killed_service_restores_its_job_paused_until_a_new_file_arrives(confi
 
 
 def test_status_is_fast_and_never_imports_torch(config: Path) -> None:
-    code = ("import sys, time; t = time.monotonic(); from stemdeck_watch.cli import main; "
+    code = ("import sys, time; t = time.monotonic(); from stemdeck_watch.cli.main import main; "
             f"rc = main(['--config', {str(config)!r}, 'status']); "
             "assert rc == 0, rc; "
             "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.cli import main
-from stemdeck_watch.config import load_settings
-from stemdeck_watch.control import discovery
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.cli.main import main
+from stemdeck_watch.core.config import load_settings
+from stemdeck_watch.ui import discovery
+from stemdeck_watch.util.synth import write_song
 
 from conftest import wait_for, write_config
 
@@ -102,7 +102,7 @@ def test_control_usage_errors_exit_2(config, capsys):
 
 
 def test_control_commands_never_import_the_heavy_modules(config):
-    code = ("import sys; from stemdeck_watch.cli import main; "
+    code = ("import sys; from stemdeck_watch.cli.main import main; "
             f"rc = main(['--config', {str(config)!r}, 'pause']); "
             "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
             "assert not heavy, heavy; sys.exit(rc)")
@@ -214,7 +214,7 @@ def test_the_browser_command_line_never_holds_the_token(config, service_factory,
                                                         monkeypatch):
     """`open` and the tray start a browser, whose command line every local user can read
     (`ps`): it carries a one-time code that opens the page once, never the token."""
-    from stemdeck_watch.control.tray import Tray
+    from stemdeck_watch.ui.tray import Tray
 
     service, _ = service_factory(load_settings(config))
     token = service.api.token

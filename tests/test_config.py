@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.cli import main
-from stemdeck_watch.config import (default_toml, load_settings, settings_from_dict,
+from stemdeck_watch.cli.main import main
+from stemdeck_watch.core.config import (default_toml, load_settings, settings_from_dict,
                                    write_default_config)
-from stemdeck_watch.errors import ConfigError
+from stemdeck_watch.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 

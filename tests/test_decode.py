@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.errors import Cancelled, DecodeError
-from stemdeck_watch.pipeline.decode import decode_to_file
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.errors import Cancelled, DecodeError
+from stemdeck_watch.stages.decode import decode_to_file
+from stemdeck_watch.util.synth import write_song
 
 SR = 44100
 
@@ -38,7 +38,7 @@ def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(
 
     import av
 
-    from stemdeck_watch.synth import song
+    from stemdeck_watch.util.synth import song
 
     path = tmp_path / "late.ts"
     audio = (song(2.0, SR, 1).T * 32767).astype(np.int16)  # (channels, frames)

@@ -24,9 +24,9 @@ import pytest
 
 import desktop
 from conftest import wait_for, write_config
-from stemdeck_watch.control import discovery
-from stemdeck_watch.control.client import Client
-from stemdeck_watch.control.tray import COLOURS
+from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.client import Client
+from stemdeck_watch.ui.tray import COLOURS
 
 TRAY_HEIGHT = 32
 HERE = Path(__file__).resolve().parent

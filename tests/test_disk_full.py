@@ -12,9 +12,9 @@ from typing import Iterator
 
 import pytest
 
-from stemdeck_watch.events import DiskLow, JobChanged
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.events import DiskLow, JobChanged
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import SeparationGate, outbox_entries, wait_for
 
@@ -53,7 +53,7 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
                                                                    service_factory,
                                                                    small_outbox: Path,
                                                                    monkeypatch):
-    from stemdeck_watch import diskguard
+    from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)  # a 3 MB disk has no room for the real one
     settings = make_settings()
@@ -75,7 +75,7 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
 
 def test_a_write_that_fails_mid_song_leaves_no_partial_folder(make_settings, service_factory,
                                                              small_outbox: Path, monkeypatch):
-    from stemdeck_watch import diskguard
+    from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)
     settings = make_settings()
@@ -102,10 +102,10 @@ def test_a_song_decoded_ahead_never_takes_the_room_the_separating_song_needs(
     the short one separates, the long one is not decoded ahead into the room the short one's
     stems need; the short one is published, and the queue then waits for disk at the long
     one."""
-    from stemdeck_watch import diskguard
+    from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)  # a small disk has no room for the real one
-    caplog.set_level(logging.INFO, "stemdeck_watch.diskguard")
+    caplog.set_level(logging.INFO, "stemdeck_watch.engine.diskguard")
     with small_disk(tmp_path / "disk", "20m") as disk:
         settings = make_settings(folders={"outbox": str(disk / "outbox"),
                                           "state": str(disk / "state")},
@@ -148,8 +148,8 @@ def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
     and the file behind it run. A link that turns out too long for the disk once it is
     downloaded waits at the head of the paused queue, downloaded once, and runs when there is
     room."""
-    from stemdeck_watch import diskguard
-    from stemdeck_watch.dispatcher import DISK_RECHECK_SECONDS
+    from stemdeck_watch.engine import diskguard
+    from stemdeck_watch.engine.dispatcher import DISK_RECHECK_SECONDS
 
     from test_links import MediaServer, url_file
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from stemdeck_watch import diskguard
-from stemdeck_watch.diskguard import DiskGuard
-from stemdeck_watch.jobs import Job, JobKind, JobState, PlaylistRef
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.engine import diskguard
+from stemdeck_watch.engine.diskguard import DiskGuard
+from stemdeck_watch.core.jobs import Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.util.synth import write_song
 
 from conftest import open_scheduler
 

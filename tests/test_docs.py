@@ -16,9 +16,9 @@ from types import ModuleType
 
 import pytest
 
-from stemdeck_watch.cli import _parser
-from stemdeck_watch.config import key_table
-from stemdeck_watch.control.api import ROUTES
+from stemdeck_watch.cli.main import _parser
+from stemdeck_watch.core.config import key_table
+from stemdeck_watch.ui.api import ROUTES
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 import pytest
 
-from stemdeck_watch.config import Settings
-from stemdeck_watch.errors import PublishError
-from stemdeck_watch.events import JobChanged
-from stemdeck_watch.jobs import Job, JobState
-from stemdeck_watch.pipeline import publish
+from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.errors import PublishError
+from stemdeck_watch.core.events import JobChanged
+from stemdeck_watch.core.jobs import Job, JobState
+from stemdeck_watch.stages import publish
 from stemdeck_watch.service import Service
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import JobLog, outbox_entries, wait_for
 
@@ -157,7 +157,7 @@ class FirstPublishHeld:
                     gate.checked.set()
 
         self._handler = Waits(logging.INFO)
-        self._logger = logging.getLogger("stemdeck_watch.pipeline.runner")
+        self._logger = logging.getLogger("stemdeck_watch.engine.pipeline")
         self._level = self._logger.level
         self._logger.addHandler(self._handler)
         self._logger.setLevel(logging.INFO)

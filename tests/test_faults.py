@@ -41,11 +41,11 @@ from typing import Any, Callable
 
 import pytest
 
-from stemdeck_watch.config import Settings
-from stemdeck_watch.jobs import Job, JobState
-from stemdeck_watch.paths import report_path
-from stemdeck_watch.pipeline.publish import read_manifest
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.jobs import Job, JobState
+from stemdeck_watch.core.paths import report_path
+from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries
 from published_checks import damaged_stems

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from stemdeck_watch.control.folder import STATUS_FILE, FolderControl
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.ui.folder import STATUS_FILE, FolderControl
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import open_scheduler, wait_for
 

@@ -21,15 +21,15 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from stemdeck_watch import paths
-from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
-from stemdeck_watch.control.notify import Note, Target
-from stemdeck_watch.intake.links import LinkError, read_link
+from stemdeck_watch.core import paths
+from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
+from stemdeck_watch.ui.notify import Note, Target
+from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
-from stemdeck_watch.paths import move_file
-from stemdeck_watch.pipeline.publish import read_manifest
-from stemdeck_watch.recovery import adopt_orphans
-from stemdeck_watch.safefile import read_regular, temp_name
+from stemdeck_watch.core.paths import move_file
+from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.engine.recovery import adopt_orphans
+from stemdeck_watch.util.safefile import read_regular, temp_name
 
 import desktop
 from conftest import open_scheduler, wait_for, write_config

@@ -6,7 +6,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from stemdeck_watch.config import AUDIO_EXTENSIONS
+from stemdeck_watch.core.config import AUDIO_EXTENSIONS
 from stemdeck_watch.intake.filters import InboxFilter
 from stemdeck_watch.intake.stability import StabilityTracker
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from stemdeck_watch.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 
 from conftest import wait_for
 

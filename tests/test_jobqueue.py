@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from stemdeck_watch.errors import Cancelled
-from stemdeck_watch.jobqueue import JobControl, JobQueue
+from stemdeck_watch.core.errors import Cancelled
+from stemdeck_watch.store.jobqueue import JobControl, JobQueue
 
 
 def test_jobs_come_out_in_arrival_order_and_front_goes_first() -> None:

@@ -43,10 +43,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from stemdeck_watch.control.folder import STATUS_FILE, is_status_temp
-from stemdeck_watch.pipeline.publish import read_manifest
-from stemdeck_watch.registry import REGISTRY_FILE
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
+from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.store.registry import REGISTRY_FILE
+from stemdeck_watch.util.synth import write_song
 
 from conftest import REPO, processes, write_config
 from published_checks import damaged_stems

@@ -14,10 +14,10 @@ from typing import Iterator
 
 import pytest
 
-from stemdeck_watch.intake.links import LinkError, read_link
-from stemdeck_watch.jobs import JobKind, JobState
-from stemdeck_watch.pipeline import fetch
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.links.linkfile import LinkError, read_link
+from stemdeck_watch.core.jobs import JobKind, JobState
+from stemdeck_watch.links import fetch
+from stemdeck_watch.util.synth import write_song
 
 from conftest import SeparationGate, outbox_entries, wait_for
 

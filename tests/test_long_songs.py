@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.pipeline.scratch import (HEADER_BYTES, AudioReader, AudioWriter,
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages.scratch import (HEADER_BYTES, AudioReader, AudioWriter,
                                              RunningStats, estimate_scratch_bytes, stats_of)
-from stemdeck_watch.pipeline.worker import WINDOW_ENV
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.workers.worker import WINDOW_ENV
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from watchdog.observers import Observer
 
-from stemdeck_watch.config import WatchSettings
+from stemdeck_watch.core.config import WatchSettings
 from stemdeck_watch.intake import watcher
 from stemdeck_watch.intake.watcher import choose_mode
-from stemdeck_watch.paths import filesystem_type, is_network_filesystem
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.paths import filesystem_type, is_network_filesystem
+from stemdeck_watch.util.synth import write_song
 
 from intake_harness import IntakeRig
 

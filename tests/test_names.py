@@ -8,9 +8,9 @@ import unicodedata
 
 import pytest
 
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.paths import report_path
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.core.paths import report_path
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for
 from intake_harness import IntakeRig

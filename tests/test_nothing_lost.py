@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from stemdeck_watch import service as service_module
-from stemdeck_watch.cli import main
-from stemdeck_watch.config import load_settings
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.registry import REGISTRY_FILE
+from stemdeck_watch.cli.main import main
+from stemdeck_watch.core.config import load_settings
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.store.registry import REGISTRY_FILE
 from stemdeck_watch.service import Service
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for, write_config
 

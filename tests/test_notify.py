@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from stemdeck_watch.config import settings_from_dict
-from stemdeck_watch.control.notify import Channel, Notifier, Target, check_urls
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.events import (DiskLow, EventBus, JobChanged, JobsRestored, QueueDrained,
+from stemdeck_watch.core.config import settings_from_dict
+from stemdeck_watch.ui.notify import Channel, Notifier, Target, check_urls
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.events import (DiskLow, EventBus, JobChanged, JobsRestored, QueueDrained,
                                    QueueFull)
-from stemdeck_watch.jobs import Job, JobKind, JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import wait_for, write_config
 from notify_receiver import Receiver, closed_port
@@ -129,7 +129,7 @@ def test_a_dead_target_costs_the_publisher_nothing_and_is_logged_once(settings, 
     """A closed port next to a live receiver: every publish returns at once, the live target
     gets every message, the dead one is logged once for its whole failure streak, and once
     something listens there again, "works again" is logged."""
-    caplog.set_level(logging.INFO, "stemdeck_watch.control.notify")
+    caplog.set_level(logging.INFO, "stemdeck_watch.ui.notify")
     port = closed_port()
     dead = f"json://127.0.0.1:{port}/"
     bus = EventBus()

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.pipeline.beats import (HOP, NO_DOWNBEATS, RATE, beat_grid, mean_tempogram,
+from stemdeck_watch.stages.beats import (HOP, NO_DOWNBEATS, RATE, beat_grid, mean_tempogram,
                                            onset_envelope)
-from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter
-from stemdeck_watch.pipeline.songfolder import write_beat_grid
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
+from stemdeck_watch.stages.songfolder import write_beat_grid
 
 SR = 44100
 
@@ -90,7 +90,7 @@ def test_beats_json_comes_from_the_drums_stem_else_from_the_mix(tmp_path: Path) 
 
 
 def test_a_cancel_stops_the_beat_grid_between_blocks(tmp_path: Path) -> None:
-    from stemdeck_watch.errors import Cancelled
+    from stemdeck_watch.core.errors import Cancelled
 
     stems = {"drums": scratch(tmp_path / "drums.npy", click_track(120.0, 30.0))}
     calls = []

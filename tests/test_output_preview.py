@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.config import OutputSettings, SeparationSettings
-from stemdeck_watch.pipeline.preview import Peaks, size_for
-from stemdeck_watch.pipeline.publish import (SongInfo, read_manifest, verify_folder,
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.stages.preview import Peaks, size_for
+from stemdeck_watch.stages.publish import (SongInfo, read_manifest, verify_folder,
                                              write_manifest)
-from stemdeck_watch.pipeline.scratch import AudioWriter
-from stemdeck_watch.pipeline.songfolder import BEATS, PREVIEW, make_song_folder
+from stemdeck_watch.stages.scratch import AudioWriter
+from stemdeck_watch.stages.songfolder import BEATS, PREVIEW, make_song_folder
 
 SR = 44100
 SIX = ("drums", "bass", "other", "vocals", "guitar", "piano")

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.config import OutputSettings, SeparationSettings, settings_from_dict
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.pipeline.decode import decode_to_file
-from stemdeck_watch.pipeline.publish import SongInfo, write_song
-from stemdeck_watch.pipeline.resample import resampled
-from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter
-from stemdeck_watch.synth import write_song as synth_song
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings, settings_from_dict
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.stages.decode import decode_to_file
+from stemdeck_watch.stages.publish import SongInfo, write_song
+from stemdeck_watch.stages.resample import resampled
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
+from stemdeck_watch.util.synth import write_song as synth_song
 
 MODEL_RATE = 44100
 SOURCES = ("drums", "bass", "other", "vocals")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.pipeline.publish import read_manifest, verify_folder
-from stemdeck_watch.synth import song, write_song
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages.publish import read_manifest, verify_folder
+from stemdeck_watch.util.synth import song, write_song
 
 SIX = ["drums", "bass", "other", "vocals", "guitar", "piano"]
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.config import OutputSettings, SeparationSettings
-from stemdeck_watch.errors import DecodeError
-from stemdeck_watch.pipeline.decode import decode_to_file
-from stemdeck_watch.pipeline.naming import MAX_COMPONENT_BYTES, safe_name
-from stemdeck_watch.pipeline.publish import SongInfo, write_song
-from stemdeck_watch.pipeline.scratch import AudioWriter
-from stemdeck_watch.synth import write_song as synth_song
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.core.errors import DecodeError
+from stemdeck_watch.stages.decode import decode_to_file
+from stemdeck_watch.stages.naming import MAX_COMPONENT_BYTES, safe_name
+from stemdeck_watch.stages.publish import SongInfo, write_song
+from stemdeck_watch.stages.scratch import AudioWriter
+from stemdeck_watch.util.synth import write_song as synth_song
 
 SR = 44100
 TAGS = {"title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue",

@@ -15,7 +15,7 @@ import pytest
 
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwned, InboxOwnership, read_heartbeats
 from stemdeck_watch.service import Service
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import wait_for
 

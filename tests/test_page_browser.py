@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import browser as chrome
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for
 

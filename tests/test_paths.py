@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch import paths
-from stemdeck_watch.errors import FilesystemError
-from stemdeck_watch.paths import move_file, numbered, unique_path
+from stemdeck_watch.core import paths
+from stemdeck_watch.core.errors import FilesystemError
+from stemdeck_watch.core.paths import move_file, numbered, unique_path
 
 
 def test_collisions_get_numbered_names(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_a_failed_copy_leaves_the_source(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_only_one_service_per_state_folder(tmp_path: Path) -> None:
-    from stemdeck_watch.lock import AlreadyRunning, ServiceLock, running_pid
+    from stemdeck_watch.core.lock import AlreadyRunning, ServiceLock, running_pid
 
     assert running_pid(tmp_path) is None
     lock = ServiceLock.acquire(tmp_path)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.config import settings_from_dict
-from stemdeck_watch.errors import ConfigError, PublishError
-from stemdeck_watch.pipeline.naming import stem_file
+from stemdeck_watch.core.config import settings_from_dict
+from stemdeck_watch.core.errors import ConfigError, PublishError
+from stemdeck_watch.stages.naming import stem_file
 
 
 @pytest.mark.parametrize("layout", [

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch import diskguard
-from stemdeck_watch.errors import PublishError
-from stemdeck_watch.events import JobChanged
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.pipeline import publish, runner
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.engine import diskguard
+from stemdeck_watch.core.errors import PublishError
+from stemdeck_watch.core.events import JobChanged
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages import publish
+from stemdeck_watch.engine import pipeline as runner
+from stemdeck_watch.util.synth import write_song
 
 from conftest import SeparationGate, on_worker_side, outbox_entries, wait_for
 
@@ -185,11 +186,11 @@ def test_work_beside_the_worker_where_it_pays(make_settings) -> None:
     a core free or runs on a GPU, and on a CPU it fills unless the song gets a beat grid —
     there the beat tracker beside the worker slows separation as much as it saves. "on" and
     "off" decide alone."""
-    from stemdeck_watch.events import EventBus
-    from stemdeck_watch.jobs import Job, JobKind
-    from stemdeck_watch.pipeline.precision import physical_cores
-    from stemdeck_watch.pipeline.runner import Pipeline
-    from stemdeck_watch.pipeline.separate import WorkerClient
+    from stemdeck_watch.core.events import EventBus
+    from stemdeck_watch.core.jobs import Job, JobKind
+    from stemdeck_watch.workers.precision import physical_cores
+    from stemdeck_watch.engine.pipeline import Pipeline
+    from stemdeck_watch.workers.local import WorkerClient
 
     cores = physical_cores()
     song = Job(id="j", name="song", kind=JobKind.FILE, state=JobState.QUEUED,
@@ -213,11 +214,11 @@ def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_p
     import dataclasses
     import types
 
-    from stemdeck_watch.events import EventBus
-    from stemdeck_watch.jobqueue import JobQueue
-    from stemdeck_watch.jobs import Job, JobKind
-    from stemdeck_watch.pipeline.runner import Prepared
-    from stemdeck_watch.prefetch import Prefetcher
+    from stemdeck_watch.core.events import EventBus
+    from stemdeck_watch.store.jobqueue import JobQueue
+    from stemdeck_watch.core.jobs import Job, JobKind
+    from stemdeck_watch.engine.pipeline import Prepared
+    from stemdeck_watch.engine.prefetch import Prefetcher
 
     jobs = {i: Job(id=i, name=i, kind=JobKind.FILE, state=JobState.QUEUED, source=f"/{i}.wav",
                    rel_path=f"{i}.wav") for i in ("a", "b", "c")}

@@ -13,13 +13,13 @@ from typing import Iterator
 
 import pytest
 
-from stemdeck_watch import status
-from stemdeck_watch.intake.links import read_link
-from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
-from stemdeck_watch.pipeline import fetch
-from stemdeck_watch.playlist import Playlists
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.cli import status
+from stemdeck_watch.links.linkfile import read_link
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.links import fetch
+from stemdeck_watch.engine.playlists import Playlists
+from stemdeck_watch.util.synth import write_song
 
 from conftest import open_scheduler, outbox_entries, run_restore, wait_for
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch import status
-from stemdeck_watch.config import settings_from_dict
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.pipeline.precision import (CALIBRATE_ENV, MIN_SNR_DB, MIN_SPEEDUP, Choice,
+from stemdeck_watch.cli import status
+from stemdeck_watch.core.config import settings_from_dict
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.workers.precision import (CALIBRATE_ENV, MIN_SNR_DB, MIN_SPEEDUP, Choice,
                                                Measurement, decide, physical_cores, threads_for)
-from stemdeck_watch.pipeline.worker import ONEDNN_ENV
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.workers.worker import ONEDNN_ENV
+from stemdeck_watch.util.synth import write_song
 
 from conftest import config_data
 

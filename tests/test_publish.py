@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.config import OutputSettings, SeparationSettings
-from stemdeck_watch.errors import PublishError
-from stemdeck_watch.pipeline.publish import (pcm, publish_folder, read_manifest, write_manifest,
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.core.errors import PublishError
+from stemdeck_watch.stages.publish import (pcm, publish_folder, read_manifest, write_manifest,
                                              write_song)
-from stemdeck_watch.pipeline.scratch import AudioWriter
+from stemdeck_watch.stages.scratch import AudioWriter
 
 SR = 44100
 SOURCES = ("drums", "bass", "other", "vocals")
@@ -209,7 +209,7 @@ def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
         tmp_path: Path, stems, fmt, monkeypatch) -> None:
     import errno
 
-    from stemdeck_watch.pipeline import publish
+    from stemdeck_watch.stages import publish
 
     class FillingUp:
         """A raw file on a disk with 100 kB left: one short write, then ENOSPC."""

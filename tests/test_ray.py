@@ -19,14 +19,14 @@ else:
     ray = pytest.importorskip("ray", reason="the ray extra is not installed "
                                             "(pip install 'stemdeck-watch[ray]')")
 
-from stemdeck_watch.errors import Cancelled, WorkerDied  # noqa: E402
-from stemdeck_watch.executor.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
-from stemdeck_watch.executor.ray_actor import ALIVE  # noqa: E402
-from stemdeck_watch.executor.ray_client import RayWorkerClient  # noqa: E402
-from stemdeck_watch.jobqueue import JobControl  # noqa: E402
-from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter  # noqa: E402
-from stemdeck_watch.pipeline.worker import ONEDNN_ENV  # noqa: E402
-from stemdeck_watch.scheduler import PAUSE_USER  # noqa: E402
+from stemdeck_watch.core.errors import Cancelled, WorkerDied  # noqa: E402
+from stemdeck_watch.workers.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
+from stemdeck_watch.workers.ray_actor import ALIVE  # noqa: E402
+from stemdeck_watch.workers.ray_client import RayWorkerClient  # noqa: E402
+from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
+from stemdeck_watch.workers.worker import ONEDNN_ENV  # noqa: E402
+from stemdeck_watch.engine.scheduler import PAUSE_USER  # noqa: E402
 
 from conftest import open_scheduler  # noqa: E402
 from ray_cluster import two_node_cluster  # noqa: E402
@@ -193,8 +193,8 @@ def test_stems_equal_the_local_workers(workers: list[RayWorkerClient], model_rep
     """The same model code on either executor gives the same samples (shifts=0: no random
     shift; the normalisation statistics given, as the pipeline always gives decode's), so
     the pipeline cannot tell the executors apart by their output."""
-    from stemdeck_watch.pipeline.scratch import stats_of
-    from stemdeck_watch.pipeline.separate import WorkerClient
+    from stemdeck_watch.stages.scratch import stats_of
+    from stemdeck_watch.workers.local import WorkerClient
 
     source = song(tmp_path / "in.npy", 9.0, seed=3)
     options: dict[str, Any] = dict(shifts=0, overlap=0.25, segment=None, window=4.0,

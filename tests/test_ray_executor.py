@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.config import default_toml, settings_from_dict
-from stemdeck_watch.doctor import check_executor
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.executor import pool, ray_installed
-from stemdeck_watch.jobqueue import JobQueue
-from stemdeck_watch.registry import REGISTRY_FILE, Registry
-from stemdeck_watch.status import WORKERS_META, build, render
+from stemdeck_watch.core.config import default_toml, settings_from_dict
+from stemdeck_watch.cli.doctor import check_executor
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.workers import executor as pool, ray_installed
+from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.cli.status import WORKERS_META, build, render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,9 +69,11 @@ def test_local_executor_never_imports_ray() -> None:
     unimported (checked in a fresh interpreter: this one may have imported it)."""
     code = (
         "import sys, json\n"
-        "from stemdeck_watch import cli, service, doctor, status, dispatcher\n"
-        "from stemdeck_watch.config import default_toml, settings_from_dict\n"
-        "from stemdeck_watch.executor import pool\n"
+        "from stemdeck_watch import service\n"
+        "from stemdeck_watch.cli import main as cli, doctor, status\n"
+        "from stemdeck_watch.engine import dispatcher\n"
+        "from stemdeck_watch.core.config import default_toml, settings_from_dict\n"
+        "from stemdeck_watch.workers import executor as pool\n"
         "s = settings_from_dict(default_toml())\n"
         "ex = pool.build(s)\n"
         "print(json.dumps([type(c).__name__ for c in ex.clients]))\n"
@@ -147,8 +149,8 @@ def test_connecting_a_private_cluster_and_a_dead_address() -> None:
     code = (
         "import json, os\n"
         "os.environ['RAY_AUTH_MODE'] = 'disabled'\n"
-        "from stemdeck_watch.errors import ConfigError\n"
-        "from stemdeck_watch.executor.cluster import connect, nodes, probe\n"
+        "from stemdeck_watch.core.errors import ConfigError\n"
+        "from stemdeck_watch.workers.cluster import connect, nodes, probe\n"
         "out = {}\n"
         "try:\n"
         "    connect('127.0.0.1:1')\n"
@@ -174,8 +176,8 @@ def test_windows_of_a_song_arriving_out_of_order_are_stored_in_order(tmp_path: P
     pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
     import numpy as np
 
-    from stemdeck_watch.executor.ray_actor import _Upload
-    from stemdeck_watch.pipeline.scratch import AudioReader, AudioWriter
+    from stemdeck_watch.workers.ray_actor import _Upload
+    from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 
     song = np.arange(2 * 30, dtype=np.float32).reshape(2, 30)
     windows = [song[:, i:i + 10] for i in range(0, 30, 10)]

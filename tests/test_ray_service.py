@@ -23,11 +23,11 @@ else:
     ray = pytest.importorskip("ray", reason="the ray extra is not installed "
                                             "(pip install 'stemdeck-watch[ray]')")
 
-from stemdeck_watch.config import settings_from_dict  # noqa: E402
-from stemdeck_watch.events import JobChanged  # noqa: E402
-from stemdeck_watch.jobs import JobState  # noqa: E402
-from stemdeck_watch.status import collect  # noqa: E402
-from stemdeck_watch.synth import write_song  # noqa: E402
+from stemdeck_watch.core.config import settings_from_dict  # noqa: E402
+from stemdeck_watch.core.events import JobChanged  # noqa: E402
+from stemdeck_watch.core.jobs import JobState  # noqa: E402
+from stemdeck_watch.cli.status import collect  # noqa: E402
+from stemdeck_watch.util.synth import write_song  # noqa: E402
 
 from conftest import REPO, config_data, wait_for, write_config  # noqa: E402
 from ray_cluster import two_node_cluster  # noqa: E402

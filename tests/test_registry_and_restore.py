@@ -5,10 +5,10 @@ import json
 from pathlib import Path, PurePosixPath
 
 
-from stemdeck_watch.config import Settings, default_toml, settings_from_dict
-from stemdeck_watch.jobs import FileSignature, Job, JobKind, JobState
-from stemdeck_watch.registry import Registry
-from stemdeck_watch.scheduler import PAUSE_RESTORE, PAUSE_USER
+from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict
+from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState
+from stemdeck_watch.store.registry import Registry
+from stemdeck_watch.engine.scheduler import PAUSE_RESTORE, PAUSE_USER
 
 from conftest import add_job, open_scheduler, run_restore
 

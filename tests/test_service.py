@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.events import JobSeparated
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import song, write_song
+from stemdeck_watch.core.events import JobSeparated
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import song, write_song
 
 from conftest import outbox_entries, wait_for, write_paced
 

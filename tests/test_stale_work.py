@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from stemdeck_watch.jobs import FileSignature, JobState
-from stemdeck_watch.pipeline import runner
+from stemdeck_watch.core.jobs import FileSignature, JobState
+from stemdeck_watch.engine import pipeline as runner
 from stemdeck_watch.service import Service
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import SeparationGate, wait_for
 from test_links import MediaServer, url_file

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.cli import main
-from stemdeck_watch.config import load_settings
-from stemdeck_watch.events import JobChanged, QueueChanged
-from stemdeck_watch.jobs import JobState
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.cli.main import main
+from stemdeck_watch.core.config import load_settings
+from stemdeck_watch.core.events import JobChanged, QueueChanged
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.synth import write_song
 
 from conftest import on_worker_side, outbox_entries, wait_for, write_config
 

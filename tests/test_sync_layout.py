@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.doctor import check_sync_layout
+from stemdeck_watch.cli.doctor import check_sync_layout
 from stemdeck_watch.intake.syncfolders import find_sync_folder, nextcloud_roots
 
 

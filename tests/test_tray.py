@@ -13,15 +13,15 @@ import threading
 
 import pytest
 
-from stemdeck_watch.config import settings_from_dict
-from stemdeck_watch.control import discovery
-from stemdeck_watch.control.tray import (COLOURS, Tray, build_view, choose, detect, draw_icon,
+from stemdeck_watch.core.config import settings_from_dict
+from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.tray import (COLOURS, Tray, build_view, choose, detect, draw_icon,
                                          load_pystray, run_with_tray)
-from stemdeck_watch.doctor import check_tray
-from stemdeck_watch.errors import ConfigError
-from stemdeck_watch.events import QueueDrained
+from stemdeck_watch.cli.doctor import check_tray
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.events import QueueDrained
 from stemdeck_watch.service import Service
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.util.synth import write_song
 
 from conftest import wait_for, write_config
 
@@ -258,7 +258,7 @@ def test_run_with_tray_enabled_and_no_display_exits_2(tmp_path, model_repo):
 
 
 def test_opening_folders_and_pages_per_platform(tmp_path, monkeypatch, caplog):
-    from stemdeck_watch.control import opener
+    from stemdeck_watch.ui import opener
 
     assert opener.opener_command("linux") == ["xdg-open"]
     assert opener.opener_command("darwin") == ["open"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.errors import Cancelled, ModelError, WorkerDied
-from stemdeck_watch.jobqueue import JobControl
-from stemdeck_watch.pipeline.separate import WorkerClient
+from stemdeck_watch.core.errors import Cancelled, ModelError, WorkerDied
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.local import WorkerClient
 
 from conftest import wait_for
 
@@ -130,7 +130,7 @@ def _capture(errors: list[BaseException], fn, *args) -> None:
 
 
 def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model_repo, tmp_path):
-    from stemdeck_watch.pipeline.scratch import stats_of
+    from stemdeck_watch.stages.scratch import stats_of
 
     client.ensure_model("tiny", str(model_repo))
     source = mix(tmp_path, 12.0)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.jobs import FileSignature, JobState
-from stemdeck_watch.scheduler import CHANGED_WHILE_RUNNING
-from stemdeck_watch.synth import write_song
+from stemdeck_watch.core.jobs import FileSignature, JobState
+from stemdeck_watch.engine.scheduler import CHANGED_WHILE_RUNNING
+from stemdeck_watch.util.synth import write_song
 
 from conftest import outbox_entries, wait_for, write_paced
 from intake_harness import IntakeRig

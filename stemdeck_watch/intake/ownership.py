@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from stemdeck_watch.errors import StemdeckError
-from stemdeck_watch.lock import _alive as _pid_alive
-from stemdeck_watch.safefile import read_regular_text, write_replacing
-from stemdeck_watch.ticker import Ticker
+from stemdeck_watch.core.errors import StemdeckError
+from stemdeck_watch.core.lock import _alive as _pid_alive
+from stemdeck_watch.util.safefile import read_regular_text, write_replacing
+from stemdeck_watch.util.ticker import Ticker
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from stemdeck_watch.jobs import FileSignature
+from stemdeck_watch.core.jobs import FileSignature
 
 CLOSED_SETTLE_SECONDS = 1.0
 

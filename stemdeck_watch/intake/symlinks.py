@@ -15,9 +15,9 @@ import logging
 import os
 from pathlib import Path, PurePosixPath
 
-from stemdeck_watch.paths import report_path, unique_path
-from stemdeck_watch.safefile import write_replacing
-from stemdeck_watch.safetext import strip_controls
+from stemdeck_watch.core.paths import report_path, unique_path
+from stemdeck_watch.util.safefile import write_replacing
+from stemdeck_watch.util.safetext import strip_controls
 
 log = logging.getLogger(__name__)
 

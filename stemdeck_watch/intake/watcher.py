@@ -20,14 +20,14 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from stemdeck_watch.config import WatchSettings
-from stemdeck_watch.events import JobChanged
+from stemdeck_watch.core.config import WatchSettings
+from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter
-from stemdeck_watch.intake.links import LINK_EXTENSIONS
+from stemdeck_watch.links.linkfile import LINK_EXTENSIONS
 from stemdeck_watch.intake.stability import StabilityTracker
 from stemdeck_watch.intake.symlinks import link_refusal, outside_inbox, set_aside
-from stemdeck_watch.paths import MOUNT_TABLE, filesystem_type, is_network_filesystem
-from stemdeck_watch.scheduler import Scheduler
+from stemdeck_watch.core.paths import MOUNT_TABLE, filesystem_type, is_network_filesystem
+from stemdeck_watch.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

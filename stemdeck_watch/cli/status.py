@@ -1,0 +1,239 @@
+"""`status`: what the queue holds, read straight from the registry on disk.
+
+Reading the registry (never the running service) is what makes `status` work while the
+service is stopped, and keeps it fast: no torch, no worker, no network.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from stemdeck_watch.core.config import Folders, Settings
+from stemdeck_watch.core.errors import StemdeckError
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.core.lock import running_pid
+from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.util.safetext import escape_controls
+
+
+RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
+
+
+class RegistryDamaged(StemdeckError):
+    """The registry file exists but SQLite cannot read it."""
+
+
+def build(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
+          pause_reason: str | None, folders: Folders,
+          service: dict[str, Any], notes: list[str] | None = None,
+          worker: dict[str, Any] | None = None,
+          workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
+    """The `status --json` object of design §1 (plus `service`, `folders` and `worker`: the
+    resident worker's device, threads, model and precision with the figures that chose it).
+
+    One builder for the stopped service (read from disk) and the running one (the API), so
+    the CLI, the page and scripts see the same shape. `jobs` holds the jobs not finished and
+    the most recent finished ones (`Registry.recent`); `older` finished jobs are left out,
+    so a snapshot's size does not grow with the history.
+    """
+    by_id = {job.id: job for job in jobs}
+    running = next((job for job in jobs if job.state.is_running), None)
+    return {
+        "service": service,
+        "paused": pause_reason is not None,
+        "pause_reason": pause_reason,
+        "running": running.to_status() if running else None,
+        "queued": [by_id[i].to_status() for i in order if i in by_id],
+        "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
+        "jobs": [job.to_status() for job in jobs],
+        "older_jobs": older,
+        "folders": {name: str(getattr(folders, name))
+                    for name in ("inbox", "outbox", "processed", "failed", "state")},
+        "notes": notes or [],
+        "worker": worker,
+        # every worker (several with executor.kind = "ray"): where it runs, its device, the
+        # job it holds
+        "workers": workers if workers is not None else ([worker] if worker else []),
+    }
+
+
+WORKER_META = "worker"  # registry meta key: the dispatcher records the worker's state there
+WORKERS_META = "workers"  # the same for every worker (executor.workers), as a list
+
+
+def worker_of(registry: Registry) -> dict[str, Any] | None:
+    """The worker section as the service last recorded it (None before a model loaded)."""
+    return _recorded(registry, WORKER_META)
+
+
+def workers_of(registry: Registry) -> list[dict[str, Any]] | None:
+    """Every worker as the service last recorded them (None: only `worker` was recorded)."""
+    return _recorded(registry, WORKERS_META)
+
+
+def _recorded(registry: Registry, key: str) -> Any:
+    """A JSON value the service keeps in the registry's meta table; None if absent or torn."""
+    text = registry.get_meta(key)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def recorded_workers(settings: Settings) -> list[dict[str, Any]]:
+    """The workers as the service last recorded them (doctor); [] before any was."""
+    try:
+        registry = Registry.open_readonly(settings.paths.state / REGISTRY_FILE)
+        if registry is None:
+            return []
+        try:
+            workers = workers_of(registry)
+            worker = worker_of(registry)
+        finally:
+            registry.close()
+    except sqlite3.Error:  # no tables yet, locked, damaged: status says which
+        return []
+    return workers if workers is not None else ([worker] if worker else [])
+
+
+def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
+    """The status object read from the registry on disk (works while the service is stopped);
+    `jobs` as in a snapshot, or (`every_job`) the whole history.
+
+    A registry the service has only just created has no tables yet: that is "no jobs yet",
+    not an error. A damaged file is named, with what to do about it.
+    """
+    folders = settings.paths
+    pid = running_pid(folders.state)
+    path = folders.state / REGISTRY_FILE
+    jobs: list[Job] = []
+    order: list[str] = []
+    waiting: list[tuple[str, JobKind, float]] = []
+    pause_reason = None
+    older = 0
+    worker = None
+    workers = None
+    notes: list[str] = []
+    try:
+        registry = Registry.open_readonly(path)
+        if registry is not None:
+            try:
+                if every_job:
+                    jobs = registry.jobs()
+                else:
+                    jobs, older = registry.recent(RECENT_JOBS)
+                order = registry.queued_order()
+                waiting = registry.waiting()
+                pause_reason = registry.get_meta("pause_reason") or None
+                worker = worker_of(registry)
+                workers = workers_of(registry)
+                rebuilt = registry.get_meta("rebuilt_from")
+                if rebuilt:
+                    notes.append(f"the job registry was damaged and rebuilt; the old file is "
+                                 f"{rebuilt}")
+            finally:
+                registry.close()
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):  # locked, unreadable: say so, no traceback
+            raise StemdeckError(f"could not read the job registry {path}: {exc}") from None
+        jobs, order, waiting, pause_reason = [], [], [], None
+    except sqlite3.DatabaseError as exc:
+        raise _damaged(path, exc, pid) from None
+    return build(jobs, order, waiting, pause_reason, folders,
+                 {"running": pid is not None, "pid": pid}, notes, worker, workers, older)
+
+
+def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
+    stop = "stop the service, then " if pid else ""
+    return RegistryDamaged(
+        f"could not read the job registry {path}: {exc}. The file is damaged; {stop}move it "
+        f"aside (e.g. to {path.name}.damaged) and start the service again — it starts with an "
+        f"empty history, and songs still in the inbox are queued again")
+
+
+def to_json(status: dict[str, Any]) -> str:
+    """`status --json`: indented at the top, one line per job and per waiting file. The same
+    object as `json.dumps(status, indent=2)`, ~10× faster for a 10,000-song library (the
+    standard library encodes indented JSON in pure Python, compact JSON in C)."""
+    compact = json.JSONEncoder(separators=(", ", ": ")).encode
+    lines = []
+    for key, value in status.items():
+        if isinstance(value, list) and value:
+            items = ",\n".join(f"    {compact(item)}" for item in value)
+            text = f"[\n{items}\n  ]"
+        else:
+            text = compact(value)
+        lines.append(f"  {compact(key)}: {text}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
+
+def render(status: dict[str, Any], recent: int = 10) -> str:
+    """`status` for a terminal. Names, errors and paths come from whoever named the files:
+    their control characters are escaped (`\\x1b`, `\\n`), so none reaches the terminal as
+    an escape sequence or adds a line of its own."""
+    service = status["service"]
+    lines = [f"service: {'running (pid %d)' % service['pid'] if service['running'] else 'stopped'}"]
+    if status["paused"]:
+        why = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start "
+               "(or drop a new file)", "disk": "the disk is almost full",
+               "folder": "a PAUSE file is in the inbox; delete it to start",
+               "cluster": "the Ray cluster is unreachable; it starts again when it is back"}
+        lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
+    else:
+        lines.append("queue:   running" if service["running"] else "queue:   not paused")
+    lines += [f"note:    {escape_controls(note)}" for note in status.get("notes", [])]
+    folders = status["folders"]
+    lines.append(f"inbox:   {escape_controls(folders['inbox'])}")
+    lines.append(f"outbox:  {escape_controls(folders['outbox'])}")
+    worker = status.get("worker") or {}
+    if worker.get("precision"):
+        lines.append(f"worker:  {worker.get('model')} in {worker['precision'].get('precision')} "
+                     f"on {worker.get('device')}, {worker.get('threads')} thread(s) — "
+                     f"{worker['precision'].get('reason')}")
+    for each in status.get("workers") or []:
+        if each.get("executor") == "ray":  # where each Ray worker runs
+            lines.append(f"worker {each.get('index')}: {each.get('hostname') or '?'} "
+                         f"({each.get('node_ip') or '?'}), {each.get('device')}, pid "
+                         f"{each.get('pid') or '-'}, {each.get('job') or 'idle'}")
+    job = status["running"]
+    if job:
+        lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%")
+    queued = status["queued"]
+    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) for j in queued[:5])
+                                              + (" …" if len(queued) > 5 else "") if queued else ""))
+    if status["waiting"]:
+        lines.append(f"waiting: {len(status['waiting'])} file(s) held back until the queue has room")
+    finished = [j for j in status["jobs"] if j["state"] in
+                (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value)]
+    if finished:
+        lines.append("recent:")
+        for j in finished[:recent]:
+            when = _dt.datetime.fromtimestamp(j["finished_at"] or j["created_at"]).strftime("%m-%d %H:%M")
+            detail = j["output"] if j["state"] == JobState.DONE.value else (j["error"] or "")
+            lines.append(f"  {when}  {j['state']:<9} {label(j)}  {_short(detail)}")
+    older = len(finished) - min(len(finished), recent) + status.get("older_jobs", 0)
+    if older:
+        lines.append(f"  … and {older} older job(s): `stemdeck-watch status --all` lists "
+                     f"every job")
+    return "\n".join(lines)
+
+
+def label(job: dict[str, Any]) -> str:
+    """A job's name, with its place in its playlist: "Beta (2/3 of My List)", or
+    "My List (playlist, 3 entries)" for the playlist link itself; control characters
+    escaped."""
+    ref = job.get("playlist")
+    name = escape_controls(job["name"])
+    if not ref:
+        return name
+    if ref.get("entry"):
+        return f"{name} ({ref['entry']}/{ref['entries']} of {escape_controls(ref['name'])})"
+    return f"{name} (playlist, {ref['entries']} entries)"
+
+
+def _short(text: str, width: int = 100) -> str:
+    text = escape_controls(text.replace("\n", " "))
+    return text if len(text) <= width else text[: width - 1] + "…"

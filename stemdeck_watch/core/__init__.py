@@ -1,0 +1,2 @@
+"""What every part speaks: jobs, events and errors, the settings, where things live, and the
+service lock."""

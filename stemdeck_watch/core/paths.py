@@ -1,0 +1,322 @@
+"""Where things live, and moving files without ever overwriting or losing one.
+
+Everything that differs per platform about the filesystem sits here behind small functions:
+the state and config dirs, the filesystem type of a folder, and a move that works across
+filesystems (inbox on a NAS, processed/ on the local disk).
+"""
+from __future__ import annotations
+
+import errno
+import filecmp
+import logging
+import os
+import re
+import shutil
+import stat
+import sys
+from pathlib import Path
+from typing import Callable
+
+import platformdirs
+
+from stemdeck_watch.core.errors import FilesystemError
+from stemdeck_watch.util.safefile import discard, new_temp
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "stemdeck-watch"
+
+COPY_SUFFIX = ".stemdeck-tmp"  # a copy across filesystems, before it is renamed into place
+
+# Filesystems on which inotify/FSEvents/ReadDirectoryChangesW miss changes made by other
+# machines; the watcher polls there.
+NETWORK_FILESYSTEMS = frozenset({
+    "cifs", "smb", "smb2", "smb3", "smbfs", "nfs", "nfs4", "fuse.sshfs", "sshfs", "9p",
+    "drvfs", "fuse.rclone", "fuse.gvfsd-fuse", "afpfs", "webdav", "davfs", "fuse.davfs2",
+})
+
+
+def default_state_dir() -> Path:
+    return Path(platformdirs.user_state_dir(APP_NAME))
+
+
+def default_config_file() -> Path:
+    return Path(platformdirs.user_config_dir(APP_NAME)) / "stemdeck.toml"
+
+
+def private_dir(path: Path) -> Path:
+    """Make the folder `path` (with missing parents) for the user only (0700), whatever the
+    umask: the state folder holds the job history, whose sources and link URLs (which may
+    carry share tokens) are nobody else's business. One of ours that others can read (made
+    by an older version) is tightened."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    tighten(path)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Make sure the file `path` exists and is for the user only (0600): created so, or
+    tightened if it is ours and others could read it (a file from an older version)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        return path
+    except FileExistsError:
+        pass
+    tighten(path)
+    return path
+
+
+def tighten(path: Path) -> None:
+    """Take the group's and others' access away from a file or folder of ours, if it is
+    there (never through a symbolic link)."""
+    if sys.platform == "win32":
+        return  # ACLs, not mode bits; the profile folder is private already
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_uid == os.geteuid() and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+            and st.st_mode & 0o077):
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def numbered(path: Path, n: int, keep_suffix: bool = True) -> Path:
+    """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`."""
+    if n < 2:
+        return path
+    if path.suffix and keep_suffix:
+        return path.with_name(f"{path.stem} ({n}){path.suffix}")
+    return path.with_name(f"{path.name} ({n})")
+
+
+def unique_path(path: Path, keep_suffix: bool = True) -> Path:
+    """The first of `path`, `path (2)`, `path (3)`… that does not exist yet."""
+    n = 1
+    while True:
+        candidate = numbered(path, n, keep_suffix)
+        if not os.path.lexists(candidate):
+            return candidate
+        n += 1
+
+
+def _rename_no_replace(src: Path, dst: Path) -> None:
+    """Rename that fails instead of replacing an existing `dst`.
+
+    A hard link is the portable atomic "create only if absent" on POSIX; filesystems without
+    hard links (FAT, some SMB shares) fall back to check-then-rename.
+    """
+    if sys.platform != "win32":
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
+                                 errno.EMLINK, errno.ENOSYS):
+                raise
+        else:
+            try:
+                os.unlink(src)
+            except OSError:  # the move did not happen: never leave the file in two places
+                try:
+                    os.unlink(dst)
+                except OSError:
+                    pass
+                raise
+            return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "exists", str(dst))
+    os.rename(src, dst)  # on Windows, rename itself refuses to replace
+
+
+def report_path(path: Path) -> Path:
+    """Where a failed input's diagnosis lives: `song.mp3` → `song.mp3.error.txt`."""
+    return path.with_name(path.name + ".error.txt")
+
+
+def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = None) -> Path:
+    """Move `src` to `dst`, or `dst (2)`… if taken; returns where it went.
+
+    `companion` names a file that will sit beside the target (a failed input's report): a
+    number is only taken when the companion's name is free too, so the pair shares it and a
+    stale report never describes a new failure.
+
+    A move cut off by a crash (the target already is the source, hard-linked or fully
+    copied) is finished instead of making a second copy under a new number. Across
+    filesystems the file is copied to a new hidden file with a random name beside the target
+    (see safefile.new_temp: nothing planted there is written through), flushed, renamed into
+    place, and only then is the source removed: a failure at any point leaves the source
+    where it was.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        finished = _finish_interrupted(src, dst)
+        if finished is not None:
+            return finished
+        while True:
+            target = _free_target(dst, companion)
+            try:
+                _rename_no_replace(src, target)
+                return target
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                break
+        return _copy_then_remove(src, dst, companion)
+    except FilesystemError:
+        raise
+    except OSError as exc:
+        raise FilesystemError("move", src, dst, reason=exc) from exc
+
+
+def _free_target(dst: Path, companion: Callable[[Path], Path] | None) -> Path:
+    n = 1
+    while True:
+        candidate = numbered(dst, n)
+        if not os.path.lexists(candidate) and (
+                companion is None or not os.path.lexists(companion(candidate))):
+            return candidate
+        n += 1
+
+
+def _finish_interrupted(src: Path, dst: Path) -> Path | None:
+    """If `dst` (or a numbered sibling) already is `src`, drop the source and return it."""
+    for candidate in numbered_siblings(dst):
+        if os.path.abspath(candidate) == os.path.abspath(src):
+            return candidate  # it is there already
+        if _same_file(src, candidate):
+            os.unlink(src)
+            log.info("finished an interrupted move of %s to %s", src, candidate)
+            return candidate
+    return None
+
+
+def numbered_siblings(path: Path, keep_suffix: bool = True) -> list[Path]:
+    """Every existing `path`, `path (2)`, `path (N)`… — all of them, not just the run up to
+    the first gap (an earlier number may have been moved away since)."""
+    stem, suffix = (path.stem, path.suffix) if keep_suffix and path.suffix else (path.name, "")
+    pattern = re.compile(re.escape(stem) + r"(?: \((\d+)\))?" + re.escape(suffix))
+    try:
+        names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]
+    except OSError:
+        return []
+    number = lambda name: int(pattern.fullmatch(name).group(1) or 1)  # noqa: E731
+    return [path.parent / name for name in sorted(names, key=number)]
+
+
+def find_moved(target: Path, size: int, mtime_ns: int) -> Path | None:
+    """Where a file moved to `target` (or a numbered sibling) went, told by its size and
+    modification time (a move keeps both, also across filesystems): how a restart finds an
+    input whose move finished just before the crash, before the registry heard of it."""
+    for candidate in numbered_siblings(target):
+        try:
+            stat = os.stat(candidate)
+        except OSError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) == (size, mtime_ns):
+            return candidate
+    return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same inode, or a complete copy of it (same size, mtime and bytes): a copy made by
+    `_copy_then_remove` keeps the mtime, which a different file of the same size hardly has."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return True
+    if sa.st_size != sb.st_size or sa.st_mtime_ns != sb.st_mtime_ns:
+        return False
+    return filecmp.cmp(a, b, shallow=False)
+
+
+def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | None) -> Path:
+    tmp: Path | None = None
+    try:
+        with open(src, "rb") as reader, new_temp(dst, suffix=COPY_SUFFIX) as (tmp, writer):
+            shutil.copyfileobj(reader, writer, 1 << 20)
+            writer.flush()
+            if os.utime in os.supports_fd:
+                _copy_mode_and_times(reader.fileno(), writer.fileno())
+        if os.utime not in os.supports_fd:  # Windows
+            shutil.copystat(src, tmp)
+        while True:
+            target = _free_target(dst, companion)
+            try:
+                _rename_no_replace(tmp, target)
+                break
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        if tmp is not None:
+            discard(tmp)
+        raise FilesystemError("copy", src, dst, reason=exc) from exc
+    fsync_dir(target.parent)
+    try:
+        os.unlink(src)
+    except OSError as exc:
+        log.warning("copied %s to %s but could not remove the original: %s", src, target, exc)
+    return target
+
+
+def _copy_mode_and_times(src: int, dst: int) -> None:
+    """The source's permissions and times onto the copy, through the open files: a link put
+    in place of the copy by name meanwhile is never touched (nor the file it points to)."""
+    info = os.fstat(src)
+    os.chmod(dst, stat.S_IMODE(info.st_mode))
+    os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+MOUNT_TABLE = "/proc/self/mounts"
+
+
+def filesystem_type(path: Path, table: str | os.PathLike[str] = MOUNT_TABLE) -> str | None:
+    """The filesystem type of the mount holding `path` (Linux); None where unknown. `table`
+    is a mount table in /proc/self/mounts format (tests feed their own)."""
+    try:
+        with open(table, encoding="utf-8", errors="replace") as mounts:
+            entries = [line.split() for line in mounts]
+    except OSError:
+        return None
+    path = Path(path).resolve()
+    best: tuple[int, str] | None = None
+    for entry in entries:
+        if len(entry) < 3:
+            continue
+        mount_point = entry[1].replace("\\040", " ")
+        mp = Path(mount_point)
+        if path == mp or mp in path.parents:
+            depth = len(mp.parts)
+            if best is None or depth > best[0]:
+                best = (depth, entry[2])
+    return best[1] if best else None
+
+
+def is_network_filesystem(path: Path, table: str | os.PathLike[str] = MOUNT_TABLE) -> bool:
+    fs = filesystem_type(path, table)
+    return fs is not None and (fs in NETWORK_FILESYSTEMS or fs.startswith("fuse.sshfs"))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX); a no-op where directories can't be opened."""
+    if sys.platform == "win32":
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,459 @@
+"""The one door into the registry and the queue.
+
+Intake submits stable files here; the dispatcher takes jobs and reports their progress here;
+later the CLI, API and tray pause, start and cancel here. Every change is written to the
+registry first and then announced on the event bus, so what listeners see is what a restart
+would find.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+import unicodedata
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterator
+
+from stemdeck_watch.cli import status
+from stemdeck_watch.core.config import Settings
+from stemdeck_watch.links.linkfile import is_link_file
+from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
+from stemdeck_watch.store.jobqueue import JobControl, JobQueue
+from stemdeck_watch.core.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
+                                 PlaylistRef, new_job_id)
+from stemdeck_watch.store.registry import Registry
+from stemdeck_watch.engine.requests import Requests
+
+log = logging.getLogger(__name__)
+
+INPUT_REMOVED = "the input was removed from the inbox"
+CHANGED_WHILE_RUNNING = "the input changed while it was separated; the new version is queued"
+PAUSE_USER = "user"
+PAUSE_RESTORE = "restore"
+PAUSE_FOLDER = "folder"
+PAUSE_DISK = "disk"
+
+
+class Scheduler(Requests):
+    def __init__(self, registry: Registry, queue: JobQueue, bus: EventBus, settings: Settings,
+                 clock: Callable[[], float] = time.time):
+        self.registry = registry
+        self.queue = queue
+        self.bus = bus
+        self.settings = settings
+        self._clock = clock
+        self._lock = threading.RLock()
+        # files held back by the capacity lane, in arrival order: source → (kind, since)
+        self._waiting: collections.OrderedDict[str, tuple[JobKind, float]] = \
+            collections.OrderedDict((s, (k, t)) for s, k, t in registry.waiting())
+        # inputs seen leaving the inbox after their job ended: dropped again, they are new
+        self._left: set[str] = set()
+        self._full: set[JobKind] = set()  # lanes that announced "queue full" and are still full
+        self._unsaved: list[tuple[str, JobKind, float]] = []  # waiting files not yet on disk
+        self._batch = threading.local()
+        self._kinds: dict[str, JobKind | None] = {}
+
+    # ------------------------------------------------------------ intake side
+
+    def wants(self, source: Path, signature: FileSignature) -> bool:
+        """Should a stable file at `source` become a job?
+
+        Not if a job already holds it (a changed file keeps its place and just takes the new
+        signature), nor if a finished job left the same content there (its input could not be
+        moved away); any other content at that path is a new song, and so is a file dropped
+        again after it was taken away.
+        """
+        key = str(source)
+        with self._lock:
+            if key in self._waiting:
+                return False
+            twin = self._other_spelling(source, signature)
+            if twin is not None:
+                log.info("%s is %s spelled another way (Unicode NFC/NFD), same size and time: "
+                         "not separated twice (job %s); delete one of them", source, twin.source,
+                         twin.id)
+                return False
+            job = self.registry.latest_for_source(key)
+            if job is None:
+                # a song the user removed stays removed until its content changes
+                return self.registry.tombstone(key, "input") != signature
+            if job.state is JobState.QUEUED:
+                if job.signature != signature:
+                    log.info("%s changed while queued; it keeps its place", source)
+                    self.update(job.id, signature=signature)
+                return False
+            if job.state.is_running:
+                if job.signature is not None and job.signature != signature:
+                    # a newer version, complete now: stop separating the old one; when the
+                    # cancelled job ends the intake offers the file again and it is queued
+                    if self.queue.cancel(job.id, CHANGED_WHILE_RUNNING) is not None:
+                        log.info("%s changed while job %s ran: cancelling it", source, job.id)
+                return False
+            if key in self._left or job.error == INPUT_REMOVED:
+                return True  # it was taken away and has been dropped again
+            return job.signature != signature
+
+    def _other_spelling(self, source: Path, signature: FileSignature) -> Job | None:
+        """A job for the same inbox path spelled in another Unicode normal form (macOS
+        writes names decomposed, most others composed) with the same size and mtime: the
+        same song, which must not become two jobs and two outbox folders."""
+        try:
+            rel = source.relative_to(self.settings.paths.inbox).as_posix()
+        except ValueError:
+            return None
+        if rel.isascii():
+            return None  # the common case: one spelling only, no lookup
+        for job in self.registry.with_rel_path(_nfc(rel)):
+            if job.source != str(source) and job.state is not JobState.CANCELLED \
+                    and job.signature is not None \
+                    and (job.signature.size, job.signature.mtime_ns) == (signature.size,
+                                                                         signature.mtime_ns):
+                return job
+        return None
+
+    def submit_file(self, source: Path, rel_path: PurePosixPath,
+                    signature: FileSignature) -> Job | None:
+        """Queue a stable file, or hold it back as waiting when the file lane is full.
+
+        The check and the creation are one step under the lock, with the file looked at
+        again: a file deleted between the intake's decision and now (its delete event found
+        no job to cancel) must not become a job that fails for a song the user removed.
+        """
+        with self._lock:
+            try:
+                current = FileSignature.of(os.stat(source))
+            except OSError:
+                log.info("%s left the inbox before it was queued", source)
+                return None
+            if current != signature or not self.wants(source, signature):
+                return None  # changed again (the intake will settle it anew) or already held
+            self._left.discard(str(source))
+            # a new file lifts a restore-pause, whether it is queued or held back
+            if self.queue.paused and self.queue.pause_reason == PAUSE_RESTORE:
+                log.info("a new file arrived: starting the restored queue")
+                self.start()
+            kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
+            if self._lane_full(kind):
+                if str(source) not in self._waiting:
+                    since = self._clock()
+                    self._waiting[str(source)] = (kind, since)
+                    self._unsaved.append((str(source), kind, since))
+                    if not getattr(self._batch, "open", False):
+                        self._flush_waiting()
+                    log.info("queue full (%d %ss pending): %s waits in the inbox",
+                             self._limit(kind), kind.value, source)
+                    self._announce_queue()
+                return None
+            return self._create(source, rel_path, signature)
+
+    def _create(self, source: Path, rel_path: PurePosixPath, signature: FileSignature) -> Job:
+        preset = rel_path.parts[0] if len(rel_path.parts) > 1 else None
+        if preset not in self.settings.presets:
+            preset = None
+        # names and paths in their composed (NFC) form: the outbox folder and processed/
+        # name are the same whichever way the writer spelled them
+        name = _nfc(source.stem if source.suffix else source.name)
+        kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
+        job = self.registry.add(Job(
+            id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,
+            source=str(source), rel_path=_nfc(str(rel_path)), preset=preset,
+            signature=signature))
+        self.queue.put(job.id)
+        self._save_order()
+        log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
+        self.bus.publish(JobChanged(job))
+        return job
+
+    def refuse(self, source: Path, rel_path: PurePosixPath, reason: str) -> Job:
+        """Record input that is never separated (a link out of the inbox) as a failed job,
+        so `status`, the page and notifications say why; `source` is where it lies now."""
+        job = self.registry.add(Job(
+            id=new_job_id(), name=_nfc(source.stem if source.suffix else source.name),
+            kind=JobKind.FILE, state=JobState.FAILED, source=str(source),
+            rel_path=_nfc(str(rel_path)), error=reason, finished_at=self._clock()))
+        log.warning("refused %s: %s", rel_path, reason)
+        return job
+
+    def _kind_of(self, job_id: str) -> JobKind | None:
+        """A job's kind never changes: remembered, so the lane check per arriving file reads
+        no registry rows (a library dropped at once asks it thousands of times)."""
+        kind = self._kinds.get(job_id)
+        if kind is None:
+            job = self.registry.get(job_id)
+            kind = self._kinds[job_id] = job.kind if job else None
+        return kind
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Admit many files (one intake tick) with one registry write for all that wait: a
+        library of 10,000 files dropped at once must not cost 10,000 disk syncs. A crash
+        before the write loses nothing — the files are still in the inbox and the start-up
+        scan finds them again."""
+        self._batch.open = True
+        try:
+            yield
+        finally:
+            self._batch.open = False
+            self._flush_waiting()
+
+    def _flush_waiting(self) -> None:
+        with self._lock:
+            entries = [e for e in self._unsaved if e[0] in self._waiting]
+            self._unsaved = []
+            if entries:
+                self.registry.add_waiting(entries)
+
+    def _lane_full(self, kind: JobKind) -> bool:
+        """Whether the lane has no room; announces QueueFull once each time a lane fills."""
+        limit = self._limit(kind)
+        pending = sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind)
+        full = pending >= limit
+        if full and kind not in self._full:
+            self._full.add(kind)
+            self.bus.publish(QueueFull(kind.value, limit))
+        elif not full:
+            self._full.discard(kind)
+        return full
+
+    def _limit(self, kind: JobKind) -> int:
+        return (self.settings.queue.max_pending_files if kind is JobKind.FILE
+                else self.settings.queue.max_pending_links)
+
+    def admit_waiting(self) -> None:
+        """Move files from waiting into the queue, in arrival order, while their lane has
+        room (a full file lane does not hold back a waiting link, nor the reverse)."""
+        with self._lock:
+            admitted: list[str] = []
+            inbox = self.settings.paths.inbox
+            full: set[JobKind] = set()
+            for source, (kind, _since) in list(self._waiting.items()):
+                if kind in full or self._lane_full(kind):
+                    full.add(kind)
+                    if len(full) == 2:
+                        break
+                    continue
+                del self._waiting[source]
+                admitted.append(source)
+                path = Path(source)
+                try:
+                    signature = FileSignature.of(os.stat(path))
+                except OSError:
+                    log.info("%s left the inbox while waiting", source)
+                    continue
+                if self.wants(path, signature):
+                    self._left.discard(source)
+                    self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()),
+                                 signature)
+            if admitted:
+                self._flush_waiting()
+                self.registry.remove_waiting(admitted)
+                self._announce_queue()
+
+    def file_gone(self, source: Path) -> None:
+        """The input (or a folder holding inputs) left the inbox: deleted, moved away or
+        renamed. Its job is cancelled — removed at once if queued, stopped if running."""
+        prefix = str(source) + os.sep
+        with self._lock:
+            gone = [s for s in self._waiting if s == str(source) or s.startswith(prefix)]
+            for waiting in gone:
+                del self._waiting[waiting]
+            if gone:
+                self._flush_waiting()
+                self.registry.remove_waiting(gone)
+                self._announce_queue()
+            jobs = [job for job in self.registry.jobs(ACTIVE_STATES)
+                    if job.source == str(source) or job.source.startswith(prefix)]
+            self._note_left(source, prefix)
+        for job in jobs:
+            where = self.queue.cancel(job.id, INPUT_REMOVED)
+            if where == "queued":
+                log.info("%s left the inbox: cancelled job %s", job.source, job.id)
+                self.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
+                            finished_at=self._clock())
+                self._save_order()
+                self.admit_waiting()
+        # a playlist link taken away takes its entries not yet done with it
+        self.cancel_entries([job.id for job in jobs if job.playlist is not None
+                             and job.playlist.is_link], INPUT_REMOVED)
+
+    def cancel_entries(self, link_job_ids: list[str], reason: str) -> None:
+        """Cancel the entries of these playlist links that are not done yet: queued ones are
+        removed at once, a running one is stopped; published entries stay published."""
+        removed = False
+        for link_id in link_job_ids:
+            for entry in self.registry.entries_of(link_id):
+                if entry.state.is_final:
+                    continue
+                # a queued entry ends here; a running or publishing one is stopped and its
+                # dispatcher ends it; one committed (None: its stems are going out) stays out
+                where = self.queue.cancel(entry.id, reason)
+                if where == "queued":
+                    removed = True
+                    self.update(entry.id, state=JobState.CANCELLED, error=reason,
+                                finished_at=self._clock())
+                if where is not None:
+                    log.info("cancelled entry %s of the playlist %s: %s", entry.name,
+                             entry.playlist.name if entry.playlist else link_id, reason)
+        if removed:
+            self._save_order()
+
+    def expand_playlist(self, link_id: str, ref: PlaylistRef, entries: list[Job],
+                        control: JobControl) -> bool:
+        """Queue a playlist link's entries in playlist order at the head of the queue and the
+        link's own job right behind them (it finishes the playlist). One registry transaction
+        writes them all with the link's mark; False (nothing written) if the link was
+        cancelled or taken away meanwhile — checked under the lock that `file_gone` holds."""
+        with self._lock:
+            link = self.registry.get(link_id)
+            if control.cancelled or link is None or not os.path.exists(link.source):
+                return False
+            # their places are saved in the same transaction: a crash right after must not
+            # restore the entries behind jobs that were queued after the playlist
+            order = [entry.id for entry in entries] + [link_id] + \
+                [job_id for job_id in self.queue.order() if job_id != link_id]
+            self.registry.add_all(entries, then=(link_id, {
+                "playlist": ref, "state": JobState.QUEUED, "progress": 0.0, "stage": None}),
+                order=order)
+            self.queue.put(link_id, front=True)
+            for entry in reversed(entries):
+                self.queue.put(entry.id, front=True)
+        for entry in entries:
+            self.bus.publish(JobChanged(entry))
+        self.bus.publish(JobChanged(self._get(link_id)))
+        self._announce_queue()
+        return True
+
+    def requeue_behind(self, job_id: str, others: list[str]) -> None:
+        """Put a job back into the queue right behind the last of `others` there (a playlist
+        link whose entries were moved behind it waits for them)."""
+        with self._lock:
+            self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None)
+            self.queue.put(job_id)
+            order = self.queue.order()
+            last = max((order.index(other) for other in others if other in order), default=None)
+            if last is not None:
+                self.queue.move(job_id, after=order[last])
+            self._save_order()
+        self._announce_queue()
+
+    def _note_left(self, source: Path, prefix: str) -> None:
+        """Remember inputs of finished jobs that left the inbox: dropped again, the same
+        content is a new request (a retry), not the file the finished job already saw."""
+        inbox = str(self.settings.paths.inbox) + os.sep
+        if not str(source).startswith(inbox):
+            return
+        if self.registry.latest_for_source(str(source)) is not None:
+            self._left.add(str(source))
+        for key in self.registry.sources_under(prefix):
+            self._left.add(key)
+
+    # ------------------------------------------------------------ dispatcher side
+
+    def next_job(self, timeout: float | None = None, slot: int = 0) -> JobControl | None:
+        control = self.queue.take(timeout, slot)
+        if control is not None:
+            # the job is taken whatever happens next: a failed write here must not drop it.
+            # The order on disk still has it first, so a restore finds it where it was.
+            try:
+                self._save_order()
+                self.admit_waiting()
+            except Exception:
+                log.exception("could not record the queue after taking job %s; going on",
+                              control.job_id)
+        return control
+
+    def update(self, job_id: str, **fields: Any) -> Job:
+        job = self.registry.update(job_id, **fields)
+        self.bus.publish(JobChanged(job))
+        return job
+
+    def requeue_front(self, job_id: str) -> Job:
+        """A taken job goes back to the head of the queue (stopping, or no disk room yet),
+        behind any job taken before it that went back too."""
+        job = self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None)
+        self.queue.put_back(job_id)
+        self._save_order()
+        return job
+
+    def announce_if_drained(self) -> None:
+        if not self.queue.order() and not self.waiting() and self.queue.running() is None:
+            self.bus.publish(QueueDrained())
+
+    def enqueue_restored(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            self.queue.put(job_id)
+        self._save_order()
+
+    # ------------------------------------------------------------ control
+    # The CLI (through the API), the page and the tray all steer the queue through these
+    # calls and nothing else. A refused request raises a ControlError and changes nothing.
+
+    def pause(self, reason: str = PAUSE_USER) -> None:
+        with self._lock:
+            if self.queue.paused and self.queue.pause_reason == reason:
+                return
+            self.queue.pause(reason)
+            self.registry.set_meta("pause_reason", reason)
+        log.info("queue paused (%s)", reason)
+        self._announce_queue()
+
+    def start(self) -> None:
+        """Start the queue, whatever paused it (the user, a restore, the PAUSE file)."""
+        with self._lock:
+            if not self.queue.paused:
+                return
+            self.queue.start()
+            self.registry.set_meta("pause_reason", "")
+        log.info("queue started")
+        self._announce_queue()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The live `status --json` object (the API's GET /api/queue), as small with a
+        history of 20,000 songs as with none: older jobs are paged (`jobs_page`)."""
+        with self._lock:
+            waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
+            jobs, older = self.registry.recent(status.RECENT_JOBS)
+            return status.build(jobs, self.queue.order(), waiting,
+                                self.queue.pause_reason if self.queue.paused else None,
+                                self.settings.paths, {"running": True, "pid": os.getpid()},
+                                worker=status.worker_of(self.registry),
+                                workers=status.workers_of(self.registry), older=older)
+
+    def jobs_page(self, before: tuple[float, int] | None,
+                  limit: int) -> tuple[list[Job], tuple[float, int] | None]:
+        """Every job, newest first, a page at a time (GET /api/jobs)."""
+        return self.registry.page(before, limit)
+
+    def waiting(self) -> list[str]:
+        with self._lock:
+            return list(self._waiting)
+
+    # ------------------------------------------------------------ persistence
+
+    def _save_order(self) -> None:
+        # read and written under the lock: two savers must not store an older order last.
+        # A job just taken but not started yet is still "queued" on disk: it keeps the head,
+        # or a crash in that instant would restore it last.
+        # With publish behind, the job taken can sit beside a job still publishing: every
+        # job in flight that is still "queued" on disk keeps the head.
+        with self._lock:
+            order = self.queue.order()
+            for taken in reversed(self.queue.in_flight()):
+                job = self.registry.get(taken.job_id)
+                if (taken.job_id not in order and job is not None
+                        and job.state is JobState.QUEUED):
+                    order.insert(0, taken.job_id)
+            self.registry.save_order(order)
+
+    def _announce_queue(self) -> None:
+        self.bus.publish(QueueChanged(paused=self.queue.paused,
+                                      pause_reason=self.queue.pause_reason,
+                                      queued=tuple(self.queue.order()),
+                                      waiting=len(self._waiting)))
+
+
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)

@@ -1,0 +1,326 @@
+"""Download the audio behind a link with yt-dlp, embedded: cancellable, bounded, audio only.
+
+yt-dlp knows thousands of sites and plain file URLs alike. It runs in the service's process
+(no subprocess: its progress hook is where a cancel, a size limit and the progress bar all
+live), downloads the best audio format PyAV can decode without post-processing (so no ffmpeg
+is needed), into the job's scratch folder. yt-dlp's own filters skip silently; here a limit
+fails the job with a reason instead, before the download where the size or length is known
+and during it where not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import re
+import shutil
+import traceback
+import unicodedata
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from stemdeck_watch.core.config import LinkSettings
+from stemdeck_watch.core.errors import Cancelled, StageError
+from stemdeck_watch.core.jobs import PlaylistRef
+from stemdeck_watch.stages.decode import probe_duration
+
+log = logging.getLogger(__name__)
+ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
+
+STALL_TIMEOUT = 30.0  # seconds without data before a download counts as stalled
+MAX_NAME = 120
+
+
+class DownloadError(StageError):
+    stage = "downloading"
+
+
+@dataclasses.dataclass(frozen=True)
+class Downloaded:
+    path: Path
+    url: str
+    title: str
+    extractor: str
+    duration: float | None
+    playlist: PlaylistRef | None = None  # the playlist this download is an entry of
+
+    def manifest(self) -> dict[str, Any]:
+        found = {"url": self.url, "extractor": self.extractor, "title": self.title,
+                 "duration": self.duration}
+        if self.playlist is not None:
+            found["playlist"] = {"name": self.playlist.name, "entry": self.playlist.entry,
+                                 "entries": self.playlist.entries}
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One item of a playlist: its own address, its title and (where the page said) length."""
+
+    url: str
+    title: str
+    duration: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Playlist:
+    """What a playlist link holds (`links.playlists = true`): nothing is downloaded yet; each
+    entry becomes a job of its own."""
+
+    url: str
+    title: str
+    extractor: str
+    entries: tuple[Entry, ...]
+    total: int  # entries the page listed; more than len(entries) when cut at max_entries
+    skipped: int = 0  # entries without an http(s) address of their own
+
+
+class _Log:
+    """yt-dlp's logger interface, routed into our log (it never prints)."""
+
+    def debug(self, msg: str) -> None:
+        ytdlp_log.debug("%s", msg)
+
+    def info(self, msg: str) -> None:
+        ytdlp_log.debug("%s", msg)
+
+    def warning(self, msg: str) -> None:
+        ytdlp_log.info("%s", msg)
+
+    def error(self, msg: str) -> None:
+        ytdlp_log.info("%s", msg)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[], None],
+             on_progress: Callable[[float], None], link_name: str, expand: bool = False,
+             title: str | None = None,
+             playlist: PlaylistRef | None = None) -> Downloaded | Playlist:
+    """Download `url` into `folder`; DownloadError with a reason a person understands.
+
+    With `expand` (a playlist link with `links.playlists = true`) a link to a playlist of two
+    or more entries gives a Playlist and downloads nothing. `title` and `playlist` name an
+    entry of a playlist: the playlist's title for it wins over a file name, and a length the
+    playlist gave is checked before the download."""
+    import yt_dlp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    limit = links.max_filesize or None
+    if playlist is not None and playlist.duration and links.max_duration \
+            and playlist.duration > links.max_duration:
+        raise DownloadError(_too_long(f"{link_name} (entry {playlist.entry} of {playlist.name})",
+                                      playlist.duration, links.max_duration))
+
+    def hook(status: dict[str, Any]) -> None:
+        check()  # raising here stops yt-dlp at once (it propagates unwrapped)
+        done = status.get("downloaded_bytes") or 0
+        total = status.get("total_bytes") or status.get("total_bytes_estimate")
+        if limit and (done > limit or (total and total > limit)):
+            raise _TooLarge(total or done)
+        if total:
+            on_progress(min(1.0, done / total))
+
+    options = {
+        "format": "bestaudio/best",
+        "outtmpl": {"default": str(folder / "media.%(ext)s")},
+        "paths": {"home": str(folder), "temp": str(folder)},
+        # one item per link unless it is expanded (links.playlists): then a playlist is only
+        # listed, flat, and each entry is downloaded by a job of its own
+        "noplaylist": not expand,
+        **({"extract_flat": "in_playlist"} if expand else {"playlist_items": "1"}),
+        "progress_hooks": [hook],
+        "logger": _Log(),
+        "quiet": True, "no_warnings": True, "noprogress": True,
+        "socket_timeout": STALL_TIMEOUT,
+        "retries": 1, "fragment_retries": 1, "extractor_retries": 0,
+        "continuedl": False, "overwrites": True, "cachedir": False,
+        "postprocessors": [],
+        "enable_file_urls": False,
+    }
+    try:
+        with yt_dlp.YoutubeDL(options) as ydl:
+            info = ydl.extract_info(url, download=False)
+            check()
+            if expand and info.get("_type") == "playlist":
+                found = playlist_of(info, url, links.max_entries, Path(link_name).stem)
+                if len(found.entries) != 1:
+                    return found
+                only = found.entries[0]  # a playlist of one: that one song, as a plain link
+                return download(only.url, folder, links, check=check, on_progress=on_progress,
+                                link_name=link_name, title=only.title)
+            entry = _single(info)
+            _check_limits(entry, links, link_name)
+            result = ydl.process_ie_result(info, download=True)
+    except Cancelled as exc:
+        _release(exc)
+        shutil.rmtree(folder, ignore_errors=True)  # the .part and anything beside it
+        raise
+    except _TooLarge as exc:
+        _release(exc)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DownloadError(f"the download of {link_name} is larger than links.max_filesize "
+                            f"({_mb(limit)}); raise that limit to accept it") from None
+    except yt_dlp.utils.YoutubeDLError as exc:  # DownloadError, and network errors raised bare
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DownloadError(explain(str(exc), link_name), details=str(exc)) from None
+    path = _downloaded_path(_single(result))
+    if path is None or not path.is_file():
+        raise DownloadError(f"{link_name}: yt-dlp finished without a file (the page may offer "
+                            f"no downloadable audio)")
+    duration = entry.get("duration") or probe_duration(path)
+    if links.max_duration and duration and duration > links.max_duration:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DownloadError(_too_long(link_name, duration, links.max_duration))
+    return Downloaded(path=path, url=url,
+                      title=title or song_name(entry, fallback=Path(link_name).stem),
+                      extractor=str(entry.get("extractor_key") or entry.get("extractor") or ""),
+                      duration=float(duration) if duration else None, playlist=playlist)
+
+
+def _release(exc: BaseException) -> None:
+    """Close the connection of a download our progress hook stopped, now.
+
+    yt-dlp does not close the HTTP response when a hook raises: the frames in the exception's
+    traceback, and a reference cycle, hold it until a garbage collection some time later, on
+    whichever thread. Clearing those frames and collecting closes it here (quietly: the
+    socket's "unclosed" warning says nothing a cancel did not mean)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        traceback.clear_frames(exc.__traceback__)
+        gc.collect()  # the response sits in a reference cycle: only a collection frees it
+
+
+def playlist_of(info: dict[str, Any], url: str, max_entries: int, fallback: str) -> Playlist:
+    """The entries of a playlist as yt-dlp listed them, in order, cut at `max_entries`.
+
+    Each entry keeps an address of its own (its page, or the media itself for a page of
+    plain <audio> tags or an XSPF list), so it is downloaded alone later, even if the
+    playlist changes meanwhile. Only http(s) addresses are kept: a playlist is untrusted
+    input like a link file."""
+    title = sanitise(str(info.get("title") or "")) or sanitise(fallback) or "playlist"
+    listed = [e for e in (info.get("entries") or []) if e]
+    if not listed:
+        raise DownloadError(f"the playlist {title} behind the link is empty")
+    entries: list[Entry] = []
+    skipped = 0
+    for number, item in enumerate(listed, 1):
+        address = _entry_url(item, url)
+        if address is None:
+            skipped += 1
+            log.warning("entry %d of the playlist %s has no http(s) address; left out",
+                        number, title)
+            continue
+        if len(entries) < max_entries:
+            length = item.get("duration")
+            entries.append(Entry(address, song_name(item, fallback=f"{title} {number}"),
+                                 float(length) if isinstance(length, (int, float)) else None))
+    if not entries:
+        raise DownloadError(f"no entry of the playlist {title} has an address that can be "
+                            f"downloaded")
+    return Playlist(url=url, title=title,
+                    extractor=str(info.get("extractor_key") or info.get("extractor") or ""),
+                    entries=tuple(entries), total=len(listed) - skipped, skipped=skipped)
+
+
+def _entry_url(item: dict[str, Any], page: str) -> str | None:
+    candidates = [item.get("url"), item.get("webpage_url"), item.get("original_url")]
+    candidates += [f.get("url") for f in reversed(item.get("formats") or [])]
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate != page and not re.search(r"\s", candidate) \
+                and urlsplit(candidate).scheme in ("http", "https") and urlsplit(candidate).netloc:
+            return candidate
+    return None
+
+
+def _single(info: dict[str, Any]) -> dict[str, Any]:
+    if info.get("_type") == "playlist":
+        entries = [e for e in (info.get("entries") or []) if e]
+        if not entries:
+            raise DownloadError("the playlist behind the link is empty")
+        return entries[0]
+    return info
+
+
+def _check_limits(entry: dict[str, Any], links: LinkSettings, link_name: str) -> None:
+    duration = entry.get("duration")
+    if links.max_duration and duration and duration > links.max_duration:
+        raise DownloadError(_too_long(link_name, duration, links.max_duration))
+    size = entry.get("filesize") or entry.get("filesize_approx")
+    if links.max_filesize and size and size > links.max_filesize:
+        raise _TooLarge(size)
+
+
+def _downloaded_path(entry: dict[str, Any]) -> Path | None:
+    for item in entry.get("requested_downloads") or []:
+        if item.get("filepath"):
+            return Path(item["filepath"])
+    return None
+
+
+def _too_long(link_name: str, duration: float, limit: int) -> str:
+    return (f"{link_name} is {_length(duration)} long, longer than links.max_duration "
+            f"({_length(limit)}); raise that limit to accept it")
+
+
+def _length(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def _mb(size: int | None) -> str:
+    return f"{(size or 0) / 1e6:,.0f} MB"
+
+
+HTTP_REASONS = {
+    404: "the page no longer exists (HTTP 404)", 410: "the page no longer exists (HTTP 410)",
+    401: "the site asks for a login (HTTP 401)", 403: "the site refused the download (HTTP 403)",
+    429: "the site refused: too many requests (HTTP 429); try again later",
+}
+
+
+def explain(message: str, link_name: str) -> str:
+    """yt-dlp's error as a first sentence a person understands, naming the link file."""
+    found = re.search(r"HTTP Error (\d{3})", message)
+    if found:
+        code = int(found.group(1))
+        reason = HTTP_REASONS.get(code) or (
+            f"the site had an error (HTTP {code}); try again later" if code >= 500
+            else f"the site answered HTTP {code}")
+    elif "Unsupported URL" in message or "no video formats" in message.lower() \
+            or "Requested format is not available" in message:
+        reason = "the page has no audio or video that can be downloaded"
+    elif re.search(r"timed? ?out", message, re.I):
+        reason = f"the download stalled (no data for {STALL_TIMEOUT:.0f} s)"
+    elif "file:" in message or "file URLs are disabled" in message:
+        reason = "the link leads to a local file (file: URL), which is never fetched"
+    else:
+        reason = re.sub(r"^ERROR:\s*", "", message.splitlines()[0])
+    return f"could not download {link_name}: {reason}"
+
+
+def song_name(info: dict[str, Any], fallback: str) -> str:
+    """"Artist - Title" (or the title), safe as one folder name on every platform: no path
+    separators, no leading dot (hidden), no reserved characters, bounded length."""
+    title = str(info.get("track") or info.get("title") or "").strip()
+    artist = str(info.get("artist") or info.get("creator") or "").strip()
+    name = f"{artist} - {title}" if artist and title and artist not in title else title
+    return sanitise(name) or sanitise(fallback) or "download"
+
+
+def sanitise(name: str) -> str:
+    name = unicodedata.normalize("NFC", name)
+    name = "".join(" " if unicodedata.category(c).startswith("C") else c for c in name)
+    name = re.sub(r'[<>:"/\\|?*]', "_", name)
+    name = re.sub(r"\s+", " ", name).strip()
+    name = name.lstrip(".").rstrip(". ")
+    if name.upper().split(".")[0] in _RESERVED:
+        name = f"_{name}"
+    return name[:MAX_NAME].rstrip(". ")
+
+
+_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)),
+             *(f"LPT{i}" for i in range(1, 10))}

@@ -1,0 +1,83 @@
+"""File names from tags: every value sanitised, every name kept inside the song folder.
+
+Tags come from whoever made the file, or from a web page title for links: they may hold
+`/`, `..`, newlines, characters Windows refuses, or 400 characters. The layout template itself
+is checked at config load (validators.layout_template); the values put into it are cleaned
+here, so that no tag can add a folder level, climb out of the song folder, hide a file (a
+leading dot) or exceed what a filesystem or a sync client accepts in one name.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path, PurePosixPath
+from typing import Mapping
+
+from stemdeck_watch.core.errors import PublishError
+
+MAX_VALUE_CHARS = 80  # one field of a name
+MAX_COMPONENT_BYTES = 240  # one file or folder name (ext4, APFS, NTFS allow 255)
+_UNSAFE = re.compile(r'[\x00-\x1f\x7f<>:"|?*]')
+_SEPARATORS = re.compile(r"[/\\]+")
+_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)),
+             *(f"lpt{i}" for i in range(1, 10))}  # Windows device names
+
+
+def clean_text(value: object, limit: int = 1000) -> str:
+    """A tag as readable one-line text (for the manifest, tags and the picture): control
+    characters become spaces, runs of spaces collapse, at most `limit` characters."""
+    text = unicodedata.normalize("NFC", str(value))
+    text = re.sub(r"[\x00-\x1f\x7f]+", " ", text)
+    return " ".join(text.split())[:limit].strip()
+
+
+def safe_name(value: object, fallback: str) -> str:
+    """One path component from a tag: no separators, no control or reserved characters, no
+    leading dots (no `..`, no hidden files), no trailing dots or spaces (Windows drops them),
+    not a Windows device name, at most MAX_VALUE_CHARS characters; `fallback` if nothing
+    is left."""
+    text = _SEPARATORS.sub("-", clean_text(value))
+    text = _UNSAFE.sub("_", text)
+    text = re.sub(r"\.{2,}", ".", text)  # no "..", even inside a name
+    text = text.lstrip(". -")[:MAX_VALUE_CHARS].rstrip(". ")
+    if text.split(".")[0].lower() in _RESERVED:
+        text = f"{text}_"
+    if not text:
+        return fallback if fallback == "" else safe_name(fallback, "song")
+    return text
+
+
+def layout_values(name: str, tags: Mapping[str, object], preset: str | None, model: str,
+                  ext: str) -> dict[str, str]:
+    """The values of the layout fields except {stem}: a missing tag falls back to the file
+    name (`name`), a missing preset to "default"."""
+    song = safe_name(name, "song")
+    return {"name": song, "ext": ext, "model": safe_name(model, "model"),
+            "title": safe_name(tags.get("title") or "", song),
+            "artist": safe_name(tags.get("artist") or "", song),
+            "album": safe_name(tags.get("album") or "", song),
+            "preset": safe_name(preset or "", "default")}
+
+
+def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -> str:
+    """The relative file name of one output, checked to stay inside `folder`. Over-long
+    names are shortened, keeping the extension."""
+    rel = PurePosixPath(layout.format(stem=safe_name(stem, "stem"), **values))
+    parts = [_shorten(part) for part in rel.parts]
+    rel = PurePosixPath(*parts)
+    target = (folder / rel).resolve()
+    if rel.is_absolute() or ".." in parts or folder.resolve() not in target.parents:
+        raise PublishError(f"could not name a stem: output.layout = {layout!r} gives {rel}, "
+                           f"which is outside the song folder {folder}; fix output.layout")
+    return rel.as_posix()
+
+
+def _shorten(part: str) -> str:
+    if len(part.encode()) <= MAX_COMPONENT_BYTES:
+        return part
+    stem, dot, ext = part.rpartition(".")
+    if not dot or len(ext) > 8:
+        stem, ext = part, ""
+    room = MAX_COMPONENT_BYTES - len(ext.encode()) - 1
+    short = stem.encode()[:room].decode(errors="ignore").rstrip(". ")
+    return f"{short}.{ext}" if ext else short

@@ -1,0 +1,416 @@
+"""Turn separated stems into a finished song folder, all or nothing.
+
+Everything for one song — stems, mixes, `stemdeck.json` — is written into a hidden staging
+folder inside the outbox (same filesystem), flushed, and renamed into `outbox/<name>/` in one
+step, so a sync client never uploads half a result. The manifest is written last and names the
+job: a folder with a complete manifest is a published song, which is how a restart tells
+"published, then crashed" from "crashed while writing".
+
+Stems are read from the worker's scratch files and written block by block (mixes summed block
+by block), so publishing a song of any length takes the same memory. On the way each block may
+be resampled (`output.samplerate`) and feed the preview's peaks; file names come from the
+layout template filled with sanitised tags (pipeline/naming.py), flac/mp3 stems are tagged
+(pipeline/tags.py). The manifest lists every file of the folder with its size and sha256.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from stemdeck_watch import __version__
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.core.errors import FilesystemError, PublishError
+from stemdeck_watch.core.paths import fsync_dir, unique_path
+from stemdeck_watch.stages import naming, resample, tags as tagging
+from stemdeck_watch.stages.preview import Peaks
+from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
+from stemdeck_watch.util.safefile import open_new, read_regular
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "stemdeck.json"
+MANIFEST_LIMIT = 16 << 20  # bytes: a larger stemdeck.json is no manifest this service wrote
+EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
+PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
+MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
+
+
+@dataclasses.dataclass(frozen=True)
+class SongInfo:
+    """What publish knows of the song besides its stems: its file name (the fallback for
+    every tag), the input's tags, the preset, and the input's rate and length."""
+
+    name: str
+    tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    preset: str | None = None
+    input_samplerate: int | None = None
+    input_frames: int | None = None
+
+    @property
+    def title(self) -> str:
+        return str(self.tags.get("title") or self.name)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
+                 out: OutputSettings) -> dict[str, tuple[str, list[str]]]:
+    """Which files to write: output name → (kind, stems summed into it)."""
+    sources = list(stems)
+    if sep.two_stems:
+        if sep.two_stems not in sources:
+            raise PublishError(
+                f"could not make two stems: separation.two_stems = {sep.two_stems!r}, but the "
+                f"model {sep.model!r} separates {', '.join(sources)}; choose one of those")
+        outputs = {sep.two_stems: ("stem", [sep.two_stems]),
+                   f"no_{sep.two_stems}": ("stem", [s for s in sources if s != sep.two_stems])}
+    else:
+        outputs = {s: ("stem", [s]) for s in sources}
+    for mix, members in out.mixes.items():
+        missing = [m for m in members if m not in sources]
+        if missing:
+            raise PublishError(
+                f"could not make mix {mix!r}: output.mixes.{mix} names {', '.join(missing)}, but "
+                f"the model {sep.model!r} separates {', '.join(sources)}")
+        outputs[mix] = ("mix", list(members))
+    return outputs
+
+
+def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str,
+               sep: SeparationSettings, out: OutputSettings,
+               block_frames: int = PUBLISH_BLOCK, info: SongInfo | None = None,
+               peaks: dict[str, Peaks] | None = None,
+               timings: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """Write every stem and mix into `staging`; returns the manifest's file entries.
+
+    Streams: each output is read, summed (mixes, `no_<stem>`), resampled to
+    `output.samplerate` and written `block_frames` at a time, so memory does not grow with
+    the song. With `output.clip = "rescale"` each file is scaled by one factor from its own
+    peak, so the peaks of every output are found first, in one pass over the stems, before
+    anything is written. `peaks` (filled in here) gets one Peaks per stem for the preview;
+    `timings` gets the seconds spent resampling and tagging."""
+    info = info or SongInfo(name)
+    staging.mkdir(parents=True, exist_ok=True)
+    plan = plan_outputs(stems, sep, out)
+    readers = {stem: AudioReader(path) for stem, path in stems.items()}
+    frames = min((r.frames for r in readers.values()), default=0)
+    rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
+    length = resample.target_frames(out.samplerate, rate, samplerate, frames,
+                                    info.input_samplerate, info.input_frames)
+    gains = _gains(plan, readers, frames, out, block_frames)
+    values = naming.layout_values(name, info.tags, info.preset, sep.model,
+                                  EXTENSIONS[out.format])
+    resampling, tagging_time = resample.Timed(), resample.Timed()
+    entries = []
+    for output, (kind, members) in plan.items():
+        filename = naming.stem_file(out.layout, output, values, staging)
+        path = staging / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        channels = readers[members[0]].channels
+        collector = None
+        if peaks is not None and kind == "stem":
+            collector = peaks[output] = Peaks(frames)
+        blocks = _output_blocks(readers, members, frames, block_frames, out, gains[output],
+                                collector)
+        # resampled to `length` frames, the manifest's (at the model's own rate: cut or
+        # padded to the input's frame count, unchanged otherwise); a resampler's ringing
+        # may overshoot full scale by a hair, which the integer conversion (`pcm`) clips
+        blocks = resample.resampled(blocks, samplerate, rate, channels, length, resampling)
+        tagged = out.tags and out.format in tagging.TAGGED_FORMATS
+        try:  # a stem about to be tagged is flushed to disk once, after its tags
+            _write_audio(path, blocks, channels, rate, out, sync=not tagged)
+        except OSError as exc:
+            raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
+        if tagged:
+            with tagging_time:
+                tagging.write_tags(path, out.format, tagging.stem_tags(info.tags, info.name,
+                                                                       output))
+        if path.parent != staging:
+            fsync_dir(path.parent)  # a song subfolder made by output.layout
+        entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
+                        "samplerate": rate, "channels": channels, "frames": length,
+                        "duration": round(length / rate, 6)})
+    if timings is not None:
+        timings["resample"] = round(resampling.seconds, 3)
+        timings["tags"] = round(tagging_time.seconds, 3)
+    return entries
+
+
+def _output_blocks(readers: dict[str, AudioReader], members: list[str], frames: int,
+                   block_frames: int, out: OutputSettings, gain: float,
+                   peaks: Peaks | None) -> Iterator[np.ndarray]:
+    """One output's blocks at the model's rate, clipping handled; the preview sees them."""
+    for start, stop in _spans(frames, block_frames):
+        block = _prevent_clip(_sum_block(readers, members, start, stop), out, gain)
+        if peaks is not None:
+            peaks.add(start, block)
+        yield block
+
+
+def _spans(frames: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(frames, start + size)) for start in range(0, frames, size)]
+
+
+def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
+               stop: int) -> np.ndarray:
+    """One block of an output: its first member plus the others, in order (float32)."""
+    audio = readers[members[0]].read(start, stop, interleaved=True)
+    for member in members[1:]:
+        audio += readers[member].read(start, stop, interleaved=True)
+    return audio
+
+
+def _gains(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReader],
+           frames: int, out: OutputSettings, block_frames: int) -> dict[str, float]:
+    """The one factor each output is multiplied by: 1 unless `rescale` must bring its peak
+    below full scale. The rescale pass reads every stem once, block by block, and sums the
+    mixes on the way."""
+    gains = {output: 1.0 for output in plan}
+    if (out.format == "wav" and out.bit_depth == 32) or out.clip != "rescale":
+        return gains
+    peaks = {output: 0.0 for output in plan}
+    for start, stop in _spans(frames, block_frames):
+        blocks = {stem: reader.read(start, stop, interleaved=True)
+                  for stem, reader in readers.items()}
+        for output, (_kind, members) in plan.items():
+            audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks, members)
+            if audio.size:
+                peaks[output] = max(peaks[output], float(np.abs(audio).max()))
+    return {output: max(1.01 * peak, 1.0) for output, peak in peaks.items()}
+
+
+def _sum_loaded(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
+    audio = blocks[members[0]].copy()
+    for member in members[1:]:
+        audio += blocks[member]
+    return audio
+
+
+def _prevent_clip(audio: np.ndarray, out: OutputSettings, divisor: float = 1.0) -> np.ndarray:
+    """`divisor` is the whole file's (from `_gains`): one block never decides it alone."""
+    if out.format == "wav" and out.bit_depth == 32:
+        return audio  # float samples hold values beyond ±1 without damage
+    if out.clip == "clamp":
+        return np.clip(audio, -1.0, 1.0)
+    return audio / divisor
+
+
+def pcm(audio: np.ndarray, bits: int) -> np.ndarray:
+    """A (channels, n) float block as (n, channels) integer samples of `bits` (16 or 24):
+    round(x * 2^(bits-1)), clipped to the format's range. 24-bit samples are the top three
+    bytes of an int32, the way libsndfile takes them. Converting here rather than in
+    libsndfile halves the CPU a wav stem costs, and gives every format the same samples
+    (libsndfile rounds a wav's down and a flac's to the nearest)."""
+    scale = float(1 << (bits - 1))  # a power of two: x * scale is exact in float32
+    scaled = np.empty(audio.shape[::-1], np.float32)
+    np.multiply(audio.T, scale, out=scaled)
+    np.rint(scaled, out=scaled)
+    np.clip(scaled, -scale, scale - 1, out=scaled)
+    if bits == 16:
+        return scaled.astype(np.int16)
+    return scaled.astype(np.int32) << 8
+
+
+def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, samplerate: int,
+                 out: OutputSettings, sync: bool = True) -> None:
+    """Write (channels, n) float blocks to `path` in the configured format, as they come;
+    `sync` flushes the file to disk."""
+    if out.format == "mp3":
+        import lameenc
+
+        encoder = lameenc.Encoder()
+        encoder.set_bit_rate(out.mp3_bitrate)
+        encoder.set_in_sample_rate(samplerate)
+        encoder.set_channels(channels)
+        encoder.set_quality(2)
+        with open_new(path) as handle:  # new in the staging folder: never through a link
+            for audio in blocks:
+                handle.write(encoder.encode(pcm(audio, 16).tobytes()))
+            handle.write(encoder.flush())
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
+        return
+    import soundfile
+
+    subtype = {16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[out.bit_depth]
+    # unbuffered, so that seeking never flushes (and fails) inside libsndfile's callbacks
+    with open_new(path, buffering=0) as handle:
+        guarded = _GuardedFile(handle)
+        try:
+            with soundfile.SoundFile(guarded, "w", samplerate, channels, subtype=subtype,
+                                     format=out.format.upper()) as sound:
+                for audio in blocks:
+                    sound.write(audio.T if out.bit_depth == 32 else pcm(audio, out.bit_depth))
+        except Exception:
+            if guarded.error is not None:
+                raise guarded.error from None
+            raise
+        if guarded.error is not None:  # the header, rewritten at close
+            raise guarded.error
+        if sync:
+            os.fsync(handle.fileno())
+
+
+class _GuardedFile:
+    """The file soundfile writes through (its virtual I/O): an OSError (a full disk) must not
+    be raised inside libsndfile's C callbacks, where Python can only print it and soundfile
+    then fails with a bare AssertionError. Short writes are completed; the first error is
+    kept, the write reports what got written, and `_write_audio` raises the kept error with
+    its errno and message."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view) and self.error is None:
+            try:  # an unbuffered write may be short (the disk filling up): go on
+                done += self._handle.write(view[done:]) or 0
+            except OSError as exc:
+                self.error = exc
+        return done
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        return self._handle.read(size)
+
+
+def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
+    """Write `stemdeck.json` last: it lists every file already in the folder with its size
+    and sha256, so a person (and restore) can tell a complete folder from a damaged one."""
+    manifest = {"stemdeck_watch": __version__,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                **manifest, "files": list_files(staging)}
+    path = staging / MANIFEST
+    with open_new(path, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(staging)
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of a song folder if it is complete (every file it lists exists). Only a
+    plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
+    try:
+        manifest = json.loads(read_regular(folder / MANIFEST, MAX_MANIFEST))
+    except (OSError, ValueError):
+        return None
+    stems = manifest.get("stems") if isinstance(manifest, dict) else None
+    if not isinstance(stems, list):
+        return None
+    files = [entry.get("file") if isinstance(entry, dict) else None for entry in stems]
+    if not files or not all(isinstance(f, str) and (folder / f).is_file() for f in files):
+        return None
+    listed = manifest.get("files", [])
+    for entry in listed if isinstance(listed, list) else [None]:  # sizes only (verify hashes)
+        try:
+            if (folder / entry["file"]).stat().st_size != entry["bytes"]:
+                return None
+        except (OSError, KeyError, TypeError):
+            return None
+    return manifest
+
+
+def publisher_of(folder: Path) -> str | None:
+    """The job id a song folder's manifest names, complete or not: whose folder it is. Read
+    only from a regular file of bounded size, never through a link (anyone who can write the
+    outbox could plant one)."""
+    try:
+        fd = os.open(folder / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            text = handle.read(MANIFEST_LIMIT + 1)
+        manifest = json.loads(text) if len(text) <= MANIFEST_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    job_id = manifest.get("job_id") if isinstance(manifest, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+def list_files(folder: Path) -> list[dict[str, Any]]:
+    """Every file under `folder` but the manifest: relative name, bytes, sha256."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return [{"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
+             "sha256": sha256_of(p)} for p in paths]
+
+
+def verify_folder(folder: Path) -> list[str]:
+    """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
+    changed or unlisted files; an empty list for a complete, undamaged folder."""
+    try:
+        listed = {e["file"]: e for e in json.loads(
+            read_regular(folder / MANIFEST, MAX_MANIFEST)).get("files", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"could not read {folder / MANIFEST}: {exc}"]
+    present = {e["file"]: e for e in list_files(folder)}
+    problems = [f"{name} is missing" for name in listed if name not in present]
+    problems += [f"{name} is not in the manifest" for name in present if name not in listed]
+    problems += [f"{name} has changed (sha256 differs)" for name, e in present.items()
+                 if name in listed and listed[name].get("sha256") != e["sha256"]]
+    return problems
+
+
+def publish_folder(staging: Path, target: Path) -> Path:
+    """Rename the finished staging folder to `target` (or `target (2)`…); never overwrites."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            candidate = unique_path(target, keep_suffix=False)
+            try:
+                os.rename(staging, candidate)
+            except OSError as exc:
+                if candidate.exists():  # someone took the name between check and rename
+                    continue
+                raise exc
+            break
+    except OSError as exc:
+        raise PublishError(str(FilesystemError("move", staging, target, reason=exc))) from exc
+    fsync_dir(candidate.parent)
+    return candidate
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a staging or scratch folder; a leftover is logged, never fatal."""
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():
+            log.warning("could not remove %s completely", path)
+
+
+def remove_if_empty(path: Path) -> None:
+    """Drop the hidden staging folder between songs, so the outbox shows only songs."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass

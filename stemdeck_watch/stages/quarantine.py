@@ -1,0 +1,106 @@
+"""A failed job's input goes to `failed/` with `<file>.error.txt` beside it.
+
+The diagnosis is written for two readers: the musician (first lines: what went wrong and
+what to do) and whoever debugs it (stage, traceback, the worker's last words, versions).
+The input is moved, never deleted; if even that fails it stays where it is and the diagnosis
+says so.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import platform
+import sys
+from pathlib import Path, PurePosixPath
+
+from stemdeck_watch import __version__
+from stemdeck_watch.core.errors import FilesystemError
+from stemdeck_watch.core.jobs import FileSignature, Job
+from stemdeck_watch.core.paths import move_file, report_path, unique_path
+from stemdeck_watch.util.safefile import write_replacing
+from stemdeck_watch.util.safetext import strip_controls
+
+log = logging.getLogger(__name__)
+
+
+def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
+    found = {"stemdeck-watch": __version__, "python": sys.version.split()[0],
+             "platform": platform.platform()}
+    for module in ("av", "numpy", "soundfile", "watchdog"):
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, "__version__"):
+            found[module] = str(mod.__version__)
+    found.update(worker_versions or {})
+    return found
+
+
+def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
+               worker_tail: str = "", worker_versions: dict[str, str] | None = None) -> Path:
+    """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
+    is now (its old place if it could not be moved).
+
+    Only the file the job took is moved: a new version saved over it while the job ran was
+    never separated, so it stays in the inbox (the intake queues it as new content) and the
+    report says so.
+    """
+    source = Path(job.source)
+    target = failed_dir / PurePosixPath(job.rel_path)
+    where = source
+    move_note = ""
+    try:
+        current: FileSignature | None = FileSignature.of(os.stat(source))
+    except OSError:
+        current = None
+    if current is None:
+        move_note = f"The input {source} was no longer there to move."
+    elif job.signature is not None and current != job.signature:
+        move_note = (f"The input {source} was replaced by a new version after this job took "
+                     f"it. The new version stays in the inbox and is separated as a new job; "
+                     f"this report is about the old version.")
+        log.info("%s changed while its job ran; the new version stays in the inbox", source)
+    else:
+        try:
+            where = move_file(source, target, companion=report_path)
+        except FilesystemError as exc:
+            move_note = f"The input stays at {source}: {exc}."
+            log.error("%s", exc)
+    report = report_path(where) if where != source else unique_path(report_path(target))
+    text = _diagnosis(job, stage=stage, message=message, details=details,
+                      worker_tail=worker_tail, versions=versions(worker_versions),
+                      where=where, move_note=move_note)
+    try:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        write_replacing(report, text)
+    except OSError as exc:
+        log.error("%s", FilesystemError("write", report, reason=exc))
+    return where
+
+
+def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,
+               versions: dict[str, str], where: Path, move_note: str) -> str:
+    """The report. Names, paths and messages come from whoever named the file: their control
+    characters are shown as `?`, so none adds a line of its own or reaches a terminal that
+    shows the report (the worker's lines and details keep their line breaks)."""
+    shown = strip_controls
+    lines = [
+        f"stemdeck-watch could not separate {shown(Path(job.rel_path).name)}",
+        "",
+        f"What went wrong: {shown(message)}",
+        "",
+        f"To try again, fix the cause, then run `stemdeck-watch retry {job.id}` (or drop the "
+        f"file into the inbox again).",
+        f"\n{shown(move_note)}\n" if move_note else "",
+        f"Stage:   {stage}",
+        f"Job:     {job.id}{f' (preset {shown(job.preset)})' if job.preset else ''}",
+        f"Input:   {shown(job.source)}",
+        f"Now at:  {shown(where)}",
+        f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+    ]
+    if worker_tail.strip():
+        lines += ["", "Last lines from the separation worker:",
+                  shown(worker_tail.rstrip(), keep="\n\t")]
+    if details.strip():
+        lines += ["", "Details:", shown(details.rstrip(), keep="\n\t")]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""Everything that goes into one song folder besides the manifest: stems and mixes (publish),
+the beat grid (`beats.json`) and the picture (`preview.png`), each optional step timed.
+
+The runner calls `make_song_folder` with the staging folder and the worker's stems; the
+returned entries, manifest fields and timings go into `stemdeck.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.core.errors import FilesystemError, PublishError
+from stemdeck_watch.stages import publish
+from stemdeck_watch.stages.decode import DecodedAudio
+from stemdeck_watch.stages.preview import Peaks, draw_preview
+from stemdeck_watch.stages.scratch import AudioReader
+from stemdeck_watch.util.safefile import open_new
+
+log = logging.getLogger(__name__)
+
+BEATS = "beats.json"
+PREVIEW = "preview.png"
+
+
+@dataclasses.dataclass
+class SongFolder:
+    entries: list[dict[str, Any]]  # the manifest's "stems"
+    manifest: dict[str, Any]  # "tags", "beat_grid", "preview"
+    timings: dict[str, float]  # seconds per step: write, resample, tags, beat_grid, preview
+
+
+def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
+    """The input's tags (read while decoding) and its own rate and length."""
+    return publish.SongInfo(name=name, tags=decoded.tags, preset=preset,
+                            input_samplerate=decoded.source_samplerate,
+                            input_frames=decoded.source_frames)
+
+
+def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
+                     info: publish.SongInfo, sep: SeparationSettings, out: OutputSettings,
+                     check: Callable[[], None] = lambda: None) -> SongFolder:
+    """Write the stems, mixes, beat grid and preview of one song into `staging`. `check`
+    raises to cancel; it is called between steps and inside the beat grid (an hour of audio
+    takes it tens of seconds)."""
+    timings: dict[str, float] = {}
+    peaks: dict[str, Peaks] | None = {} if out.preview else None
+    started = time.perf_counter()
+    entries = publish.write_song(staging, stems, samplerate, info.name, sep, out, info=info,
+                                 peaks=peaks, timings=timings)
+    timings["write"] = round(time.perf_counter() - started, 3)
+    manifest: dict[str, Any] = {"tags": dict(info.tags)}
+    check()
+    if out.beat_grid:
+        started = time.perf_counter()
+        manifest["beat_grid"] = write_beat_grid(staging / BEATS, stems, samplerate, check)
+        timings["beat_grid"] = round(time.perf_counter() - started, 3)
+    if peaks is not None:
+        started = time.perf_counter()
+        seconds = entries[0]["duration"] if entries else 0.0
+        try:
+            draw_preview(staging / PREVIEW, peaks, info.title, seconds)
+        except OSError as exc:
+            raise PublishError(str(FilesystemError("write", staging / PREVIEW,
+                                                   reason=exc))) from exc
+        manifest["preview"] = PREVIEW
+        timings["preview"] = round(time.perf_counter() - started, 3)
+    return SongFolder(entries, manifest, timings)
+
+
+def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
+                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """`beats.json` from the drums stem when the model has one, else from the mix (every
+    stem summed); returns the manifest's summary. Never fails the song: without librosa the
+    grid is empty and says why."""
+    source = "drums" if "drums" in stems else "mix"
+    readers = [AudioReader(stems["drums"])] if source == "drums" else [
+        AudioReader(p) for p in stems.values()]
+    try:
+        from stemdeck_watch.stages.beats import beat_grid
+
+        grid = beat_grid(readers, samplerate, source, check)
+    except ImportError as exc:
+        log.warning("no beat grid: %s (install librosa)", exc)
+        grid = {"source": source, "tempo": None, "beats": [], "downbeats": [],
+                "notes": [f"no beat grid: {exc}; install librosa"]}
+    try:
+        with open_new(path, "w", encoding="utf-8") as handle:
+            json.dump(grid, handle, indent=1)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
+    return {"file": path.name, "source": source, "tempo": grid["tempo"],
+            "beats": len(grid["beats"]), "notes": grid["notes"]}

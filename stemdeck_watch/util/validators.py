@@ -1,0 +1,219 @@
+"""Value checks for config keys: each returns the normalised value or raises ValueError
+whose text says what is allowed; `config` turns that into "KEY = VALUE is not allowed:
+expected …".
+"""
+from __future__ import annotations
+
+import string
+from pathlib import PurePosixPath
+from typing import Any, Callable
+
+from stemdeck_watch.util.redact import redact_url
+
+Check = Callable[[Any], Any]
+LAYOUT_FIELDS = ("stem", "name", "ext", "model", "title", "artist", "album", "preset")
+MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG audio
+# The stems of the models whose names are known without loading them (demucs's pretrained
+# models): a mix or `two_stems` naming another stem is a config-time error for these.
+FOUR = ("drums", "bass", "other", "vocals")
+MODEL_STEMS: dict[str, tuple[str, ...]] = {
+    **{name: FOUR for name in ("htdemucs", "htdemucs_ft", "hdemucs_mmi", "mdx", "mdx_extra",
+                               "mdx_q", "mdx_extra_q", "repro_mdx_a", "repro_mdx_a_time_only",
+                               "repro_mdx_a_hybrid_only")},
+    "htdemucs_6s": FOUR + ("guitar", "piano"),
+}
+
+
+def number(minimum: float | None = None, maximum: float | None = None, *,
+           integer: bool = False, below: float | None = None, unit: str = "") -> Check:
+    kind = "a whole number" if integer else "a number"
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"≥ {minimum:g}")
+    if maximum is not None:
+        bounds.append(f"≤ {maximum:g}")
+    if below is not None:
+        bounds.append(f"< {below:g}")
+    allowed = " ".join([kind, " and ".join(bounds), unit]).replace("  ", " ").strip()
+
+    def check(value: Any) -> Any:
+        ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok_type:
+            raise ValueError(allowed)
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) \
+                or (below is not None and value >= below):
+            raise ValueError(allowed)
+        return value if integer else float(value)
+
+    return check
+
+
+def choice(*allowed: Any) -> Check:
+    def check(value: Any) -> Any:
+        # type() and not ==: TOML's true must not pass for 1, nor 1 for true.
+        if any(type(a) is type(value) and a == value for a in allowed):
+            return value
+        raise ValueError("one of " + ", ".join(show(a) for a in allowed))
+
+    return check
+
+
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("true or false")
+    return value
+
+
+def text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string")
+    return value
+
+
+def text_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("a list of strings")
+    return tuple(value)
+
+
+def choice_list(*allowed: str, what: str = "names") -> Check:
+    """A list of strings, each one of `allowed`; the error lists the valid ones."""
+    valid = ", ".join(show(a) for a in allowed)
+
+    def check(value: Any) -> tuple[str, ...]:
+        try:
+            items = text_list(value)
+        except ValueError:
+            raise ValueError(f"a list of {what} from {valid}") from None
+        unknown = [v for v in items if v not in allowed]
+        if unknown:
+            raise ValueError(f"a list of {what} from {valid} (unknown: "
+                             f"{', '.join(show(v) for v in unknown)})")
+        return tuple(dict.fromkeys(items))
+
+    return check
+
+
+def url_list(value: Any) -> tuple[str, ...]:
+    """Notification targets: "desktop" or URLs with a scheme (apprise checks the rest when
+    the service starts; importing it here would slow every command down)."""
+    items = text_list(value)
+    bad = [v for v in items if v.strip() != "desktop" and "://" not in v]
+    if bad:
+        raise ValueError('a list of apprise URLs such as "json://host/" or "mailto://…", or '
+                         f'"desktop" (not a URL: {", ".join(redact_url(show(v)) for v in bad)})')
+    return tuple(v.strip() for v in items)
+
+
+def extension_list(value: Any) -> tuple[str, ...]:
+    items = text_list(value)
+    cleaned = tuple(v.lower().lstrip(".") for v in items)
+    if not cleaned or any(not v or "/" in v for v in cleaned):
+        raise ValueError('a non-empty list of file extensions such as ["mp3", "wav"]')
+    return cleaned
+
+
+def stem_name(value: Any) -> str:
+    value = text(value)
+    if value and not value.replace("_", "").isalnum():
+        raise ValueError('"" (all stems) or a stem name such as "vocals"')
+    return value
+
+
+def layout_template(value: Any) -> str:
+    """A stem's file name inside the song folder. Refused here, at config load, is anything
+    that could place a file outside the song folder: an absolute path, a drive, `..`, a
+    backslash, or a field that is not a plain name (`{stem.__class__}`, `{name[0]}`). The
+    values filled in later are sanitised too (pipeline/naming.py), so a tag cannot escape."""
+    value = text(value)
+    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" or ' \
+              f'"{{artist}}/{{title}} - {{stem}}.{{ext}}" (fields: ' \
+              f"{', '.join('{' + f + '}' for f in LAYOUT_FIELDS)}; no '..', no absolute path)"
+    try:
+        fields = [(f, spec, conv) for _lit, f, spec, conv in string.Formatter().parse(value)
+                  if f is not None]
+        sample = value.format(**{f: "x" for f in LAYOUT_FIELDS})
+    except (KeyError, IndexError, ValueError, AttributeError):
+        raise ValueError(allowed) from None
+    if any(f not in LAYOUT_FIELDS or conv or spec for f, spec, conv in fields):
+        raise ValueError(allowed)
+    parts = PurePosixPath(sample).parts
+    if ("stem" not in [f for f, _s, _c in fields] or not parts or sample.startswith("/")
+            or "\\" in value or ":" in sample or any(p in ("..", ".") for p in parts)
+            or any(ord(c) < 32 for c in sample)):
+        raise ValueError(allowed)
+    return value
+
+
+def sample_rate(value: Any) -> str | int:
+    """`"model"` (the model's own rate), `"input"` (the input's) or a rate in Hz."""
+    allowed = '"model", "input" or a rate in Hz from 8000 to 384000, e.g. 48000'
+    if value in ("model", "input") and isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 8000 <= value <= 384000:
+        return value
+    raise ValueError(allowed)
+
+
+def check_model_stems(model: str, two_stems: str, mixes: dict[str, tuple[str, ...]]) -> None:
+    """For a model whose stems are known, every stem named in `two_stems` and the mixes must
+    be one of them; raises ValueError naming the key, the stem and the model's stems."""
+    known = MODEL_STEMS.get(model)
+    if known is None:
+        return  # a local or custom model: checked when its stems are known, at publish
+    stems = ", ".join(known)
+    if two_stems and two_stems not in known:
+        raise ValueError(f"separation.two_stems = {show(two_stems)} is not a stem of the model "
+                         f"{show(model)}; its stems are {stems}")
+    for mix, members in mixes.items():
+        unknown = [m for m in members if m not in known]
+        if unknown:
+            raise ValueError(f"output.mixes.{mix} names {', '.join(show(m) for m in unknown)}, "
+                             f"which the model {show(model)} does not separate; its stems are "
+                             f"{stems}")
+
+
+def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
+    allowed = 'a table of mix name = list of stems, e.g. instrumental = ["drums", "bass", "other"]'
+    if not isinstance(value, dict):
+        raise ValueError(allowed)
+    result = {}
+    for name, stems in value.items():
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(allowed + f" (bad mix name {name!r})")
+        try:
+            stems = text_list(stems)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if not stems or any(not stem_name(s) for s in stems):
+            raise ValueError(allowed)
+        result[name] = stems
+    return result
+
+
+def byte_size(value: Any) -> int:
+    allowed = 'a size such as "500MB" or "2GB", or a number of bytes'
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if not isinstance(value, str):
+        raise ValueError(allowed)
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "G": 1 << 30, "GB": 1 << 30}
+    stripped = value.strip().upper()
+    digits = stripped.rstrip("KMGB")
+    try:
+        amount = float(digits)
+    except ValueError:
+        raise ValueError(allowed) from None
+    unit = stripped[len(digits):].strip()
+    if unit not in units or amount <= 0:
+        raise ValueError(allowed)
+    return int(amount * units[unit])
+
+
+def show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)

@@ -1,0 +1,398 @@
+"""The service's side of the resident worker: spawn it, talk to it, stop it, respawn it.
+
+The worker is registered on the running job's JobControl while a request is in flight, so a
+cancel terminates it at once; the next job gets a fresh worker. If the worker dies on its own
+(out of memory, a crash in torch), the job fails with the last lines the worker wrote to
+stderr, and the next job gets a fresh worker too: the queue never wedges.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.precision import physical_cores, threads_for
+from stemdeck_watch.workers.worker import PROGRESS_PREFIX
+
+log = logging.getLogger(__name__)
+worker_log = logging.getLogger("stemdeck_watch.worker")
+
+STDERR_TAIL_LINES = 40
+START_TIMEOUT = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    repo: str | None
+    samplerate: int
+    audio_channels: int
+    sources: tuple[str, ...]
+    # pipeline/precision.py's Choice as a dict: the precision in use, why, measured figures
+    precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def dtype(self) -> str:
+        """The precision the worker separates this model in."""
+        return str(self.precision.get("precision", "float32"))
+
+    def serves(self, name: str, repo: str | None, setting: str) -> bool:
+        """Whether this loaded model answers a request for `name` from `repo` under the
+        precision `setting` (a changed setting loads again: it may decide differently)."""
+        return (self.name, self.repo) == (name, repo) and self.precision.get("setting") == setting
+
+    @classmethod
+    def loaded(cls, name: str, repo: str | None, reply: dict[str, Any]) -> "ModelInfo":
+        """From a worker's (local or Ray) reply to a load request."""
+        return cls(name, repo, reply["samplerate"], reply["audio_channels"],
+                   tuple(reply["sources"]), dict(reply.get("precision") or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Separation:
+    stems: dict[str, Path]
+    worker_pid: int
+    seconds: float
+
+
+class _Process:
+    """One worker process with its reader threads."""
+
+    def __init__(self, device: str, env: dict[str, str], threads: int = 0):
+        kwargs: dict[str, Any] = {}
+        if sys.platform == "win32":
+            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
+        else:
+            kwargs["start_new_session"] = True  # Ctrl-C goes to the service, which stops us
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch.workers.worker", "--device", device,
+             "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1, **kwargs)
+        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.on_progress: Callable[[str, float], None] | None = None
+        self.ready: dict[str, Any] | None = None
+        self.model: ModelInfo | None = None
+        self._threads = [
+            threading.Thread(target=self._read_stdout, name=f"worker-{self.pid}-out", daemon=True),
+            threading.Thread(target=self._read_stderr, name=f"worker-{self.pid}-err", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def _read_stdout(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            try:
+                self.replies.put(json.loads(line))
+            except ValueError:
+                worker_log.warning("worker %d wrote a non-protocol line: %s", self.pid, line.rstrip())
+
+    def _read_stderr(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            line = line.rstrip("\n")
+            if line.startswith(PROGRESS_PREFIX):
+                try:
+                    data = json.loads(line[len(PROGRESS_PREFIX):])
+                    callback = self.on_progress
+                    if callback:
+                        callback(data["id"], float(data["value"]))
+                except Exception:
+                    worker_log.exception("bad progress line from worker %d", self.pid)
+                continue
+            self.tail.append(line)
+            worker_log.debug("[%d] %s", self.pid, line)
+
+    def send(self, request: dict[str, Any]) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(request) + "\n")
+        self.popen.stdin.flush()
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Terminate now (cancel or shutdown); reaps the process and its reader threads."""
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            try:
+                if pipe:
+                    pipe.close()
+            except OSError:
+                pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(2.0)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask politely (close stdin) and wait; terminate if it does not go."""
+        try:
+            if self.popen.stdin:
+                self.popen.stdin.close()
+            self.popen.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.stop()
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self.tail)
+
+
+class WorkerClient:
+    """Talks to the one worker. Only the pipeline (under its lock) calls request methods."""
+
+    def __init__(self, device: str = "auto", env: dict[str, str] | None = None,
+                 threads: int = 0, precision: str = "auto"):
+        self.device = device
+        self.threads = threads  # separation.threads: 0 = one per physical core
+        self.precision = precision  # separation.precision, unless a request says otherwise
+        # choices measured on this machine, per (model, repo, setting): a worker restarted
+        # after a cancel reuses them instead of calibrating again
+        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._lock = threading.Lock()
+        self._proc: _Process | None = None
+        self._shut = False
+        self._requests = 0
+        self.pids: list[int] = []  # every worker started, in order (diagnostics, tests)
+        # (start, end) of the latest separate requests, time.monotonic(): how busy the
+        # worker is kept (the throughput benchmark's idle fraction)
+        self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc and proc.alive() else None
+
+    @property
+    def versions(self) -> dict[str, str]:
+        proc = self._proc
+        return dict(proc.ready.get("versions", {})) if proc and proc.ready else {}
+
+    def stderr_tail(self) -> str:
+        proc = self._proc
+        return proc.stderr_tail() if proc else ""
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The model the live worker holds, without waiting for the worker (which may be
+        separating): what decoding ahead needs to know."""
+        proc = self._proc
+        return proc.model if proc is not None and proc.alive() else None
+
+    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
+                     precision: str | None = None) -> ModelInfo:
+        """Start the worker if needed and have it load `name` and settle its precision
+        (`precision`: the setting, default the client's); cached while it lives."""
+        setting = precision or self.precision
+        key = (name, repo, setting)
+        with self._lock:
+            proc = self._ensure_process(control)
+            model = proc.model
+            if model is not None and model.serves(name, repo, setting):
+                return model
+            reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
+                                      "precision": setting, "decided": self._decided.get(key)},
+                               control)
+            proc.model = ModelInfo.loaded(name, repo, reply)
+            choice = proc.model.precision
+            if key not in self._decided and choice.get("speedup") is not None:
+                log.info("worker %d measured precision for %s: %s", proc.pid, name,
+                         _describe_choice(choice))
+            self._decided[key] = choice
+            log.info("worker %d loaded model %s (%s) in %s: %s", proc.pid, name,
+                     ", ".join(proc.model.sources), proc.model.dtype, choice.get("reason"))
+            return proc.model
+
+    def leaves_room(self) -> bool:
+        """Whether other work can run beside a separation without slowing it: the worker
+        runs on a GPU, or uses fewer threads than this process may use cores. (On a CPU the
+        worker fills, torch's threads wait for the slowest of them, so work beside them
+        stretches separation: see Pipeline.works_beside for when it still pays.)"""
+        proc = self._proc
+        ready = (proc.ready or {}) if proc is not None else {}
+        if str(ready.get("device") or self.device) not in ("cpu", "auto"):
+            return True
+        threads = ready.get("threads") or threads_for(self.threads)
+        return int(threads) < physical_cores()
+
+    def info(self) -> dict[str, Any]:
+        """The worker section of `status --json`: process, threads, model and precision."""
+        proc = self._proc
+        alive = proc is not None and proc.alive()
+        ready = (proc.ready or {}) if proc is not None else {}
+        model = proc.model if proc is not None else None
+        return {"pid": proc.pid if alive and proc else None,
+                "device": ready.get("device", self.device), "threads": ready.get("threads"),
+                "model": model.name if model else None,
+                "precision": dict(model.precision) if model else None}
+
+    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
+                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
+                 control: JobControl, on_progress: Callable[[float], None],
+                 stats: tuple[float, float] | None = None,
+                 window: float | None = None, precision: str = "float32") -> Separation:
+        """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
+
+        `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
+        accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
+        streamed pass over the input. `window`: seconds of output the worker separates at a
+        time (default: the worker's, 30 s); memory grows with it, never with the song.
+        `precision`: the one to run in (`ModelInfo.dtype`, as settled by `ensure_model`)."""
+        request: dict[str, Any] = {
+            "op": "separate", "id": job_id, "model": model, "repo": repo,
+            "input": str(input_path), "output": str(output_dir), "shifts": shifts,
+            "overlap": overlap, "segment": segment, "precision": precision}
+        if stats is not None:
+            request["mean"], request["std"] = float(stats[0]), float(stats[1])
+        if window is not None:
+            request["window"] = float(window)
+        with self._lock:
+            proc = self._ensure_process(control)
+
+            def progress(owner: str, value: float) -> None:
+                if owner == job_id:  # progress belongs to the job that owns the worker
+                    on_progress(value)
+
+            proc.on_progress = progress
+            started = time.monotonic()
+            try:
+                reply = self._call(proc, request, control)
+            finally:
+                proc.on_progress = None
+                self.busy.append((started, time.monotonic()))
+            return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
+                              float(reply["seconds"]))
+
+    def stop(self) -> None:
+        """Terminate the worker now (cancel, shutdown). Safe from any thread."""
+        proc = self._proc
+        if proc is not None:
+            proc.stop()
+
+    def shutdown(self) -> None:
+        """Stop the worker and start no new one (the service is stopping)."""
+        self._shut = True
+        self.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None
+
+    # ------------------------------------------------------------ internals
+
+    def _ensure_process(self, control: JobControl | None) -> _Process:
+        if self._shut:
+            raise Cancelled(SHUTDOWN)
+        if self._proc is not None and self._proc.alive():
+            return self._proc
+        if self._proc is not None:
+            log.info("worker %d is gone (exit code %s); starting a new one",
+                        self._proc.pid, self._proc.popen.returncode)
+            self._proc.stop()
+        self._proc = proc = _Process(self.device, self._env, self.threads)
+        self.pids.append(proc.pid)
+        log.info("started separation worker %d", proc.pid)
+        proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
+        return proc
+
+    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None) -> dict[str, Any]:
+        # every request carries a fresh number that the worker echoes: a late reply to an
+        # earlier request (one cut off by a cancel) can never be taken for this one's
+        self._requests += 1
+        request = {**request, "req": self._requests}
+        try:
+            proc.send(request)
+        except (BrokenPipeError, OSError):
+            pass  # the process died; _wait reports it with its stderr
+        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None)
+        if not reply.get("ok"):
+            if reply.get("kind") == "model":
+                raise ModelError(reply["error"])
+            raise SeparationError(f"the separation worker failed: {reply.get('error')}",
+                                  details=reply.get("traceback", ""))
+        return reply
+
+    def _wait(self, proc: _Process, control: JobControl | None,
+              match: Callable[[dict[str, Any]], bool], timeout: float | None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with contextlib.ExitStack() as stack:
+            if control is not None:  # a cancel from any thread stops the worker at once
+                stack.enter_context(control.registered(proc.stop))
+            while True:
+                if control is not None:
+                    control.check()
+                try:
+                    message = proc.replies.get(timeout=0.1)
+                except queue.Empty:
+                    if not proc.alive() and proc.replies.empty():
+                        self._raise_died(proc, control)
+                    if deadline is not None and time.monotonic() > deadline:
+                        proc.stop()
+                        raise WorkerDied(f"the separation worker did not start within "
+                                         f"{timeout:.0f} s", details=proc.stderr_tail())
+                    continue
+                if match(message):
+                    return message
+                log.warning("unexpected message from worker %d: %s", proc.pid, message)
+
+    @staticmethod
+    def _raise_died(proc: _Process, control: JobControl | None) -> None:
+        proc.stop()
+        if control is not None:
+            control.check()  # we killed it for a cancel: that is not a failure
+        code = proc.popen.returncode
+        why = _describe_exit(code)
+        raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
+                         details=proc.stderr_tail())
+
+
+def _describe_choice(choice: dict[str, Any]) -> str:
+    figures = ""
+    if choice.get("speedup") is not None:
+        figures = (f" ({choice['speedup']:.2f}× speed, worst stem "
+                   f"{choice.get('worst_snr_db', float('nan')):.1f} dB, calibration "
+                   f"{choice.get('calibration_seconds') or 0:.1f} s)")
+    return f"{choice.get('precision')} — {choice.get('reason')}{figures}"
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " — probably out of memory" if -code == 9 else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+

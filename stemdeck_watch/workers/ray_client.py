@@ -1,0 +1,409 @@
+"""The service's side of one Ray worker: the same interface as the local WorkerClient.
+
+The pipeline calls `ensure_model`, `separate`, `stop`, `shutdown`, `close`, `stderr_tail`,
+`versions`, `model_info` and `info` exactly as on the local client and cannot tell the two
+apart. Underneath, each client owns one actor (ray_actor.py) that Ray restarts whenever it
+dies (`max_restarts=-1`); a restarted actor has to load its model again, which the client
+notices by the actor's process id changing.
+
+Data: the decoded song goes up in bounded windows (two in flight at most), the stems come
+back in windows; the whole song is never one object. Cancel: the job's flag is set on the
+actor at once, and if the actor has not stopped within `CANCEL_GRACE` seconds it is killed
+(and restarted), so a cancel never waits for a segment that does not end. Any other error
+on this side while the actor separates (a failed registry write, a full disk) ends the
+actor's job the same way: an actor left separating a job nobody reads would refuse every
+next one as busy. A dead actor or machine fails the job like a dead local worker does:
+`WorkerDied` with a diagnosis naming the machine.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import (ActorDiedError, ActorUnavailableError,
+                            RayActorError, RayTaskError)
+
+from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.workers.ray_actor import SeparationActor
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+from stemdeck_watch.workers.precision import physical_cores
+from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
+from stemdeck_watch.workers.local import ModelInfo, Separation
+from stemdeck_watch.workers.worker import ModelUnavailable
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 300.0  # an actor's start (placement, imports, a restart after a death)
+CANCEL_GRACE = 0.6  # seconds a cancelled job may take to stop before its actor is killed
+UPLOADS_IN_FLIGHT = 2  # windows of the song on their way to the actor at once
+POLL = 0.05  # seconds between checks of the job's cancel flag while waiting on Ray
+LEAVE_WAIT = 2.0  # seconds an actor killed for good is given to remove its scratch first
+TAIL_LINES = 40
+
+
+class RayWorkerClient:
+    """One resident-model worker on a Ray cluster (Ray must be connected: cluster.py)."""
+
+    def __init__(self, device: str = "auto", threads: int = 0, precision: str = "auto", *,
+                 gpus: float = 0.0, cpus: float = 1.0, index: int = 0,
+                 spread: bool = True, env: dict[str, str] | None = None):
+        self.device = device
+        self.threads = threads
+        self.precision = precision
+        self.index = index  # which worker of the pool (status, logs)
+        self._gpus, self._cpus, self._spread = gpus, cpus, spread
+        self._env = dict(env or {})  # environment of the actor process (tests, benchmarks)
+        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._lock = threading.Lock()  # one request at a time, as on the local client
+        self._actor: Any = None
+        self._where: dict[str, Any] | None = None  # the actor's ready() answer
+        self._model: ModelInfo | None = None
+        self._shut = False
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.pids: list[int] = []  # every actor process seen, in order (diagnostics, tests)
+        self.nodes: list[str] = []  # the node of every job this client ran (tests)
+        self.current: str | None = None  # the job separating on this worker now
+        self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+
+    # ------------------------------------------------------------ views
+
+    @property
+    def pid(self) -> int | None:
+        where = self._where
+        return where["pid"] if where else None
+
+    @property
+    def versions(self) -> dict[str, str]:
+        where = self._where
+        return dict(where.get("versions", {})) if where else {}
+
+    @property
+    def actor(self) -> Any:
+        """The actor handle (tests kill it to check recovery)."""
+        return self._actor
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._tail)
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._model if self._where else None
+
+    def leaves_room(self) -> bool:
+        """Whether work beside a separation (decoding ahead, publishing behind) costs it
+        nothing: the worker runs on a GPU or on another machine, or leaves this machine's
+        cores free (see WorkerClient.leaves_room)."""
+        where = self._where or {}
+        if str(where.get("device") or self.device) not in ("cpu", "auto"):
+            return True
+        if where.get("node_ip") and where["node_ip"] != ray.util.get_node_ip_address():
+            return True
+        return int(where.get("threads") or self._cpus) < physical_cores()
+
+    def info(self) -> dict[str, Any]:
+        """This worker for `status --json` and `doctor`: where it runs and on what."""
+        where = self._where or {}
+        model = self._model
+        return {"executor": "ray", "index": self.index, "pid": where.get("pid"),
+                "node_ip": where.get("node_ip"), "hostname": where.get("hostname"),
+                "node_id": where.get("node_id"), "device": where.get("device", self.device),
+                "threads": where.get("threads"), "job": self.current,
+                "model": model.name if model else None,
+                "precision": dict(model.precision) if model else None}
+
+    # ------------------------------------------------------------ requests
+
+    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
+                     precision: str | None = None) -> ModelInfo:
+        """Start the actor if needed and have it load `name` (see WorkerClient)."""
+        setting = precision or self.precision
+        key = (name, repo, setting)
+        with self._lock:
+            actor = self._ensure_actor(control)
+            model = self._model
+            if model is not None and model.serves(name, repo, setting):
+                return model
+            reply = self._get(actor.load.remote(name, repo, setting, self._decided.get(key)),
+                              control)
+            self._model = ModelInfo.loaded(name, repo, reply)
+            self._decided[key] = self._model.precision
+            log.info("ray worker %d (pid %s on %s) loaded model %s in %s", self.index,
+                     self.pid, self._host(), name, self._model.dtype)
+            return self._model
+
+    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
+                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
+                 control: JobControl, on_progress: Callable[[float], None],
+                 stats: tuple[float, float] | None = None,
+                 window: float | None = None, precision: str = "float32") -> Separation:
+        """Upload the decoded song, separate it on the actor, write the stems it streams
+        back into `output_dir/<stem>.npy` (see WorkerClient.separate)."""
+        request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
+                                   "overlap": overlap, "segment": segment,
+                                   "precision": precision, "window": window}
+        if stats is not None:
+            request["mean"], request["std"] = float(stats[0]), float(stats[1])
+        with self._lock:
+            actor = self._ensure_actor(control)
+            started = time.monotonic()
+            self.current = job_id
+            try:
+                with self._cancel_on(actor, job_id, control):
+                    self._upload(actor, job_id, input_path, window, control)
+                    stems, seconds = self._receive(actor, job_id, request, output_dir, control,
+                                                   on_progress)
+            finally:
+                self.current = None
+                self.busy.append((started, time.monotonic()))
+            self.nodes.append(str((self._where or {}).get("node_id")))
+            return Separation(stems, self.pid or 0, seconds)
+
+    def stop(self) -> None:
+        """Kill the actor now (it restarts and reloads its model for the next job)."""
+        actor = self._actor
+        if actor is not None:
+            self._kill(actor, restart=True)
+
+    def shutdown(self) -> None:
+        """Start no new request (the service is stopping); the running one is cut off by
+        its job's cancel."""
+        self._shut = True
+
+    def close(self) -> None:
+        """Kill the actor for good (the service stopped), once it removed its scratch (or
+        could not within LEAVE_WAIT: the next actor on its machine removes it)."""
+        self._shut = True
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.wait([actor.leave.remote()], timeout=LEAVE_WAIT)
+            self._kill(actor, restart=False)
+        self._where = self._model = None
+
+    # ------------------------------------------------------------ internals
+
+    def _ensure_actor(self, control: JobControl | None) -> Any:
+        if self._shut:
+            raise Cancelled(SHUTDOWN)
+        if self._actor is None:
+            options: dict[str, Any] = {
+                "num_cpus": self._cpus, "num_gpus": self._gpus, "max_restarts": -1,
+                "max_task_retries": 0, "max_concurrency": 4}
+            if self._spread:
+                options["scheduling_strategy"] = "SPREAD"
+            if self._env:
+                options["runtime_env"] = {"env_vars": self._env}
+            self._actor = ray.remote(SeparationActor).options(**options).remote(
+                self.device, self.threads)
+        where = self._ready(control)
+        if self._where is None or where["pid"] != self._where["pid"]:
+            if self._where is not None:
+                log.info("ray worker %d restarted: pid %s on %s", self.index, where["pid"],
+                         where.get("hostname"))
+            self._model = None  # a new process: the model is loaded again
+            self.pids.append(where["pid"])
+        self._where = where
+        return self._actor
+
+    def _ready(self, control: JobControl | None) -> dict[str, Any]:
+        """The actor's ready() answer, waiting while Ray (re)starts it."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            ref = self._actor.ready.remote()
+            try:
+                return self._get(ref, control, deadline - time.monotonic(), starting=True)
+            except WorkerDied:
+                if time.monotonic() > deadline:
+                    raise
+            # restarting: Ray answers "unavailable" until the new process is up
+            if control is not None:
+                control.check()
+            time.sleep(POLL * 4)
+
+    def _upload(self, actor: Any, job_id: str, input_path: Path, window: float | None,
+                control: JobControl) -> None:
+        reader = AudioReader(input_path)
+        rate = self._model.samplerate if self._model else 44100
+        frames = max(1, int((window or WINDOW_SECONDS) * rate))
+        self._get(actor.begin.remote(job_id, reader.channels), control)
+        in_flight: collections.deque[Any] = collections.deque()
+        try:
+            for index, start in enumerate(range(0, reader.frames, frames)):
+                if len(in_flight) >= UPLOADS_IN_FLIGHT:
+                    self._get(in_flight.popleft(), control)
+                in_flight.append(actor.upload.remote(  # numbered: they may arrive out of order
+                    job_id, index, reader.read(start, min(reader.frames, start + frames))))
+            while in_flight:
+                self._get(in_flight.popleft(), control)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                actor.drop.remote(job_id)
+            raise
+
+    def _receive(self, actor: Any, job_id: str, request: dict[str, Any], output_dir: Path,
+                 control: JobControl, on_progress: Callable[[float], None],
+                 ) -> tuple[dict[str, Path], float]:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        writers: dict[str, AudioWriter] = {}
+        stream = actor.separate.remote(job_id, request)
+        cancelled_at: float | None = None
+        seconds = 0.0
+        held = True  # the actor may still be running the job
+        try:
+            while True:
+                if control.cancelled:
+                    cancelled_at = cancelled_at or time.monotonic()
+                    if time.monotonic() - cancelled_at > CANCEL_GRACE:
+                        log.info("ray worker %d did not stop %s within %.1f s; killing it",
+                                 self.index, job_id, CANCEL_GRACE)
+                        self._kill(actor, restart=True)
+                        held = False
+                        control.check()
+                ready, _ = ray.wait([stream], timeout=POLL)
+                if not ready:
+                    continue
+                try:
+                    item = self._value(next(stream))
+                except StopIteration:
+                    break
+                if "progress" in item:
+                    on_progress(float(item["progress"]))
+                elif "stem" in item:
+                    name = item["stem"]
+                    if name not in writers:
+                        writers[name] = AudioWriter(output_dir / f"{name}.npy",
+                                                    item["audio"].shape[0])
+                    writers[name].write(item["audio"])
+                elif item.get("cancelled"):
+                    control.check()
+                    raise SeparationError("the ray worker stopped the job without a cancel")
+                elif item.get("done"):
+                    seconds = float(item["seconds"])
+            control.check()
+            for writer in writers.values():
+                writer.close()
+        except BaseException as exc:
+            for writer in writers.values():
+                writer.abort()
+            if held and not isinstance(exc, WorkerDied):  # a dead actor holds nothing
+                self._end(actor, job_id, stream)
+            raise
+        return {name: output_dir / f"{name}.npy" for name in writers}, seconds
+
+    def _end(self, actor: Any, job_id: str, stream: Any) -> None:
+        """Make the actor let go of a job this side gave up on: its cancel flag is set and
+        its stream read to the end; an actor that has not let go within CANCEL_GRACE is
+        killed (and restarted), as for a cancel."""
+        with contextlib.suppress(Exception):
+            actor.cancel.remote(job_id)
+            actor.drop.remote(job_id)
+        deadline = time.monotonic() + CANCEL_GRACE
+        try:
+            while time.monotonic() < deadline:
+                ready, _ = ray.wait([stream], timeout=POLL)
+                if ready:
+                    next(stream)  # a report or a stem nobody wants; errors stay in the ref
+        except StopIteration:
+            return  # the job ended there: the actor serves the next one
+        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            return  # the actor went away: it holds nothing
+        except Exception as exc:  # cannot tell: as if it had not let go
+            log.warning("ray worker %d: lost track of %s (%s)", self.index, job_id, exc)
+        log.info("ray worker %d did not let go of %s; killing it", self.index, job_id)
+        self._kill(actor, restart=True)
+
+    @contextlib.contextmanager
+    def _cancel_on(self, actor: Any, job_id: str, control: JobControl) -> Any:
+        """While inside, a cancel sets the job's flag on the actor at once (from the
+        cancelling thread); the waiting loops see the control's flag and enforce the grace."""
+        def flag() -> None:
+            with contextlib.suppress(Exception):
+                actor.cancel.remote(job_id)
+
+        with control.registered(flag):
+            yield
+
+    def _get(self, ref: Any, control: JobControl | None, timeout: float | None = None,
+             starting: bool = False) -> Any:
+        """ray.get that a cancel interrupts and that turns Ray's errors into ours."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if control is not None:
+                control.check()
+            if self._shut and starting:
+                raise Cancelled(SHUTDOWN)
+            ready, _ = ray.wait([ref], timeout=POLL)
+            if ready:
+                return self._value(ref, quiet=starting)
+            if deadline is not None and time.monotonic() > deadline:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+                raise WorkerDied(f"the ray worker {self.index} did not start within "
+                                 f"{timeout:.0f} s: the cluster may lack free resources "
+                                 f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
+                                 details=self.stderr_tail())
+
+    def _value(self, ref: Any, quiet: bool = False) -> Any:
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:  # the request failed inside the actor
+            cause = exc.cause
+            if isinstance(cause, ModelUnavailable):
+                raise ModelError(str(cause)) from None
+            self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
+            raise SeparationError(f"the ray worker on {self._host()} failed: "
+                                  f"{type(cause).__name__}: {cause}", details=str(exc)) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            self._died(exc, quiet)
+
+    def _died(self, exc: BaseException, quiet: bool = False) -> None:
+        host = self._host()
+        self._model = None  # the restarted actor loads the model again
+        text = str(exc)
+        why = _diagnose(text) if self._node_alive() else "its machine left the cluster"
+        if not quiet:  # not while waiting for a (re)start
+            self._tail.extend(text.splitlines()[-TAIL_LINES:])
+            log.warning("ray worker %d on %s died: %s", self.index, host, why)
+        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}); "
+                         f"Ray restarts it for the next job", details=text)
+
+    def _node_alive(self) -> bool:
+        """Whether the machine the worker ran on is still in the cluster (as far as Ray's
+        control store knows yet: a machine that just vanished may still count as alive)."""
+        node = (self._where or {}).get("node_id")
+        try:
+            return any(n.get("NodeID") == node and n.get("Alive") for n in ray.nodes())
+        except Exception:
+            return True  # cannot tell: say what the error says
+
+    def _kill(self, actor: Any, restart: bool) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=not restart)
+        self._model = None
+
+    def _host(self) -> str:
+        where = self._where or {}
+        host, ip = where.get("hostname"), where.get("node_ip")
+        return f"{host} ({ip})" if host and ip else str(host or ip or "an unknown machine")
+
+
+def _diagnose(text: str) -> str:
+    """The short reason in a Ray actor-death message."""
+    lowered = text.lower()
+    if "node" in lowered and ("died" in lowered or "dead" in lowered or "removed" in lowered):
+        return "its machine left the cluster"
+    if "ray.kill" in lowered or "killed by" in lowered:
+        return "the worker was killed"
+    if "out of memory" in lowered or "oom" in lowered:
+        return "probably out of memory"
+    if any(word in lowered for word in ("sigkill", "exit", "died unexpectedly",
+                                        "socket closed", "connection error")):
+        return "the worker process exited"
+    return "the worker process or its machine went away"

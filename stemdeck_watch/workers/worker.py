@@ -1,0 +1,296 @@
+"""The resident separation worker: `python -m stemdeck_watch.workers.worker`.
+
+Importing torch and demucs costs seconds, and loading a model more, so one worker process
+loads the model once and serves every job. Protocol (one JSON object per line):
+
+stdin, requests (each may carry "req": N, which its reply echoes):
+    {"op": "load", "model": NAME, "repo": PATH|null,
+     "precision": "auto"|"float32"|"bfloat16"|"float16", "decided": CHOICE|null}
+    {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
+     "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
+     "precision": P, "mean": F, "std": F, "window": F}      (the last four optional)
+stdout, replies (nothing else is ever written to stdout):
+    {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
+    {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
+     "sources": [...], "precision": CHOICE}
+    {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
+    {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
+stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
+
+A song is separated window by window (pipeline/chunked.py: `window` seconds of output at a
+time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and appended to one
+`<stem>.npy` per stem in "output", so memory does not grow with the song; the samples are
+those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation statistics of
+the mono mix (decode accumulates them); without them the worker computes them with one
+streamed pass. A song of at most one window is read whole and normalised exactly as before.
+
+After loading a model the worker settles its precision (pipeline/precision.py): with
+"auto" it calibrates once per model load, unless the client passes "decided" (a choice this
+machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
+`precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
+`--threads N` sets torch's thread count (0: one per physical core).
+
+The worker exits when stdin closes or its parent dies, so a killed service never leaves a
+process holding gigabytes of model behind.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
+
+PROGRESS_PREFIX = "@@progress "
+WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
+# "0" turns oneDNN off in the worker: its first call of each convolution compiles kernels,
+# about 2 s per worker start, which is nothing beside a real model's minutes of separation
+# but most of the test suite's time (it starts a worker ~150 times, with a tiny model)
+ONEDNN_ENV = "STEMDECK_ONEDNN"
+
+log = logging.getLogger("stemdeck_watch.worker.process")
+
+
+class ModelUnavailable(Exception):
+    """The model cannot be had; the message says how to get it."""
+
+
+def _reply(out: TextIO, message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def _progress(job_id: str, value: float) -> None:
+    sys.stderr.write(PROGRESS_PREFIX + json.dumps({"id": job_id, "value": round(value, 4)}) + "\n")
+    sys.stderr.flush()
+
+
+def _watch_parent() -> None:
+    parent = os.getppid()
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_cached(name: str) -> bool:
+    try:
+        from demucs.hf import DEFAULT_NAMESPACE, hf_repo_name
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    namespace, base = (name.split("/", 1) if "/" in name else (DEFAULT_NAMESPACE, name))
+    found = try_to_load_from_cache(f"{namespace}/{hf_repo_name(base)}", f"{base}.yaml")
+    return isinstance(found, str)
+
+
+def load_model(name: str, repo: str | None) -> Any:
+    """Load a model the way demucs does, failing fast and clearly when it cannot be had."""
+    from demucs.pretrained import ModelLoadingError, get_model
+
+    if repo:
+        folder = Path(repo)
+        if not folder.is_dir():
+            raise ModelUnavailable(
+                f"could not load model {name!r}: separation.model_repo = {repo!r} is not a "
+                f"folder; point it at the folder holding {name}.th or {name}.yaml")
+        try:
+            return get_model(name, repo=folder)
+        except Exception as exc:  # a missing name, a bad checksum, a corrupt or foreign pickle
+            present = sorted(p.name for p in folder.iterdir() if p.suffix in (".th", ".yaml"))
+            raise ModelUnavailable(
+                f"could not load model {name!r} from {folder} (separation.model_repo): "
+                f"{exc or type(exc).__name__}; model files there: "
+                f"{', '.join(present) or 'none'}") from None
+    if _hub_cached(name):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    elif os.environ.get("HF_HUB_OFFLINE") == "1" or not _network_reachable():
+        raise ModelUnavailable(
+            f"could not load model {name!r}: it is not downloaded yet and the model hub "
+            f"(huggingface.co) cannot be reached. Connect to the internet once so it can be "
+            f"downloaded, or put the model files in a folder and set separation.model_repo "
+            f"to that folder (see README, 'Using a real model offline')")
+    try:
+        return get_model(name)
+    except ModelLoadingError as exc:
+        raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
+    except OSError as exc:
+        raise ModelUnavailable(f"could not download model {name!r}: {exc}; set "
+                               f"separation.model_repo to a folder with the model files") from None
+
+
+class Worker:
+    def __init__(self, device: str, out: TextIO):
+        if os.environ.get(ONEDNN_ENV) == "0":  # here: a Ray actor's worker too
+            import torch
+
+            torch.backends.mkldnn.enabled = False
+        self.device = device
+        self.out = out
+        self._models: dict[tuple[str, str | None], Any] = {}
+        self._choices: dict[tuple[str, str | None, str], Choice] = {}
+
+    def model(self, name: str, repo: str | None) -> Any:
+        key = (name, repo)
+        if key not in self._models:
+            self._models.clear()  # one model resident at a time: memory matters more
+            self._choices.clear()  # a fresh load is measured afresh
+            model = load_model(name, repo)
+            model.to(self.device)
+            _warm_up(model, self.device)
+            self._models[key] = model
+        return self._models[key]
+
+    def precision(self, name: str, repo: str | None, setting: str,
+                  decided: dict[str, Any] | None = None) -> Choice:
+        """The precision for the loaded model under `setting`: measured once per load."""
+        model = self.model(name, repo)
+        key = (name, repo, setting)
+        if key not in self._choices:
+            if decided and decided.get("setting") == setting:
+                choice = Choice.from_dict(decided)
+            else:
+                choice = choose(setting, self.device, model)
+                log.info("precision for %s: %s (%s)", name, choice.precision, choice.reason)
+            self._choices[key] = choice
+        return self._choices[key]
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "load":
+            model = self.model(request["model"], request.get("repo"))
+            choice = self.precision(request["model"], request.get("repo"),
+                                    request.get("precision") or "float32", request.get("decided"))
+            return {"op": "load", "ok": True, "model": request["model"],
+                    "samplerate": int(model.samplerate), "audio_channels": int(model.audio_channels),
+                    "sources": list(model.sources), "precision": choice.to_dict()}
+        if op == "separate":
+            return self.separate(request)
+        raise ValueError(f"unknown request {op!r}")
+
+    def separate(self, request: dict[str, Any]) -> dict[str, Any]:
+        job_id = request["id"]
+        started = time.monotonic()
+        paths = self.separate_files(request, Path(request["input"]), Path(request["output"]),
+                                    lambda value: _progress(job_id, value))
+        model = self.model(request["model"], request.get("repo"))
+        return {"op": "separate", "id": job_id, "ok": True,
+                "stems": {name: str(path) for name, path in paths.items()},
+                "samplerate": int(model.samplerate), "seconds": time.monotonic() - started,
+                "precision": request.get("precision") or "float32"}
+
+    def separate_files(self, request: dict[str, Any], input_path: Path, output_dir: Path,
+                       on_progress: Callable[[float], None]) -> dict[str, Path]:
+        """Separate the decoded song at `input_path` into `output_dir` as a separate request
+        asks (model, shifts, overlap, segment, precision, window, the input's statistics):
+        the one reading of a request, for this process's pipe and for a Ray actor."""
+        from stemdeck_watch.workers.chunked import separate_to_files
+
+        model = self.model(request["model"], request.get("repo"))
+        stats = None
+        if request.get("mean") is not None and request.get("std") is not None:
+            stats = (float(request["mean"]), float(request["std"]))
+        with autocast(self.device, request.get("precision") or "float32"):
+            return separate_to_files(
+                model, input_path, output_dir,
+                shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
+                segment=request.get("segment") or None, device=self.device, stats=stats,
+                window=window_seconds(request), on_progress=on_progress)
+
+
+def window_seconds(request: dict[str, Any]) -> float:
+    """Seconds of output a separate request is worked through at a time: the request's, the
+    environment's (tests), or the default."""
+    from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+
+    return float(request.get("window") or os.environ.get(WINDOW_ENV) or WINDOW_SECONDS)
+
+
+def _warm_up(model: Any, device: str) -> None:
+    """Run one second of silence through the model: the first call pays seconds of one-off
+    setup (kernel selection, allocator growth) that would otherwise land on the first song."""
+    import torch
+    from demucs.apply import apply_model
+
+    silence = torch.zeros(1, int(model.audio_channels), int(model.samplerate), device=device)
+    with torch.inference_mode():
+        apply_model(model, silence, shifts=1, split=True, overlap=0.25, progress=False,
+                    device=device)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.worker")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="0: one per physical core")
+    args = parser.parse_args(argv)
+    # the protocol owns stdout; anything a library prints goes to stderr instead
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    sys.stdout = sys.stderr
+    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+
+    import demucs
+    import torch
+
+    torch.set_num_threads(threads_for(args.threads))
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+    worker = Worker(_resolve_device(args.device), protocol)
+    _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
+                      "threads": torch.get_num_threads(),
+                      "versions": {"torch": torch.__version__, "demucs": demucs.__version__,
+                                   "python": sys.version.split()[0]}})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request: dict[str, Any] = {}
+        try:
+            request = json.loads(line)
+            reply = worker.handle(request)
+        except ModelUnavailable as exc:
+            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
+                     "kind": "model", "error": str(exc)}
+        except Exception as exc:
+            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
+                     "kind": "error", "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()}
+        reply["req"] = request.get("req")  # the client matches replies on it
+        _reply(protocol, reply)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # everything is sent (replies are flushed as written, the stems are files): skip the
+    # interpreter's teardown, which spends ~0.6 s freeing torch's modules on every stop
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
