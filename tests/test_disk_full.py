@@ -1,14 +1,16 @@
 """A full disk for real: the outbox on a small tmpfs (mounting needs root; elsewhere these
-tests skip with the reason, never under CI=true)."""
+tests skip with the reason, never under CI=true). A cancel that meets the check is placed
+through the check's own reading of the free space instead."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -193,5 +195,54 @@ def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
                            120, "the long link to run once there is room")
             assert job.state is JobState.DONE, job.error
             assert outbox_entries(settings.paths.outbox) == {"song", "behind", "long"}
+    finally:
+        media.close()
+
+
+@pytest.mark.parametrize("where", ["before the song starts", "once its download is in"])
+def test_a_song_cancelled_as_the_disk_check_puts_it_back_stays_cancelled(
+        make_settings, service_factory, tmp_path: Path, monkeypatch, where: str) -> None:
+    """The user cancels a song just as the check finds no room for it (before it starts, or,
+    for a link, once its download says how long it is): the cancel is answered as done, so
+    the song must not go back to the queue and be separated once there is room. The check's
+    own seam (the free space it reads) places the cancel in that moment; no tmpfs needed."""
+    from stemdeck_watch.engine import diskguard
+    from stemdeck_watch.engine.requests import CANCELLED_BY_USER
+
+    from test_links import MediaServer, url_file
+
+    write_song(tmp_path / "served" / "song.wav", 2.0)
+    media = MediaServer(tmp_path / "served")
+    try:
+        settings = make_settings()
+        service, jobs = service_factory(settings)
+        service.scheduler.pause("user")
+        if where == "before the song starts":
+            write_song(settings.paths.inbox / "song.wav", 2.0)
+        else:
+            url_file(settings.paths.inbox, "song.url", media.url("song.wav"))
+        (song,) = wait_for(lambda: service.queue.order(), 30, "the song queued")
+        download = settings.paths.scratch / song / "download"
+        answered: list[str] = []
+        real = diskguard.shutil.disk_usage
+
+        def usage(path: str) -> Any:
+            found = real(path)
+            moment = (threading.current_thread().name == "dispatcher"
+                      and (where == "before the song starts" or download.is_dir()))
+            if moment and not answered:  # the user's cancel lands as the check runs
+                answered.append(service.scheduler.cancel_job(song).id)
+                return found._replace(free=0)
+            return found
+
+        monkeypatch.setattr(diskguard.shutil, "disk_usage", usage)
+        service.scheduler.start()
+        job = wait_for(lambda: jobs.latest[song].state.is_final and jobs.latest[song], 60,
+                       "the cancelled song to end")
+        assert answered == [song]
+        assert job.state is JobState.CANCELLED and job.error == CANCELLED_BY_USER, job
+        wait_for(lambda: not service.queue.paused, 30, "the queue to start again")
+        assert service.queue.order() == [] and outbox_entries(settings.paths.outbox) == set()
+        assert jobs.latest[song].state is JobState.CANCELLED
     finally:
         media.close()

@@ -9,9 +9,10 @@ The worker is the scarce part, so the steps around it run beside it: `prepare` (
 download, and the decode and hash of the next file) runs ahead, off the lock, driven by the
 Prefetcher; `start` holds the lock only up to the end of separation and hands back the
 publish step, which the dispatcher runs behind the next job's separation (`run` does both in
-turn). Decoded-ahead audio is used only if it was decoded from the same file (size, mtime
-and inode unchanged) for the same model rate and channels, and a download only if the link
-file still holds the URL it was made from; otherwise the job decodes or downloads again.
+turn). Decoded-ahead audio is used only if it was decoded from the same file (size, mtime,
+inode and change time unchanged: `cp -p` onto the file keeps the first three) for the same
+model rate and channels, and a download only if the link file still holds the URL it was made
+from; otherwise the job decodes or downloads again.
 
 A job is queued with its input's signature, but the file may be replaced before the job
 reads it: the job takes the signature of the version it actually read, so the check after
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 DOWNLOAD_SHARE, DECODE_SHARE, SEPARATE_SHARE = 0.15, 0.05, 0.90
 PROGRESS_EVERY = 0.5  # seconds between progress writes to the registry
 
+Version = tuple[FileSignature, int]  # a file's signature and its change time (st_ctime_ns)
+
 
 @dataclasses.dataclass
 class Prepared:
@@ -64,9 +67,9 @@ class Prepared:
     url: str | None = None
     decoded: DecodedAudio | None = None
     sha256: str | None = None
-    # the input's signature when it was hashed and decoded, and the model rate and channels
+    # the input's version when it was hashed and decoded, and the model rate and channels
     # it was decoded for: the decode is used only if all still hold
-    signature: FileSignature | None = None
+    version: Version | None = None
     format: tuple[int, int] | None = None
 
     def made_from(self, link: Path) -> bool:
@@ -82,12 +85,12 @@ class Prepared:
         """The decoded audio if it is still the input's, at this rate and channel count."""
         if self.decoded is None or self.format != (samplerate, channels):
             return None
-        if _signature(source) != self.signature or not self.decoded.path.exists():
+        if _version(source) != self.version or not self.decoded.path.exists():
             return None
         return self.decoded
 
     def sha256_for(self, source: Path) -> str | None:
-        return self.sha256 if self.sha256 and _signature(source) == self.signature else None
+        return self.sha256 if self.sha256 and _version(source) == self.version else None
 
 
 def _signature(path: Path) -> FileSignature | None:
@@ -95,6 +98,16 @@ def _signature(path: Path) -> FileSignature | None:
         return FileSignature.of(path.stat())
     except OSError:
         return None
+
+
+def _version(path: Path) -> Version | None:
+    """The file's signature and change time: a write into the same file that sets the old
+    size and modification time back (`cp -p` onto it) still moves the change time."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return FileSignature.of(st), st.st_ctime_ns
 
 
 Claim = Callable[[Callable[[float], None]], Optional[Prepared]]
@@ -206,7 +219,7 @@ class Pipeline:
         if form is None or (job.kind is JobKind.LINK and self.disk is not None
                             and not self.disk.fits_ahead(job)):
             return prepared
-        signature = _signature(source)
+        version = _version(source)
         try:
             digest = publish.sha256_of(source)
             decoded = decode_to_file(source, self.settings.paths.scratch / job.id / "input.npy",
@@ -216,9 +229,9 @@ class Pipeline:
         except Exception as exc:  # the job decodes again when it runs, and fails with the reason
             log.info("could not decode %s ahead (%s); it is decoded when it runs", source, exc)
             return prepared
-        if _signature(source) == signature:  # not changed while we read it
+        if _version(source) == version:  # not changed while we read it
             prepared.sha256, prepared.decoded = digest, decoded
-            prepared.signature, prepared.format = signature, form
+            prepared.version, prepared.format = version, form
         return prepared
 
     def run(self, job: Job, control: JobControl, claim: Claim | None = None) -> Job:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -34,12 +33,11 @@ from stemdeck_watch.core.paths import fsync_dir, unique_path
 from stemdeck_watch.stages import naming, resample, tags as tagging
 from stemdeck_watch.stages.preview import Peaks
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
-from stemdeck_watch.util.safefile import open_new, read_regular
+from stemdeck_watch.util.safefile import open_new, read_json
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
-MANIFEST_LIMIT = 16 << 20  # bytes: a larger stemdeck.json is no manifest this service wrote
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
 MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
@@ -318,7 +316,7 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The manifest of a song folder if it is complete (every file it lists exists). Only a
     plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
     try:
-        manifest = json.loads(read_regular(folder / MANIFEST, MAX_MANIFEST))
+        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
     except (OSError, ValueError):
         return None
     stems = manifest.get("stems") if isinstance(manifest, dict) else None
@@ -342,17 +340,8 @@ def publisher_of(folder: Path) -> str | None:
     only from a regular file of bounded size, never through a link (anyone who can write the
     outbox could plant one)."""
     try:
-        fd = os.open(folder / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                return None
-            text = handle.read(MANIFEST_LIMIT + 1)
-        manifest = json.loads(text) if len(text) <= MANIFEST_LIMIT else None
-    except (OSError, ValueError, RecursionError):
+        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
+    except (OSError, ValueError):
         return None
     job_id = manifest.get("job_id") if isinstance(manifest, dict) else None
     return job_id if isinstance(job_id, str) else None
@@ -369,8 +358,8 @@ def verify_folder(folder: Path) -> list[str]:
     """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
     changed or unlisted files; an empty list for a complete, undamaged folder."""
     try:
-        listed = {e["file"]: e for e in json.loads(
-            read_regular(folder / MANIFEST, MAX_MANIFEST)).get("files", [])}
+        listed = {e["file"]: e for e in read_json(folder / MANIFEST, MAX_MANIFEST).get(
+            "files", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"could not read {folder / MANIFEST}: {exc}"]
     present = {e["file"]: e for e in list_files(folder)}

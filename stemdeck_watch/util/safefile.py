@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import secrets
@@ -182,3 +183,13 @@ def read_regular(path: Path, limit: int) -> bytes:
 def read_regular_text(path: Path, limit: int) -> str:
     """`read_regular` decoded as UTF-8 (ValueError if it is not)."""
     return read_regular(path, limit).decode("utf-8")
+
+
+def read_json(path: Path, limit: int) -> Any:
+    """The JSON value in `path`, read as `read_regular` reads it. ValueError if it is not
+    JSON, and also if it is nested deeper than the parser follows: a few KB of `[[[[` make
+    it raise RecursionError, which nobody reading a shared folder's file expects."""
+    try:
+        return json.loads(read_regular(path, limit))
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to read") from None
