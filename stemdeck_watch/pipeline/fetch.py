@@ -25,12 +25,16 @@ from stemdeck_watch.config import LinkSettings
 from stemdeck_watch.errors import Cancelled, StageError
 from stemdeck_watch.jobs import PlaylistRef
 from stemdeck_watch.pipeline.decode import probe_duration
+from stemdeck_watch.pipeline.naming import cut_to_bytes
 
 log = logging.getLogger(__name__)
 ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
 
 STALL_TIMEOUT = 30.0  # seconds without data before a download counts as stalled
-MAX_NAME = 120
+# a title as a folder name, in UTF-8 bytes: 255 is the limit of one name on ext4, APFS and
+# most others; the rest leaves room for " (12)", a playlist entry's "001 - " and ".url",
+# and a failed input's ".error.txt"
+MAX_NAME_BYTES = 200
 
 
 class DownloadError(StageError):
@@ -319,7 +323,7 @@ def sanitise(name: str) -> str:
     name = name.lstrip(".").rstrip(". ")
     if name.upper().split(".")[0] in _RESERVED:
         name = f"_{name}"
-    return name[:MAX_NAME].rstrip(". ")
+    return cut_to_bytes(name, MAX_NAME_BYTES).rstrip(". ")
 
 
 _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)),
