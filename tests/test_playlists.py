@@ -77,7 +77,7 @@ def downloads(media: MediaServer, file: str) -> int:
 
 
 def list_playlist(url: str, links, tmp_path: Path):
-    return fetch.download(url, tmp_path / "dl", links, check=lambda: None,
+    return fetch.download(url, tmp_path / "dl", links, control=JobControl("listing"),
                           on_progress=lambda _v: None, link_name="Mix.url", expand=True)
 
 
@@ -123,7 +123,7 @@ def test_an_entry_longer_than_the_playlist_says_fails_before_its_download(settin
     links = dataclasses.replace(settings.links, max_duration=5)
     ref = PlaylistRef("p1", "Mix", 2, 3, duration=12.0)
     with pytest.raises(fetch.DownloadError, match="links.max_duration"):
-        fetch.download(media.url("long.wav"), tmp_path / "dl", links, check=lambda: None,
+        fetch.download(media.url("long.wav"), tmp_path / "dl", links, control=JobControl("t"),
                        on_progress=lambda _v: None, link_name="02 - Long.url", playlist=ref,
                        title="Long")
     assert downloads(media, "long.wav") == 0
