@@ -168,6 +168,8 @@ def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> d
     # the beat grid loads librosa (3-9 s per service process on 2 cores): tests of it turn it
     # on (tests/test_output_*.py); the rest keep the suite fast
     data["output"]["beat_grid"] = False
+    # the tests' media servers listen on 127.0.0.1, which links refuse by default
+    data["links"]["allow_private"] = True
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return data
@@ -246,6 +248,7 @@ def settings(tmp_path: Path) -> Settings:
     data = default_toml()
     data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
                                                        "state")}
+    data["links"]["allow_private"] = True  # the media servers listen on 127.0.0.1
     settings = settings_from_dict(data)
     for folder in ("inbox", "outbox", "processed", "failed", "state"):
         getattr(settings.paths, folder).mkdir()

@@ -154,6 +154,16 @@ class LinkSettings:
     max_entries: int = key(50, number(1, 1000, integer=True),
                            "a playlist longer than this queues its first N entries only; the "
                            "rest are named in its summary")
+    max_page_bytes: int = key("10MB", byte_size, "largest web page (or playlist) read while "
+                              "looking for a link's audio")
+    page_timeout: float = key(60.0, number(1, unit="(seconds)"),
+                              "how long a link's pages may keep it waiting for the site, "
+                              "before its download")
+    timeout: float = key(1800.0, number(0, unit="(seconds)"),
+                         "how long a link's whole fetch, pages and download, may keep it "
+                         "waiting for the site; 0 = no limit")
+    allow_private: bool = key(False, boolean, "fetch links that lead to this machine or the "
+                              "local network (loopback, private, link-local addresses)")
 
 
 @dataclasses.dataclass(frozen=True)

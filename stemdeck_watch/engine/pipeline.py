@@ -203,7 +203,7 @@ class Pipeline:
             prepared.url = url = read_link(link)
             entry = job.playlist  # an entry of a playlist: its title and length are known
             got = download(url, self.settings.paths.scratch / job.id / "download",
-                           self.settings.links, check=control.check, on_progress=on_progress,
+                           self.settings.links, control=control, on_progress=on_progress,
                            link_name=link.name, playlist=entry,
                            title=job.name if entry else None,
                            expand=(self.playlists is not None and entry is None
