@@ -107,7 +107,8 @@ class OutputSettings:
     bit_depth: int = key(16, choice(16, 24, 32), "16 or 24-bit integer; 32 = float (wav only)")
     mp3_bitrate: int = key(320, choice(96, 128, 160, 192, 224, 256, 320), "kbit/s for mp3")
     clip: str = key("rescale", choice("rescale", "clamp"),
-                    "avoid clipping by scaling the stem down (rescale) or clamping samples")
+                    "avoid clipping by turning the whole song down by one gain, every stem "
+                    "and mix alike (rescale), or by clamping samples")
     layout: str = key("{stem}.{ext}", layout_template, "file name of each stem inside the song folder")
     mixes: dict = key({}, mix_table, 'extra mixes, e.g. instrumental = ["drums", "bass", "other"]')
     samplerate: str | int = key("model", sample_rate,

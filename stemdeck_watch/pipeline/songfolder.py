@@ -31,15 +31,16 @@ PREVIEW = "preview.png"
 @dataclasses.dataclass
 class SongFolder:
     entries: list[dict[str, Any]]  # the manifest's "stems"
-    manifest: dict[str, Any]  # "tags", "beat_grid", "preview"
+    manifest: dict[str, Any]  # "tags", "levels", "beat_grid", "preview"
     timings: dict[str, float]  # seconds per step: write, resample, tags, beat_grid, preview
 
 
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
-    """The input's tags (read while decoding) and its own rate and length."""
+    """The input's tags (read while decoding), its own rate and length, and the decoded
+    input the stems' sum is compared with."""
     return publish.SongInfo(name=name, tags=decoded.tags, preset=preset,
                             input_samplerate=decoded.source_samplerate,
-                            input_frames=decoded.source_frames)
+                            input_frames=decoded.source_frames, source=decoded.path)
 
 
 def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
@@ -50,11 +51,12 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
     takes it tens of seconds)."""
     timings: dict[str, float] = {}
     peaks: dict[str, Peaks] | None = {} if out.preview else None
+    levels: dict[str, Any] = {}
     started = time.perf_counter()
     entries = publish.write_song(staging, stems, samplerate, info.name, sep, out, info=info,
-                                 peaks=peaks, timings=timings)
+                                 peaks=peaks, timings=timings, levels=levels)
     timings["write"] = round(time.perf_counter() - started, 3)
-    manifest: dict[str, Any] = {"tags": dict(info.tags)}
+    manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
     check()
     if out.beat_grid:
         started = time.perf_counter()
