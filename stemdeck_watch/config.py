@@ -117,6 +117,9 @@ class OutputSettings:
     beat_grid: bool = key(True, boolean, "beats.json: tempo and beat times (librosa)")
     preview: bool = key(True, boolean, "preview.png: the stems' waveforms with title and length")
     tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album')
+    session: tuple[str, ...] = key([], choice_list("dawproject", "reaper", what="projects"),
+                                   "DAW projects beside the stems (with the mix as a muted "
+                                   "track): dawproject, reaper")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,9 @@ def sha256_of(path: Path) -> str:
 
 def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
                  out: OutputSettings) -> dict[str, tuple[str, list[str]]]:
-    """Which files to write: output name → (kind, stems summed into it)."""
+    """Which files to write: output name → (kind, stems summed into it). A DAW project
+    (`output.session`) gets the whole song as a mix for its reference track, unless one of
+    `output.mixes` is that already."""
     sources = list(stems)
     if sep.two_stems:
         if sep.two_stems not in sources:
@@ -93,6 +95,10 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
                 f"could not make mix {mix!r}: output.mixes.{mix} names {', '.join(missing)}, but "
                 f"the model {sep.model!r} separates {', '.join(sources)}")
         outputs[mix] = ("mix", list(members))
+    if out.session and not any(sorted(members) == sorted(sources)
+                               for kind, members in outputs.values() if kind == "mix"):
+        name = next(n for n in ("mix", "song_mix", "full_mix", "whole_mix") if n not in outputs)
+        outputs[name] = ("mix", sources)
     return outputs
 
 

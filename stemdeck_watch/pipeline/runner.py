@@ -150,7 +150,7 @@ class Pipeline:
         if mode != "auto":
             return mode == "on"
         _separation, output = self.settings.for_preset(job.preset)
-        return self.client.leaves_room() or not output.beat_grid
+        return self.client.leaves_room() or not songfolder.needs_beat_grid(output)
 
     def can_prepare(self, job: Job) -> bool:
         """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits

@@ -1,5 +1,6 @@
 """Everything that goes into one song folder besides the manifest: stems and mixes (publish),
-the beat grid (`beats.json`) and the picture (`preview.png`), each optional step timed.
+the beat grid (`beats.json`), the picture (`preview.png`) and the DAW projects (session),
+each optional step timed.
 
 The runner calls `make_song_folder` with the staging folder and the worker's stems; the
 returned entries, manifest fields and timings go into `stemdeck.json`.
@@ -20,6 +21,7 @@ from stemdeck_watch.pipeline import publish
 from stemdeck_watch.pipeline.decode import DecodedAudio
 from stemdeck_watch.pipeline.preview import Peaks, draw_preview
 from stemdeck_watch.pipeline.scratch import AudioReader
+from stemdeck_watch.pipeline.session import write_sessions
 from stemdeck_watch.safefile import open_new
 
 log = logging.getLogger(__name__)
@@ -31,8 +33,15 @@ PREVIEW = "preview.png"
 @dataclasses.dataclass
 class SongFolder:
     entries: list[dict[str, Any]]  # the manifest's "stems"
-    manifest: dict[str, Any]  # "tags", "levels", "beat_grid", "preview"
-    timings: dict[str, float]  # seconds per step: write, resample, tags, beat_grid, preview
+    manifest: dict[str, Any]  # "tags", "levels", "beat_grid", "preview", "session"
+    # seconds per step: write, resample, tags, beat_grid, preview, session
+    timings: dict[str, float]
+
+
+def needs_beat_grid(out: OutputSettings) -> bool:
+    """Whether publishing finds the beat grid: for beats.json, or for a DAW project's tempo
+    and first beat (then it costs the same, librosa included, without the file)."""
+    return out.beat_grid or bool(out.session)
 
 
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
@@ -58,9 +67,12 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
     timings["write"] = round(time.perf_counter() - started, 3)
     manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
     check()
-    if out.beat_grid:
+    grid: dict[str, Any] | None = None
+    if needs_beat_grid(out):
         started = time.perf_counter()
-        manifest["beat_grid"] = write_beat_grid(staging / BEATS, stems, samplerate, check)
+        grid = find_beat_grid(stems, samplerate, check)
+        if out.beat_grid:
+            manifest["beat_grid"] = save_beat_grid(staging / BEATS, grid)
         timings["beat_grid"] = round(time.perf_counter() - started, 3)
     if peaks is not None:
         started = time.perf_counter()
@@ -72,14 +84,18 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
                                                    reason=exc))) from exc
         manifest["preview"] = PREVIEW
         timings["preview"] = round(time.perf_counter() - started, 3)
+    if out.session:
+        started = time.perf_counter()
+        manifest["session"] = write_sessions(staging, out.session, entries, grid, info.name,
+                                             info.tags)
+        timings["session"] = round(time.perf_counter() - started, 3)
     return SongFolder(entries, manifest, timings)
 
 
-def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
-                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """`beats.json` from the drums stem when the model has one, else from the mix (every
-    stem summed); returns the manifest's summary. Never fails the song: without librosa the
-    grid is empty and says why."""
+def find_beat_grid(stems: dict[str, Path], samplerate: int,
+                   check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """The beat grid from the drums stem when the model has one, else from the mix (every
+    stem summed). Never fails the song: without librosa the grid is empty and says why."""
     source = "drums" if "drums" in stems else "mix"
     readers = [AudioReader(stems["drums"])] if source == "drums" else [
         AudioReader(p) for p in stems.values()]
@@ -91,6 +107,17 @@ def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
         log.warning("no beat grid: %s (install librosa)", exc)
         grid = {"source": source, "tempo": None, "beats": [], "downbeats": [],
                 "notes": [f"no beat grid: {exc}; install librosa"]}
+    return grid
+
+
+def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
+                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """`beats.json` from the stems (see find_beat_grid); returns the manifest's summary."""
+    return save_beat_grid(path, find_beat_grid(stems, samplerate, check))
+
+
+def save_beat_grid(path: Path, grid: dict[str, Any]) -> dict[str, Any]:
+    """`beats.json`; returns the manifest's summary."""
     try:
         with open_new(path, "w", encoding="utf-8") as handle:
             json.dump(grid, handle, indent=1)
@@ -99,5 +126,5 @@ def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
             os.fsync(handle.fileno())
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-    return {"file": path.name, "source": source, "tempo": grid["tempo"],
+    return {"file": path.name, "source": grid["source"], "tempo": grid["tempo"],
             "beats": len(grid["beats"]), "notes": grid["notes"]}
