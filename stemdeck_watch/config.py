@@ -120,6 +120,8 @@ class OutputSettings:
     session: tuple[str, ...] = key([], choice_list("dawproject", "reaper", what="projects"),
                                    "DAW projects beside the stems (with the mix as a muted "
                                    "track): dawproject, reaper")
+    stem_file: bool = key(False, boolean, "<song>.stem.mp4: NI Stems (master + drums, bass, "
+                          "other, vocals as AAC) for Traktor, Mixxx, djay")
 
 
 @dataclasses.dataclass(frozen=True)

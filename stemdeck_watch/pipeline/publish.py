@@ -107,7 +107,8 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
                block_frames: int = PUBLISH_BLOCK, info: SongInfo | None = None,
                peaks: dict[str, Peaks] | None = None,
                timings: dict[str, float] | None = None,
-               levels: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+               levels: dict[str, Any] | None = None,
+               also: list[list[str]] | None = None) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries, each
     with its integrated loudness (LUFS, None for silence).
 
@@ -118,7 +119,8 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
     found first, in one pass over the stems, before anything is written; the same pass
     compares the stems' sum with the input (`info.source`). `peaks` (filled in here) gets
     one Peaks per stem for the preview; `timings` the seconds spent resampling and tagging;
-    `levels` the song's gain and the residual (see pipeline/levels.py)."""
+    `levels` the song's gain and the residual (see pipeline/levels.py). `also` names sums of
+    stems written elsewhere with the same gain (the stem file's): their peaks count too."""
     info = info or SongInfo(name)
     staging.mkdir(parents=True, exist_ok=True)
     plan = plan_outputs(stems, sep, out)
@@ -127,7 +129,8 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
     rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
     length = resample.target_frames(out.samplerate, rate, samplerate, frames,
                                     info.input_samplerate, info.input_frames)
-    gain, residual = _song_gain(plan, readers, frames, out, block_frames, info.source)
+    gain, residual = _song_gain(plan, readers, frames, out, block_frames, info.source,
+                                also or [])
     if levels is not None:
         levels.update({"gain": round(1.0 / gain, 6), "gain_db": to_db(1.0 / gain ** 2),
                        "residual_db": residual.db if residual else None})
@@ -204,7 +207,7 @@ def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
 
 def _song_gain(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReader],
                frames: int, out: OutputSettings, block_frames: int,
-               source: Path | None) -> tuple[float, Residual | None]:
+               source: Path | None, also: list[list[str]]) -> tuple[float, Residual | None]:
     """The one factor every output is divided by — 1 unless `rescale` must bring the loudest
     output's peak below full scale — and the residual of the stems' sum against `source`
     (the decoded input), both from one pass that reads every stem once, block by block."""
@@ -221,7 +224,7 @@ def _song_gain(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioR
         blocks = {stem: reader.read(start, stop, interleaved=True)
                   for stem, reader in readers.items()}
         if rescale:
-            for _kind, members in plan.values():
+            for members in [*(m for _kind, m in plan.values()), *also]:
                 audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks,
                                                                                 members)
                 if audio.size:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import FilesystemError, PublishError
-from stemdeck_watch.pipeline import publish
+from stemdeck_watch.pipeline import publish, stemfile
 from stemdeck_watch.pipeline.decode import DecodedAudio
 from stemdeck_watch.pipeline.preview import Peaks, draw_preview
 from stemdeck_watch.pipeline.scratch import AudioReader
@@ -33,8 +33,9 @@ PREVIEW = "preview.png"
 @dataclasses.dataclass
 class SongFolder:
     entries: list[dict[str, Any]]  # the manifest's "stems"
-    manifest: dict[str, Any]  # "tags", "levels", "beat_grid", "preview", "session"
-    # seconds per step: write, resample, tags, beat_grid, preview, session
+    # "tags", "levels", "stem_file", "beat_grid", "preview", "session"
+    manifest: dict[str, Any]
+    # seconds per step: write, resample, tags, stem_file, beat_grid, preview, session
     timings: dict[str, float]
 
 
@@ -61,11 +62,20 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
     timings: dict[str, float] = {}
     peaks: dict[str, Peaks] | None = {} if out.preview else None
     levels: dict[str, Any] = {}
+    slots = stemfile.slot_members(list(stems)) if out.stem_file else None
     started = time.perf_counter()
     entries = publish.write_song(staging, stems, samplerate, info.name, sep, out, info=info,
-                                 peaks=peaks, timings=timings, levels=levels)
+                                 peaks=peaks, timings=timings, levels=levels,
+                                 also=[list(stems), *slots.values()] if slots else None)
     timings["write"] = round(time.perf_counter() - started, 3)
     manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
+    if out.stem_file:
+        check()
+        started = time.perf_counter()
+        manifest["stem_file"] = stemfile.write_stem_file(staging, stems, samplerate,
+                                                         levels["gain"], info.name, info.tags,
+                                                         check)
+        timings["stem_file"] = round(time.perf_counter() - started, 3)
     check()
     grid: dict[str, Any] | None = None
     if needs_beat_grid(out):
