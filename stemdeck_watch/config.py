@@ -20,8 +20,8 @@ from stemdeck_watch.executor import KINDS as EXECUTOR_KINDS, ray_address
 from stemdeck_watch.paths import default_config_file, default_state_dir
 from stemdeck_watch.validators import (MP3_RATES, Check, boolean, byte_size, choice, choice_list,
                                        check_model_stems, extension_list, layout_template,
-                                       mix_table, number, sample_rate, show, stem_name, text,
-                                       text_list, url_list)
+                                       mix_table, number, number_list, sample_rate, show,
+                                       stem_name, text, text_list, url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -122,6 +122,11 @@ class OutputSettings:
                                    "track): dawproject, reaper")
     stem_file: bool = key(False, boolean, "<song>.stem.mp4: NI Stems (master + drums, bass, "
                           "other, vocals as AAC) for Traktor, Mixxx, djay")
+    practice: bool = key(False, boolean, "practice/: mp3s for a phone: a click track with a "
+                         "count-in, the song minus each stem with the click, slowed versions")
+    practice_speeds: tuple[float, ...] = key([75], number_list(25, 99, unit="(percent)"),
+                                             "slowed versions in practice/, in percent of "
+                                             "the song's speed (pitch kept); [] = none")
 
 
 @dataclasses.dataclass(frozen=True)

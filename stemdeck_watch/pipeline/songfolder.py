@@ -21,6 +21,7 @@ from stemdeck_watch.pipeline import publish, stemfile
 from stemdeck_watch.pipeline.decode import DecodedAudio
 from stemdeck_watch.pipeline.preview import Peaks, draw_preview
 from stemdeck_watch.pipeline.scratch import AudioReader
+from stemdeck_watch.pipeline.practice import write_practice
 from stemdeck_watch.pipeline.session import write_sessions
 from stemdeck_watch.safefile import open_new
 
@@ -33,16 +34,17 @@ PREVIEW = "preview.png"
 @dataclasses.dataclass
 class SongFolder:
     entries: list[dict[str, Any]]  # the manifest's "stems"
-    # "tags", "levels", "stem_file", "beat_grid", "preview", "session"
+    # "tags", "levels", "stem_file", "beat_grid", "preview", "practice", "session"
     manifest: dict[str, Any]
-    # seconds per step: write, resample, tags, stem_file, beat_grid, preview, session
+    # seconds per step: write, resample, tags, stem_file, beat_grid, preview, practice, session
     timings: dict[str, float]
 
 
 def needs_beat_grid(out: OutputSettings) -> bool:
     """Whether publishing finds the beat grid: for beats.json, or for a DAW project's tempo
-    and first beat (then it costs the same, librosa included, without the file)."""
-    return out.beat_grid or bool(out.session)
+    and first beat or the practice click (then it costs the same, librosa included, without
+    the file)."""
+    return out.beat_grid or bool(out.session) or out.practice
 
 
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
@@ -94,6 +96,13 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
                                                    reason=exc))) from exc
         manifest["preview"] = PREVIEW
         timings["preview"] = round(time.perf_counter() - started, 3)
+    if out.practice:
+        check()
+        started = time.perf_counter()
+        manifest["practice"] = write_practice(staging, stems, samplerate, levels["gain"], grid,
+                                              out.practice_speeds, info.name, info.tags, out,
+                                              check)
+        timings["practice"] = round(time.perf_counter() - started, 3)
     if out.session:
         started = time.perf_counter()
         manifest["session"] = write_sessions(staging, out.session, entries, grid, info.name,
