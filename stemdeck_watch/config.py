@@ -289,7 +289,6 @@ def _show_value(value: Any) -> str:
 def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(table, dict):
         raise ConfigError("[presets] must hold tables such as [presets.karaoke]")
-    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
     presets: dict[str, dict[str, Any]] = {}
     for name, overrides in table.items():
         where = f"presets.{name}."
@@ -298,13 +297,29 @@ def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
         if not name or name.startswith(".") or any(c in name for c in '/\\:*?"<>|'):
             raise ConfigError(f"presets.{name}: the preset name is also a folder name in the inbox; "
                               "use letters, digits, spaces, '-' or '_'")
-        checked = {}
-        for k, v in overrides.items():
-            if k not in allowed:
-                raise _unknown_key(where, k, list(allowed))
-            checked[k] = _check(allowed[k], v, where)
-        presets[name] = checked
+        presets[name] = check_overrides(overrides, where)
     return presets
+
+
+def check_overrides(overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Keys a preset may set (any [separation] or [output] key), each checked as in the
+    config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ")."""
+    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
+    checked = {}
+    for k, v in overrides.items():
+        if k not in allowed:
+            raise _unknown_key(where, k, list(allowed))
+        checked[k] = _check(allowed[k], v, where)
+    return checked
+
+
+def check_song_settings(sep: SeparationSettings, out: OutputSettings, where: str) -> None:
+    """What only the keys together can get wrong (flac at 32 bits, a stem the model lacks)."""
+    _check_output(out, where)
+    try:
+        check_model_stems(sep.model, sep.two_stems, out.mixes)
+    except ValueError as exc:
+        raise ConfigError(f"{where}{exc}") from None
 
 
 def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Settings:
