@@ -16,8 +16,11 @@ whole signal at once.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
+
+from stemdeck_watch.pipeline.scratch import AudioReader
 
 GATE_ABSOLUTE = -70.0  # LUFS
 GATE_RELATIVE = -10.0  # LU below the absolutely gated loudness
@@ -110,3 +113,39 @@ class Residual:
             return None
         db = to_db(self.error / self.signal)
         return -200.0 if db is None else max(-200.0, db)
+
+
+def song_gain(outputs: list[list[str]], readers: dict[str, AudioReader], frames: int,
+              block_frames: int, rescale: bool,
+              source: Path | None) -> tuple[float, Residual | None]:
+    """The one factor every output is divided by — 1 unless `rescale` must bring the loudest
+    output's peak (each output: the stems summed into it) below full scale — and the
+    residual of the stems' sum against `source` (the decoded input), both from one pass that
+    reads every stem once, block by block."""
+    input_reader = AudioReader(source) if source is not None else None
+    if input_reader is not None and input_reader.channels != next(
+            iter(readers.values())).channels:
+        input_reader = None  # not the input these stems were separated from
+    if not rescale and input_reader is None:
+        return 1.0, None
+    residual = Residual() if input_reader is not None else None
+    peak = 0.0
+    for start in range(0, frames, block_frames):
+        stop = min(frames, start + block_frames)
+        blocks = {stem: reader.read(start, stop, interleaved=True)
+                  for stem, reader in readers.items()}
+        if rescale:
+            for members in outputs:
+                audio = blocks[members[0]] if len(members) == 1 else _summed(blocks, members)
+                if audio.size:
+                    peak = max(peak, float(np.abs(audio).max()))
+        if residual is not None and input_reader is not None:
+            residual.add(input_reader.read(start, stop), _summed(blocks, list(blocks)))
+    return max(1.01 * peak, 1.0), residual
+
+
+def _summed(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
+    audio = blocks[members[0]].copy()
+    for member in members[1:]:
+        audio += blocks[member]
+    return audio

@@ -33,7 +33,7 @@ from stemdeck_watch.config import OutputSettings, SeparationSettings
 from stemdeck_watch.errors import FilesystemError, PublishError
 from stemdeck_watch.paths import fsync_dir, unique_path
 from stemdeck_watch.pipeline import naming, resample, tags as tagging
-from stemdeck_watch.pipeline.levels import LoudnessMeter, Residual, to_db
+from stemdeck_watch.pipeline.levels import LoudnessMeter, song_gain, to_db
 from stemdeck_watch.pipeline.preview import Peaks
 from stemdeck_watch.pipeline.scratch import BLOCK_FRAMES, AudioReader
 from stemdeck_watch.safefile import open_new, read_regular
@@ -129,8 +129,9 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
     rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
     length = resample.target_frames(out.samplerate, rate, samplerate, frames,
                                     info.input_samplerate, info.input_frames)
-    gain, residual = _song_gain(plan, readers, frames, out, block_frames, info.source,
-                                also or [])
+    rescale = out.clip == "rescale" and not (out.format == "wav" and out.bit_depth == 32)
+    gain, residual = song_gain([m for _kind, m in plan.values()] + (also or []), readers,
+                               frames, block_frames, rescale, info.source)
     if levels is not None:
         levels.update({"gain": round(1.0 / gain, 6), "gain_db": to_db(1.0 / gain ** 2),
                        "residual_db": residual.db if residual else None})
@@ -202,42 +203,6 @@ def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
     audio = readers[members[0]].read(start, stop, interleaved=True)
     for member in members[1:]:
         audio += readers[member].read(start, stop, interleaved=True)
-    return audio
-
-
-def _song_gain(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReader],
-               frames: int, out: OutputSettings, block_frames: int,
-               source: Path | None, also: list[list[str]]) -> tuple[float, Residual | None]:
-    """The one factor every output is divided by — 1 unless `rescale` must bring the loudest
-    output's peak below full scale — and the residual of the stems' sum against `source`
-    (the decoded input), both from one pass that reads every stem once, block by block."""
-    rescale = out.clip == "rescale" and not (out.format == "wav" and out.bit_depth == 32)
-    input_reader = AudioReader(source) if source is not None else None
-    if input_reader is not None and input_reader.channels != next(
-            iter(readers.values())).channels:
-        input_reader = None  # not the input these stems were separated from
-    if not rescale and input_reader is None:
-        return 1.0, None
-    residual = Residual() if input_reader is not None else None
-    peak = 0.0
-    for start, stop in _spans(frames, block_frames):
-        blocks = {stem: reader.read(start, stop, interleaved=True)
-                  for stem, reader in readers.items()}
-        if rescale:
-            for members in [*(m for _kind, m in plan.values()), *also]:
-                audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks,
-                                                                                members)
-                if audio.size:
-                    peak = max(peak, float(np.abs(audio).max()))
-        if residual is not None and input_reader is not None:
-            residual.add(input_reader.read(start, stop), _sum_loaded(blocks, list(blocks)))
-    return max(1.01 * peak, 1.0), residual
-
-
-def _sum_loaded(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
-    audio = blocks[members[0]].copy()
-    for member in members[1:]:
-        audio += blocks[member]
     return audio
 
 
