@@ -28,6 +28,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import Folders, OutputSettings, SeparationSettings, Settings
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.core.events import EventBus, JobSeparated
@@ -168,8 +169,8 @@ class Pipeline:
         mode = self.settings.queue.work_beside
         if mode != "auto":
             return mode == "on"
-        _separation, output = self.settings.for_preset(job.preset)
-        return self.client.leaves_room() or not output.beat_grid
+        _separation, output = self._settings_of(job)
+        return self.client.leaves_room() or not songfolder.needs_beat_grid(output)
 
     def can_prepare(self, job: Job) -> bool:
         """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits
@@ -179,8 +180,17 @@ class Pipeline:
         return job.kind is JobKind.LINK or (self.works_beside(job)
                                             and self._loaded_format(job) is not None)
 
+    def _settings_of(self, job: Job) -> tuple[SeparationSettings, OutputSettings]:
+        """The job's settings with its choices (preset, name tags, sidecar), for deciding
+        what to do ahead; choices that cannot be used fail the job when it runs."""
+        try:
+            chosen = choices.for_job(self.settings, job)
+        except choices.ChoiceError:
+            return self.settings.for_preset(job.preset)
+        return chosen.separation, chosen.output
+
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
-        sep, _ = self.settings.for_preset(job.preset)
+        sep, _ = self._settings_of(job)
         repo = self.settings.resolve_model_repo(sep)
         model = self.client.model_info
         if model is None or (model.name, model.repo) != (sep.model, str(repo) if repo else None):
@@ -287,7 +297,8 @@ class Pipeline:
         existing one of a duplicate) and a note for the job, or None for a playlist link that
         queued its entries or waits for them, and the job with the signature of the input
         (the link file, for a link) as it was read."""
-        sep, out = self.settings.for_preset(job.preset)
+        chosen = choices.for_job(self.settings, job)  # a bad tag or sidecar fails it now
+        sep, out = chosen.separation, chosen.output
         repo = self.settings.resolve_model_repo(sep)
         source = Path(job.source)
         report = _Progress(self._update, job.id)
@@ -386,13 +397,13 @@ class Pipeline:
 
         return enter, lambda: self._publish(job, control, staging, source, result, model,
                                             decoded, digest, size, sep, out, settings, link,
-                                            timer), job
+                                            timer, chosen.origins), job
 
     def _publish(self, job: Job, control: JobControl, staging: Path, source: Path,
                  result: Separation, model: ModelInfo, decoded: DecodedAudio, digest: str,
                  size: int, sep: SeparationSettings, out: OutputSettings,
                  settings: dict[str, Any], link: Downloaded | None,
-                 timer: StageTimer) -> tuple[Path, str | None]:
+                 timer: StageTimer, origins: dict[str, str]) -> tuple[Path, str | None]:
         """Write the stems and the manifest into staging and publish them; returns the
         published folder. Needs no worker: it may run while the next job separates."""
         repo = model.repo
@@ -414,6 +425,8 @@ class Pipeline:
             "preset": job.preset,
             **({"link": link.manifest()} if link else {}),
             "settings": settings,
+            # where each setting came from: config, preset, a tag in the name, a sidecar
+            "settings_from": origins,
             "stems": song.entries,
             **song.manifest,
             "timings": timer.timings,
@@ -482,6 +495,8 @@ class Pipeline:
             except FilesystemError as exc:
                 error = f"stems published, but {exc}; the input stays in the inbox"
                 log.error("%s", error)
+            else:
+                choices.move_sidecar(source, moved_to)
         return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
                             source=str(moved_to), error=error, stage=None,
                             finished_at=time.time())
