@@ -144,8 +144,8 @@ class OutputSettings:
     session: tuple[str, ...] = key([], choice_list("dawproject", "reaper", what="projects"),
                                    "DAW projects beside the stems (with the mix as a muted "
                                    "track): dawproject, reaper")
-    stem_file: bool = key(False, boolean, "<song>.stem.mp4: NI Stems (master + drums, bass, "
-                          "other, vocals as AAC) for Traktor, Mixxx, djay")
+    stem_file: bool = key(False, boolean, "a .stem.mp4 named after the song: NI Stems (master "
+                          "+ drums, bass, other, vocals as AAC) for Traktor, Mixxx, djay")
     practice: bool = key(False, boolean, "practice/: mp3s for a phone: a click track with a "
                          "count-in, the song minus each stem with the click, slowed versions")
     practice_speeds: tuple[float, ...] = key([75], number_list(25, 99, unit="(percent)"),
