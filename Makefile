@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
+.PHONY: demo test soak install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the model-based seams test (tests/test_model_based.py) for an hour: long random sequences,
+# a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one); SOAK_SECONDS changes
+# how long
+SOAK_SECONDS ?= 3600
+soak: install
+	STEMDECK_SOAK=1 STEMDECK_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -x \
+		-p no:cacheprovider tests/test_model_based.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py
