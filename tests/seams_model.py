@@ -24,13 +24,14 @@ from seams_service import JobRow, RegistryView, ServiceProcess, read_registry
 # yet, so that a soak can go on looking for others, e.g. STEMDECK_MODEL_KNOWN=twice,stall
 KNOWN = frozenset(filter(None, os.environ.get("STEMDECK_MODEL_KNOWN", "").split(",")))
 STALL = 90.0  # seconds without any change before a queue that should finish counts as stuck
-DISK_STALL = 30.0
+DISK_STALL = 15.0
 
 
 class Model:
     def __init__(self, root: Path, outbox: Path, songs: list[bytes]):
         self.root, self.outbox = root, outbox
-        self.inbox, self.processed, self.failed = root / "inbox", root / "processed", root / "failed"
+        self.inbox, self.processed = root / "inbox", root / "processed"
+        self.failed = root / "failed"
         self.trash, self.away = root / "trash", root / "away"
         self.scratch = root / "state" / "scratch"
         self.songs = {sha_of(data): f"c{i}" for i, data in enumerate(songs)}
@@ -88,15 +89,16 @@ class Model:
         for rel, job_id in self.seen.items():
             if now.get(rel) != job_id and job_id not in self.removed:
                 what = "deleted" if rel not in now else f"replaced by job {now[rel]}'s"
-                problems.append(f"[deleted] outbox/{rel} (the stems of job {job_id}) was {what}, yet the "
-                                f"test removed only jobs {sorted(self.removed) or 'none'} and "
-                                f"did not move that folder")
+                removed = sorted(self.removed) or "none"
+                problems.append(f"[deleted] outbox/{rel} (the stems of job {job_id}) was {what}, "
+                                f"yet the test removed only jobs {removed} and did not move "
+                                f"that folder")
         self.seen = now
         for rel, job_id in now.items():
             job = view.jobs.get(job_id)
             if job_id in self.must_cancel:
-                problems.append(f"[cancel] outbox/{rel} holds the stems of job {job_id}, cancelled in "
-                                f"time ({self.must_cancel[job_id]})")
+                problems.append(f"[cancel] outbox/{rel} holds the stems of job {job_id}, "
+                                f"cancelled in time ({self.must_cancel[job_id]})")
             elif job is not None and job.state == "cancelled":
                 problems.append(f"[cancel] outbox/{rel} holds the stems of job {job_id}, which is "
                                 f"cancelled ({job.error})")
@@ -106,8 +108,8 @@ class Model:
                 continue
             problems += self._holds_its_song(rel, manifest)
             twins[(manifest["input"]["sha256"], manifest.get("preset"))].append(rel)
-        problems += [f"[twice] {self.name(sha)} was separated {len(rels)} times with the same settings "
-                     f"(on_duplicate = skip): {sorted(rels)}"
+        problems += [f"[twice] {self.name(sha)} was separated {len(rels)} times with the same "
+                     f"settings (on_duplicate = skip): {sorted(rels)}"
                      for (sha, _preset), rels in twins.items() if len(rels) > 1]
         return problems + self._nothing_lost()
 
@@ -122,12 +124,12 @@ class Model:
             problems = [] if path in self.urls[where] else [
                 f"[foreign] outbox/{rel} was downloaded from {path}, never named by inbox/{where}"]
             if self.songs.get(sha) != path.strip("/").removesuffix(".wav"):
-                problems.append(f"[foreign] outbox/{rel} says it was downloaded from {path} but holds the "
-                                f"stems of {self.name(sha)}")
+                problems.append(f"[foreign] outbox/{rel} says it was downloaded from {path} but "
+                                f"holds the stems of {self.name(sha)}")
             return problems
         if sha not in self.history[where]:
-            return [f"[foreign] outbox/{rel} holds the stems of {self.name(sha)}, which was never at "
-                    f"inbox/{where} (versions there: "
+            return [f"[foreign] outbox/{rel} holds the stems of {self.name(sha)}, which was "
+                    f"never at inbox/{where} (versions there: "
                     f"{sorted(self.name(s) for s in self.history[where])})"]
         return []
 
@@ -140,8 +142,8 @@ class Model:
                     sha = self.hashes.of(Path(dirpath) / name)
                     if sha is not None:
                         found[sha] += 1
-        return [f"[lost] {self.name(sha)}: {count} version(s) placed in the inbox, only {found[sha]} "
-                f"found in the inbox, processed/ and failed/ (and the test's trash)"
+        return [f"[lost] {self.name(sha)}: {count} version(s) placed in the inbox, only "
+                f"{found[sha]} found in the inbox, processed/ and failed/ (and the test's trash)"
                 for sha, count in self.placed.items() if found[sha] < count]
 
     # ------------------------------------------------------------ once the queue is quiet
@@ -179,7 +181,8 @@ class Model:
     def check_quiet(self, view: RegistryView) -> list[str]:
         folders, stray, staging = scan_outbox(self.outbox)
         problems = [f"[leftover] a leftover in the outbox: {name}" for name in stray]
-        problems += [f"[leftover] a leftover in the outbox's staging folder: {name}" for name in staging]
+        problems += [f"[leftover] a leftover in the outbox's staging folder: {name}"
+                     for name in staging]
         for folder in (self.processed, self.failed):
             problems += [f"[leftover] a hidden leftover in {folder.name}/: {p.name}"
                          for p in folder.rglob(".*")]
@@ -192,19 +195,21 @@ class Model:
             if manifest is None or job_id in self.removed:
                 continue
             if job is None or job.state != "done" or job.output != str(self.outbox / rel):
-                problems.append(f"[orphan] outbox/{rel} holds the stems of job {job_id}, which is "
-                                f"{job.state + ' with its stems at ' + str(job.output) if job else 'unknown to the registry'}")
+                what = (f"{job.state} with its stems at {job.output}" if job
+                        else "unknown to the registry")
+                problems.append(f"[orphan] outbox/{rel} holds the stems of job {job_id}, which "
+                                f"is {what}")
         for job in view.jobs.values():
             if job.state == "done":
                 problems += self._done_job(job)
         for job_id, why in self.must_cancel.items():
             job = view.jobs.get(job_id)
             if job is not None and job.state != "cancelled":
-                problems.append(f"[cancel] {job.rel_path} ({job_id}) was cancelled in time ({why}), "
-                                f"yet it is {job.state}")
+                problems.append(f"[cancel] {job.rel_path} ({job_id}) was cancelled in time "
+                                f"({why}), yet it is {job.state}")
         if self.paused and view.pause_reason not in ("user", "disk"):
-            problems.append(f"[pause] the test paused the queue, and it is "
-                            f"{'paused for ' + view.pause_reason if view.pause_reason else 'running'}")
+            now = f"paused for {view.pause_reason}" if view.pause_reason else "running"
+            problems.append(f"[pause] the test paused the queue, and it is {now}")
         return problems
 
     def _done_job(self, job: JobRow) -> list[str]:
@@ -224,8 +229,8 @@ class Model:
                     f"test never moved it)"]
         problems = []
         if manifest.get("preset") != job.preset:
-            problems.append(f"[wrong] {job.rel_path} ({job.id}, preset {job.preset}) points at outbox/"
-                            f"{rel}, separated with preset {manifest.get('preset')}")
+            problems.append(f"[wrong] {job.rel_path} ({job.id}, preset {job.preset}) points at "
+                            f"outbox/{rel}, separated with preset {manifest.get('preset')}")
         source = Path(job.source)
         if self.processed not in source.parents or not source.is_file():
             return problems  # still in the inbox (changed meanwhile): checked when it runs

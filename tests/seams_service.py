@@ -107,8 +107,11 @@ def _read(path: Path) -> RegistryView:
         jobs = {}
         for row in db.execute("SELECT id, name, kind, state, source, rel_path, preset, output, "
                               "error, size, mtime_ns, inode, sha256, created_at FROM jobs"):
-            sig = tuple(row[9:12]) if row[9] is not None else None
-            jobs[row[0]] = JobRow(*row[:9], sig, row[12], row[13])  # type: ignore[arg-type]
+            jobs[row[0]] = JobRow(
+                id=row[0], name=row[1], kind=row[2], state=row[3], source=row[4],
+                rel_path=row[5], preset=row[6], output=row[7], error=row[8],
+                signature=(row[9], row[10], row[11]) if row[9] is not None else None,
+                sha256=row[12], created_at=row[13])
         order = [r[0] for r in db.execute(
             "SELECT id FROM jobs WHERE state = 'queued' "
             "ORDER BY position IS NULL, position, created_at, rowid")]
@@ -118,14 +121,16 @@ def _read(path: Path) -> RegistryView:
         pause = db.execute("SELECT value FROM meta WHERE key = 'pause_reason'").fetchone()
     finally:
         db.close()
-    return RegistryView(jobs, order, tombstones, waiting, (pause or [""])[0] or "")  # type: ignore[arg-type]
+    return RegistryView(jobs, order, tombstones, waiting,  # type: ignore[arg-type]
+                        (pause or [""])[0] or "")
 
 
 # ---------------------------------------------------------------- the service process
 
 def descendants(pid: int) -> set[int]:
     table = processes()
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {p for p, (parent, state) in table.items()
                     if parent in frontier and state != "Z"} - found

@@ -12,7 +12,7 @@ A plain reference model (tests/seams_model.py) says what must hold after every s
 outbox folder holds the stems of a version of the song its manifest names; no folder
 disappears but the one a removed job published, or one the test took away; a cancel that came
 in time is never published; no half folder; nothing the test dropped is lost. At quiet points
-(the `settle` step, and the end of every example) the queue must finish, and every done job's
+(`wait(until="quiet")`, and the end of every example) the queue must finish, and every done job's
 folder must hold the stems of its own input; after a restart or a kill the queue keeps its order.
 
 Seeded and replayable: `make test` runs the short profile, derandomized (the same examples every
@@ -22,30 +22,26 @@ run); `STEMDECK_MODEL_SEED=N` replays seed N, `STEMDECK_MODEL_BLOB=…` the blob
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
-import random
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import hypothesis
 import pytest
-from hypothesis import HealthCheck, Phase, Verbosity, settings, strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis import HealthCheck, Phase, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stemdeck_watch.pipeline.publish import MANIFEST
-from stemdeck_watch.synth import write_song
 
 from seams_folders import (LINK_SLOT, SLOTS, STAGING, Hands, link_text, scan_outbox,
                            write_example_config)
 from seams_model import Model, order_kept, outstanding, wait_quiet
-from seams_service import MediaServer, RegistryView, ServiceProcess, SmallDisk, read_registry
+from seams_run import World, make_world, run_profiles
+from seams_service import RegistryView, ServiceProcess, SmallDisk, read_registry
 
 pytestmark = pytest.mark.slow
 
@@ -53,35 +49,35 @@ SONGS = 4  # distinct songs, all 1.2 s: the same size, so `cp -p` can keep size 
 SOAK = os.environ.get("STEMDECK_SOAK") == "1"
 SOAK_SECONDS = float(os.environ.get("STEMDECK_SOAK_SECONDS") or 3600)
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
-COMMON = dict(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink))
-settings.register_profile("seams-short", max_examples=4, stateful_step_count=12,
-                          derandomize=True, **COMMON)
-settings.register_profile("seams-soak", max_examples=10, stateful_step_count=40,
-                          derandomize=False, **COMMON)
+COMMON = settings(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
+                  phases=(Phase.explicit, Phase.generate, Phase.shrink))
+settings.register_profile("seams-short", COMMON, max_examples=4, stateful_step_count=12,
+                          derandomize=True)
+settings.register_profile("seams-soak", COMMON, max_examples=10, stateful_step_count=40,
+                          derandomize=False)
 FINAL = ("done", "failed", "cancelled")
 _numbers = itertools.count()
 
 
-@dataclasses.dataclass
-class World:
-    """What every example shares: the tiny model, the songs, the link server."""
-
-    tmp: Path
-    model_repo: Path
-    songs: list[bytes]
-    media: MediaServer
-    small_disk: str | None  # why no small disk can be had here (None: it can)
-
-
 def guarded(step: Callable[..., None]) -> Callable[..., None]:
-    """Marks the machine broken while a step runs: its teardown then only cleans up."""
+    """The first failure of an example is kept and raised by its teardown; the steps after
+    it only draw their arguments. When a check sees a race one step earlier or later on a
+    replay, the example still draws the same data, which Hypothesis needs to shrink it."""
 
     @functools.wraps(step)
     def run(self: "SeamsMachine", *args: Any, **kwargs: Any) -> None:
-        self.broken = True
-        step(self, *args, **kwargs)
-        self.broken = False
+        if self.failure is not None:
+            return
+        if step.__name__ not in ("always", "finish"):
+            shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            self.steps.append(f"{step.__name__}({shown})")
+        try:
+            step(self, *args, **kwargs)
+        except Exception as exc:
+            exc.add_note(f"seen in {step.__name__} after step {len(self.steps)}, "
+                         f"{self.steps[-1] if self.steps else '-'}; the service's logs: "
+                         f"{self.root / 'logs' if self.root else '-'}")
+            self.failure = exc
 
     return run
 
@@ -90,7 +86,8 @@ class SeamsMachine(RuleBasedStateMachine):
     def __init__(self, world: World):
         super().__init__()
         self.world = world
-        self.broken = False
+        self.failure: Exception | None = None  # the first one; the teardown raises it
+        self.steps: list[str] = []  # the rules run so far, for the failure's note
         self.root: Path | None = None
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
@@ -123,24 +120,31 @@ class SeamsMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            if not self.broken and self.service is not None and self.service.alive():
-                # the end of every example: with the disk freed and the queue started,
-                # everything must finish, and every invariant hold
-                if self.disk is not None:
-                    self.disk.free()
-                    self.model.disk_tight = False
-                if self.model.paused:
-                    self.post("/api/queue/start")
-                    self.model.paused = False
-                self.quiet()
-                self.service.stop()
+            self.finish()
         finally:
             if self.service is not None:
                 self.service.force()
             if self.disk is not None:
                 self.disk.close()
-            if self.root is not None and not self.broken:
+            if self.root is not None and self.failure is None:
                 shutil.rmtree(self.root, ignore_errors=True)
+        if self.failure is not None:
+            raise self.failure
+
+    @guarded
+    def finish(self) -> None:
+        """The end of every example: with the disk freed and the queue started, everything
+        must finish, every invariant hold, and the service stop cleanly."""
+        if self.service is None:
+            return
+        if self.disk is not None:
+            self.disk.free()
+            self.model.disk_tight = False
+        if self.model.paused:
+            self.post("/api/queue/start")
+            self.model.paused = False
+        self.quiet()
+        self.service.stop()
 
     # ------------------------------------------------------------ helpers
 
@@ -200,12 +204,14 @@ class SeamsMachine(RuleBasedStateMachine):
         """A song dropped (or dropped again, or the file replaced by another song)."""
         self._put(slot, song, how)
 
-    @rule(slot=st.sampled_from(SLOTS), back=st.integers(0, 7))
+    @rule(again=st.integers(0, 3 * 8 - 1))
     @guarded
-    def drop_again(self, slot: str, back: int) -> None:
-        """The same bytes as a song dropped before (the most recent one, mostly), anywhere."""
-        if self.dropped:
-            self._put(slot, self.dropped[-1 - back % len(self.dropped)], "atomic")
+    def drop_again(self, again: int) -> None:
+        """The same bytes as a song dropped before (the most recent one, mostly) into one of
+        the slots (the first song, if none was dropped yet)."""
+        back, slot = divmod(again, len(SLOTS))
+        song = self.dropped[-1 - back % len(self.dropped)] if self.dropped else 0
+        self._put(SLOTS[slot], song, "atomic")
 
     def _put(self, slot: str, song: int, how: str) -> None:
         self.model.touching(self.view(), slot)
@@ -273,7 +279,7 @@ class SeamsMachine(RuleBasedStateMachine):
     @guarded
     def retry(self, pick: int) -> None:
         jobs = sorted((j for j in self.view().jobs.values() if j.state in FINAL[1:]),
-                      key=lambda j: j.created_at)
+                      key=lambda j: -j.created_at)  # the latest first
         if jobs:
             self.post(f"/api/jobs/{jobs[pick % len(jobs)].id}/retry")
 
@@ -281,7 +287,7 @@ class SeamsMachine(RuleBasedStateMachine):
     @guarded
     def remove(self, pick: int) -> None:
         jobs = sorted((j for j in self.view().jobs.values()
-                       if j.state in FINAL), key=lambda j: j.created_at)
+                       if j.state in FINAL), key=lambda j: -j.created_at)
         if jobs:
             job = jobs[pick % len(jobs)]
             status, _ = self.post(f"/api/jobs/{job.id}/remove")
@@ -316,7 +322,7 @@ class SeamsMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.disk is not None)
     @rule(fill=st.booleans())
     @guarded
-    def disk_space(self, fill: bool) -> None:
+    def fill_disk(self, fill: bool) -> None:
         """Fill the small disk to below the disk check's margin, or free it again."""
         assert self.disk is not None
         if fill:
@@ -325,15 +331,15 @@ class SeamsMachine(RuleBasedStateMachine):
             self.disk.free()
         self.model.disk_tight = fill
 
-    @rule(seconds=st.sampled_from([0.3, 1.0, 2.5]))
+    @rule(until=st.sampled_from(["quiet", "0.3 s", "1 s", "2.5 s"]))
     @guarded
-    def let_time_pass(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    @rule()
-    @guarded
-    def settle(self) -> None:
-        self.quiet()
+    def wait(self, until: str) -> None:
+        """Let the service work: until it is quiet (then check everything that needs quiet),
+        or a moment."""
+        if until == "quiet":
+            self.quiet()
+        else:
+            time.sleep(float(until.split()[0]))
 
     @invariant()
     @guarded
@@ -348,54 +354,12 @@ class SeamsMachine(RuleBasedStateMachine):
 
 @pytest.fixture
 def world(tmp_path: Path, model_repo: Path) -> Iterator[World]:
-    songs = [write_song(tmp_path / "songs" / f"c{i}.wav", 1.2, seed=7000 + i).read_bytes()
-             for i in range(SONGS)]
-    media = MediaServer(songs)
-    try:
-        no_disk = ("turned off by STEMDECK_MODEL_NO_MOUNT" if os.environ.get("STEMDECK_MODEL_NO_MOUNT")
-                   else SmallDisk.unavailable(tmp_path / "probe"))
-        yield World(tmp_path, model_repo, songs, media, no_disk)
-    finally:
-        media.close()
-
-
-def run_machine(world: World, profile: str, seed: int | None = None) -> None:
-    def machine() -> SeamsMachine:
-        return SeamsMachine(world)
-
-    chosen = settings.get_profile(profile)
-    if os.environ.get("STEMDECK_MODEL_EXAMPLES"):
-        chosen = settings(chosen, max_examples=int(os.environ["STEMDECK_MODEL_EXAMPLES"]))
-    if os.environ.get("STEMDECK_MODEL_VERBOSE"):
-        chosen = settings(chosen, verbosity=Verbosity.debug)  # every step of every example
-    blob = os.environ.get("STEMDECK_MODEL_BLOB")
-    factory: Any = machine
-    if blob:
-        factory = hypothesis.reproduce_failure(hypothesis.__version__, blob.encode())(factory)
-    elif seed is not None:
-        factory = hypothesis.seed(seed)(factory)
-        chosen = settings(chosen, derandomize=False)
-    try:
-        run_state_machine_as_test(factory, settings=chosen)
-    except BaseException as exc:
-        if seed is not None:
-            exc.add_note(f"replay: STEMDECK_MODEL_SEED={seed}"
-                         + (" STEMDECK_SOAK=1" if profile == "seams-soak" else ""))
-        raise
+    with make_world(tmp_path, model_repo, SONGS) as made:
+        yield made
 
 
 @pytest.mark.timeout(SOAK_SECONDS + 3600 if SOAK else 1200)
 def test_the_seams_hold_whatever_people_do(world: World) -> None:
     if world.small_disk:
         print(f"the disk rules are left out: {world.small_disk}")
-    replay = os.environ.get("STEMDECK_MODEL_SEED")
-    if not SOAK:
-        run_machine(world, "seams-short", int(replay) if replay else None)
-        return
-    end = time.monotonic() + SOAK_SECONDS
-    seed = int(replay) if replay else random.SystemRandom().randrange(10**9)
-    rounds = 0
-    while rounds == 0 or time.monotonic() < end:
-        print(f"soak round {rounds + 1}: STEMDECK_MODEL_SEED={seed} STEMDECK_SOAK=1", flush=True)
-        run_machine(world, "seams-soak", seed)
-        rounds, seed = rounds + 1, seed + 1
+    run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS)
