@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test docs install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
+.PHONY: demo test docs soak install bench bench-memory bench-intake bench-control bench-links bench-notify bench-restore bench-output bench-precision bench-work-beside bench-ray clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ DOCS_EXTRAS := $(if $(filter docs,$(subst $(comma), ,$(EXTRAS))),$(EXTRAS),$(EXT
 docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# the model-based seams test (tests/test_model_based.py) for an hour: long random sequences,
+# a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one); SOAK_SECONDS changes
+# how long
+SOAK_SECONDS ?= 3600
+soak: install
+	STEMDECK_SOAK=1 STEMDECK_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -x \
+		-p no:cacheprovider tests/test_model_based.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/bench_throughput.py
