@@ -37,16 +37,18 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault(ONEDNN_ENV, "0")
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
-             interval: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0,
+             what: str | Callable[[], str] = "condition", interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds.
+    `what` may be a callable, so the failure can say what was seen instead."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {said}")
         time.sleep(interval)
 
 
