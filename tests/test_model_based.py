@@ -51,7 +51,7 @@ SOAK_SECONDS = float(os.environ.get("STEMDECK_SOAK_SECONDS") or 3600)
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 COMMON = settings(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
                   phases=(Phase.explicit, Phase.generate, Phase.shrink))
-settings.register_profile("seams-short", COMMON, max_examples=4, stateful_step_count=12,
+settings.register_profile("seams-short", COMMON, max_examples=5, stateful_step_count=12,
                           derandomize=True)
 settings.register_profile("seams-soak", COMMON, max_examples=10, stateful_step_count=40,
                           derandomize=False)
@@ -88,6 +88,7 @@ class SeamsMachine(RuleBasedStateMachine):
         self.world = world
         self.failure: Exception | None = None  # the first one; the teardown raises it
         self.steps: list[str] = []  # the rules run so far, for the failure's note
+        self.counted: set[str] = set()  # jobs already in the world's tally
         self.root: Path | None = None
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
@@ -155,6 +156,7 @@ class SeamsMachine(RuleBasedStateMachine):
     def post(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
         assert self.service is not None
         status, reply = self.service.api("POST", path, body)
+        self.world.tally[f"{path.rsplit('/', 1)[-1]} {status}"] += 1
         if status >= 500 or status in (400, 401):
             raise AssertionError(f"POST {path} {body or ''} → {status} {reply}\n"
                                  f"{self.service.tail()}")
@@ -186,6 +188,11 @@ class SeamsMachine(RuleBasedStateMachine):
         everything that needs quiet."""
         assert self.service is not None and self.root is not None
         view = wait_quiet(self.service, self.model, self.root / "state")
+        for job in view.jobs.values():
+            if job.state in FINAL and job.id not in self.counted:
+                self.counted.add(job.id)
+                dup = job.error is not None and job.error.startswith("already separated")
+                self.world.tally[f"{job.kind} {job.state}{' (a duplicate)' if dup else ''}"] += 1
         self.check(self.model.check_step(view) + self.model.check_quiet(view))
 
     def check(self, problems: list[str]) -> None:
@@ -245,6 +252,7 @@ class SeamsMachine(RuleBasedStateMachine):
             rel = folders[pick % len(folders)]
             os.rename(self.model.outbox / rel, self.taken / f"{next(_numbers)}-{Path(rel).name}")
             self.model.took_away(rel)
+            self.world.tally["stems folder taken away"] += 1
 
     # ------------------------------------------------------------ the API
 
@@ -262,9 +270,11 @@ class SeamsMachine(RuleBasedStateMachine):
         staging = self.model.outbox / STAGING / job_id
         if job is not None and job.state in ("queued", "downloading", "decoding", "separating"):
             self.model.must_cancel[job_id] = f"{job.state} when the cancel was answered"
+            self.world.tally[f"cancel in time ({job.state})"] += 1
         elif job is not None and job.state == "publishing" and staging.is_dir() \
                 and not (staging / MANIFEST).exists():
             self.model.must_cancel[job_id] = "its stems were still being written"
+            self.world.tally["cancel in time (publishing)"] += 1
 
     @rule(pick=st.integers(0, 7), other=st.integers(0, 7), first=st.booleans())
     @guarded
@@ -311,6 +321,7 @@ class SeamsMachine(RuleBasedStateMachine):
         if how == "not now":
             return
         before = self.view()
+        self.world.tally[f"restart ({how})"] += 1
         if how == "kill":
             self.service.kill()
         else:
@@ -327,6 +338,7 @@ class SeamsMachine(RuleBasedStateMachine):
         assert self.disk is not None
         if fill:
             self.disk.fill()
+            self.world.tally["disk filled"] += 1
         else:
             self.disk.free()
         self.model.disk_tight = fill
@@ -362,4 +374,4 @@ def world(tmp_path: Path, model_repo: Path) -> Iterator[World]:
 def test_the_seams_hold_whatever_people_do(world: World) -> None:
     if world.small_disk:
         print(f"the disk rules are left out: {world.small_disk}")
-    run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS)
+    run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS, world.tally)
