@@ -51,7 +51,7 @@ SOAK_SECONDS = float(os.environ.get("STEMDECK_SOAK_SECONDS") or 3600)
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 COMMON = settings(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
                   phases=(Phase.explicit, Phase.generate, Phase.shrink))
-settings.register_profile("seams-short", COMMON, max_examples=5, stateful_step_count=12,
+settings.register_profile("seams-short", COMMON, max_examples=6, stateful_step_count=14,
                           derandomize=True)
 settings.register_profile("seams-soak", COMMON, max_examples=10, stateful_step_count=40,
                           derandomize=False)
@@ -173,6 +173,8 @@ class SeamsMachine(RuleBasedStateMachine):
                 found = [j.id for j in jobs if j.id in view.order]
             elif phase == "publishing":
                 found = [j.id for j in jobs if j.state == "publishing"]
+            elif phase == "next":  # the head of the queue, while a song separates
+                found = view.order[:1] if any(j.state == "separating" for j in jobs) else []
             elif phase == "separating":
                 found = [j.id for j in jobs if j.state in ("downloading", "decoding",
                                                            "separating")]
@@ -237,6 +239,26 @@ class SeamsMachine(RuleBasedStateMachine):
     @guarded
     def link(self, song: int, how: str) -> None:
         """A link saved into the inbox, or the saved link edited to point elsewhere."""
+        self._link(song, how)
+
+    @rule(song=st.integers(0, SONGS - 1), how=st.sampled_from(["stamp", "inplace", "atomic"]),
+          after=st.sampled_from([0.3, 0.0]))
+    @guarded
+    def replace_next(self, song: int, how: str, after: float) -> None:
+        """The next song in the queue replaced `after` s into the separation of the one
+        before it (its decode or download prepared ahead by then): by another song, a link by
+        another URL."""
+        job_id = self.pick("next", 0)
+        if job_id is not None:
+            time.sleep(after)
+            rel = self.view().jobs[job_id].rel_path
+            if rel == LINK_SLOT:
+                self._link(song, "inplace" if how == "inplace" else "atomic")
+            elif rel in SLOTS:
+                self._put(rel, song, how)
+            self.world.tally["next song replaced"] += 1
+
+    def _link(self, song: int, how: str) -> None:
         self.model.touching(self.view(), LINK_SLOT)
         url = self.world.media.url(song)
         data = link_text(url)
