@@ -10,6 +10,7 @@ step, STEMDECK_MODEL_NO_MOUNT=1 leaves the small disk out.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -36,6 +37,8 @@ class World:
     songs: list[bytes]
     media: MediaServer
     small_disk: str | None  # why no small disk can be had here (None: it can)
+    # what the examples did (printed after each run: a soak shows what it covered)
+    tally: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 @contextlib.contextmanager
@@ -55,17 +58,23 @@ def make_world(tmp: Path, model_repo: Path, songs: int) -> Iterator[World]:
 
 
 def run_profiles(machine: Callable[[], RuleBasedStateMachine], soak: bool,
-                 soak_seconds: float) -> None:
+                 soak_seconds: float, tally: collections.Counter[str]) -> None:
     replay = os.environ.get("STEMDECK_MODEL_SEED")
     if not soak:
-        run_machine(machine, "seams-short", int(replay) if replay else None)
+        try:
+            run_machine(machine, "seams-short", int(replay) if replay else None)
+        finally:
+            print(f"what the examples did: {dict(sorted(tally.items()))}")
         return
     end = time.monotonic() + soak_seconds
     seed = int(replay) if replay else random.SystemRandom().randrange(10**9)
     rounds = 0
     while rounds == 0 or time.monotonic() < end:
         print(f"soak round {rounds + 1}: STEMDECK_MODEL_SEED={seed} STEMDECK_SOAK=1", flush=True)
-        run_machine(machine, "seams-soak", seed)
+        try:
+            run_machine(machine, "seams-soak", seed)
+        finally:
+            print(f"what the examples did: {dict(sorted(tally.items()))}", flush=True)
         rounds, seed = rounds + 1, seed + 1
 
 

@@ -51,7 +51,7 @@ SOAK_SECONDS = float(os.environ.get("STEMDECK_SOAK_SECONDS") or 3600)
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 COMMON = settings(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
                   phases=(Phase.explicit, Phase.generate, Phase.shrink))
-settings.register_profile("seams-short", COMMON, max_examples=4, stateful_step_count=12,
+settings.register_profile("seams-short", COMMON, max_examples=6, stateful_step_count=14,
                           derandomize=True)
 settings.register_profile("seams-soak", COMMON, max_examples=10, stateful_step_count=40,
                           derandomize=False)
@@ -88,6 +88,7 @@ class SeamsMachine(RuleBasedStateMachine):
         self.world = world
         self.failure: Exception | None = None  # the first one; the teardown raises it
         self.steps: list[str] = []  # the rules run so far, for the failure's note
+        self.counted: set[str] = set()  # jobs already in the world's tally
         self.root: Path | None = None
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
@@ -155,6 +156,7 @@ class SeamsMachine(RuleBasedStateMachine):
     def post(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
         assert self.service is not None
         status, reply = self.service.api("POST", path, body)
+        self.world.tally[f"{path.rsplit('/', 1)[-1]} {status}"] += 1
         if status >= 500 or status in (400, 401):
             raise AssertionError(f"POST {path} {body or ''} → {status} {reply}\n"
                                  f"{self.service.tail()}")
@@ -171,6 +173,8 @@ class SeamsMachine(RuleBasedStateMachine):
                 found = [j.id for j in jobs if j.id in view.order]
             elif phase == "publishing":
                 found = [j.id for j in jobs if j.state == "publishing"]
+            elif phase == "next":  # the head of the queue, while a song separates
+                found = view.order[:1] if any(j.state == "separating" for j in jobs) else []
             elif phase == "separating":
                 found = [j.id for j in jobs if j.state in ("downloading", "decoding",
                                                            "separating")]
@@ -186,6 +190,11 @@ class SeamsMachine(RuleBasedStateMachine):
         everything that needs quiet."""
         assert self.service is not None and self.root is not None
         view = wait_quiet(self.service, self.model, self.root / "state")
+        for job in view.jobs.values():
+            if job.state in FINAL and job.id not in self.counted:
+                self.counted.add(job.id)
+                dup = job.error is not None and job.error.startswith("already separated")
+                self.world.tally[f"{job.kind} {job.state}{' (a duplicate)' if dup else ''}"] += 1
         self.check(self.model.check_step(view) + self.model.check_quiet(view))
 
     def check(self, problems: list[str]) -> None:
@@ -230,6 +239,26 @@ class SeamsMachine(RuleBasedStateMachine):
     @guarded
     def link(self, song: int, how: str) -> None:
         """A link saved into the inbox, or the saved link edited to point elsewhere."""
+        self._link(song, how)
+
+    @rule(song=st.integers(0, SONGS - 1), how=st.sampled_from(["stamp", "inplace", "atomic"]),
+          after=st.sampled_from([0.3, 0.0]))
+    @guarded
+    def replace_next(self, song: int, how: str, after: float) -> None:
+        """The next song in the queue replaced `after` s into the separation of the one
+        before it (its decode or download prepared ahead by then): by another song, a link by
+        another URL."""
+        job_id = self.pick("next", 0)
+        if job_id is not None:
+            time.sleep(after)
+            rel = self.view().jobs[job_id].rel_path
+            if rel == LINK_SLOT:
+                self._link(song, "inplace" if how == "inplace" else "atomic")
+            elif rel in SLOTS:
+                self._put(rel, song, how)
+            self.world.tally["next song replaced"] += 1
+
+    def _link(self, song: int, how: str) -> None:
         self.model.touching(self.view(), LINK_SLOT)
         url = self.world.media.url(song)
         data = link_text(url)
@@ -245,6 +274,7 @@ class SeamsMachine(RuleBasedStateMachine):
             rel = folders[pick % len(folders)]
             os.rename(self.model.outbox / rel, self.taken / f"{next(_numbers)}-{Path(rel).name}")
             self.model.took_away(rel)
+            self.world.tally["stems folder taken away"] += 1
 
     # ------------------------------------------------------------ the API
 
@@ -262,9 +292,11 @@ class SeamsMachine(RuleBasedStateMachine):
         staging = self.model.outbox / STAGING / job_id
         if job is not None and job.state in ("queued", "downloading", "decoding", "separating"):
             self.model.must_cancel[job_id] = f"{job.state} when the cancel was answered"
+            self.world.tally[f"cancel in time ({job.state})"] += 1
         elif job is not None and job.state == "publishing" and staging.is_dir() \
                 and not (staging / MANIFEST).exists():
             self.model.must_cancel[job_id] = "its stems were still being written"
+            self.world.tally["cancel in time (publishing)"] += 1
 
     @rule(pick=st.integers(0, 7), other=st.integers(0, 7), first=st.booleans())
     @guarded
@@ -311,6 +343,7 @@ class SeamsMachine(RuleBasedStateMachine):
         if how == "not now":
             return
         before = self.view()
+        self.world.tally[f"restart ({how})"] += 1
         if how == "kill":
             self.service.kill()
         else:
@@ -327,6 +360,7 @@ class SeamsMachine(RuleBasedStateMachine):
         assert self.disk is not None
         if fill:
             self.disk.fill()
+            self.world.tally["disk filled"] += 1
         else:
             self.disk.free()
         self.model.disk_tight = fill
@@ -362,4 +396,4 @@ def world(tmp_path: Path, model_repo: Path) -> Iterator[World]:
 def test_the_seams_hold_whatever_people_do(world: World) -> None:
     if world.small_disk:
         print(f"the disk rules are left out: {world.small_disk}")
-    run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS)
+    run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS, world.tally)
