@@ -14,7 +14,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test docs lint install bench $(addprefix bench-,$(BENCHES)) clean
+.PHONY: demo test docs lint soak install bench $(addprefix bench-,$(BENCHES)) clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,14 @@ DOCS_EXTRAS := $(if $(filter docs,$(subst $(comma), ,$(EXTRAS))),$(EXTRAS),$(EXT
 docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# the model-based seams test (tests/seams/test_model_based.py) for an hour: long random
+# sequences, a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
+# SOAK_SECONDS changes how long
+SOAK_SECONDS ?= 3600
+soak: install
+	STEMDECK_SOAK=1 STEMDECK_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -x \
+		-p no:cacheprovider tests/seams/test_model_based.py $(PYTEST_ARGS)
 
 # every benchmark is benchmarks/bench_NAME.py, run by `make bench-NAME` (hyphens for
 # underscores: bench-work-beside); BENCH_ARGS go to it, e.g. BENCH_ARGS="--runs 3".

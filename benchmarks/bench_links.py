@@ -201,6 +201,7 @@ def make_settings(root: Path, repo: Path, shifts: int) -> Any:
     data["separation"].update(model="tiny", model_repo=str(repo), device="cpu", shifts=shifts)
     data["watch"]["settle_seconds"] = 0.3
     data["api"]["enabled"] = False
+    data["links"]["allow_private"] = True  # the media server listens on 127.0.0.1
     return settings_from_dict(data, source=root / "stemdeck.toml")
 
 

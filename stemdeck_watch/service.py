@@ -105,6 +105,8 @@ class Service:
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
             guard = DiskGuard(self.scheduler, self.settings)
+            for pipeline in self.pipelines:
+                pipeline.disk = guard
             self.prefetcher = Prefetcher(self.scheduler, self.pipeline, guard)
             self.dispatchers = [
                 Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,

@@ -91,6 +91,7 @@ def settings(tmp_path: Path) -> Settings:
     data = default_toml()
     data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
                                                        "state")}
+    data["links"]["allow_private"] = True  # the media servers listen on 127.0.0.1
     settings = settings_from_dict(data)
     for folder in ("inbox", "outbox", "processed", "failed", "state"):
         getattr(settings.paths, folder).mkdir()

@@ -26,9 +26,9 @@ from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
                                            choice_list, check_model_stems, extension_list,
-                                           layout_template, mix_table, number, ray_address,
-                                           sample_rate, show, stem_name, text, text_list,
-                                           url_list)
+                                           layout_template, mix_table, number, number_list,
+                                           ray_address, sample_rate, show, stem_name, text,
+                                           text_list, url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -128,8 +128,8 @@ class OutputSettings:
     bit_depth: int = key(16, choice(16, 24, 32), "16 or 24-bit integer; 32 = float (wav only)")
     mp3_bitrate: int = key(320, choice(96, 128, 160, 192, 224, 256, 320), "kbit/s for mp3")
     clip: str = key("rescale", choice("rescale", "clamp"),
-                    "keep integer and mp3 output from clipping: rescale (scale that file down) "
-                    "or clamp; float wav is written as is")
+                    "avoid clipping by turning the whole song down by one gain, every stem "
+                    "and mix alike (rescale), or by clamping samples")
     layout: str = key("{stem}.{ext}", layout_template,
                       "file name of each stem inside the song folder; fields {stem}, {name} "
                       "(song), {ext}, {model}, {title}, {artist}, {album} (tags; the file name "
@@ -146,6 +146,16 @@ class OutputSettings:
     preview: bool = key(True, boolean, "preview.png: the stems' waveforms with title and length")
     tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album, '
                      'track number (mutagen)')
+    session: tuple[str, ...] = key([], choice_list("dawproject", "reaper", what="projects"),
+                                   "DAW projects beside the stems (with the mix as a muted "
+                                   "track): dawproject, reaper")
+    stem_file: bool = key(False, boolean, "a .stem.mp4 named after the song: NI Stems (master "
+                          "+ drums, bass, other, vocals as AAC) for Traktor, Mixxx, djay")
+    practice: bool = key(False, boolean, "practice/: mp3s for a phone: a click track with a "
+                         "count-in, the song minus each stem with the click, slowed versions")
+    practice_speeds: tuple[float, ...] = key([75], number_list(25, 99, unit="(percent)"),
+                                             "slowed versions in practice/, in percent of "
+                                             "the song's speed (pitch kept); [] = none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +169,16 @@ class LinkSettings:
     max_entries: int = key(50, number(1, 1000, integer=True),
                            "a playlist longer than this queues its first N entries only; the "
                            "rest are named in its summary")
+    max_page_bytes: int = key("10MB", byte_size, "largest web page (or playlist) read while "
+                              "looking for a link's audio")
+    page_timeout: float = key(60.0, number(1, unit="(seconds)"),
+                              "how long a link's pages may keep it waiting for the site, "
+                              "before its download")
+    timeout: float = key(1800.0, number(0, unit="(seconds)"),
+                         "how long a link's whole fetch, pages and download, may keep it "
+                         "waiting for the site; 0 = no limit")
+    allow_private: bool = key(False, boolean, "fetch links that lead to this machine or the "
+                              "local network (loopback, private, link-local addresses)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +340,6 @@ def _show_value(value: Any) -> str:
 def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(table, dict):
         raise ConfigError("[presets] must hold tables such as [presets.karaoke]")
-    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
     presets: dict[str, dict[str, Any]] = {}
     for name, overrides in table.items():
         where = f"presets.{name}."
@@ -329,13 +348,29 @@ def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
         if not name or name.startswith(".") or any(c in name for c in '/\\:*?"<>|'):
             raise ConfigError(f"presets.{name}: the preset name is also a folder name in the inbox; "
                               "use letters, digits, spaces, '-' or '_'")
-        checked = {}
-        for k, v in overrides.items():
-            if k not in allowed:
-                raise _unknown_key(where, k, list(allowed))
-            checked[k] = _check(allowed[k], v, where)
-        presets[name] = checked
+        presets[name] = check_overrides(overrides, where)
     return presets
+
+
+def check_overrides(overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Keys a preset may set (any [separation] or [output] key), each checked as in the
+    config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ")."""
+    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
+    checked = {}
+    for k, v in overrides.items():
+        if k not in allowed:
+            raise _unknown_key(where, k, list(allowed))
+        checked[k] = _check(allowed[k], v, where)
+    return checked
+
+
+def check_song_settings(sep: SeparationSettings, out: OutputSettings, where: str) -> None:
+    """What only the keys together can get wrong (flac at 32 bits, a stem the model lacks)."""
+    _check_output(out, where)
+    try:
+        check_model_stems(sep.model, sep.two_stems, out.mixes)
+    except ValueError as exc:
+        raise ConfigError(f"{where}{exc}") from None
 
 
 def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Settings:

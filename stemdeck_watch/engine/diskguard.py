@@ -6,6 +6,14 @@ the input's duration; if either filesystem lacks that plus a margin, the queue p
 (`pause_reason = "disk"`), `disk_low` is announced, and the queue starts again by itself once
 room is back. A write that still fails is a failed job like any other (nothing partial in the
 outbox, the input safe).
+
+The check counts the work beside the worker too: a song still publishing behind, a song
+prepared ahead, another worker's song, each with what it has still to write (its estimate
+less what its scratch and staging folders hold already). Preparing ahead asks first
+(`fits_ahead`) and waits where it does not fit, without pausing anything. A link is sized by
+its own length where that is known (a playlist's entry, the download once it is there):
+before its download only the download's room is checked, and once the download is there the
+job is checked again (`admit_download`).
 """
 from __future__ import annotations
 
@@ -18,8 +26,9 @@ from pathlib import Path
 from typing import Callable
 
 from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.errors import Cancelled
 from stemdeck_watch.core.events import DiskLow
-from stemdeck_watch.core.jobs import Job, JobKind
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.stages.decode import probe_duration
 from stemdeck_watch.stages.scratch import estimate_scratch_bytes
 from stemdeck_watch.engine.scheduler import PAUSE_DISK, Scheduler
@@ -27,9 +36,11 @@ from stemdeck_watch.engine.scheduler import PAUSE_DISK, Scheduler
 log = logging.getLogger(__name__)
 
 MARGIN = 64 * 1024 * 1024  # never fill a disk to the last byte
-UNKNOWN_SECONDS = 600.0  # a link's length before its download: assume a long song
+UNKNOWN_SECONDS = 600.0  # a length nothing tells: assume a long song
 BYTES_PER_SECOND = {"wav": {16: 176_400, 24: 264_600, 32: 352_800}, "flac": 120_000}
+DOWNLOAD_BYTES_PER_SECOND = 40_000  # 320 kbit/s: the richest audio stream sites commonly give
 REMEMBERED = 64  # probed durations kept (the head of the queue and a few behind it)
+NO_ROOM = "waiting for room on disk"  # a Cancelled's reason: the job goes back to the head
 
 
 class DiskGuard:
@@ -39,33 +50,18 @@ class DiskGuard:
         self.settings = settings
         self._free = free
         # job id → (size, mtime_ns, seconds): probing a file's duration costs ~20 ms, which,
-        # between two jobs, is worker idle time; the prefetcher probes the next job ahead
+        # between two jobs, is worker idle time; the prefetcher probes the next job ahead.
+        # A link's entry is its download's length, learned once it is downloaded.
         self._durations: collections.OrderedDict[str, tuple[int, int, float]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
+        self._waiting: str | None = None  # the job last told to wait to be prepared ahead
 
-    def shortfall(self, job: Job) -> tuple[Path, int, int] | None:
-        """(folder, bytes needed, bytes free) for the first filesystem the job does not fit
-        on, or None when it fits."""
-        seconds = self._seconds(job)
-        sep, out = self.settings.for_preset(job.preset)
-        stems = 6 if "6s" in sep.model else 4
-        outputs = (2 if sep.two_stems else stems) + len(out.mixes)
-        if out.format == "mp3":
-            per_second = out.mp3_bitrate * 125
-        else:
-            per_second = BYTES_PER_SECOND.get(out.format, {}).get(out.bit_depth, 0) \
-                if out.format == "wav" else BYTES_PER_SECOND["flac"]
-        folders = self.settings.paths
-        needs = {folders.scratch: estimate_scratch_bytes(seconds, stems),
-                 folders.outbox: int(seconds * per_second * outputs)}
-        if _same_filesystem(folders.scratch, folders.outbox):
-            needs = {folders.outbox: sum(needs.values())}
-        for folder, need in needs.items():
-            free = self._free(_existing(folder))
-            if free < need + MARGIN:
-                return folder, need + MARGIN, free
-        return None
+    def shortfall(self, job: Job, whole: bool = True) -> tuple[Path, int, int] | None:
+        """(folder, bytes needed, bytes free) for the first filesystem `job` does not fit on
+        beside the work already in flight, or None when it fits. `whole`: the job's every
+        step; else (a link not yet downloaded) only its download."""
+        return self._short(self._needed(job, whole, self._beside(job)))
 
     def hold(self, job: Job) -> bool:
         """True if the job must wait for room: the queue is paused for disk and told why."""
@@ -78,6 +74,36 @@ class DiskGuard:
         self.scheduler.pause(PAUSE_DISK)
         self.scheduler.bus.publish(DiskLow(str(folder), free, need))
         return True
+
+    def admit_download(self, job: Job, download: Path) -> None:
+        """A link's download is there: learn its length, and check the job again with it.
+        Raises Cancelled(NO_ROOM) after pausing the queue for disk where it does not fit
+        (the dispatcher puts the job back at the head; its length is remembered, so it is
+        not downloaded again before there is room)."""
+        self.learn_download(job, download)
+        if self.hold(job):
+            raise Cancelled(NO_ROOM)
+
+    def learn_download(self, job: Job, download: Path) -> None:
+        """Remember a link's length, probed from its download."""
+        seconds = probe_duration(download)
+        self._remember(job.id, (0, 0, UNKNOWN_SECONDS if seconds is None else seconds))
+
+    def fits_ahead(self, job: Job, decode: bool = True) -> bool:
+        """Whether `job` may be prepared ahead now: decoded (`decode`), or only downloaded
+        (a link), beside everything in flight. Nothing is paused or announced where it does
+        not fit: the job is looked at again as the work in flight moves on, and checked as
+        usual when it runs."""
+        short = self.shortfall(job, whole=decode)
+        if short is None:
+            self._waiting = None
+            return True
+        if self._waiting != job.id:  # said once per job, not at every look
+            self._waiting = job.id
+            folder, need, free = short
+            log.info("not preparing %s ahead: beside the songs in flight it needs about %s on "
+                     "%s, %s is free", job.name, _mb(need), folder, _mb(free))
+        return False
 
     def room_again(self) -> bool:
         """While paused for disk: start the queue again once its head fits."""
@@ -92,14 +118,93 @@ class DiskGuard:
         self.scheduler.start()
         return True
 
-    def probe(self, job: Job) -> None:
-        """Learn `job`'s duration now, off the path between two jobs (the prefetcher calls
-        this for the next job while the current one separates)."""
-        self._seconds(job)
+    # ------------------------------------------------------------ what a job still needs
 
-    def _seconds(self, job: Job) -> float:
+    def _beside(self, job: Job) -> list[Job]:
+        """The jobs in flight other than `job`: taken by a worker, or holding a scratch or
+        staging folder (publishing behind, prepared ahead)."""
+        folders = self.settings.paths
+        ids = {control.job_id for control in self.scheduler.queue.in_flight()}
+        for folder in (folders.scratch, folders.staging):
+            try:
+                with os.scandir(folder) as entries:
+                    ids.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+            except OSError:
+                pass
+        ids.discard(job.id)
+        found = (self.scheduler.registry.get(job_id) for job_id in sorted(ids))
+        return [other for other in found if other is not None and not other.state.is_final]
+
+    def _needed(self, job: Job, whole: bool, beside: list[Job]) -> dict[Path, int]:
+        """Bytes still to be written on each filesystem by `job` and the jobs beside it."""
+        needs = self._remaining(job, whole)
+        for other in beside:
+            for folder, need in self._remaining(other, True).items():
+                needs[folder] = needs.get(folder, 0) + need
+        return needs
+
+    def _short(self, needs: dict[Path, int]) -> tuple[Path, int, int] | None:
+        for folder, need in needs.items():
+            free = self._free(_existing(folder))
+            if free < need + MARGIN:
+                return folder, need + MARGIN, free
+        return None
+
+    def _remaining(self, job: Job, whole: bool) -> dict[Path, int]:
+        """What `job` has still to write: its estimate less what its scratch and staging
+        folders hold already (a song prepared ahead, one half published)."""
+        folders = self.settings.paths
+        scratch, staging = folders.scratch / job.id, folders.staging / job.id
+        if job.state is JobState.PUBLISHING and not (os.path.lexists(scratch)
+                                                     or os.path.lexists(staging)):
+            return {}  # published: nothing left to write
+        download = scratch / "download"
+        fetched = _size(download)
+        seconds = self._seconds(job)
+        scratch_need = max(0, self._download_bytes(job, seconds) - fetched)
+        outbox_need = 0
+        if whole and seconds is not None:
+            scratch_need += max(0, self._scratch_bytes(job, seconds)
+                                - (_size(scratch) - fetched))
+            outbox_need = max(0, self._outbox_bytes(job, seconds) - _size(staging))
+        if _same_filesystem(folders.scratch, folders.outbox):
+            return {folders.outbox: scratch_need + outbox_need}
+        return {folders.scratch: scratch_need, folders.outbox: outbox_need}
+
+    def _download_bytes(self, job: Job, seconds: float | None) -> int:
+        """Room for a link's download: its length (else the longest accepted) at a rich
+        audio stream's rate, at most links.max_filesize."""
+        if job.kind is not JobKind.LINK:
+            return 0
+        links = self.settings.links
+        size = int((seconds or links.max_duration or UNKNOWN_SECONDS)
+                   * DOWNLOAD_BYTES_PER_SECOND)
+        return min(size, links.max_filesize) if links.max_filesize else size
+
+    def _scratch_bytes(self, job: Job, seconds: float) -> int:
+        sep, _out = self.settings.for_preset(job.preset)
+        return estimate_scratch_bytes(seconds, 6 if "6s" in sep.model else 4)
+
+    def _outbox_bytes(self, job: Job, seconds: float) -> int:
+        sep, out = self.settings.for_preset(job.preset)
+        stems = 6 if "6s" in sep.model else 4
+        outputs = (2 if sep.two_stems else stems) + len(out.mixes)
+        if out.format == "mp3":
+            per_second = out.mp3_bitrate * 125
+        else:
+            per_second = BYTES_PER_SECOND.get(out.format, {}).get(out.bit_depth, 0) \
+                if out.format == "wav" else BYTES_PER_SECOND["flac"]
+        return int(seconds * per_second * outputs)
+
+    def _seconds(self, job: Job) -> float | None:
+        """The job's length; None for a link whose length nothing has told yet."""
         if job.kind is JobKind.LINK:
-            return float(self.settings.links.max_duration or UNKNOWN_SECONDS)
+            with self._lock:
+                learned = self._durations.get(job.id)
+            if learned is not None:
+                return learned[2]
+            entry = job.playlist
+            return float(entry.duration) if entry is not None and entry.duration else None
         try:
             st = os.stat(job.source)
         except OSError:
@@ -110,12 +215,30 @@ class DiskGuard:
             return known[2]
         probed = probe_duration(Path(job.source))  # None: the decode step will say why
         seconds = UNKNOWN_SECONDS if probed is None else probed
+        self._remember(job.id, (st.st_size, st.st_mtime_ns, seconds))
+        return seconds
+
+    def _remember(self, job_id: str, known: tuple[int, int, float]) -> None:
         with self._lock:
-            self._durations[job.id] = (st.st_size, st.st_mtime_ns, seconds)
-            self._durations.move_to_end(job.id)
+            self._durations[job_id] = known
+            self._durations.move_to_end(job_id)
             while len(self._durations) > REMEMBERED:
                 self._durations.popitem(last=False)
-        return seconds
+
+
+def _size(folder: Path) -> int:
+    """Bytes the files under `folder` hold (0 if it is not there)."""
+    total = 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    total += _size(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
 
 
 def _existing(folder: Path) -> Path:

@@ -19,7 +19,7 @@ from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, StageError
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import Job, JobState
 from stemdeck_watch.stages.quarantine import quarantine
-from stemdeck_watch.engine.diskguard import DiskGuard
+from stemdeck_watch.engine.diskguard import NO_ROOM, DiskGuard
 from stemdeck_watch.engine.prefetch import Prefetcher
 from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.engine.pipeline import Pipeline, Publishing
@@ -145,13 +145,12 @@ class Dispatcher:
             queue.finish(control)
             return
         if self.guard is not None and not control.cancelled and self.guard.hold(job):
-            queue.finish(control)  # it waits at the head of the paused queue for room
-            until_stored(lambda: self.scheduler.requeue_front(job.id),
-                         f"{job.name} back at the head of the queue", self._stop)
+            self._cancelled(job, NO_ROOM, control)  # it waits at the head of the paused queue
+            queue.finish(control)
             return
         if not queue.set_running(control, self.slot):
             # cancelled between take() and now: we own the job, so we close it out
-            self._cancelled(job, control.reason or "cancelled")
+            self._cancelled(job, control.reason or "cancelled", control)
             queue.finish(control)
             return
         self._record_worker(job.name)
@@ -193,7 +192,7 @@ class Dispatcher:
         try:
             work()
         except Cancelled as exc:
-            self._cancelled(job, exc.reason)
+            self._cancelled(job, exc.reason, control)
         except StageError as exc:
             self._failed(job, exc.stage, str(exc), exc.details)
         except Exception as exc:
@@ -207,15 +206,26 @@ class Dispatcher:
         self.scheduler.announce_if_drained()
         return False
 
-    def _cancelled(self, job: Job, reason: str) -> None:
-        until_stored(lambda: self._record_cancel(job, reason), f"the end of {job.name}",
-                     self._stop)
+    def _cancelled(self, job: Job, reason: str, control: JobControl | None = None) -> None:
+        until_stored(lambda: self._record_cancel(job, reason, control),
+                     f"the end of {job.name}", self._stop)
 
-    def _record_cancel(self, job: Job, reason: str) -> None:
-        if reason == SHUTDOWN:
-            log.info("%s was cut off by shutdown; it goes back to the head of the queue", job.name)
+    def _record_cancel(self, job: Job, reason: str, control: JobControl | None) -> None:
+        """End a cancelled job, or put it back at the head of the queue (stopping, or no room
+        on disk yet: the queue is paused for disk and it runs first once there is room).
+
+        It goes back while the queue still has it taken, so a person's cancel finds it in
+        one place or the other: one that came before (answered "cancelled", the job's flag
+        set) takes it out of the queue again here, one that comes after finds it queued."""
+        if reason in (SHUTDOWN, NO_ROOM):
+            log.info("%s %s", job.name, "was cut off by shutdown; it goes back to the head of "
+                     "the queue" if reason == SHUTDOWN else "waits at the head of the queue "
+                     "for room on disk")
             self.scheduler.requeue_front(job.id)
-            return
+            asked = control.reason if control is not None and control.cancelled else None
+            if asked in (None, SHUTDOWN, NO_ROOM) or not self.scheduler.queue.discard(job.id):
+                return
+            reason = asked
         log.info("cancelled %s: %s", job.name, reason)
         self.scheduler.update(job.id, state=JobState.CANCELLED, error=reason, stage=None,
                               progress=0.0, finished_at=time.time())

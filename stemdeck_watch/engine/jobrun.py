@@ -39,6 +39,8 @@ class JobRun:
     scratch: Path
     staging: Path
     source: Path  # the file to separate: the input, or a link's download
+    # where each setting came from (config, preset, a tag in the name, a sidecar)
+    origins: dict[str, str] = dataclasses.field(default_factory=dict)
     timer: StageTimer = dataclasses.field(default_factory=StageTimer)
     start: float = 0.0  # where decoding starts on the progress bar (after a download)
     prepared: Prepared | None = None

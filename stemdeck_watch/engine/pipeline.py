@@ -31,9 +31,10 @@ import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core import choices
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
@@ -41,13 +42,16 @@ from stemdeck_watch.core.paths import find_moved, move_file
 from stemdeck_watch.engine.inflight import SongsInFlight
 from stemdeck_watch.engine.jobrun import JobRun, Progress
 from stemdeck_watch.engine.playlists import Playlists
-from stemdeck_watch.engine.prepared import Prepared, signature_of
+from stemdeck_watch.engine.prepared import Prepared, signature_of, version_of
 from stemdeck_watch.links.fetch import Playlist, download
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.separator import Separator
+
+if TYPE_CHECKING:
+    from stemdeck_watch.engine.diskguard import DiskGuard
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,9 @@ class Pipeline:
         self._songs = songs or SongsInFlight()  # shared by the pipelines of every worker
         self._lock = threading.Lock()
         self.playlists: Playlists | None = None  # set by the service (links.playlists)
+        # set by the service: a link is checked for room again once its download says its
+        # length, and decoded ahead only if it fits
+        self.disk: DiskGuard | None = None
 
     # ------------------------------------------------------------ a job's life
 
@@ -153,6 +160,8 @@ class Pipeline:
         assert link is not None
         run.timer.measure("download", started)
         control.check()
+        if self.disk is not None:  # its length is known now: does all of it fit?
+            self.disk.admit_download(job, link.path)
         run.job = self._update(job.id, name=link.title)  # the song is named by its title
         run.link, run.source = link, link.path
 
@@ -245,6 +254,8 @@ class Pipeline:
             "preset": job.preset,
             **({"link": run.link.manifest()} if run.link else {}),
             "settings": run.settings,
+            # where each setting came from: config, preset, a tag in the name, a sidecar
+            "settings_from": run.origins,
             "stems": song.entries,
             **song.manifest,
             "timings": run.timer.timings,
@@ -292,6 +303,8 @@ class Pipeline:
             except FilesystemError as exc:
                 error = f"stems published, but {exc}; the input stays in the inbox"
                 log.error("%s", error)
+            else:
+                choices.move_sidecar(source, moved_to)
         return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
                             source=str(moved_to), error=error, stage=None,
                             finished_at=time.time())
@@ -310,8 +323,8 @@ class Pipeline:
         mode = self.settings.queue.work_beside
         if mode != "auto":
             return mode == "on"
-        _separation, output = self.settings.for_preset(job.preset)
-        return self.client.leaves_room() or not output.beat_grid
+        _separation, output = self._settings_of(job)
+        return self.client.leaves_room() or not songfolder.needs_beat_grid(output)
 
     def can_prepare(self, job: Job) -> bool:
         """Whether `prepare` has anything to do ahead for `job`: a link's download (it waits
@@ -337,7 +350,7 @@ class Pipeline:
             prepared.url = url = read_link(link)
             entry = job.playlist  # an entry of a playlist: its title and length are known
             got = download(url, self.settings.paths.scratch / job.id / "download",
-                           self.settings.links, check=control.check, on_progress=on_progress,
+                           self.settings.links, control=control, on_progress=on_progress,
                            link_name=link.name, playlist=entry,
                            title=job.name if entry else None,
                            expand=(self.playlists is not None and entry is None
@@ -347,10 +360,13 @@ class Pipeline:
                 return prepared
             prepared.download = got
             source = got.path
+            if self.disk is not None:
+                self.disk.learn_download(job, got.path)
         form = self._loaded_format(job) if decode else None
-        if form is None:
+        if form is None or (job.kind is JobKind.LINK and self.disk is not None
+                            and not self.disk.fits_ahead(job)):
             return prepared
-        signature = signature_of(source)
+        version = version_of(source)
         try:
             digest = publish.sha256_of(source)
             decoded = decode_to_file(source, self.settings.paths.scratch / job.id / "input.npy",
@@ -360,13 +376,22 @@ class Pipeline:
         except Exception as exc:  # the job decodes again when it runs, and fails with the reason
             log.info("could not decode %s ahead (%s); it is decoded when it runs", source, exc)
             return prepared
-        if signature_of(source) == signature:  # not changed while we read it
+        if version_of(source) == version:  # not changed while we read it
             prepared.sha256, prepared.decoded = digest, decoded
-            prepared.signature, prepared.format = signature, form
+            prepared.version, prepared.format = version, form
         return prepared
 
+    def _settings_of(self, job: Job) -> tuple[SeparationSettings, OutputSettings]:
+        """The job's settings with its choices (preset, name tags, sidecar), for deciding
+        what to do ahead; choices that cannot be used fail the job when it runs."""
+        try:
+            chosen = choices.for_job(self.settings, job)
+        except choices.ChoiceError:
+            return self.settings.for_preset(job.preset)
+        return chosen.separation, chosen.output
+
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
-        sep, _ = self.settings.for_preset(job.preset)
+        sep, _ = self._settings_of(job)
         repo = self.settings.resolve_model_repo(sep)
         model = self.client.model_info
         if model is None or (model.name, model.repo) != (sep.model, str(repo) if repo else None):
@@ -376,12 +401,13 @@ class Pipeline:
     # ------------------------------------------------------------ helpers
 
     def _new_run(self, job: Job, control: JobControl) -> JobRun:
-        sep, out = self.settings.for_preset(job.preset)
+        chosen = choices.for_job(self.settings, job)  # a bad tag or sidecar fails it now
+        sep, out = chosen.separation, chosen.output
         repo = self.settings.resolve_model_repo(sep)
         folders = self.settings.paths
         return JobRun(job, control, Progress(self._update, job.id), sep, out,
                       str(repo) if repo else None, folders.scratch / job.id,
-                      folders.staging / job.id, Path(job.source))
+                      folders.staging / job.id, Path(job.source), origins=chosen.origins)
 
     @contextlib.contextmanager
     def _discarded_on_error(self, run: JobRun) -> Iterator[None]:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from stemdeck_watch.core.errors import Cancelled, StageError
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef, new_job_id
-from stemdeck_watch.links.fetch import Playlist, sanitise
+from stemdeck_watch.links.fetch import MAX_NAME_BYTES, Playlist, sanitise
+from stemdeck_watch.stages.naming import cut_to_bytes
 
 if TYPE_CHECKING:
     from stemdeck_watch.engine.scheduler import Scheduler
@@ -66,7 +67,8 @@ class Playlists:
         width = max(2, len(str(count)))
         entries = []
         for number, entry in enumerate(found.entries, 1):
-            name = f"{number:0{width}d} - {entry.title}"[:150].rstrip(". ") + ".url"
+            name = cut_to_bytes(f"{number:0{width}d} - {entry.title}",
+                                MAX_NAME_BYTES).rstrip(". ") + ".url"
             path = folder / name
             path.write_bytes(f"[InternetShortcut]\r\nURL={entry.url}\r\n".encode())
             entries.append(Job(

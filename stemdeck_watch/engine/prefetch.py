@@ -3,7 +3,8 @@
 Separation is the slow step and the worker can serve only one job; anything else a job needs
 first (a link's download; the hash and decode of a file, once the worker holds the job's
 model) can run beside it (`Pipeline.prepare`). At most one job is prepared ahead: the head of
-the queue, and only while another job is separating and the queue is not paused. The prepared
+the queue, and only while another job is separating, the queue is not paused and the work fits
+on disk beside the songs in flight (`DiskGuard.fits_ahead`). The prepared
 job stays queued — a cancel, a move or a pause treats it exactly as if nothing had been
 prepared: a cancel, a pause, the job leaving the head of the queue or its input changing (a
 new signature recorded by the intake) stops the work and removes its scratch, and the
@@ -30,7 +31,7 @@ from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.core.errors import Cancelled
 from stemdeck_watch.core.events import JobChanged, QueueChanged
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.core.jobs import Job, JobState
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.stages.publish import remove_tree
 from stemdeck_watch.engine.pipeline import Pipeline
 from stemdeck_watch.engine.prepared import Prepared
@@ -62,7 +63,7 @@ class Prefetcher:
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, guard: DiskGuard | None = None):
         self.scheduler = scheduler
         self.pipeline = pipeline
-        self.guard = guard  # its disk check of the next job is probed ahead too
+        self.guard = guard  # the next job is prepared only where it fits (and probed ahead)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -186,6 +187,9 @@ class Prefetcher:
             job = registry.get(head)
             if job is None or job.state is not JobState.QUEUED or not self.pipeline.can_prepare(job):
                 return
+            if self.guard is not None and not self.guard.fits_ahead(
+                    job, decode=job.kind is not JobKind.LINK):
+                return  # looked at again when the work in flight moves on
             self._ahead = ahead = _Ahead(job, JobControl(job.id))
         log.info("preparing %s ahead while %s separates", job.name, current.name)
         threading.Thread(target=self._prepare, args=(ahead,), name=f"prefetch-{job.id}",
@@ -193,8 +197,6 @@ class Prefetcher:
 
     def _prepare(self, ahead: _Ahead) -> None:
         try:
-            if self.guard is not None:
-                self.guard.probe(ahead.job)
             ahead.result = self.pipeline.prepare(ahead.job, ahead.control, ahead.progress)
         except BaseException as exc:  # a failure is handed to the job when it runs
             ahead.error = exc

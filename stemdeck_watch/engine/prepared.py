@@ -3,9 +3,9 @@
 The Prefetcher prepares the head of the queue while another job separates (a link's
 download; the hash and decode of a file, once the worker holds the job's model); the job's
 own run prepares what was not. Made-ahead work is used only while it is still the input's:
-decoded audio only if it was decoded from the same file (size, mtime and inode unchanged) for
-the same model rate and channels, a download only if the link file still holds the URL it was
-made from.
+decoded audio only if it was decoded from the same file (size, mtime, inode and change time
+unchanged: `cp -p` onto the file keeps the first three) for the same model rate and channels,
+a download only if the link file still holds the URL it was made from.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from stemdeck_watch.core.jobs import FileSignature
 from stemdeck_watch.links.fetch import Downloaded, Playlist
 from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.stages.decode import DecodedAudio
+
+Version = tuple[FileSignature, int]  # a file's signature and its change time (st_ctime_ns)
 
 
 @dataclasses.dataclass
@@ -30,9 +32,9 @@ class Prepared:
     url: str | None = None
     decoded: DecodedAudio | None = None
     sha256: str | None = None
-    # the input's signature when it was hashed and decoded, and the model rate and channels
+    # the input's version when it was hashed and decoded, and the model rate and channels
     # it was decoded for: the decode is used only if all still hold
-    signature: FileSignature | None = None
+    version: Version | None = None
     format: tuple[int, int] | None = None
 
     def made_from(self, link: Path) -> bool:
@@ -48,12 +50,12 @@ class Prepared:
         """The decoded audio if it is still the input's, at this rate and channel count."""
         if self.decoded is None or self.format != (samplerate, channels):
             return None
-        if signature_of(source) != self.signature or not self.decoded.path.exists():
+        if version_of(source) != self.version or not self.decoded.path.exists():
             return None
         return self.decoded
 
     def sha256_for(self, source: Path) -> str | None:
-        return self.sha256 if self.sha256 and signature_of(source) == self.signature else None
+        return self.sha256 if self.sha256 and version_of(source) == self.version else None
 
 
 def signature_of(path: Path) -> FileSignature | None:
@@ -62,3 +64,13 @@ def signature_of(path: Path) -> FileSignature | None:
         return FileSignature.of(path.stat())
     except OSError:
         return None
+
+
+def version_of(path: Path) -> Version | None:
+    """The file's signature and change time: a write into the same file that sets the old
+    size and modification time back (`cp -p` onto it) still moves the change time."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return FileSignature.of(st), st.st_ctime_ns

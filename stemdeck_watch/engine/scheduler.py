@@ -17,6 +17,7 @@ import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
+from stemdeck_watch.core.choices import song_name
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.links.linkfile import is_link_file
 from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
@@ -155,7 +156,8 @@ class Scheduler(Requests):
             preset = None
         # names and paths in their composed (NFC) form: the outbox folder and processed/
         # name are the same whichever way the writer spelled them
-        name = _nfc(source.stem if source.suffix else source.name)
+        # without its tag group: `Song [6s].mp3` is published as `Song`
+        name = _nfc(song_name(source.stem if source.suffix else source.name))
         kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
         job = self.registry.add(Job(
             id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,

@@ -27,7 +27,7 @@ from typing import Callable
 
 from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.lock import _alive as _pid_alive
-from stemdeck_watch.util.safefile import read_regular_text, write_replacing
+from stemdeck_watch.util.safefile import read_json, write_replacing
 from stemdeck_watch.util.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def read_heartbeats(folder: Path) -> list[Heartbeat]:
         if not (entry.name.startswith(PREFIX) and entry.name.endswith(".json")):
             continue
         try:
-            data = json.loads(read_regular_text(Path(entry.path), MAX_HEARTBEAT))
+            data = read_json(Path(entry.path), MAX_HEARTBEAT)
             beats.append(Heartbeat(str(data["host"]), str(data["service_id"]), int(data["pid"]),
                                    float(data["started"]), float(data["updated"]),
                                    Path(entry.path)))

@@ -5,7 +5,9 @@ yt-dlp knows thousands of sites and plain file URLs alike. It runs in the servic
 live), downloads the best audio format PyAV can decode without post-processing (so no ffmpeg
 is needed), into the job's scratch folder. yt-dlp's own filters skip silently; here a limit
 fails the job with a reason instead, before the download where the size or length is known
-and during it where not.
+and during it where not. Every connection it makes goes through the link's guard
+(links/netguard.py): public addresses only, pages and time bounded, stopped by a cancel in
+whichever phase the fetch is.
 """
 from __future__ import annotations
 
@@ -18,19 +20,29 @@ import traceback
 import unicodedata
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from stemdeck_watch.core.config import LinkSettings
 from stemdeck_watch.core.errors import Cancelled, StageError
+from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import PlaylistRef
 from stemdeck_watch.stages.decode import probe_duration
+from stemdeck_watch.stages.naming import cut_to_bytes
+
+if TYPE_CHECKING:  # imported with yt-dlp, when a link is fetched
+    import yt_dlp
+
+    from stemdeck_watch.links.netguard import Guard, Resolver
 
 log = logging.getLogger(__name__)
 ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
 
 STALL_TIMEOUT = 30.0  # seconds without data before a download counts as stalled
-MAX_NAME = 120
+# a title as a folder name, in UTF-8 bytes: 255 is the limit of one name on ext4, APFS and
+# most others; the rest leaves room for " (12)", a playlist entry's "001 - " and ".url",
+# and a failed input's ".error.txt"
+MAX_NAME_BYTES = 200
 
 
 class DownloadError(StageError):
@@ -97,17 +109,19 @@ class _TooLarge(Exception):
     pass
 
 
-def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[], None],
+def download(url: str, folder: Path, links: LinkSettings, *, control: JobControl,
              on_progress: Callable[[float], None], link_name: str, expand: bool = False,
-             title: str | None = None,
-             playlist: PlaylistRef | None = None) -> Downloaded | Playlist:
-    """Download `url` into `folder`; DownloadError with a reason a person understands.
+             title: str | None = None, playlist: PlaylistRef | None = None,
+             resolver: Resolver | None = None) -> Downloaded | Playlist:
+    """Download `url` into `folder`; DownloadError with a reason a person understands,
+    Cancelled when `control` is cancelled (in any phase: reading the page or downloading).
 
     With `expand` (a playlist link with `links.playlists = true`) a link to a playlist of two
     or more entries gives a Playlist and downloads nothing. `title` and `playlist` name an
     entry of a playlist: the playlist's title for it wins over a file name, and a length the
-    playlist gave is checked before the download."""
-    import yt_dlp
+    playlist gave is checked before the download. `resolver` maps host names to addresses
+    (the system's by default)."""
+    from stemdeck_watch.links.netguard import Guard
 
     folder.mkdir(parents=True, exist_ok=True)
     limit = links.max_filesize or None
@@ -117,7 +131,7 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
                                       playlist.duration, links.max_duration))
 
     def hook(status: dict[str, Any]) -> None:
-        check()  # raising here stops yt-dlp at once (it propagates unwrapped)
+        control.check()  # raising here stops yt-dlp at once (it propagates unwrapped)
         done = status.get("downloaded_bytes") or 0
         total = status.get("total_bytes") or status.get("total_bytes_estimate")
         if limit and (done > limit or (total and total > limit)):
@@ -142,32 +156,32 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
         "postprocessors": [],
         "enable_file_urls": False,
     }
+    guard = Guard(allow_private=links.allow_private, page_bytes=links.max_page_bytes,
+                  file_bytes=limit, page_timeout=links.page_timeout,
+                  timeout=links.timeout or None, resolver=resolver)
+    only: Entry | None = None
     try:
-        with yt_dlp.YoutubeDL(options) as ydl:
+        with control.registered(guard.cancel), guard, _youtube_dl(options, guard) as ydl:
             info = ydl.extract_info(url, download=False)
-            check()
+            control.check()
             if expand and info.get("_type") == "playlist":
                 found = playlist_of(info, url, links.max_entries, Path(link_name).stem)
                 if len(found.entries) != 1:
                     return found
                 only = found.entries[0]  # a playlist of one: that one song, as a plain link
-                return download(only.url, folder, links, check=check, on_progress=on_progress,
-                                link_name=link_name, title=only.title)
-            entry = _single(info)
-            _check_limits(entry, links, link_name)
-            result = ydl.process_ie_result(info, download=True)
-    except Cancelled as exc:
-        _release(exc)
+            else:
+                entry = _single(info)
+                _check_limits(entry, links, link_name)
+                result = ydl.process_ie_result(info, download=True)
+    except BaseException as exc:
         shutil.rmtree(folder, ignore_errors=True)  # the .part and anything beside it
-        raise
-    except _TooLarge as exc:
-        _release(exc)
-        shutil.rmtree(folder, ignore_errors=True)
-        raise DownloadError(f"the download of {link_name} is larger than links.max_filesize "
-                            f"({_mb(limit)}); raise that limit to accept it") from None
-    except yt_dlp.utils.YoutubeDLError as exc:  # DownloadError, and network errors raised bare
-        shutil.rmtree(folder, ignore_errors=True)
-        raise DownloadError(explain(str(exc), link_name), details=str(exc)) from None
+        failure = _failure(exc, guard, control, links, link_name)
+        if failure is exc:
+            raise
+        raise failure from None
+    if only is not None:
+        return download(only.url, folder, links, control=control, on_progress=on_progress,
+                        link_name=link_name, title=only.title, resolver=resolver)
     path = _downloaded_path(_single(result))
     if path is None or not path.is_file():
         raise DownloadError(f"{link_name}: yt-dlp finished without a file (the page may offer "
@@ -180,6 +194,74 @@ def download(url: str, folder: Path, links: LinkSettings, *, check: Callable[[],
                       title=title or song_name(entry, fallback=Path(link_name).stem),
                       extractor=str(entry.get("extractor_key") or entry.get("extractor") or ""),
                       duration=float(duration) if duration else None, playlist=playlist)
+
+
+def _youtube_dl(options: dict[str, Any], guard: Guard) -> yt_dlp.YoutubeDL:
+    """A YoutubeDL whose only request handler is the guard's, and whose download phase the
+    guard knows of (the page limits end there)."""
+    import yt_dlp
+    from yt_dlp.downloader import get_suitable_downloader
+    from yt_dlp.downloader.external import ExternalFD
+
+    from stemdeck_watch.links.netguard import Stop
+
+    class Guarded(yt_dlp.YoutubeDL):
+        def build_request_director(self, handlers: Any, preferences: Any = None) -> Any:
+            return super().build_request_director([guard.handler])
+
+        def dl(self, name: str, info: dict[str, Any], subtitle: bool = False,
+               test: bool = False) -> Any:
+            if issubclass(get_suitable_downloader(info, self.params) or ExternalFD, ExternalFD):
+                # a program of its own (ffmpeg) would connect past the guard
+                raise guard.stop(Stop.EXTERNAL, str(info.get("protocol") or "?"))
+            guard.downloading()
+            return super().dl(name, info, subtitle, test)
+
+    return Guarded(options)
+
+
+def _failure(exc: BaseException, guard: Guard, control: JobControl, links: LinkSettings,
+             link_name: str) -> BaseException:
+    """What a fetch that raised `exc` ended with, for the job: Cancelled, or a DownloadError
+    with the reason (the guard's stop first: yt-dlp may have wrapped it)."""
+    import yt_dlp
+
+    from stemdeck_watch.links.netguard import Stop
+
+    stopped = guard.stopped
+    if isinstance(exc, (Cancelled, _TooLarge)) or stopped is not None:
+        _release(exc)
+    if control.cancelled or isinstance(exc, Cancelled):
+        return Cancelled(control.reason or str(exc) or "cancelled")
+    could_not = f"could not download {link_name}:"
+    if stopped is not None:
+        return DownloadError({
+            Stop.PAGE_TIMEOUT: f"{could_not} its page did not load within links.page_timeout "
+                               f"({_length(links.page_timeout)}); raise that limit to wait "
+                               f"longer",
+            Stop.TIMEOUT: f"{could_not} it did not finish within links.timeout "
+                          f"({_length(links.timeout)}); raise that limit to wait longer",
+            Stop.PAGE_SIZE: f"{could_not} its page is larger than links.max_page_bytes "
+                            f"({_mb(links.max_page_bytes)}); raise that limit to read it",
+            Stop.FILE_SIZE: f"the download of {link_name} is larger than links.max_filesize "
+                            f"({_mb(links.max_filesize)}); raise that limit to accept it",
+            Stop.REFUSED: f"{could_not} it leads to {stopped.detail}, and links to this "
+                          f"machine or the local network are refused; set links.allow_private "
+                          f"= true to allow them",
+            Stop.EXTERNAL: f"{could_not} its audio is streamed ({stopped.detail}) in a way "
+                           f"only an external program downloads, which links never use",
+            Stop.SCHEME: f"{could_not} " + (
+                "the link leads to a local file (file: URL), which is never fetched"
+                if stopped.detail == "file" else f"it redirects to a {stopped.detail}: "
+                f"address, which is not a web address (only http and https are fetched)"),
+            Stop.CANCELLED: f"{could_not} cancelled",
+        }[stopped.why])
+    if isinstance(exc, _TooLarge):
+        return DownloadError(f"the download of {link_name} is larger than links.max_filesize "
+                             f"({_mb(links.max_filesize)}); raise that limit to accept it")
+    if isinstance(exc, yt_dlp.utils.YoutubeDLError):  # DownloadError, network errors raised bare
+        return DownloadError(explain(str(exc), link_name), details=str(exc))
+    return exc
 
 
 def _release(exc: BaseException) -> None:
@@ -319,7 +401,7 @@ def sanitise(name: str) -> str:
     name = name.lstrip(".").rstrip(". ")
     if name.upper().split(".")[0] in _RESERVED:
         name = f"_{name}"
-    return name[:MAX_NAME].rstrip(". ")
+    return cut_to_bytes(name, MAX_NAME_BYTES).rstrip(". ")
 
 
 _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)),

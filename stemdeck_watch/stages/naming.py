@@ -72,6 +72,19 @@ def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -
     return rel.as_posix()
 
 
+def cut_to_bytes(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8, between whole characters (and not
+    between a character and the accents combined with it). File name limits count bytes:
+    255 on ext4 and APFS, which 100 Japanese characters already exceed."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    cut = data[:limit].decode(errors="ignore")
+    while cut and unicodedata.combining(text[len(cut)]):
+        cut = cut[:-1]  # the next character would have combined with the last one kept
+    return cut
+
+
 def _shorten(part: str) -> str:
     if len(part.encode()) <= MAX_COMPONENT_BYTES:
         return part

@@ -8,9 +8,10 @@ job: a folder with a complete manifest is a published song, which is how a resta
 
 Stems are read from the worker's scratch files and written block by block (mixes summed block
 by block), so publishing a song of any length takes the same memory. On the way each block may
-be resampled (`output.samplerate`) and feed the preview's peaks; file names come from the
-layout template filled with sanitised tags (stages/naming.py), flac/mp3 stems are tagged
-(stages/tags.py). The manifest lists every file of the folder with its size and sha256.
+be resampled (`output.samplerate`) and feed the preview's peaks and the loudness meters; file
+names come from the layout template filled with sanitised tags (stages/naming.py), flac/mp3
+stems are tagged (stages/tags.py). The manifest lists every file of the folder with its size
+and sha256.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -32,14 +32,14 @@ from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
 from stemdeck_watch.core.paths import fsync_dir, unique_path
 from stemdeck_watch.stages import naming, resample, tags as tagging
+from stemdeck_watch.stages.levels import LoudnessMeter, song_gain, to_db
 from stemdeck_watch.stages.preview import Peaks
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
-from stemdeck_watch.util.safefile import open_new, read_regular
+from stemdeck_watch.util.safefile import open_new, read_json
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "stemdeck.json"
-MANIFEST_LIMIT = 16 << 20  # bytes: a larger stemdeck.json is no manifest this service wrote
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
 MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
@@ -48,13 +48,15 @@ MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json
 @dataclasses.dataclass(frozen=True)
 class SongInfo:
     """What publish knows of the song besides its stems: its file name (the fallback for
-    every tag), the input's tags, the preset, and the input's rate and length."""
+    every tag), the input's tags, the preset, the input's rate and length, and the decoded
+    input at the model's rate (scratch), which the stems' sum is compared with."""
 
     name: str
     tags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     preset: str | None = None
     input_samplerate: int | None = None
     input_frames: int | None = None
+    source: Path | None = None
 
     @property
     def title(self) -> str:
@@ -71,7 +73,9 @@ def sha256_of(path: Path) -> str:
 
 def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
                  out: OutputSettings) -> dict[str, tuple[str, list[str]]]:
-    """Which files to write: output name → (kind, stems summed into it)."""
+    """Which files to write: output name → (kind, stems summed into it). A DAW project
+    (`output.session`) gets the whole song as a mix for its reference track, unless one of
+    `output.mixes` is that already."""
     sources = list(stems)
     if sep.two_stems:
         if sep.two_stems not in sources:
@@ -89,6 +93,10 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
                 f"could not make mix {mix!r}: output.mixes.{mix} names {', '.join(missing)}, but "
                 f"the model {sep.model!r} separates {', '.join(sources)}")
         outputs[mix] = ("mix", list(members))
+    if out.session and not any(sorted(members) == sorted(sources)
+                               for kind, members in outputs.values() if kind == "mix"):
+        name = next(n for n in ("mix", "song_mix", "full_mix", "whole_mix") if n not in outputs)
+        outputs[name] = ("mix", sources)
     return outputs
 
 
@@ -96,15 +104,21 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
                sep: SeparationSettings, out: OutputSettings,
                block_frames: int = PUBLISH_BLOCK, info: SongInfo | None = None,
                peaks: dict[str, Peaks] | None = None,
-               timings: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """Write every stem and mix into `staging`; returns the manifest's file entries.
+               timings: dict[str, float] | None = None,
+               levels: dict[str, Any] | None = None,
+               also: list[list[str]] | None = None) -> list[dict[str, Any]]:
+    """Write every stem and mix into `staging`; returns the manifest's file entries, each
+    with its integrated loudness (LUFS, None for silence).
 
     Streams: each output is read, summed (mixes, `no_<stem>`), resampled to
     `output.samplerate` and written `block_frames` at a time, so memory does not grow with
-    the song. With `output.clip = "rescale"` each file is scaled by one factor from its own
-    peak, so the peaks of every output are found first, in one pass over the stems, before
-    anything is written. `peaks` (filled in here) gets one Peaks per stem for the preview;
-    `timings` gets the seconds spent resampling and tagging."""
+    the song. With `output.clip = "rescale"` every file is scaled by one factor, the song's,
+    from the loudest output's peak (so the stems still add up to the mix), and the peaks are
+    found first, in one pass over the stems, before anything is written; the same pass
+    compares the stems' sum with the input (`info.source`). `peaks` (filled in here) gets
+    one Peaks per stem for the preview; `timings` the seconds spent resampling and tagging;
+    `levels` the song's gain and the residual (see stages/levels.py). `also` names sums of
+    stems written elsewhere with the same gain (the stem file's): their peaks count too."""
     info = info or SongInfo(name)
     staging.mkdir(parents=True, exist_ok=True)
     plan = plan_outputs(stems, sep, out)
@@ -113,7 +127,12 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
     rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
     length = resample.target_frames(out.samplerate, rate, samplerate, frames,
                                     info.input_samplerate, info.input_frames)
-    gains = _gains(plan, readers, frames, out, block_frames)
+    rescale = out.clip == "rescale" and not (out.format == "wav" and out.bit_depth == 32)
+    gain, residual = song_gain([m for _kind, m in plan.values()] + (also or []), readers,
+                               frames, block_frames, rescale, info.source)
+    if levels is not None:
+        levels.update({"gain": round(1.0 / gain, 6), "gain_db": to_db(1.0 / gain ** 2),
+                       "residual_db": residual.db if residual else None})
     values = naming.layout_values(name, info.tags, info.preset, sep.model,
                                   EXTENSIONS[out.format])
     resampling, tagging_time = resample.Timed(), resample.Timed()
@@ -126,12 +145,14 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
         collector = None
         if peaks is not None and kind == "stem":
             collector = peaks[output] = Peaks(frames)
-        blocks = _output_blocks(readers, members, frames, block_frames, out, gains[output],
+        blocks = _output_blocks(readers, members, frames, block_frames, out, gain,
                                 collector)
         # resampled to `length` frames, the manifest's (at the model's own rate: cut or
         # padded to the input's frame count, unchanged otherwise); a resampler's ringing
         # may overshoot full scale by a hair, which the integer conversion (`pcm`) clips
-        blocks = resample.resampled(blocks, samplerate, rate, channels, length, resampling)
+        meter = LoudnessMeter(rate, channels)
+        blocks = _metered(resample.resampled(blocks, samplerate, rate, channels, length,
+                                             resampling), meter)
         tagged = out.tags and out.format in tagging.TAGGED_FORMATS
         try:  # a stem about to be tagged is flushed to disk once, after its tags
             _write_audio(path, blocks, channels, rate, out, sync=not tagged)
@@ -145,11 +166,18 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
             fsync_dir(path.parent)  # a song subfolder made by output.layout
         entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
                         "samplerate": rate, "channels": channels, "frames": length,
-                        "duration": round(length / rate, 6)})
+                        "duration": round(length / rate, 6), "loudness": meter.integrated()})
     if timings is not None:
         timings["resample"] = round(resampling.seconds, 3)
         timings["tags"] = round(tagging_time.seconds, 3)
     return entries
+
+
+def _metered(blocks: Iterable[np.ndarray], meter: LoudnessMeter) -> Iterator[np.ndarray]:
+    """The blocks as they are written, measured on the way."""
+    for block in blocks:
+        meter.add(block)
+        yield block
 
 
 def _output_blocks(readers: dict[str, AudioReader], members: list[str], frames: int,
@@ -173,32 +201,6 @@ def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
     audio = readers[members[0]].read(start, stop, interleaved=True)
     for member in members[1:]:
         audio += readers[member].read(start, stop, interleaved=True)
-    return audio
-
-
-def _gains(plan: dict[str, tuple[str, list[str]]], readers: dict[str, AudioReader],
-           frames: int, out: OutputSettings, block_frames: int) -> dict[str, float]:
-    """The one factor each output is multiplied by: 1 unless `rescale` must bring its peak
-    below full scale. The rescale pass reads every stem once, block by block, and sums the
-    mixes on the way."""
-    gains = {output: 1.0 for output in plan}
-    if (out.format == "wav" and out.bit_depth == 32) or out.clip != "rescale":
-        return gains
-    peaks = {output: 0.0 for output in plan}
-    for start, stop in _spans(frames, block_frames):
-        blocks = {stem: reader.read(start, stop, interleaved=True)
-                  for stem, reader in readers.items()}
-        for output, (_kind, members) in plan.items():
-            audio = blocks[members[0]] if len(members) == 1 else _sum_loaded(blocks, members)
-            if audio.size:
-                peaks[output] = max(peaks[output], float(np.abs(audio).max()))
-    return {output: max(1.01 * peak, 1.0) for output, peak in peaks.items()}
-
-
-def _sum_loaded(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
-    audio = blocks[members[0]].copy()
-    for member in members[1:]:
-        audio += blocks[member]
     return audio
 
 
@@ -318,7 +320,7 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The manifest of a song folder if it is complete (every file it lists exists). Only a
     plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
     try:
-        manifest = json.loads(read_regular(folder / MANIFEST, MAX_MANIFEST))
+        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
     except (OSError, ValueError):
         return None
     stems = manifest.get("stems") if isinstance(manifest, dict) else None
@@ -342,17 +344,8 @@ def publisher_of(folder: Path) -> str | None:
     only from a regular file of bounded size, never through a link (anyone who can write the
     outbox could plant one)."""
     try:
-        fd = os.open(folder / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                return None
-            text = handle.read(MANIFEST_LIMIT + 1)
-        manifest = json.loads(text) if len(text) <= MANIFEST_LIMIT else None
-    except (OSError, ValueError, RecursionError):
+        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
+    except (OSError, ValueError):
         return None
     job_id = manifest.get("job_id") if isinstance(manifest, dict) else None
     return job_id if isinstance(job_id, str) else None
@@ -369,8 +362,8 @@ def verify_folder(folder: Path) -> list[str]:
     """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
     changed or unlisted files; an empty list for a complete, undamaged folder."""
     try:
-        listed = {e["file"]: e for e in json.loads(
-            read_regular(folder / MANIFEST, MAX_MANIFEST)).get("files", [])}
+        listed = {e["file"]: e for e in read_json(folder / MANIFEST, MAX_MANIFEST).get(
+            "files", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"could not read {folder / MANIFEST}: {exc}"]
     present = {e["file"]: e for e in list_files(folder)}

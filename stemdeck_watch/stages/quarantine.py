@@ -15,6 +15,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 from stemdeck_watch import __version__
+from stemdeck_watch.core.choices import move_sidecar
 from stemdeck_watch.core.errors import FilesystemError
 from stemdeck_watch.core.jobs import FileSignature, Job
 from stemdeck_watch.core.paths import move_file, report_path, unique_path
@@ -65,6 +66,8 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
         except FilesystemError as exc:
             move_note = f"The input stays at {source}: {exc}."
             log.error("%s", exc)
+        else:
+            move_sidecar(source, where)  # the song's choices go with it
     report = report_path(where) if where != source else unique_path(report_path(target))
     text = _diagnosis(job, stage=stage, message=message, details=details,
                       worker_tail=worker_tail, versions=versions(worker_versions),

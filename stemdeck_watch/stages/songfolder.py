@@ -1,5 +1,6 @@
 """Everything that goes into one song folder besides the manifest: stems and mixes (publish),
-the beat grid (`beats.json`) and the picture (`preview.png`), each optional step timed.
+the beat grid (`beats.json`), the picture (`preview.png`) and the DAW projects (session),
+each optional step timed.
 
 The runner calls `make_song_folder` with the staging folder and the worker's stems; the
 returned entries, manifest fields and timings go into `stemdeck.json`.
@@ -16,10 +17,12 @@ from typing import Any, Callable
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
-from stemdeck_watch.stages import publish
+from stemdeck_watch.stages import publish, stemfile
 from stemdeck_watch.stages.decode import DecodedAudio
 from stemdeck_watch.stages.preview import Peaks, draw_preview
 from stemdeck_watch.stages.scratch import AudioReader
+from stemdeck_watch.stages.practice import write_practice
+from stemdeck_watch.stages.session import write_sessions
 from stemdeck_watch.util.safefile import open_new
 
 log = logging.getLogger(__name__)
@@ -31,15 +34,25 @@ PREVIEW = "preview.png"
 @dataclasses.dataclass
 class SongFolder:
     entries: list[dict[str, Any]]  # the manifest's "stems"
-    manifest: dict[str, Any]  # "tags", "beat_grid", "preview"
-    timings: dict[str, float]  # seconds per step: write, resample, tags, beat_grid, preview
+    # "tags", "levels", "stem_file", "beat_grid", "preview", "practice", "session"
+    manifest: dict[str, Any]
+    # seconds per step: write, resample, tags, stem_file, beat_grid, preview, practice, session
+    timings: dict[str, float]
+
+
+def needs_beat_grid(out: OutputSettings) -> bool:
+    """Whether publishing finds the beat grid: for beats.json, or for a DAW project's tempo
+    and first beat or the practice click (then it costs the same, librosa included, without
+    the file)."""
+    return out.beat_grid or bool(out.session) or out.practice
 
 
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
-    """The input's tags (read while decoding) and its own rate and length."""
+    """The input's tags (read while decoding), its own rate and length, and the decoded
+    input the stems' sum is compared with."""
     return publish.SongInfo(name=name, tags=decoded.tags, preset=preset,
                             input_samplerate=decoded.source_samplerate,
-                            input_frames=decoded.source_frames)
+                            input_frames=decoded.source_frames, source=decoded.path)
 
 
 def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
@@ -50,15 +63,28 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
     takes it tens of seconds)."""
     timings: dict[str, float] = {}
     peaks: dict[str, Peaks] | None = {} if out.preview else None
+    levels: dict[str, Any] = {}
+    slots = stemfile.slot_members(list(stems)) if out.stem_file else None
     started = time.perf_counter()
     entries = publish.write_song(staging, stems, samplerate, info.name, sep, out, info=info,
-                                 peaks=peaks, timings=timings)
+                                 peaks=peaks, timings=timings, levels=levels,
+                                 also=[list(stems), *slots.values()] if slots else None)
     timings["write"] = round(time.perf_counter() - started, 3)
-    manifest: dict[str, Any] = {"tags": dict(info.tags)}
-    check()
-    if out.beat_grid:
+    manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
+    if out.stem_file:
+        check()
         started = time.perf_counter()
-        manifest["beat_grid"] = write_beat_grid(staging / BEATS, stems, samplerate, check)
+        manifest["stem_file"] = stemfile.write_stem_file(staging, stems, samplerate,
+                                                         levels["gain"], info.name, info.tags,
+                                                         check)
+        timings["stem_file"] = round(time.perf_counter() - started, 3)
+    check()
+    grid: dict[str, Any] | None = None
+    if needs_beat_grid(out):
+        started = time.perf_counter()
+        grid = find_beat_grid(stems, samplerate, check)
+        if out.beat_grid:
+            manifest["beat_grid"] = save_beat_grid(staging / BEATS, grid)
         timings["beat_grid"] = round(time.perf_counter() - started, 3)
     if peaks is not None:
         started = time.perf_counter()
@@ -70,14 +96,25 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
                                                    reason=exc))) from exc
         manifest["preview"] = PREVIEW
         timings["preview"] = round(time.perf_counter() - started, 3)
+    if out.practice:
+        check()
+        started = time.perf_counter()
+        manifest["practice"] = write_practice(staging, stems, samplerate, levels["gain"], grid,
+                                              out.practice_speeds, info.name, info.tags, out,
+                                              check)
+        timings["practice"] = round(time.perf_counter() - started, 3)
+    if out.session:
+        started = time.perf_counter()
+        manifest["session"] = write_sessions(staging, out.session, entries, grid, info.name,
+                                             info.tags)
+        timings["session"] = round(time.perf_counter() - started, 3)
     return SongFolder(entries, manifest, timings)
 
 
-def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
-                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """`beats.json` from the drums stem when the model has one, else from the mix (every
-    stem summed); returns the manifest's summary. Never fails the song: without librosa the
-    grid is empty and says why."""
+def find_beat_grid(stems: dict[str, Path], samplerate: int,
+                   check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """The beat grid from the drums stem when the model has one, else from the mix (every
+    stem summed). Never fails the song: without librosa the grid is empty and says why."""
     source = "drums" if "drums" in stems else "mix"
     readers = [AudioReader(stems["drums"])] if source == "drums" else [
         AudioReader(p) for p in stems.values()]
@@ -89,6 +126,17 @@ def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
         log.warning("no beat grid: %s (install librosa)", exc)
         grid = {"source": source, "tempo": None, "beats": [], "downbeats": [],
                 "notes": [f"no beat grid: {exc}; install librosa"]}
+    return grid
+
+
+def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
+                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """`beats.json` from the stems (see find_beat_grid); returns the manifest's summary."""
+    return save_beat_grid(path, find_beat_grid(stems, samplerate, check))
+
+
+def save_beat_grid(path: Path, grid: dict[str, Any]) -> dict[str, Any]:
+    """`beats.json`; returns the manifest's summary."""
     try:
         with open_new(path, "w", encoding="utf-8") as handle:
             json.dump(grid, handle, indent=1)
@@ -97,5 +145,5 @@ def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
             os.fsync(handle.fileno())
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-    return {"file": path.name, "source": source, "tempo": grid["tempo"],
+    return {"file": path.name, "source": grid["source"], "tempo": grid["tempo"],
             "beats": len(grid["beats"]), "notes": grid["notes"]}

@@ -201,7 +201,8 @@ class JobQueue:
         return where
 
     def cancel_running(self, reason: str) -> None:
-        """Cancel every job taken or running, on every worker."""
+        """Cancel every job in flight: taken, running or publishing behind, on every
+        worker."""
         for control in self.in_flight():
             control.cancel(reason)
 

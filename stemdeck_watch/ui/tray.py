@@ -39,6 +39,7 @@ from stemdeck_watch.ui import opener
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import Event, JobChanged
 from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.util.safetext import escape_controls
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ class View:
 
 
 def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
+    """What the icon shows. Song names come from whoever named the files: their control
+    characters are escaped, so none adds a line to the tooltip or reorders it."""
     running, queued = snap.get("running"), len(snap.get("queued", []))
     waiting = len(snap.get("waiting", []))
     paused = bool(snap.get("paused"))
@@ -206,7 +209,7 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
         queue_words += f", {waiting} waiting"
     if running:
         pct = f"{running.get('progress', 0.0) * 100:.0f}%"
-        doing = f"{running['name']} — {running['state']} {pct}"
+        doing = f"{escape_controls(running['name'])} — {running['state']} {pct}"
     else:
         doing = ""
     if paused:
@@ -222,7 +225,7 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
     status += f" · {queue_words}"
     title = f"{NAME}: {status}"
     if failure:
-        title += f" · failed: {failure[0]}"
+        title += f" · failed: {escape_controls(failure[0])}"
     if len(title) > TITLE_LIMIT:
         title = title[:TITLE_LIMIT - 1] + "…"
     return View(state, failure is not None, paused, title, status)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import secrets
@@ -47,16 +48,18 @@ def is_temp_name(candidate: str, name: str, suffix: str = TEMP_SUFFIX) -> bool:
                         candidate) is not None
 
 
-def _create(path: str, _flags: int) -> int:
-    return os.open(path, _CREATE, 0o666)
+def _create(path: str, flags: int) -> int:
+    access = os.O_RDWR if flags & os.O_RDWR else os.O_WRONLY  # "w+b": read back too
+    return os.open(path, (_CREATE & ~os.O_WRONLY) | access, 0o666)
 
 
 def open_new(path: Path, mode: str = "wb", *, encoding: str | None = None,
              newline: str | None = None, buffering: int = -1) -> IO[Any]:
     """Open `path` for writing as a new file: FileExistsError if anything — a file, a link,
     a FIFO — has that name already. For files in a folder the service made itself (a song's
-    staging folder) and for temporary names from `temp_name`."""
-    if mode not in ("w", "wb"):
+    staging folder) and for temporary names from `temp_name`. "w+b" also reads it back (a
+    container whose boxes are patched after writing)."""
+    if mode not in ("w", "wb", "w+b"):
         raise ValueError(f"open_new writes new files only, not mode {mode!r}")
     return open(path, mode, buffering=buffering, encoding=encoding, newline=newline,
                 opener=_create)
@@ -182,3 +185,13 @@ def read_regular(path: Path, limit: int) -> bytes:
 def read_regular_text(path: Path, limit: int) -> str:
     """`read_regular` decoded as UTF-8 (ValueError if it is not)."""
     return read_regular(path, limit).decode("utf-8")
+
+
+def read_json(path: Path, limit: int) -> Any:
+    """The JSON value in `path`, read as `read_regular` reads it. ValueError if it is not
+    JSON, and also if it is nested deeper than the parser follows: a few KB of `[[[[` make
+    it raise RecursionError, which nobody reading a shared folder's file expects."""
+    try:
+        return json.loads(read_regular(path, limit))
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to read") from None

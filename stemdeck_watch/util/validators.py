@@ -48,6 +48,31 @@ def number(minimum: float | None = None, maximum: float | None = None, *,
     return check
 
 
+def number_list(minimum: float, maximum: float, *, integer: bool = False,
+                unit: str = "") -> Check:
+    """A list of numbers, each checked as `number` checks one; duplicates dropped."""
+    one = number(minimum, maximum, integer=integer, unit=unit)
+
+    def check(value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"a list of {_plural(one)}")
+        try:
+            return tuple(dict.fromkeys(one(v) for v in value))
+        except ValueError:
+            raise ValueError(f"a list of {_plural(one)}") from None
+
+    return check
+
+
+def _plural(check: Check) -> str:
+    try:
+        check(None)
+    except ValueError as exc:
+        return str(exc).replace("a whole number", "whole numbers").replace("a number",
+                                                                           "numbers")
+    return "numbers"  # pragma: no cover - a number check refuses None
+
+
 def choice(*allowed: Any) -> Check:
     def check(value: Any) -> Any:
         # type() and not ==: TOML's true must not pass for 1, nor 1 for true.

@@ -14,6 +14,11 @@ attempt in `overlaps`, which tests read); the actor allows a little concurrency 
 `cancel`, `ready` and `stats` answer while a job runs. Ray cannot force-cancel an actor
 task, so cancel is cooperative: a flag checked between model segments (a fraction of a
 second); the client kills the actor if the flag is not honoured within a grace period.
+
+Scratch: each actor process keeps its songs in one folder of its machine's temp folder,
+locked (flock) while the process lives. A killed actor cannot clean up after itself, so every
+actor starting on a machine first removes the folders whose lock nobody holds; the client
+has the actor remove its folder (`leave`) before it kills it for good.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import os
 import queue
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -31,10 +37,18 @@ from typing import Any, Iterator
 
 import ray
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock, so no sweep of dead actors' folders
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger("stemdeck_watch.workers.actor")
 
 STREAM_BACKPRESSURE = 8  # stem windows (and progress reports) the actor may run ahead
 PROGRESS_EVERY = 0.1  # seconds between progress reports streamed back
+SCRATCH_PREFIX = "stemdeck-worker-"  # an actor's folder in its machine's temp folder
+STARTING_PREFIX = "stemdeck-starting-"  # the same before its lock is held (never swept)
+ALIVE = ".alive"  # the file an actor holds locked while it lives
 
 
 class _Stopped(Exception):
@@ -72,6 +86,8 @@ class SeparationActor:
     """Wrapped with `ray.remote` by the client (ray_client.py), which sets its resources."""
 
     def __init__(self, device: str = "auto", threads: int = 0):
+        # before the slow imports: clear what dead actors left here, and make this one's folder
+        self._root, self._alive = _own_scratch(Path(tempfile.gettempdir()))
         import demucs
         import torch
 
@@ -124,7 +140,7 @@ class SeparationActor:
         """Open the scratch file the job's decoded audio is uploaded into."""
         from stemdeck_watch.stages.scratch import AudioWriter
 
-        folder = Path(tempfile.mkdtemp(prefix=f"stemdeck-{job_id}-"))
+        folder = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self._root))
         with self._state:
             self._discard(job_id)
             self._cancelled.discard(job_id)
@@ -150,6 +166,16 @@ class SeparationActor:
         with self._state:
             self._discard(job_id)
 
+    def leave(self) -> None:
+        """The service is done with this actor (it is killed next): stop the job running
+        here and remove the whole scratch folder."""
+        with self._state:
+            for job_id in list(self._staged):
+                self._discard(job_id)
+            if self._running is not None:
+                self._cancelled.add(self._running)
+        shutil.rmtree(self._root, ignore_errors=True)
+
     @ray.method(num_returns="streaming",
                 _generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     def separate(self, job_id: str, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -160,6 +186,7 @@ class SeparationActor:
             with self._state:
                 self.overlaps += 1
                 other = self._running
+                self._discard(job_id)  # its upload never runs here
             raise RuntimeError(f"this worker is busy with job {other}; one job at a time")
         try:
             with self._state:
@@ -242,3 +269,42 @@ class SeparationActor:
         if staged is not None:
             staged.writer.abort()
             shutil.rmtree(staged.folder, ignore_errors=True)
+
+
+def _own_scratch(temp: Path) -> tuple[Path, int | None]:
+    """This actor's scratch folder in `temp`, and the descriptor that holds it locked while
+    the process lives. Made under a name the sweep passes over and renamed once locked, so
+    an actor starting beside another never removes the other's new folder."""
+    _sweep(temp)
+    starting = Path(tempfile.mkdtemp(prefix=STARTING_PREFIX, dir=temp))
+    alive = None
+    if fcntl is not None:
+        alive = os.open(starting / ALIVE, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW,
+                        0o600)
+        fcntl.flock(alive, fcntl.LOCK_EX)
+    root = temp / (SCRATCH_PREFIX + starting.name[len(STARTING_PREFIX):])
+    os.rename(starting, root)
+    return root, alive
+
+
+def _sweep(temp: Path) -> None:
+    """Remove the scratch folders of this user's actors that died on this machine (their
+    lock is free); a folder whose actor lives, or anyone else's, is left alone."""
+    if fcntl is None:
+        return
+    for folder in temp.glob(SCRATCH_PREFIX + "*"):
+        try:
+            st = folder.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            alive = os.open(folder / ALIVE, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its actor is alive
+        finally:
+            os.close(alive)
+        log.info("removing the scratch of a worker that died on this machine: %s", folder)
+        shutil.rmtree(folder, ignore_errors=True)

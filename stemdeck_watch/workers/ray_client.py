@@ -9,9 +9,11 @@ notices by the actor's process id changing.
 Data: the decoded song goes up in bounded windows (two in flight at most), the stems come
 back in windows; the whole song is never one object. Cancel: the job's flag is set on the
 actor at once, and if the actor has not stopped within `CANCEL_GRACE` seconds it is killed
-(and restarted), so a cancel never waits for a segment that does not end. A dead actor or
-machine fails the job like a dead local worker does: `WorkerDied` with a diagnosis naming
-the machine.
+(and restarted), so a cancel never waits for a segment that does not end. Any other error
+on this side while the actor separates (a failed registry write, a full disk) ends the
+actor's job the same way: an actor left separating a job nobody reads would refuse every
+next one as busy. A dead actor or machine fails the job like a dead local worker does:
+`WorkerDied` with a diagnosis naming the machine.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ START_TIMEOUT = 300.0  # an actor's start (placement, imports, a restart after a
 CANCEL_GRACE = 0.6  # seconds a cancelled job may take to stop before its actor is killed
 UPLOADS_IN_FLIGHT = 2  # windows of the song on their way to the actor at once
 POLL = 0.05  # seconds between checks of the job's cancel flag while waiting on Ray
+LEAVE_WAIT = 2.0  # seconds an actor killed for good is given to remove its scratch first
 TAIL_LINES = 40
 
 
@@ -174,10 +177,13 @@ class RayWorkerClient:
         self._shut = True
 
     def close(self) -> None:
-        """Kill the actor for good (the service stopped)."""
+        """Kill the actor for good (the service stopped), once it removed its scratch (or
+        could not within LEAVE_WAIT: the next actor on its machine removes it)."""
         self._shut = True
         actor, self._actor = self._actor, None
         if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.wait([actor.leave.remote()], timeout=LEAVE_WAIT)
             self._kill(actor, restart=False)
         self._where = self._model = None
 
@@ -249,6 +255,7 @@ class RayWorkerClient:
         stream = actor.separate.remote(job_id, request)
         cancelled_at: float | None = None
         seconds = 0.0
+        held = True  # the actor may still be running the job
         try:
             while True:
                 if control.cancelled:
@@ -257,6 +264,7 @@ class RayWorkerClient:
                         log.info("ray worker %d did not stop %s within %.1f s; killing it",
                                  self.index, job_id, CANCEL_GRACE)
                         self._kill(actor, restart=True)
+                        held = False
                         control.check()
                 ready, _ = ray.wait([stream], timeout=POLL)
                 if not ready:
@@ -281,11 +289,35 @@ class RayWorkerClient:
             control.check()
             for writer in writers.values():
                 writer.close()
-        except BaseException:
+        except BaseException as exc:
             for writer in writers.values():
                 writer.abort()
+            if held and not isinstance(exc, WorkerDied):  # a dead actor holds nothing
+                self._end(actor, job_id, stream)
             raise
         return {name: output_dir / f"{name}.npy" for name in writers}, seconds
+
+    def _end(self, actor: Any, job_id: str, stream: Any) -> None:
+        """Make the actor let go of a job this side gave up on: its cancel flag is set and
+        its stream read to the end; an actor that has not let go within CANCEL_GRACE is
+        killed (and restarted), as for a cancel."""
+        with contextlib.suppress(Exception):
+            actor.cancel.remote(job_id)
+            actor.drop.remote(job_id)
+        deadline = time.monotonic() + CANCEL_GRACE
+        try:
+            while time.monotonic() < deadline:
+                ready, _ = ray.wait([stream], timeout=POLL)
+                if ready:
+                    next(stream)  # a report or a stem nobody wants; errors stay in the ref
+        except StopIteration:
+            return  # the job ended there: the actor serves the next one
+        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            return  # the actor went away: it holds nothing
+        except Exception as exc:  # cannot tell: as if it had not let go
+            log.warning("ray worker %d: lost track of %s (%s)", self.index, job_id, exc)
+        log.info("ray worker %d did not let go of %s; killing it", self.index, job_id)
+        self._kill(actor, restart=True)
 
     @contextlib.contextmanager
     def _cancel_on(self, actor: Any, job_id: str, control: JobControl) -> Any:

@@ -121,9 +121,14 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
     out = cli.ok("pause")
     assert out.startswith("paused") and "stemdeck-watch start" in out
     assert queue(service)["pause_reason"] == "user"
-    for i, name in enumerate(("a.wav", "b.wav", "c.wav")):
-        drop(inbox, tmp_path, name, 1.0, seed=i)
-    wait_for(lambda: queued_names(service) == ["a", "b", "c"], 30, "a, b, c queued in order")
+    # one at a time, as a user drops them: files landing within the same instant have no
+    # order of their own to keep
+    for i, name in enumerate(("a", "b", "c")):
+        drop(inbox, tmp_path, f"{name}.wav", 1.0, seed=i)
+        want = ["a", "b", "c"][:i + 1]
+        wait_for(lambda want=want: queued_names(service) == want, 30,
+                 lambda want=want: f"{want} queued in order (queued: {queued_names(service)}, "
+                         f"waiting: {queue(service)['waiting']})")
 
     out = cli.ok("move", "c", "--first")
     assert out.splitlines()[0] == "moved c first"

@@ -1,12 +1,14 @@
-"""The disk check before a job: its estimate follows the file, and a duration probed ahead
-(by the prefetcher, while the previous job separates) is not probed again between two jobs."""
+"""The disk check before a job: its estimate follows the file, a duration probed ahead (by
+the prefetcher, while the previous job separates) is not probed again between two jobs, and a
+link is sized by its own length once anything tells it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from stemdeck_watch.engine import diskguard
 from stemdeck_watch.engine.diskguard import DiskGuard
-from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.core.jobs import Job, JobKind, JobState, PlaylistRef
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import open_scheduler
@@ -29,7 +31,7 @@ def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatc
         room = 10 * 2**20  # a 20 s song's stems and scratch need more than this
         guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
 
-        guard.probe(job)  # ahead, as the prefetcher does
+        assert not guard.fits_ahead(job)  # ahead, as the prefetcher asks
         short = guard.shortfall(job)
         assert short is not None and short[1] > room + diskguard.MARGIN
         assert probed == ["song.wav"]  # the check before the job used the probe made ahead
@@ -40,5 +42,25 @@ def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatc
 
         source.unlink()  # gone: assume a long song; the decode step will say what happened
         assert guard.shortfall(job) is not None
+    finally:
+        scheduler.registry.close()
+
+
+def test_a_link_needs_room_for_its_download_only_until_its_length_is_known(settings,
+                                                                        tmp_path) -> None:
+    scheduler = open_scheduler(settings)
+    try:
+        link = Job(id="l1", name="link", kind=JobKind.LINK, state=JobState.QUEUED,
+                   source=str(settings.paths.inbox / "link.url"), rel_path="link.url")
+        room = 100 * 10**6  # far less than a song of links.max_duration (30 min) needs
+        guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
+        assert guard.shortfall(link) is None  # only its download, at most 1800 s of audio
+        entry = dataclasses.replace(link, id="l2", playlist=PlaylistRef(
+            "p", "list", 1, 3, duration=1500.0))  # the playlist gave its length: sized by it
+        assert guard.shortfall(entry) is not None
+        guard.learn_download(link, write_song(tmp_path / "media.wav", 2.0))
+        assert guard.shortfall(link) is None  # two seconds, downloaded
+        guard.learn_download(link, write_song(tmp_path / "media.wav", 60.0))
+        assert guard.shortfall(link) is not None  # a minute: stems and scratch do not fit
     finally:
         scheduler.registry.close()

@@ -123,10 +123,11 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
     # ahead and behind, at the service's own priority: a lowered thread holding the GIL
     # would stall every other thread of the service while the worker fills the cores
     assert priorities == {thread_priority()}, priorities
-    # ...and so was the disk check's duration probe: between two jobs the worker waits for
+    # ...and so was the disk check's duration probe (by the prefetcher, asking whether the
+    # next song fits beside the ones in flight): between two jobs the worker waits for
     # neither (only the first job, with nothing separating before it, was probed on the spot)
-    assert probed_on == {"a.wav": ["dispatcher"], "b.wav": [f"prefetch-{b}"],
-                         "c.wav": [f"prefetch-{c}"]}, probed_on
+    assert probed_on == {"a.wav": ["dispatcher"], "b.wav": ["prefetch"],
+                         "c.wav": ["prefetch"]}, probed_on
     # the worker took the next job while the previous one was still being written
     assert timeline.index(b, JobState.SEPARATING) < timeline.index(a, JobState.DONE)
     assert timeline.index(c, JobState.SEPARATING) < timeline.index(b, JobState.FAILED)

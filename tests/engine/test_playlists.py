@@ -77,7 +77,7 @@ def downloads(media: MediaServer, file: str) -> int:
 
 
 def list_playlist(url: str, links, tmp_path: Path):
-    return fetch.download(url, tmp_path / "dl", links, check=lambda: None,
+    return fetch.download(url, tmp_path / "dl", links, control=JobControl("listing"),
                           on_progress=lambda _v: None, link_name="Mix.url", expand=True)
 
 
@@ -123,7 +123,7 @@ def test_an_entry_longer_than_the_playlist_says_fails_before_its_download(settin
     links = dataclasses.replace(settings.links, max_duration=5)
     ref = PlaylistRef("p1", "Mix", 2, 3, duration=12.0)
     with pytest.raises(fetch.DownloadError, match="links.max_duration"):
-        fetch.download(media.url("long.wav"), tmp_path / "dl", links, check=lambda: None,
+        fetch.download(media.url("long.wav"), tmp_path / "dl", links, control=JobControl("t"),
                        on_progress=lambda _v: None, link_name="02 - Long.url", playlist=ref,
                        title="Long")
     assert downloads(media, "long.wav") == 0
@@ -285,6 +285,41 @@ def test_without_playlists_a_playlist_link_gives_its_first_item(make_settings, s
     assert outbox_entries(settings.paths.outbox) == {"Alpha"}
     assert downloads(media, "s1.wav") == 0
     assert (settings.paths.processed / "Mix.url").is_file()
+
+
+LONG_TITLE = "夜明けのメロディー" * 11  # 99 characters, 297 bytes: more than a file name holds
+
+
+@pytest.mark.slow
+def test_links_with_a_long_japanese_title_are_published(make_settings, service_factory,
+                                                        media: PlaylistServer) -> None:
+    settings = make_settings()  # links.playlists = false: the list's first item, by its title
+    _service, jobs = service_factory(settings)
+    for number in (0, 1):  # two songs of one title: the second folder gets a number
+        url = media.xspf(f"jp{number}.xspf", [(f"s{number}.wav", LONG_TITLE, None)])
+        url_file(settings.paths.inbox, f"jp{number}.url", url)
+        jobs.wait_final(number + 1)
+    done = jobs.final()
+    assert [j.state for j in done] == [JobState.DONE] * 2, [j.error for j in done]
+    name = done[0].name
+    assert LONG_TITLE.startswith(name) and len(name) >= 60
+    assert outbox_entries(settings.paths.outbox) == {name, f"{name} (2)"}
+
+
+@pytest.mark.slow
+def test_a_playlist_of_long_japanese_titles_publishes_every_entry(make_settings,
+                                                                  service_factory,
+                                                                  media: PlaylistServer) -> None:
+    settings = make_settings(links={"playlists": True})
+    _service, jobs = service_factory(settings)
+    url = media.xspf("jp.xspf", [("s0.wav", f"第一曲 {LONG_TITLE}", None),
+                                 ("s1.wav", f"第二曲 {LONG_TITLE}", None)])
+    url_file(settings.paths.inbox, "夜明け.url", url)
+    done = wait_for(lambda: len(jobs.final()) == 3 and jobs.final(), 120, "the playlist")
+    assert [j.state for j in done] == [JobState.DONE] * 3, [j.error for j in done]
+    published = sorted(p.name for p in (settings.paths.outbox / "夜明け").iterdir())
+    assert [name[:4] for name in published] == ["第一曲 ", "第二曲 "]
+    assert (settings.paths.processed / "夜明け.url").is_file()
 
 
 # ------------------------------------------------------------------ the queue side (no worker)

@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.jobs import FileSignature, JobState
 from stemdeck_watch.engine import pipeline as runner
 from stemdeck_watch.service import Service
 from stemdeck_watch.util.synth import write_song
 
-from support.helpers import SeparationGate, wait_for
+from support.helpers import JobLog, SeparationGate, wait_for
 from support.media import MediaServer, url_file
 
 pytestmark = pytest.mark.slow
@@ -105,30 +106,44 @@ def test_a_link_edited_after_its_download_was_prepared_publishes_the_new_url(
     wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
 
 
-@pytest.mark.parametrize("intake_sees_the_copy", [True, False])
-def test_a_song_replaced_by_one_of_the_same_size_and_time_is_not_published_with_the_old_audio(
-        make_settings, service_factory, monkeypatch, tmp_path: Path,
-        intake_sees_the_copy: bool) -> None:
-    settings = make_settings(queue={"work_beside": "on"})
-    inbox = settings.paths.inbox
-    decoded: list[str] = []  # the job ids of the decodes that ended, in order
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The job ids of the real decodes that ended, in order."""
+    ended: list[str] = []
     real_decode = runner.decode_to_file
 
     def recorded_decode(source, target, *args, **kwargs):  # type: ignore[no-untyped-def]
         audio = real_decode(source, target, *args, **kwargs)
-        decoded.append(Path(target).parent.name)
+        ended.append(Path(target).parent.name)
         return audio
 
     monkeypatch.setattr(runner, "decode_to_file", recorded_decode)
+    return ended
+
+
+def b_decoded_ahead(settings: Settings, service_factory: Callable[..., Any],
+                    decoded: list[str]) -> tuple[Service, JobLog, str, str, SeparationGate]:
+    """The service, its job log, "first" separating (held by the gate until the test opens
+    it) and b.wav, queued behind it, decoded ahead."""
+    inbox = settings.paths.inbox
     service, jobs = service_factory(settings)
     first, b = queue_paused(service, [lambda: write_song(inbox / "first.wav", 3.0),
                                       lambda: write_song(inbox / "b.wav", 2.0, seed=1)])
-    gate = SeparationGate(service.client, first)  # "first" separates until b is replaced
+    gate = SeparationGate(service.client, first)
     service.scheduler.start()
-
     wait_for(lambda: b in decoded, 60, "b decoded ahead")
     assert jobs.latest[first].state is JobState.SEPARATING
     assert jobs.latest[b].state is JobState.QUEUED
+    return service, jobs, first, b, gate
+
+
+@pytest.mark.parametrize("intake_sees_the_copy", [True, False])
+def test_a_song_replaced_by_one_of_the_same_size_and_time_is_not_published_with_the_old_audio(
+        make_settings, service_factory, decoded: list[str], tmp_path: Path,
+        intake_sees_the_copy: bool) -> None:
+    settings = make_settings(queue={"work_beside": "on"})
+    inbox = settings.paths.inbox
+    service, jobs, first, b, gate = b_decoded_ahead(settings, service_factory, decoded)
     if not intake_sees_the_copy:
         service.intake.stop()  # the copy lands after the job is taken: only the job sees it
     copy = write_song(tmp_path / "b.wav", 2.0, seed=2)
@@ -188,3 +203,27 @@ def test_a_song_replaced_as_its_job_is_taken_is_separated_once_and_leaves_the_in
     assert sha256(settings.paths.processed / "song.wav") == new_sha
     assert not (inbox / "song.wav").exists()
     assert len(jobs.jobs()) == 1
+
+
+def test_a_song_overwritten_in_place_by_cp_p_is_not_published_with_the_old_audio(
+        make_settings, service_factory, decoded: list[str], tmp_path: Path) -> None:
+    """`cp -p new.wav inbox/b.wav` onto the file that is there writes into the same inode and
+    sets the old modification time back: size, time and inode all stay, and nothing but
+    the file's change time (ctime) says it is another song."""
+    settings = make_settings(queue={"work_beside": "on"})
+    inbox = settings.paths.inbox
+    service, jobs, first, b, gate = b_decoded_ahead(settings, service_factory, decoded)
+    copy = write_song(tmp_path / "b.wav", 2.0, seed=2)
+    new_sha = sha256(copy)
+    old = (inbox / "b.wav").stat()
+    with open(inbox / "b.wav", "r+b") as handle:  # what `cp -p` does onto an existing file
+        handle.write(copy.read_bytes())
+        handle.truncate()
+    os.utime(inbox / "b.wav", ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert FileSignature.of((inbox / "b.wav").stat()) == FileSignature.of(old)
+    gate.open()
+
+    done = wait_for(lambda: jobs.latest[b].state.is_final and jobs.latest[b], 120, "b to end")
+    assert done.state is JobState.DONE and done.error is None, done
+    assert manifest_of(done.output)["input"]["sha256"] == new_sha
+    assert sha256(settings.paths.processed / "b.wav") == new_sha

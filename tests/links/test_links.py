@@ -80,8 +80,19 @@ def test_titles_become_safe_folder_names() -> None:
     assert fetch.song_name({"title": "Song", "artist": "Band"}, "x") == "Band - Song"
     assert fetch.song_name({"title": "CON"}, "x") == "_CON"
     assert fetch.song_name({"title": "a\x00b\nc" + "z" * 300}, "x").startswith("a b c")
-    assert len(fetch.song_name({"title": "z" * 300}, "x")) == fetch.MAX_NAME
+    assert len(fetch.song_name({"title": "z" * 300}, "x")) == fetch.MAX_NAME_BYTES
     assert fetch.song_name({"title": "..."}, "fallback") == "fallback"
+
+
+def test_a_long_japanese_title_fits_a_file_name_with_room_for_a_number(tmp_path: Path) -> None:
+    title = "夜明けのメロディー" * 11  # 99 characters, 297 bytes: more than a name may hold
+    name = fetch.song_name({"title": title}, "x")
+    assert title.startswith(name) and len(name) >= 60
+    assert len(name.encode()) <= fetch.MAX_NAME_BYTES
+    (tmp_path / f"{name} (12)").mkdir()  # what publish makes of a taken name
+    (tmp_path / f"001 - {name}.url.error.txt").write_text("")  # a failed playlist entry
+    accented = fetch.song_name({"title": "q\u0301" * 150}, "x")  # q́ has no composed form
+    assert accented.endswith("q\u0301") and len(accented.encode()) <= fetch.MAX_NAME_BYTES
 
 
 # ------------------------------------------------------------------ a loopback media server

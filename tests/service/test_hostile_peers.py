@@ -27,9 +27,11 @@ from stemdeck_watch.ui.notify import Note, Target
 from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
 from stemdeck_watch.core.paths import move_file
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.stages.publish import read_manifest, verify_folder
 from stemdeck_watch.engine.recovery import adopt_orphans
 from stemdeck_watch.util.safefile import read_regular, temp_name
+from stemdeck_watch.util.synth import write_song
 
 from support import desktop
 from support.helpers import open_scheduler, wait_for, write_config
@@ -339,3 +341,34 @@ def test_notifications_show_a_hostile_name_escaped_and_never_as_markup(tmp_path)
     markup = escaped.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     assert first["summary"] == f"Stems ready: {escaped}"
     assert first["body"] == f"{markup} is separated. Stems: {tmp_path / 'outbox'}/{markup}"
+
+
+def test_deeply_nested_json_planted_as_a_manifest_or_heartbeat_does_not_stop_the_start(
+        make_settings, service_factory) -> None:
+    """A stemdeck.json in an orphan song folder, a heartbeat in inbox/.stemdeck/ and the
+    manifest of a song folder the service published, each a few KB of `[[[[…`: the service
+    starts, skips them, and a song dropped again is separated rather than failing."""
+    settings = make_settings()
+    deep = "[" * 50_000
+    orphan = settings.paths.outbox / "Orphan"
+    orphan.mkdir(parents=True)
+    (orphan / "a.wav").write_bytes(b"RIFF")
+    (orphan / "stemdeck.json").write_text(deep)
+    beats = settings.paths.inbox / FOLDER
+    beats.mkdir(parents=True)
+    (beats / "owner-deep.json").write_text(deep)
+
+    service, jobs = service_factory(settings)  # neither stops the start
+    assert service.ownership is not None
+    assert [beat.path for beat in read_heartbeats(beats)] == [service.ownership.path]
+    write_song(settings.paths.inbox / "song.wav", 1.0, seed=3)
+    first = wait_for(lambda: next((j for j in jobs.latest.values() if j.state.is_final), None),
+                     120, "the song to end")
+    assert first.state is JobState.DONE, first
+    (Path(first.output) / "stemdeck.json").write_text(deep)  # a peer rewrites its manifest
+    assert verify_folder(Path(first.output)) != []
+    write_song(settings.paths.inbox / "song.wav", 1.0, seed=3)  # the same song again
+    second = wait_for(lambda: next((j for j in jobs.latest.values()
+                                    if j.id != first.id and j.state.is_final), None),
+                      120, "the copy to end")
+    assert second.state is JobState.DONE and second.output != first.output, second

@@ -24,16 +24,18 @@ from stemdeck_watch.engine.scheduler import Scheduler
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
-             interval: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0,
+             what: str | Callable[[], str] = "condition", interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds.
+    `what` may be a callable, so the failure can say what was seen instead."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {said}")
         time.sleep(interval)
 
 
@@ -127,6 +129,8 @@ def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> d
     # the beat grid loads librosa (3-9 s per service process on 2 cores): tests of it turn it
     # on (tests/test_output_*.py); the rest keep the suite fast
     data["output"]["beat_grid"] = False
+    # the tests' media servers listen on 127.0.0.1, which links refuse by default
+    data["links"]["allow_private"] = True
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return data

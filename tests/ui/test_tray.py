@@ -207,6 +207,19 @@ def test_the_view_says_what_the_service_does():
         assert image.getpixel((57, 6))[:3] in (COLOURS["error"], (255, 255, 255))
 
 
+def test_a_hostile_song_name_reaches_the_tray_escaped():
+    """The tray's title (its tooltip) and status line name the running song and the last
+    failure: a name's newline would add a line of its own there, a direction override would
+    make it read as something else. They show escaped, as in status and the log."""
+    name = "evil\nstemdeck-watch: Idle\u202egnp.exe"
+    snap = {"paused": False, "pause_reason": None, "queued": [], "waiting": [],
+            "running": {"name": name, "state": "separating", "progress": 0.5}}
+    view = build_view(snap, (name, "not audio"))
+    for text in (view.title, view.status):
+        assert "\n" not in text and "\u202e" not in text, text
+        assert "evil\\nstemdeck-watch: Idle\\u202egnp.exe" in text, text
+
+
 def test_where_a_tray_can_run():
     no_probe = lambda _env: pytest.fail("no probe without a display")  # noqa: E731
     choice = detect("auto", env={}, platform="linux", probe=no_probe)

@@ -21,9 +21,11 @@ else:
 
 from stemdeck_watch.core.errors import Cancelled, WorkerDied  # noqa: E402
 from stemdeck_watch.workers.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
+from stemdeck_watch.workers.ray_actor import ALIVE  # noqa: E402
 from stemdeck_watch.workers.ray_client import RayWorkerClient  # noqa: E402
 from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
+from stemdeck_watch.workers.worker import ONEDNN_ENV  # noqa: E402
 from stemdeck_watch.engine.scheduler import PAUSE_USER  # noqa: E402
 
 from support.helpers import open_scheduler  # noqa: E402
@@ -210,6 +212,111 @@ def test_stems_equal_the_local_workers(workers: list[RayWorkerClient], model_rep
         local_client.close()
     for stem, path in local.stems.items():
         np.testing.assert_array_equal(np.load(remote.stems[stem]), np.load(path))
+
+
+@pytest.fixture
+def worker_temp(tmp_path: Path) -> Path:
+    """The temp folder (TMPDIR) of a test's own worker: what it leaves there is seen."""
+    temp = tmp_path / "actor-temp"
+    temp.mkdir()
+    return temp
+
+
+def own_worker(temp: Path, model_repo: Path) -> RayWorkerClient:
+    """A worker of its own whose machine's temp folder is `temp` (no CPU of the cluster's
+    two reserved: the module's two workers hold those)."""
+    client = RayWorkerClient("cpu", threads=1, cpus=0.0, index=7,
+                             env={"TMPDIR": str(temp), ONEDNN_ENV: "0"})
+    client.ensure_model("tiny", str(model_repo), precision="float32")
+    return client
+
+
+def left_in(temp: Path) -> list[str]:
+    """Files the actors left in their temp folder (a live actor's lock file aside)."""
+    return sorted(str(p.relative_to(temp)) for p in temp.rglob("*")
+                  if p.is_file() and p.name != ALIVE)
+
+
+def test_a_failed_write_during_a_job_fails_only_that_job_on_its_worker(
+        cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path) -> None:
+    """A write on the service's side fails while the worker separates (the registry's
+    progress write, say): that job fails, and the worker lets go of it at once, so the next
+    song runs there instead of being refused as "busy" with the abandoned one."""
+    worker = own_worker(worker_temp, model_repo)
+    try:
+        def failing_write(value: float) -> None:
+            if value > 0.05:
+                raise OSError(28, "database or disk is full")
+
+        with pytest.raises(OSError, match="disk is full"):
+            run(worker, "broken", model_repo, song(tmp_path / "in.npy", 12.0),
+                tmp_path / "broken", on_progress=failing_write)
+        done = run(worker, "next", model_repo, song(tmp_path / "short.npy", 3.0),
+                   tmp_path / "next")
+        assert sorted(done.stems) == ["bass", "drums", "other", "vocals"]
+        assert actor_stats(worker)["overlaps"] == 0
+        assert left_in(worker_temp) == []
+    finally:
+        worker.close()
+
+
+def test_a_worker_leaves_no_scratch_after_a_refused_upload_a_kill_or_a_close(
+        cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path) -> None:
+    """A worker's songs in its machine's temp folder do not outlive it: an upload refused
+    because the worker is busy is removed; the folder of a worker killed mid-job is removed
+    when it restarts; a worker closed mid-job (the service stopping) removes its own."""
+    worker = own_worker(worker_temp, model_repo)
+    try:
+        refused: list[str] = []
+
+        def intrude(value: float) -> None:
+            if value > 0 and not refused:
+                actor = worker.actor
+                ray.get(actor.begin.remote("intruder", 2))
+                ray.get(actor.upload.remote("intruder", 0, np.zeros((2, RATE), np.float32)))
+                with pytest.raises(ray.exceptions.RayTaskError) as caught:
+                    ray.get(next(actor.separate.remote("intruder", {"model": "tiny"})))
+                refused.append(str(caught.value))
+
+        run(worker, "first", model_repo, song(tmp_path / "in.npy", 12.0), tmp_path / "first",
+            on_progress=intrude)
+        assert "busy with job first" in refused[0]
+        assert left_in(worker_temp) == []
+
+        old = worker.pid
+        assert old is not None
+        killed: list[int] = []
+
+        def kill(value: float) -> None:
+            if value > 0.1 and not killed:
+                killed.append(old)
+                os.kill(old, signal.SIGKILL)
+
+        with pytest.raises(WorkerDied):
+            run(worker, "victim", model_repo, song(tmp_path / "in.npy", 12.0),
+                tmp_path / "victim", on_progress=kill)
+        worker.ensure_model("tiny", str(model_repo), precision="float32")  # restarted
+        assert worker.pid != old and left_in(worker_temp) == []
+
+        closing = threading.Event()
+        ended: list[BaseException] = []
+
+        def abandoned() -> None:
+            try:
+                run(worker, "abandoned", model_repo, song(tmp_path / "in.npy", 40.0),
+                    tmp_path / "abandoned", on_progress=lambda v: v > 0.1 and closing.set())
+            except BaseException as exc:  # the close cuts it off
+                ended.append(exc)
+
+        thread = threading.Thread(target=abandoned)
+        thread.start()
+        assert closing.wait(120), "the job never got going"
+        worker.close()
+        thread.join(60)
+        assert ended and not thread.is_alive()
+        assert list(worker_temp.iterdir()) == []
+    finally:
+        worker.close()
 
 
 def test_a_lost_cluster_pauses_the_queue_until_it_is_back(cluster: Any, settings: Any) -> None:

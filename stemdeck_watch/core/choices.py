@@ -1,0 +1,198 @@
+"""Choices made in the drop itself: a sidecar file or a short tag in the song's name.
+
+A preset folder per combination of options is clumsy; a person who wants this one song as
+six stems, or as vocals + the rest, says so where they drop it:
+
+- a tag in the name, `Song [6s].mp3`, `Song [vocals, flac].mp3` (TAGS lists them): a
+  bracketed group at the end of the name, in lower case. A group with capitals (`[Live]`,
+  `[Official Video]`) or with no word that is or looks like a tag is part of the title;
+- a sidecar `Song.mp3.stemdeck.toml` holding any keys a preset may set (`two_stems =
+  "vocals"`, `format = "flac"`, …), read when the job starts.
+
+A link file (`Song [vocals].url`, `Song.url.stemdeck.toml`) carries them the same way. The
+song's settings are, from weakest to strongest: the config, the preset folder, the name's
+tags, the sidecar. A bad tag or sidecar fails that song with a reason naming the tag or key;
+the manifest records where each setting came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import errno
+import logging
+import os
+import re
+import stat
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from stemdeck_watch.core.config import (OutputSettings, SeparationSettings, Settings, check_overrides,
+                                   check_song_settings)
+from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
+from stemdeck_watch.core.jobs import Job
+from stemdeck_watch.core.paths import move_file
+from stemdeck_watch.util.safefile import read_regular
+
+log = logging.getLogger(__name__)
+
+SIDECAR_SUFFIX = ".stemdeck.toml"
+SIDECAR_LIMIT = 64 << 10  # bytes: a few keys; anything larger is not a sidecar
+STEMS = ("vocals", "drums", "bass", "other", "guitar", "piano")
+TAGS: dict[str, dict[str, Any]] = {
+    "6s": {"model": "htdemucs_6s"},
+    "ft": {"model": "htdemucs_ft"},
+    **{stem: {"two_stems": stem} for stem in STEMS},
+    **{fmt: {"format": fmt} for fmt in ("wav", "flac", "mp3")},
+    "daw": {"session": ["dawproject", "reaper"]},
+    "dj": {"stem_file": True},
+    "practice": {"practice": True},
+}
+_GROUP = re.compile(r"\s*\[([^\[\]]*)\]\s*$")
+
+
+class ChoiceError(StageError):
+    """A tag in the name or a sidecar that cannot be used; the song fails, naming it."""
+
+    stage = "reading its choices"
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    separation: SeparationSettings
+    output: OutputSettings
+    origins: dict[str, str]  # "separation.model" → "config", "preset six", "name tag [6s]"…
+
+
+def _tag_group(stem: str) -> tuple[str, list[str]] | None:
+    """The name without its tag group and the group's words, or None if it has none."""
+    match = _GROUP.search(stem)
+    if not match or match.group(1) != match.group(1).lower():
+        return None
+    words = [w for w in re.split(r"[\s,+]+", match.group(1).strip()) if w]
+    if not words or not any(w in TAGS or _guess(w) for w in words):
+        return None
+    return stem[:match.start()].rstrip() or stem, words
+
+
+def _guess(word: str, cutoff: float = 0.75) -> str | None:
+    """The tag `word` looks like: close enough to make its group a tag group (a typo), or
+    with a lower cutoff, a hint in the error."""
+    found = difflib.get_close_matches(word, list(TAGS), n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+def song_name(stem: str) -> str:
+    """The song's name without its tag group: `Song [6s]` → `Song` (the outbox folder)."""
+    found = _tag_group(stem)
+    return found[0] if found else stem
+
+
+def name_choices(filename: str) -> dict[str, tuple[Any, str]]:
+    """key → (value, origin) from the tags in a file name; ChoiceError for an unknown tag or
+    two tags setting one key."""
+    stem = filename.rsplit(".", 1)[0] if "." in filename.lstrip(".") else filename
+    found = _tag_group(stem)
+    if found is None:
+        return {}
+    chosen: dict[str, tuple[Any, str]] = {}
+    for word in found[1]:
+        if word not in TAGS:
+            guess = _guess(word, cutoff=0.5)
+            hint = f" (did you mean [{guess}]?)" if guess else ""
+            raise ChoiceError(f"unknown tag [{word}] in the name {filename!r}{hint}; tags: "
+                              f"{', '.join(f'[{t}]' for t in TAGS)} — rename the file")
+        for key, value in TAGS[word].items():
+            if key in chosen:
+                raise ChoiceError(f"the tags {chosen[key][1].split()[-1]} and [{word}] in the "
+                                  f"name {filename!r} both choose {key}; keep one")
+            chosen[key] = (value, f"name tag [{word}]")
+    return chosen
+
+
+def sidecar_of(source: Path) -> Path:
+    return source.with_name(source.name + SIDECAR_SUFFIX)
+
+
+def sidecar_choices(source: Path) -> dict[str, Any] | None:
+    """The keys of `Song.mp3.stemdeck.toml` beside `source`, or None without one; read only
+    if it is a plain file of bounded size (the inbox is shared)."""
+    path = sidecar_of(source)
+    if _lstat(path) is None:
+        return None
+    try:
+        data = tomllib.loads(read_regular(path, SIDECAR_LIMIT).decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChoiceError(str(FilesystemError("read", path, reason=exc))) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ChoiceError(f"could not parse {path.name}: {exc}; fix or remove it") from exc
+    return data
+
+
+def for_job(settings: Settings, job: Job) -> Chosen:
+    """The job's separation and output settings — config, preset, name tags, sidecar — and
+    where each came from. ChoiceError names the tag, the key or the file that is wrong."""
+    source = Path(job.source)
+    overrides: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    preset = settings.presets.get(job.preset or "", {})
+    for key, value in preset.items():
+        overrides[key], origins[key] = value, f"preset {job.preset}"
+    tagged = name_choices(source.name)
+    try:
+        checked = check_overrides({k: v for k, (v, _o) in tagged.items()}, "")
+    except ConfigError as exc:
+        raise ChoiceError(f"the name {source.name!r}: {exc}") from None
+    for key, value in checked.items():
+        overrides[key], origins[key] = value, tagged[key][1]
+    sidecar = sidecar_choices(source)
+    if sidecar is not None:
+        name = sidecar_of(source).name
+        try:
+            checked = check_overrides(sidecar, "")
+        except ConfigError as exc:
+            raise ChoiceError(f"{name}: {exc}; fix {name} or remove it") from None
+        for key, value in checked.items():
+            overrides[key], origins[key] = value, f"sidecar {name}"
+    fields = {f.name for f in dataclasses.fields(SeparationSettings)}
+    sep = dataclasses.replace(settings.separation,
+                              **{k: v for k, v in overrides.items() if k in fields})
+    out = dataclasses.replace(settings.output,
+                              **{k: v for k, v in overrides.items() if k not in fields})
+    try:
+        check_song_settings(sep, out, f"{source.name}: ")
+    except ConfigError as exc:
+        raise ChoiceError(str(exc)) from None
+    every = {f"separation.{f.name}": origins.get(f.name, "config")
+             for f in dataclasses.fields(SeparationSettings)}
+    every.update({f"output.{f.name}": origins.get(f.name, "config")
+                  for f in dataclasses.fields(OutputSettings)})
+    return Chosen(sep, out, every)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """The entry itself (a link is not followed), or None where there is none: also for a
+    song whose name leaves no room for the suffix (the name would be too long)."""
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENAMETOOLONG, errno.ENOTDIR):
+            return None
+        raise ChoiceError(str(FilesystemError("read", path, reason=exc))) from exc
+
+
+def move_sidecar(source: Path, moved_to: Path) -> None:
+    """Take the song's sidecar along to where the song went (processed/ or failed/), named
+    after it there; a sidecar that cannot be moved stays and is logged, never fatal."""
+    sidecar = sidecar_of(source)
+    try:
+        found = _lstat(sidecar)
+    except ChoiceError as exc:
+        log.warning("the choices of %s stay in the inbox: %s", source.name, exc)
+        return
+    if moved_to == source or found is None or not stat.S_ISREG(found.st_mode):
+        return
+    try:
+        move_file(sidecar, sidecar_of(moved_to))
+    except FilesystemError as exc:
+        log.warning("the choices of %s stay in the inbox: %s", source.name, exc)

@@ -1,0 +1,164 @@
+"""The files side of the seams test (tests/test_model_based.py): what a person does to the
+inbox and the outbox, and what the test reads back from them.
+
+The test's own hands never destroy bytes: a deleted input and a replaced one are kept (hard
+linked or copied) in the test's trash/, so that "nothing is lost" stays a plain count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from stemdeck_watch.core.config import Folders, LinkSettings
+from stemdeck_watch.stages.publish import MANIFEST, read_manifest
+
+from support.helpers import config_data, outbox_entries
+
+PRESET = "duo"
+SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav")  # where songs are dropped (a preset folder too)
+LINK_SLOT = "l.url"
+STAGING = Folders(*[Path("/")] * 5).staging.name
+_names = itertools.count()
+
+
+def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
+    """The config of one example: folders under `root` (the outbox given), the tiny model,
+    work beside the worker on, a preset folder, restores not paused, no job failed for
+    being cut off by the test's kills."""
+    # the link server is on loopback; a link's length is unknown until it is downloaded, so
+    # the disk check sizes its download at links.max_duration: at the default 30 minutes that
+    # is 72 MB, which the rules' 96 MB disk (less the check's 64 MB margin) rightly has no
+    # room for: the queue would wait for disk for good. Five minutes (12 MB) fits, as a user
+    # with a small disk would set it.
+    links: dict[str, Any] = {"max_duration": 300}
+    if "allow_private" in {f.name for f in dataclasses.fields(LinkSettings)}:
+        links["allow_private"] = True
+    data = config_data(root, model_repo, links=links, folders={"outbox": str(outbox)},
+                       queue={"work_beside": "on", "start_paused_after_restore": False,
+                              "resume_attempts": 100, "on_duplicate": "skip"})
+    data["presets"] = {PRESET: {"two_stems": "vocals"}}
+    config = root / "stemdeck.toml"
+    config.write_text(tomli_w.dumps(data))
+    return config
+
+
+def sha_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def link_text(url: str) -> bytes:
+    return f"[InternetShortcut]\r\nURL={url}\r\n".encode()
+
+
+def url_in(path: Path) -> str | None:
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("URL="):
+                return line[4:].strip()
+    except OSError:
+        pass
+    return None
+
+
+class Hashes:
+    """sha256 of files, remembered by (device, inode, size, mtime): a step hashes only what
+    changed since the last one."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int, int, int], str] = {}
+
+    def of(self, path: Path) -> str | None:
+        try:
+            st = path.stat()
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if key not in self._known:
+                self._known[key] = sha_of(path.read_bytes())
+            return self._known[key]
+        except OSError:
+            return None  # moved by the service meanwhile
+
+
+class Hands:
+    """What a person (an editor, a sync client, a file manager) does to the inbox."""
+
+    def __init__(self, inbox: Path, trash: Path, away: Path):
+        self.inbox, self.trash, self.away = inbox, trash, away
+
+    def _keep(self, path: Path, copy: bool) -> None:
+        """Keep the bytes at `path` in trash/ before they are replaced or deleted."""
+        keep = self.trash / f"{next(_names)}-{path.name}"
+        try:
+            if copy:
+                keep.write_bytes(path.read_bytes())
+            else:
+                os.link(path, keep)
+        except FileNotFoundError:
+            pass  # the service moved it away first: it is in processed/ or failed/
+
+    def place(self, rel: str, data: bytes, how: str) -> str:
+        """Put `data` at inbox/`rel`: "atomic" (a hidden temp file renamed over it, as editors
+        save), "inplace" (rewritten in the same file) or "stamp" (a new file with the old size
+        and mtime, as `cp -p` or `rsync -t` leave it). Returns how it was done in the end."""
+        path = self.inbox / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if how == "inplace":
+            self._keep(path, copy=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+            except FileNotFoundError:
+                how = "atomic"
+            else:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                return how
+        temp = path.with_name(f".{path.name}.{next(_names)}.tmp")
+        temp.write_bytes(data)
+        if how == "stamp":
+            try:
+                st = path.stat()
+                os.utime(temp, ns=(st.st_atime_ns, st.st_mtime_ns))
+            except FileNotFoundError:
+                how = "atomic"
+        self._keep(path, copy=False)
+        os.replace(temp, path)
+        return how
+
+    def remove(self, rel: str, how: str) -> bool:
+        """Delete ("unlink") or move out ("move") inbox/`rel`; False if nothing was there."""
+        path = self.inbox / rel
+        try:
+            if how == "move":
+                os.rename(path, self.away / f"{next(_names)}-{path.name}")
+            else:
+                self._keep(path, copy=False)
+                path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def scan_outbox(outbox: Path) -> tuple[dict[str, dict[str, Any] | None], list[str], list[str]]:
+    """(song folders -> complete manifest or None, stray entries, staging leftovers)."""
+    folders: dict[str, dict[str, Any] | None] = {}
+    stray: list[str] = []
+    staging: list[str] = []
+    for entry in sorted(outbox / name for name in outbox_entries(outbox)):
+        if entry.name == STAGING:
+            staging += [p.name for p in entry.iterdir()]
+        elif entry.name.startswith(".") or not entry.is_dir():
+            stray.append(entry.name)
+        elif entry.name == PRESET and not (entry / MANIFEST).exists():
+            for inner in sorted(entry.iterdir()):
+                if inner.is_dir() and not inner.name.startswith("."):
+                    folders[f"{PRESET}/{inner.name}"] = read_manifest(inner)
+                else:
+                    stray.append(f"{PRESET}/{inner.name}")
+        else:
+            folders[entry.name] = read_manifest(entry)
+    return folders, stray, staging
