@@ -79,7 +79,7 @@ def connect(address: str) -> Connection:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(
             f"could not connect to the Ray cluster at executor.address = {address!r}: {exc}; "
-            f"start the head with `ray start --head` (see README, 'Scaling out'), check the "
+            f"start the head with `ray start --head` (see docs/guide/scaling-out.md), check the "
             f"address and the auth token, or use address = \"local\"") from None
     log.info("connected to the Ray cluster at %s", address)
     return Connection(address, owned=True)
@@ -102,8 +102,8 @@ def _reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
     if why is not None:
         raise ConfigError(
             f"could not connect to the Ray cluster at executor.address = {address!r}: "
-            f"{why}; is the head running (`ray start --head`, see README, "
-            f"'Scaling out') and is the port open from this machine?") from None
+            f"{why}; is the head running (`ray start --head`, see "
+            f"docs/guide/scaling-out.md) and is the port open from this machine?") from None
 
 
 def probe(endpoint: str | None = None) -> str | None:

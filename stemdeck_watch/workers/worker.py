@@ -125,7 +125,7 @@ def load_model(name: str, repo: str | None) -> Any:
             f"could not load model {name!r}: it is not downloaded yet and the model hub "
             f"(huggingface.co) cannot be reached. Connect to the internet once so it can be "
             f"downloaded, or put the model files in a folder and set separation.model_repo "
-            f"to that folder (see README, 'Using a real model offline')")
+            f"to that folder (see docs/guide/models.md, 'Using a real model offline')")
     try:
         return get_model(name)
     except ModelLoadingError as exc:

@@ -30,7 +30,7 @@ SOURCES = ("drums", "bass", "other", "vocals")
 
 def _schemas() -> Path | None:
     places = [os.environ.get("STEMDECK_DAWPROJECT_SCHEMAS", ""),
-              str(Path(__file__).resolve().parents[2] / "shared" / "dawproject")]
+              str(Path(__file__).resolve().parents[3] / "shared" / "dawproject")]
     return next((Path(p) for p in places if p and (Path(p) / "Project.xsd").is_file()), None)
 
 
