@@ -84,7 +84,29 @@ SCHEMAS: dict[str, Any] = {
             "folders": {"type": "object", "additionalProperties": {"type": "string"}},
             "notes": {"type": "array", "items": {"type": "string"}},
             "worker": {"type": ["object", "null"]},
-            "workers": {"type": "array", "items": {"type": "object"}}}},
+            "workers": {"type": "array", "items": {"type": "object"}},
+            "eta": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["songs", "seconds", "finish", "measured", "jobs"],
+                "description": "when the songs left are expected to be done (Unix times), "
+                               "from the seconds of separation per second of audio measured "
+                               "for the model and precision; `finish` and `seconds` are null "
+                               "until a song was measured",
+                "properties": {
+                    "songs": {"type": "integer"}, "seconds": {"type": ["number", "null"]},
+                    "finish": {"type": ["number", "null"]}, "measured": {"type": "boolean"},
+                    "paused": {"type": "boolean", "description": "nothing new starts: no "
+                                                                 "`finish` for the queue"},
+                    "rate": {"type": ["object", "null"]},
+                    "jobs": {"type": "object", "additionalProperties": {
+                        "type": "object",
+                        "properties": {"length": {"type": ["number", "null"]},
+                                       "guessed": {"type": "boolean"},
+                                       "seconds": {"type": ["number", "null"]},
+                                       "start": {"type": ["number", "null"]},
+                                       "finish": {"type": ["number", "null"]}}}},
+                    "took": {"type": "object", "description": "seconds each finished job "
+                                                              "listed took",
+                             "additionalProperties": {"type": "number"}}}}]}}},
     "JobReply": {"type": "object", "required": ["job"],
                  "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
     "Moved": {
