@@ -19,6 +19,7 @@ from stemdeck_watch.ui.folder import FolderRemote
 from stemdeck_watch.ui.notify import Notifier
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.engine.dispatcher import Dispatcher
+from stemdeck_watch.engine.eta import Estimator
 from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers import executor as pool
 from stemdeck_watch.intake.ownership import InboxOwnership
@@ -88,6 +89,9 @@ class Service:
             # the workers: one local process, or `executor.workers` Ray actors; one
             # pipeline (and below, one dispatcher) per worker
             self.executor = pool.build(self.settings, self._worker_env)
+            self.eta = Estimator(self.registry, self.settings, self.bus,
+                                 lanes=len(self.executor.clients), clock=self._clock)
+            self.scheduler.eta = self.eta
             self.client = self.executor.clients[0]
             songs = SongsInFlight()  # a song separating on one worker is no new song on another
             self.pipelines = [Pipeline(
@@ -138,6 +142,7 @@ class Service:
         self.prefetcher.start()
         self.intake.start()
         self.folder_remote.start()
+        self.eta.start(self.scheduler.snapshot)
         self._started = True
         self._start_api()
         self._log_start()
@@ -184,6 +189,9 @@ class Service:
         if not self.folder_remote.alive():
             log.error("the folder control thread died; restarting it")
             self.folder_remote.start()
+        if not self.eta.alive():
+            log.error("the estimate thread died; restarting it")
+            self.eta.start(self.scheduler.snapshot)
         if self.notifier is not None:
             self.notifier.restart_dead()
         if self.ownership is not None and not self.ownership.alive():
@@ -223,6 +231,8 @@ class Service:
             dispatcher.stop()
         self.folder_remote.stop()
         self.executor.close()
+        self.eta.stop()
+        self.eta.write(None)  # what was measured, for the next start
         if self.notifier is not None:  # last: it sends what it still holds
             self.notifier.stop()
             self.notifier = None

@@ -15,6 +15,7 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core.lock import running_pid
+from stemdeck_watch.engine.eta import eta_words, stored as stored_eta
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.util.safetext import escape_controls
@@ -40,6 +41,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
     pause_reason = None
     older = 0
     workers = None
+    eta = None
     notes: list[str] = []
     try:
         registry = Registry.open_readonly(path)
@@ -53,6 +55,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
                 waiting = registry.waiting()
                 pause_reason = registry.get_meta("pause_reason") or None
                 workers = workers_of(registry)
+                eta = stored_eta(registry, pid is not None)
                 rebuilt = registry.get_meta("rebuilt_from")
                 if rebuilt:
                     notes.append(f"the job registry was damaged and rebuilt; the old file is "
@@ -67,7 +70,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
         raise _damaged(path, exc, pid) from None
     return build_snapshot(jobs, order, waiting, pause_reason, folders,
                  {"running": pid is not None, "pid": pid}, notes, workers=workers,
-                          older=older)
+                          older=older, eta=eta)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -129,6 +132,9 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     queued = status["queued"]
     lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) for j in queued[:5])
                                               + (" …" if len(queued) > 5 else "") if queued else ""))
+    eta_line = eta_words(status.get("eta"))
+    if eta_line:
+        lines.append(f"eta:     {eta_line}")
     if status["waiting"]:
         lines.append(f"waiting: {len(status['waiting'])} file(s) held back until the queue has room")
     finished = [j for j in status["jobs"] if j["state"] in

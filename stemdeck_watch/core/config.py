@@ -198,6 +198,10 @@ class ApiSettings:
                     "loopback only: any other address is a configuration error")
     port: int = key(0, number(0, 65535, integer=True),
                     "0 = pick a free port (the discovery file <state>/api.json names it)")
+    max_upload_mb: int = key(2048, number(1, 1 << 20, integer=True),
+                             "largest song the queue page may upload into the inbox, in MB "
+                             "(a larger one is refused with the reason; copy it into the "
+                             "inbox instead)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Scheduler(Requests):
         self._unsaved: list[tuple[str, JobKind, float]] = []  # waiting files not yet on disk
         self._batch = threading.local()
         self._kinds: dict[str, JobKind | None] = {}
+        self.eta: Any = None  # the service's engine.eta.Estimator: snapshots say when songs finish
 
     # ------------------------------------------------------------ intake side
 
@@ -421,10 +422,17 @@ class Scheduler(Requests):
         with self._lock:
             waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
             jobs, older = self.registry.recent(RECENT_JOBS)
-            return build_snapshot(jobs, self.queue.order(), waiting,
+            order = self.queue.order()
+            snap = build_snapshot(jobs, order, waiting,
                                   self.queue.pause_reason if self.queue.paused else None,
                                   self.settings.paths, {"running": True, "pid": os.getpid()},
                                   workers=workers_of(self.registry), older=older)
+        if self.eta is not None:  # outside the lock: it may read a few files' headers
+            by_id = {job.id: job for job in jobs}
+            snap["eta"] = self.eta.estimate([job for job in jobs if job.state.is_running],
+                                            [by_id[i] for i in order if i in by_id], jobs,
+                                            snap["worker"], paused=snap["paused"])
+        return snap
 
     def jobs_page(self, before: tuple[float, int] | None,
                   limit: int) -> tuple[list[Job], tuple[float, int] | None]:

@@ -21,7 +21,8 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
           pause_reason: str | None, folders: Folders,
           service: dict[str, Any], notes: list[str] | None = None,
           worker: dict[str, Any] | None = None,
-          workers: list[dict[str, Any]] | None = None, older: int = 0) -> dict[str, Any]:
+          workers: list[dict[str, Any]] | None = None, older: int = 0,
+          eta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `status --json` object: the queue, the service, its folders, and every worker
     (`workers`; `worker` is the first of them: its device, threads, model and precision with
     the figures that chose it).
@@ -49,6 +50,9 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         # every worker (several with executor.kind = "ray"): where it runs, its device, the
         # job it holds
         "workers": workers if workers is not None else ([worker] if worker else []),
+        # when the songs left are expected to be done (engine/eta.py); null before any
+        # estimate
+        "eta": eta,
     }
 
 

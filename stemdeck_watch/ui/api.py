@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from stemdeck_watch.core.config import ApiSettings
-from stemdeck_watch.ui import discovery, openapi
+from stemdeck_watch.ui import discovery, media, openapi, upload
 from stemdeck_watch.ui.pagecode import OneTimeCodes
 from stemdeck_watch.ui.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
 from stemdeck_watch.core.errors import ConfigError, ControlError, JobNotFound
@@ -73,8 +73,17 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
         (JOB + r"/retry", {"POST": "retry"}),
         (JOB + r"/remove", {"POST": "remove"}),
         (JOB + r"/move", {"POST": "move"}),
+        (JOB + r"/player", {"GET": "player"}),
+        (JOB + r"/stems/(?P<stem>[^/]+)", {"GET": "stem"}),
+        (JOB + r"/preview", {"GET": "preview"}),
+        (JOB + r"/beats", {"GET": "beats"}),
+        (r"/api/intake", {"GET": "intake"}),
+        (r"/api/uploads", {"POST": "upload"}),
+        (r"/api/links", {"POST": "link"}),
     )
 ]
+FILES = ("stem", "preview")  # answered with a file (HTTP Range), not JSON
+QUERIED = ("jobs", "upload")  # the only routes that take query parameters
 PUBLIC = ("/api/openapi.json", "/api/token")  # the only /api/ paths served without the token
 PAGE_LIMIT, MAX_PAGE_LIMIT = 100, 1000  # GET /api/jobs: jobs per page, by default and at most
 CURSOR = re.compile(openapi.CURSOR)  # its `before`: a job's created_at and rowid
@@ -255,8 +264,15 @@ class _Handler(BaseHTTPRequestHandler):
             if path not in PUBLIC:
                 self._authorize(api)
             name, params = _route(method, path)
+            if name not in QUERIED and urlsplit(self.path).query:
+                raise HttpError(400, f"unexpected query string: {path[:200]} takes no "
+                                     f"parameters")
             if name == "events":
                 return self._stream(api)
+            if name in FILES:
+                return getattr(self, f"_file_{name}")(api, **params)
+            if name == "upload":  # a file's bytes, streamed to disk: not a JSON body
+                return self._send_json(200, self._upload(api))
             body = self._read_json() if method == "POST" else {}
             reply = getattr(self, f"_api_{name}")(api.scheduler, body, **params)
             self._send_json(200, reply)
@@ -332,7 +348,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "next": f"{after[0]!r}_{after[1]}" if after else None}
 
     def _api_openapi(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
-        return openapi.document(self.server.api.url)
+        settings = scheduler.settings
+        return openapi.document(self.server.api.url, settings.watch.extensions,
+                                sorted(settings.presets))
 
     def _api_page_code(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         _only(body)
@@ -407,6 +425,93 @@ class _Handler(BaseHTTPRequestHandler):
         if anchor is not None and anchor not in order:
             reply["note"] = f"{after} is not queued any more, so {job.name} went to the end"
         return reply
+
+    # ------------------------------------------------------------ the player
+
+    def _song(self, ref: str) -> media.Song:
+        scheduler = self.server.api.scheduler
+        return media.published_song(scheduler.find(ref), scheduler.settings.paths.outbox)
+
+    def _api_player(self, scheduler: Any, body: dict[str, Any], ref: str) -> dict[str, Any]:
+        return media.player(self._song(ref))
+
+    def _api_beats(self, scheduler: Any, body: dict[str, Any], ref: str) -> dict[str, Any]:
+        return media.beats(self._song(ref))
+
+    def _file_stem(self, api: ApiServer, ref: str, stem: str) -> None:
+        song = self._song(ref)
+        name = song.stem(stem)["file"]
+        handle, size = media.open_file(song, name)
+        with handle:
+            self._send_file(handle, size, media.AUDIO_TYPES.get(Path(name).suffix.lower(),
+                                                                "application/octet-stream"))
+
+    def _file_preview(self, api: ApiServer, ref: str) -> None:
+        song = self._song(ref)
+        if media.player(song)["preview"] is None:
+            raise media.NoSuchFile(f"{song.job.name} has no preview picture (output.preview "
+                                   f"was off)")
+        handle, size = media.open_file(song, media.PREVIEW)
+        with handle:
+            self._send_file(handle, size, "image/png")
+
+    # ------------------------------------------------------------ adding songs and links
+
+    def _api_intake(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        return upload.limits(scheduler.settings)
+
+    def _upload(self, api: ApiServer) -> dict[str, Any]:
+        if self.headers.get("Transfer-Encoding"):
+            raise HttpError(411, "send the file with a Content-Length (no chunked bodies)")
+        if self._unread < 0 or self.headers.get("Content-Length") is None:
+            raise HttpError(411, "send the file with a Content-Length (its size in bytes)")
+        kind = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if kind != "application/octet-stream":
+            raise HttpError(415, "send the file's bytes as Content-Type: "
+                                 "application/octet-stream")
+        query = self._query("name", "preset")
+        name, preset = query.get("name", ""), query.get("preset") or None
+        if not name:
+            raise HttpError(400, "say the file's name: POST /api/uploads?name=NAME")
+        settings = api.scheduler.settings
+        path = upload.receive(_CountedBody(self), self._unread, settings, name, preset)
+        return {"file": path.relative_to(settings.paths.inbox).as_posix(),
+                "bytes": path.stat().st_size, "preset": preset}
+
+    def _api_link(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
+        _only(body, "url", "name", "preset")
+        url, name, preset = body.get("url"), body.get("name"), body.get("preset")
+        if not isinstance(url, str) or not url:
+            raise HttpError(400, 'send the link: {"url": "https://…"}')
+        if not isinstance(name, (str, type(None))) or not isinstance(preset, (str, type(None))):
+            raise HttpError(400, '"name" and "preset" must be strings')
+        settings = scheduler.settings
+        path = upload.write_link(settings, url, name or None, preset or None)
+        return {"file": path.relative_to(settings.paths.inbox).as_posix(), "url": url.strip(),
+                "preset": preset or None}
+
+    def _send_file(self, handle: Any, size: int, content_type: str) -> None:
+        """The file, or the one range of it the `Range` header asks for (206)."""
+        try:
+            span = media.byte_range(self.headers.get("Range"), size)
+        except media.NotSatisfiable as exc:
+            raise HttpError(416, str(exc), {"Content-Range": f"bytes */{exc.size}"}) from None
+        first, last = span if span else (0, size - 1)
+        self._drain()
+        self.send_response(206 if span else 200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(last - first + 1))
+        self.send_header("Accept-Ranges", "bytes")
+        if span:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self._common_headers()
+        self.end_headers()
+        log.debug("sent bytes %d-%d/%d of %s", first, last, size, urlsplit(self.path).path)
+        if self.command != "HEAD":
+            try:
+                media.copy_range(handle, first, last - first + 1, self.wfile.write)
+            except OSError as exc:  # the player seeked away and dropped the request
+                log.debug("%s stopped reading a file: %s", self.address_string(), exc)
 
     def _query(self, *allowed: str) -> dict[str, str]:
         """The query string's parameters: only `allowed` ones, each at most once."""
@@ -518,6 +623,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+
+class _CountedBody:
+    """The request body as an upload reads it: what is read is no longer left to drain."""
+
+    def __init__(self, handler: _Handler):
+        self._handler = handler
+
+    def read(self, size: int) -> bytes:
+        data = self._handler.rfile.read(size)
+        self._handler._unread -= len(data)
+        if not data:
+            self._handler._unread = 0  # the client went away: nothing more will come
+        return data
 
 
 def _route(method: str, path: str) -> tuple[str, dict[str, str]]:

@@ -17,16 +17,23 @@ NULLABLE_STRING = {"type": ["string", "null"]}
 STATES = ["queued", "downloading", "decoding", "separating", "publishing", "done", "failed",
           "cancelled"]
 ERRORS = {
-    400: "a body, query or job reference that is not valid (bad JSON, an unexpected field, a "
-         "name that matches several jobs)",
+    400: "a body, query or job reference that is not valid (bad JSON, an unexpected field or "
+         "query parameter, a name that matches several jobs)",
     401: "no token, or a wrong one (it is new at every start)",
-    403: "a Host other than this service's loopback address, or a foreign Origin",
-    404: "no such job",
+    403: "a Host other than this service's loopback address, or a foreign Origin; for a "
+         "song's files, a folder outside the outbox, reached through a link, or holding "
+         "another job's stems",
+    404: "no such job (or no such stem, picture or beat grid of it)",
     405: "the path exists with another method",
     409: "the job's state does not allow it",
     411: "a chunked body (send a Content-Length)",
-    413: "a body over 64 KiB",
+    413: "a body over 64 KiB (an upload: over api.max_upload_mb)",
+    415: "an upload whose name does not end in an extension the inbox takes, or not sent as "
+         "application/octet-stream",
+    416: "a Range that starts past the end of the file",
+    507: "not enough room on the inbox's disk for the upload",
 }
+BINARY = {"type": "string", "format": "binary"}
 
 
 
@@ -84,7 +91,29 @@ SCHEMAS: dict[str, Any] = {
             "folders": {"type": "object", "additionalProperties": {"type": "string"}},
             "notes": {"type": "array", "items": {"type": "string"}},
             "worker": {"type": ["object", "null"]},
-            "workers": {"type": "array", "items": {"type": "object"}}}},
+            "workers": {"type": "array", "items": {"type": "object"}},
+            "eta": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["songs", "seconds", "finish", "measured", "jobs"],
+                "description": "when the songs left are expected to be done (Unix times), "
+                               "from the seconds of separation per second of audio measured "
+                               "for the model and precision; `finish` and `seconds` are null "
+                               "until a song was measured",
+                "properties": {
+                    "songs": {"type": "integer"}, "seconds": {"type": ["number", "null"]},
+                    "finish": {"type": ["number", "null"]}, "measured": {"type": "boolean"},
+                    "paused": {"type": "boolean", "description": "nothing new starts: no "
+                                                                 "`finish` for the queue"},
+                    "rate": {"type": ["object", "null"]},
+                    "jobs": {"type": "object", "additionalProperties": {
+                        "type": "object",
+                        "properties": {"length": {"type": ["number", "null"]},
+                                       "guessed": {"type": "boolean"},
+                                       "seconds": {"type": ["number", "null"]},
+                                       "start": {"type": ["number", "null"]},
+                                       "finish": {"type": ["number", "null"]}}}},
+                    "took": {"type": "object", "description": "seconds each finished job "
+                                                              "listed took",
+                             "additionalProperties": {"type": "number"}}}}]}}},
     "JobReply": {"type": "object", "required": ["job"],
                  "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
     "Moved": {
@@ -99,6 +128,35 @@ SCHEMAS: dict[str, Any] = {
                                                       "went to the end"}}},
     "MoveTarget": _move_target(),
     "Reorder": _move_target(job=True),
+    "Player": {
+        "type": "object", "description": "a finished song as the page's player loads it",
+        "required": ["job", "name", "samplerate", "frames", "duration", "stems", "preview",
+                     "beats"],
+        "properties": {
+            "job": {"type": "string"}, "name": {"type": "string"},
+            "samplerate": {"type": "integer"}, "frames": {"type": "integer"},
+            "duration": {"type": "number"},
+            "stems": {"type": "array", "items": {
+                "type": "object",
+                "required": ["name", "url", "format", "samplerate", "channels", "frames"],
+                "properties": {"name": {"type": "string"}, "url": {"type": "string"},
+                               "format": {"type": "string"},
+                               "samplerate": {"type": "integer"},
+                               "channels": {"type": "integer"},
+                               "frames": {"type": "integer"}}}},
+            "preview": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["url", "width", "height", "left", "top"],
+                "description": "the waveforms span x = left … width, below y = top",
+                "properties": {"url": {"type": "string"}, "width": {"type": "integer"},
+                               "height": {"type": "integer"}, "left": {"type": "integer"},
+                               "top": {"type": "integer"}}}]},
+            "beats": NULLABLE_STRING}},
+    "Beats": {"type": "object", "required": ["tempo", "beats"],
+              "properties": {"tempo": {"type": ["number", "null"]},
+                             "beats": {"type": "array", "items": {"type": "number"}}}},
+    "Added": {"type": "object", "required": ["file"],
+              "properties": {"file": {"type": "string"}, "bytes": {"type": "integer"},
+                             "url": {"type": "string"}, "preset": NULLABLE_STRING}},
     "Empty": {"type": "object", "maxProperties": 0,
               "description": "no fields (an empty body may be left out)"},
 }
@@ -131,7 +189,7 @@ def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
                public: bool = False, parameters: list[dict[str, Any]] | None = None
                ) -> dict[str, Any]:
     post = body is not None
-    codes = set(errors) | {403, 405}
+    codes = set(errors) | {400, 403, 405}  # 400: also a query string it does not take
     codes |= set() if public else {401}
     codes |= {400, 411, 413} if post else set()
     codes |= {404} if job else set()
@@ -147,8 +205,48 @@ def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
     return op
 
 
-def document(base_url: str) -> dict[str, Any]:
-    """The document, with this service's own address as its server."""
+def _file(summary: str, types: tuple[str, ...],
+          parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A song's file: whole (200) or the one range a `Range: bytes=first-last` header asks
+    for (206)."""
+    content = {kind: {"schema": BINARY} for kind in types}
+    op = _operation(summary, {"description": "the whole file", "content": content}, (409,),
+                    job=True, parameters=parameters)
+    op["responses"]["206"] = {
+        "description": "the range asked for", "content": content,
+        "headers": {"Content-Range": {"schema": {"type": "string"},
+                                      "description": "bytes FIRST-LAST/SIZE"}}}
+    op["responses"].update(_errors(416))
+    return op
+
+
+STEM = {"name": "stem", "in": "path", "required": True, "description": "a stem's name",
+        "schema": {"type": "string", "minLength": 1}}
+
+
+def _any_case(extensions: list[str] | tuple[str, ...]) -> str:
+    """A pattern for names ending in one of `extensions`, in any case (no regex flags in
+    OpenAPI's patterns)."""
+    spelled = ["".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re_escape(c)
+                       for c in ext) for ext in extensions]
+    return rf"\.({'|'.join(spelled)})$"
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def document(base_url: str, extensions: list[str] | tuple[str, ...] = (),
+             presets: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The document, with this service's own address as its server (and its audio
+    extensions and presets, which say which uploads are taken)."""
+    name_schema: dict[str, Any] = {"type": "string", "minLength": 1}
+    if extensions:
+        name_schema["pattern"] = _any_case(extensions)
+    preset_schema: dict[str, Any] = ({"enum": sorted(presets)} if presets
+                                     else {"type": "string", "maxLength": 0})
     empty = _body(_ref("Empty"))
     status = _ok("the queue: the `status --json` object", _ref("Status"))
     paths = {
@@ -201,6 +299,47 @@ def document(base_url: str) -> dict[str, Any]:
         "/api/jobs/{ref}/move": {"post": _operation(
             "move a queued job after another one, or first", _ok("the new order", _ref("Moved")),
             (409,), body=_body(_ref("MoveTarget"), required=True), job=True)},
+        "/api/jobs/{ref}/player": {"get": _operation(
+            "a finished song's stems, picture and beat grid, for the page's player",
+            _ok("the song", _ref("Player")), (409,), job=True)},
+        "/api/jobs/{ref}/stems/{stem}": {"get": _file(
+            "one stem of a finished song (HTTP Range: one range per request)",
+            ("audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"), [STEM])},
+        "/api/jobs/{ref}/preview": {"get": _file(
+            "a finished song's preview picture", ("image/png",))},
+        "/api/jobs/{ref}/beats": {"get": _operation(
+            "a finished song's beat grid: tempo and beat times in seconds",
+            _ok("the beat grid", _ref("Beats")), (409,), job=True)},
+        "/api/intake": {"get": _operation(
+            "what the page may add: presets, audio extensions, the upload limit, links on",
+            _ok("the limits", {
+                "type": "object",
+                "required": ["presets", "extensions", "max_upload_bytes", "links"],
+                "properties": {"presets": {"type": "array", "items": {"type": "string"}},
+                               "extensions": {"type": "array", "items": {"type": "string"}},
+                               "max_upload_bytes": {"type": "integer"},
+                               "links": {"type": "boolean"}}}), ())},
+        "/api/uploads": {"post": _operation(
+            "add a song to the inbox: the body is the file's bytes (with a Content-Length), "
+            "written under a hidden name and renamed into place when complete, never over "
+            "another file; the name is made safe (one path component, no control characters)",
+            _ok("where it went, relative to the inbox", _ref("Added")), (415, 507),
+            body={"required": True, "content": {"application/octet-stream": {
+                "schema": BINARY}}},
+            parameters=[
+                {"name": "name", "in": "query", "required": True,
+                 "description": "the file's name; its extension must be one the inbox takes",
+                 "schema": name_schema},
+                {"name": "preset", "in": "query", "required": False,
+                 "description": "a preset: the song goes into the inbox's folder of it",
+                 "schema": preset_schema}])},
+        "/api/links": {"post": _operation(
+            "add a link to the inbox, as a .url file (409 while links.enabled is false)",
+            _ok("where it went, relative to the inbox", _ref("Added")), (409,),
+            body=_body({"type": "object", "required": ["url"], "additionalProperties": False,
+                        "properties": {"url": {"type": "string", "minLength": 1},
+                                       "name": {"type": "string"},
+                                       "preset": preset_schema}}, required=True))},
         "/api/page-code": {"post": _operation(
             "a one-time address of the queue page: its code is traded for the token once, "
             "within `expires_in` seconds",

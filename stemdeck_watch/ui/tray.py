@@ -39,6 +39,7 @@ from stemdeck_watch.ui import opener
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import Event, JobChanged
 from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.engine.eta import eta_words
 from stemdeck_watch.util.safetext import escape_controls
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,9 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
         state, status = "idle", "Idle"
     status += f" · {queue_words}"
     title = f"{NAME}: {status}"
+    done = eta_words(snap.get("eta"))
+    if done:
+        title += f" · {done}"
     if failure:
         title += f" · failed: {escape_controls(failure[0])}"
     if len(title) > TITLE_LIMIT:

@@ -134,6 +134,38 @@
     return sameDay ? time : date.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + time;
   }
 
+  /** "14:05" (today) or "Tue 14:05": when an estimate says a song starts or finishes. */
+  function clockAt(seconds) {
+    const date = new Date(seconds * 1000);
+    const time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    return date.toDateString() === new Date().toDateString() ? time
+      : date.toLocaleDateString([], { weekday: "short" }) + " " + time;
+  }
+
+  /** "45 s", "3:07", "1 h 05 min": how long something takes. */
+  function span(seconds) {
+    const s = Math.max(0, Math.round(Number(seconds) || 0));
+    if (s < 60) return s + " s";
+    if (s < 3600) return Math.floor(s / 60) + ":" + String(s % 60).padStart(2, "0");
+    return Math.floor(s / 3600) + " h " + String(Math.round((s % 3600) / 60)).padStart(2, "0") + " min";
+  }
+
+  function etaOf(id) {
+    const eta = current && current.eta;
+    return eta && eta.jobs ? eta.jobs[id] || null : null;
+  }
+
+  /** What the queue heading says: "3 songs, done around 14:20". */
+  function etaWords(eta) {
+    if (!eta || !eta.songs) return "";
+    const songs = eta.songs === 1 ? "1 song" : eta.songs + " songs";
+    if (eta.finish) return songs + ", done around " + clockAt(eta.finish);
+    if (eta.measured && eta.seconds !== null && eta.seconds !== undefined) {
+      return songs + ", about " + span(eta.seconds) + " of work" + (eta.paused ? " once started" : "");
+    }
+    return songs + " — the first song measures how long they take";
+  }
+
   function shortPath(path) {
     const outbox = current && current.folders && current.folders.outbox;
     if (path && outbox && path.startsWith(outbox + "/")) return "outbox/" + path.slice(outbox.length + 1);
@@ -252,8 +284,13 @@
     setText(li.querySelector(".pos"), String(index + 1));
     setText(li.querySelector(".name"), job.name);
     setAttr(li, "title", job.source);
+    const expected = etaOf(job.id);
     setText(li.querySelector(".meta"), [job.preset ? "preset " + job.preset : "",
-                                        playlistText(job)].filter(Boolean).join(" · "));
+                                        playlistText(job),
+                                        expected && expected.finish ? "starts ~" + clockAt(expected.start)
+                                          + ", done ~" + clockAt(expected.finish) : ""]
+      .filter(Boolean).join(" · "));
+    setAttr(li, "data-finish", expected && expected.finish ? String(expected.finish) : null);
     const up = li.querySelector('[data-action="move-up"]');
     const down = li.querySelector('[data-action="move-down"]');
     setAttr(up, "aria-label", "Move " + job.name + " up");
@@ -294,8 +331,20 @@
     const detailEl = li.querySelector(".detail");
     setText(detailEl, detail);
     setAttr(detailEl, "title", job.state === "done" ? job.output : null);
-    setText(li.querySelector(".time"), when(job.finished_at || job.created_at));
+    const took = current && current.eta && current.eta.took ? current.eta.took[job.id] : undefined;
+    setText(li.querySelector(".time"), when(job.finished_at || job.created_at)
+      + (took !== undefined && job.state === "done" ? " · took " + span(took) : ""));
     const buttons = li.querySelector(".buttons");
+    let listen = buttons.querySelector('[data-action="listen"]');
+    const canListen = job.state === "done" && Boolean(job.output) && Boolean(window.StemdeckPlayer);
+    if (canListen && !listen) {
+      listen = make("button", { type: "button", "data-action": "listen", text: "Listen" });
+      buttons.appendChild(listen);
+    } else if (!canListen && listen) {
+      listen.remove();
+      listen = null;
+    }
+    if (listen) setAttr(listen, "aria-label", "Listen to " + job.name);
     let retry = buttons.querySelector('[data-action="retry"]');
     const canRetry = job.state === "failed" || job.state === "cancelled";
     if (canRetry && !retry) {
@@ -333,8 +382,10 @@
     setAttr(box, "data-job-id", job.id);
     setAttr(box, "data-state", job.state);
     setText($("running-name"), job.name);
+    const expected = etaOf(job.id);
     setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : "") +
-                                (job.playlist ? " · " + playlistText(job) : ""));
+                                (job.playlist ? " · " + playlistText(job) : "") +
+                                (expected && expected.finish ? " · done ~" + clockAt(expected.finish) : ""));
     const bar = $("running-progress");
     const value = Math.max(0, Math.min(1, Number(job.progress) || 0));
     if (Number(bar.value) !== value) bar.value = value;
@@ -348,6 +399,12 @@
     setText($("queue-count"), String(queued.length));
     show($("queue-empty"), queued.length === 0);
     show($("queue-hint"), queued.length > 1);
+    const eta = current && current.eta;
+    const words = etaWords(eta);
+    const box = $("queue-eta");
+    setText(box, words);
+    setAttr(box, "data-finish", eta && eta.finish ? String(eta.finish) : null);
+    show(box, Boolean(words));
   }
 
   function renderWaiting(waiting) {
@@ -467,6 +524,9 @@
         break;
       case "dismiss":
         dismiss(button);
+        break;
+      case "listen":
+        if (id) window.StemdeckPlayer.open(id, { headers: authHeaders, notice, refused });
         break;
       default:
         break;
@@ -595,13 +655,14 @@
     setText($("help-reason"), reason || "");
     show($("help-reason"), Boolean(reason));
     show($("no-token"), true);
-    for (const id of ["now", "queue-panel", "recent-panel"]) show($(id), false);
+    for (const id of ["now", "queue-panel", "add-panel", "recent-panel"]) show($(id), false);
     show($("pause-toggle"), false);
     show($("pause-reason"), false);
     document.body.dataset.view = "help";
   }
 
   function refused(message) {
+    if (window.StemdeckPlayer) window.StemdeckPlayer.close();
     stopped = true;
     forgetToken();
     setConnection("refused", "not connected: the token was refused");
@@ -705,6 +766,7 @@
       return;
     }
     connect();
+    if (window.StemdeckAdd) window.StemdeckAdd.start({ headers: authHeaders, notice, refused });
   }
 
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", main);
