@@ -11,6 +11,10 @@ median is reported in seconds per minute of audio:
   the cold cost of the first song (librosa/numba load);
 - preview: peaks of the four stems + drawing `preview.png` (Pillow);
 - manifest: sha256 of every file in the folder;
+- the outputs that open in a session, each alone over the baseline song folder: the DJ stem
+  file (`output.stem_file`, five AAC streams), the practice renders (`output.practice`: a
+  click, the song minus each stem, 75 %), the DAW projects (`output.session`), each with the
+  disk it adds;
 - separation: a full-size HTDemucs (the `htdemucs` architecture, untrained: same compute)
   with demucs's `apply_model` on `--separation-seconds` of audio, scaled to one minute.
 
@@ -34,7 +38,7 @@ from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.stages.preview import Peaks, draw_preview
 from stemdeck_watch.stages.publish import SongInfo, list_files, write_song
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
-from stemdeck_watch.stages.songfolder import write_beat_grid
+from stemdeck_watch.stages.songfolder import make_song_folder, write_beat_grid
 
 SR = 44100
 STEMS = ("drums", "bass", "other", "vocals")
@@ -101,11 +105,54 @@ def measure_steps(work: Path, stems: dict[str, Path], runs: int) -> dict[str, fl
             dataclasses.replace(PLAIN, format="mp3", tags=True), "tags")),
         "preview": median_of(runs, preview),
     }
-    write_beat_grid(work / "beats.json", stems, SR)  # warm: librosa loaded, numba cache read
-    results["beat_grid"] = median_of(runs, lambda: timed(
-        lambda: write_beat_grid(work / "beats.json", stems, SR)))
+    def beat_grid() -> None:
+        (work / "beats.json").unlink(missing_ok=True)  # a song folder's file is new each time
+        write_beat_grid(work / "beats.json", stems, SR)
+
+    beat_grid()  # warm: librosa loaded, numba cache read
+    results["beat_grid"] = median_of(runs, lambda: timed(beat_grid))
     publish(PLAIN)
     results["manifest_sha256"] = median_of(runs, lambda: timed(lambda: list_files(work / "out")))
+    return results
+
+
+OPTIONAL = {
+    "stem_file": dataclasses.replace(PLAIN, stem_file=True),
+    "practice": dataclasses.replace(PLAIN, practice=True),
+    "session": dataclasses.replace(PLAIN, session=("dawproject", "reaper")),
+}
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def measure_optional(work: Path, stems: dict[str, Path], runs: int) -> dict[str, dict[str, float]]:
+    """Median seconds of each optional output as the song folder writes it (its own timing;
+    the beat grid the practice click and the projects' tempo use is timed apart), and the
+    bytes it adds to the plain folder."""
+    sep = SeparationSettings()
+    info = SongInfo("song", tags={"title": "Bench", "artist": "Synth", "album": "Bench"})
+
+    def folder(out: OutputSettings) -> tuple[float, int]:
+        target = work / "optional"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir()
+        song = make_song_folder(target, stems, SR, info, sep, out)
+        return song.timings.get(key, 0.0), folder_bytes(target)
+
+    key = "write"
+    plain = folder(PLAIN)[1]
+    results = {}
+    for key, out in OPTIONAL.items():
+        sizes: list[int] = []
+
+        def once(out: OutputSettings = out) -> float:
+            seconds, size = folder(out)
+            sizes.append(size)
+            return seconds
+        results[key] = {"seconds": median_of(runs, once),
+                        "extra_bytes": statistics.median(sizes) - plain}
     return results
 
 
@@ -157,6 +204,14 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {value:.3f} | {share} |")
     lines.append(f"| beat grid, first song of a process (librosa load) | "
                  f"{results['cold_beat_grid_seconds']:.2f} s once | |")
+    names = {"stem_file": "DJ stem file (.stem.mp4)", "practice": "practice renders (mp3)",
+             "session": "DAW projects (.dawproject, .rpp)"}
+    lines += ["", "| output | s per minute of audio | vs separation | extra disk per minute |",
+              "|---|---:|---:|---:|"]
+    for key, row in results["optional_per_minute"].items():
+        share = f"{100 * row['seconds'] / sep:.2f} %" if sep else "—"
+        lines.append(f"| {names[key]} | {row['seconds']:.3f} | {share} | "
+                     f"{row['extra_mb']:.2f} MB |")
     load = results["machine"]["load"][0]
     lines.append(f"\n{results['minutes']:g} min of audio, medians of {results['runs']} runs; "
                  f"{results['machine']['cpus']} CPUs, load average {load:.1f} at the start")
@@ -176,12 +231,16 @@ def main() -> int:
         work = Path(tmp)
         stems = make_stems(work / "stems", args.minutes)
         steps = measure_steps(work, stems, args.runs)
+        optional = measure_optional(work, stems, args.runs)
         cold = cold_beat_grid(stems, max(1, args.runs // 2))
     results: dict[str, Any] = {
         "machine": {**machine(), "cpus": os.cpu_count(), "load": os.getloadavg()},
         "minutes": args.minutes, "runs": args.runs,
         "per_minute": {k: v / args.minutes for k, v in steps.items()},
         "cold_beat_grid_seconds": cold,
+        "optional_per_minute": {k: {"seconds": v["seconds"] / args.minutes,
+                                    "extra_mb": v["extra_bytes"] / args.minutes / 1e6}
+                                for k, v in optional.items()},
     }
     if args.separation_seconds > 0:
         results["separation_per_minute"] = separation_per_minute(args.separation_seconds,

@@ -170,6 +170,16 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     return Chosen(sep, out, every)
 
 
+def settings_for(settings: Settings, job: Job) -> tuple[SeparationSettings, OutputSettings]:
+    """The job's settings with its choices, for planning (work ahead, the disk check): where
+    the choices cannot be used, the preset's settings (the job fails on them when it runs)."""
+    try:
+        chosen = for_job(settings, job)
+    except ChoiceError:
+        return settings.for_preset(job.preset)
+    return chosen.separation, chosen.output
+
+
 def _lstat(path: Path) -> os.stat_result | None:
     """The entry itself (a link is not followed), or None where there is none: also for a
     song whose name leaves no room for the suffix (the name would be too long)."""

@@ -25,12 +25,14 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from stemdeck_watch.core.choices import settings_for
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import Cancelled
 from stemdeck_watch.core.events import DiskLow
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.stages.decode import probe_duration
 from stemdeck_watch.stages.scratch import estimate_scratch_bytes
+from stemdeck_watch.stages.songfolder import extra_bytes
 from stemdeck_watch.engine.scheduler import PAUSE_DISK, Scheduler
 
 log = logging.getLogger(__name__)
@@ -182,11 +184,13 @@ class DiskGuard:
         return min(size, links.max_filesize) if links.max_filesize else size
 
     def _scratch_bytes(self, job: Job, seconds: float) -> int:
-        sep, _out = self.settings.for_preset(job.preset)
+        sep, _out = settings_for(self.settings, job)
         return estimate_scratch_bytes(seconds, 6 if "6s" in sep.model else 4)
 
     def _outbox_bytes(self, job: Job, seconds: float) -> int:
-        sep, out = self.settings.for_preset(job.preset)
+        """The stems and mixes in the chosen format, and what the optional outputs add
+        (a DJ stem file, practice renders, the small files)."""
+        sep, out = settings_for(self.settings, job)
         stems = 6 if "6s" in sep.model else 4
         outputs = (2 if sep.two_stems else stems) + len(out.mixes)
         if out.format == "mp3":
@@ -194,7 +198,7 @@ class DiskGuard:
         else:
             per_second = BYTES_PER_SECOND.get(out.format, {}).get(out.bit_depth, 0) \
                 if out.format == "wav" else BYTES_PER_SECOND["flac"]
-        return int(seconds * per_second * outputs)
+        return int(seconds * per_second * outputs) + extra_bytes(stems, out, seconds)
 
     def _seconds(self, job: Job) -> float | None:
         """The job's length; None for a link whose length nothing has told yet."""

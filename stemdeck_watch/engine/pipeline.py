@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
-from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
+from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
@@ -323,7 +323,7 @@ class Pipeline:
         mode = self.settings.queue.work_beside
         if mode != "auto":
             return mode == "on"
-        _separation, output = self._settings_of(job)
+        _separation, output = choices.settings_for(self.settings, job)
         return self.client.leaves_room() or not songfolder.needs_beat_grid(output)
 
     def can_prepare(self, job: Job) -> bool:
@@ -381,17 +381,8 @@ class Pipeline:
             prepared.version, prepared.format = version, form
         return prepared
 
-    def _settings_of(self, job: Job) -> tuple[SeparationSettings, OutputSettings]:
-        """The job's settings with its choices (preset, name tags, sidecar), for deciding
-        what to do ahead; choices that cannot be used fail the job when it runs."""
-        try:
-            chosen = choices.for_job(self.settings, job)
-        except choices.ChoiceError:
-            return self.settings.for_preset(job.preset)
-        return chosen.separation, chosen.output
-
     def _loaded_format(self, job: Job) -> tuple[int, int] | None:
-        sep, _ = self._settings_of(job)
+        sep, _ = choices.settings_for(self.settings, job)
         repo = self.settings.resolve_model_repo(sep)
         model = self.client.model_info
         if model is None or (model.name, model.repo) != (sep.model, str(repo) if repo else None):

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
-from stemdeck_watch.stages import publish, stemfile
+from stemdeck_watch.stages import practice, publish, stemfile
 from stemdeck_watch.stages.decode import DecodedAudio
 from stemdeck_watch.stages.preview import Peaks, draw_preview
 from stemdeck_watch.stages.scratch import AudioReader
@@ -45,6 +45,20 @@ def needs_beat_grid(out: OutputSettings) -> bool:
     and first beat or the practice click (then it costs the same, librosa included, without
     the file)."""
     return out.beat_grid or bool(out.session) or out.practice
+
+
+def extra_bytes(stems: int, out: OutputSettings, seconds: float) -> int:
+    """What a song folder holds besides its stems and mixes, for the disk check: the DJ stem
+    file (five AAC streams) and the practice renders (a click, the song minus each stem and
+    each slowed version, as mp3s), for `seconds` of audio. The beat grid, the preview and the
+    DAW projects are a few kilobytes."""
+    total = 0
+    if out.stem_file:
+        total += int(5 * stemfile.BITRATE / 8 * seconds)
+    if out.practice:
+        played = seconds * (1 + stems) + sum(seconds * 100 / pct for pct in out.practice_speeds)
+        total += int(practice.BITRATE * 125 * played)
+    return total
 
 
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:

@@ -64,3 +64,30 @@ def test_a_link_needs_room_for_its_download_only_until_its_length_is_known(setti
         assert guard.shortfall(link) is not None  # a minute: stems and scratch do not fit
     finally:
         scheduler.registry.close()
+
+
+def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) -> None:
+    """A DJ stem file or practice renders asked for by a sidecar, or mp3 stems asked for by a
+    tag in the name, change what the song needs on the outbox's disk before it starts."""
+    scheduler = open_scheduler(settings)
+    try:
+        def needed(name: str, sidecar: str | None = None) -> int:
+            source = write_song(settings.paths.inbox / name, 60.0)
+            if sidecar is not None:
+                Path(f"{source}.stemdeck.toml").write_text(sidecar)
+            job = Job(id=name, name=Path(name).stem, kind=JobKind.FILE, state=JobState.QUEUED,
+                      source=str(source), rel_path=name)
+            guard = DiskGuard(scheduler, settings, free=lambda _path: diskguard.MARGIN)
+            short = guard.shortfall(job)
+            assert short is not None
+            return short[1]
+
+        plain = needed("plain.wav")
+        minute = 60.0
+        assert needed("dj.wav", "stem_file = true\n") - plain >= 5 * 256_000 / 8 * minute
+        # a click, the song minus each of four stems, and the 75 % version: 128 kbit/s mp3s
+        practice = needed("practice.wav", "practice = true\n") - plain
+        assert practice >= 128_000 / 8 * minute * (1 + 4 + 100 / 75) * 0.99
+        assert needed("small [mp3].wav") < plain  # mp3 stems take less than 16-bit wav
+    finally:
+        scheduler.registry.close()
