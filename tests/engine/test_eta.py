@@ -119,7 +119,9 @@ def test_status_and_the_tray_say_when_the_queue_will_be_done_and_a_restart_remem
     snap = service.scheduler.snapshot()
     eta = snap["eta"]  # paused: how long, not when
     assert eta["songs"] == 3 and eta["measured"] and eta["paused"] and eta["finish"] is None
-    assert eta["seconds"] == round(sum(eta["jobs"][i]["seconds"] for i in ids), 1) > 0
+    # the total and each song's figure are rounded to tenths on their own
+    assert eta["seconds"] > 0
+    assert abs(eta["seconds"] - sum(eta["jobs"][i]["seconds"] for i in ids)) <= 0.05 * len(ids)
     assert eta["took"][done] > 0  # how long the finished song took
     assert "3 songs, about" in build_view(snap, None).title
 
