@@ -155,6 +155,7 @@ def check_models(settings: Settings) -> list[Finding]:
 def not_downloaded(settings: Settings, model: str) -> str | None:
     """What to say of a pretrained model not in the cache yet (None: it is there, or not one
     of the hub's, which loading reports)."""
+    from stemdeck_watch.util.redact import redact_url
     from stemdeck_watch.workers.models import ModelStore, ModelStoreError
 
     store = ModelStore(settings.separation.model_hub)
@@ -165,7 +166,7 @@ def not_downloaded(settings: Settings, model: str) -> str | None:
     if state.files == 0 or state.cached or state.hf:
         return None
     size = f" (about {state.size_mb} MB)" if state.size_mb else ""
-    return (f"not downloaded yet: the service downloads it{size} from {store.hub} when it "
+    return (f"not downloaded yet: the service downloads it{size} from {redact_url(store.hub)} when it "
             f"first needs it; `stemdeck-watch models pull {model}` downloads it now")
 
 

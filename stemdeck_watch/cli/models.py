@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from stemdeck_watch.core.config import Settings
+from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safetext import escape_controls
 from stemdeck_watch.workers.catalogue import CATALOGUE
 
@@ -65,7 +66,7 @@ def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> 
     states = [store.state(entry.name, index) for entry in CATALOGUE]
     chosen = settings.separation.model
     if as_json:
-        print(json.dumps({"hub": store.hub, "cache": str(store.cache), "model": chosen,
+        print(json.dumps({"hub": redact_url(store.hub), "cache": str(store.cache), "model": chosen,
                           "model_repo": settings.separation.model_repo or None,
                           "models": [_as_dict(s) for s in states]}, indent=2), file=out)
         return EXIT_OK
@@ -81,7 +82,7 @@ def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> 
     print(f"\n* separation.model; stems: {', '.join(states[0].stems)} (htdemucs_6s: "
           f"also guitar, piano)", file=out)
     print(f"cache: {escape_controls(store.cache)}", file=out)
-    print(f"hub:   {escape_controls(store.hub)}", file=out)
+    print(f"hub:   {escape_controls(redact_url(store.hub))}", file=out)
     if settings.separation.model_repo:
         print(f"separation.model_repo = {escape_controls(settings.separation.model_repo)}: the "
               f"service loads its models from that folder, not from this cache", file=out)

@@ -133,7 +133,7 @@ def url_list(value: Any) -> tuple[str, ...]:
 def hub_url(value: Any) -> str:
     """A model hub: an http(s) URL of a folder, normalised to end in "/" (files are named
     relative to it)."""
-    url = text(value).strip()
+    url = value.strip() if isinstance(value, str) else ""
     scheme, _, rest = url.partition("://")
     if scheme.lower() not in ("http", "https") or not rest.strip("/") or any(
             c.isspace() or ord(c) < 32 for c in url):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from stemdeck_watch import __version__
+from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safefile import discard, is_temp_name, open_new, temp_name
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
         if exc.code == 416 and have:  # nothing after what we have: the checksum decides
             return
         raise DownloadError(f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for "
-                            f"{url}") from None
+                            f"{redact_url(url)}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
@@ -225,12 +226,12 @@ def fetch_text(url: str, limit: int = 1 << 20, timeout: float = TIMEOUT) -> str 
         if exc.code in (403, 404):
             return None
         raise DownloadError(f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for "
-                            f"{url}") from None
+                            f"{redact_url(url)}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
     if len(data) > limit:
-        raise DownloadError(f"{url} is larger than {limit:,} bytes: not an index file")
+        raise DownloadError(f"{redact_url(url)} is larger than {limit:,} bytes: not an index file")
     return data.decode("utf-8", errors="replace")
 
 

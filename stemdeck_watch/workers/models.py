@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safefile import discard, open_new, temp_name, write_replacing
 from stemdeck_watch.util.validators import MODEL_STEMS
 from stemdeck_watch.workers import download
@@ -243,9 +244,9 @@ class ModelStore:
         bag = (download.fetch_text(self.hub + f"{name}.yaml", INDEX_LIMIT, self.timeout)
                if re.fullmatch(r"[A-Za-z0-9_]+", name) else None)
         if listing is not None:
-            parse_files(listing, self.hub + "files.txt")
+            parse_files(listing, redact_url(self.hub) + "files.txt")
         if bag is not None:
-            parse_bag(bag, self.hub + f"{name}.yaml")
+            parse_bag(bag, redact_url(self.hub) + f"{name}.yaml")
         if listing is None and bag is None:
             return
         self.lists.mkdir(parents=True, exist_ok=True)
@@ -288,7 +289,7 @@ class ModelStore:
             s for s in sizes.values() if s is not None)
         report = on_progress or (lambda _d, _t: None)
         for f in missing:
-            log.info("downloading %s for model %s from %s", f.name, name, self.hub)
+            log.info("downloading %s for model %s from %s", f.name, name, redact_url(self.hub))
             path = self.cache / f.name
             download.fetch(self.hub + f.path, path, functools.partial(_offset, report, done, total),
                            self.timeout)

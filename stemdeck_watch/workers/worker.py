@@ -156,12 +156,13 @@ def load_model(name: str, repo: str | None) -> Any:
 def _from_cache(name: str) -> Any:
     """A pretrained model from the cache, downloaded from separation.model_hub first if it is
     not there (verified, resumable; progress on stderr)."""
+    from stemdeck_watch.util.redact import redact_url
     from stemdeck_watch.workers.download import DownloadError
     from stemdeck_watch.workers.models import (DEFAULT_HUB, ModelStore, ModelStoreError,
                                                NotCached, UnknownModel, hf_cached)
 
     store = ModelStore()
-    how = (f"run `stemdeck-watch models pull {name}` where {store.hub} can be reached, "
+    how = (f"run `stemdeck-watch models pull {name}` where {redact_url(store.hub)} can be reached, "
            f"`stemdeck-watch models import FOLDER` from an offline copy, or set "
            f"separation.model_repo to a folder of model files")
     try:

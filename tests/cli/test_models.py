@@ -194,3 +194,15 @@ def test_the_model_hub_is_the_config_files_choice_never_a_presets_or_a_drops(
               rel_path="Song.mp3")
     with pytest.raises(choices.ChoiceError, match="model_hub"):
         choices.for_job(settings, job)
+
+
+def test_doctor_says_a_model_is_not_downloaded_yet_and_downloads_nothing(
+        config: Path, hub: ModelHub, cache: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "doctor"], capture_output=True, text=True, timeout=120,
+                            env=env_for(config.parent))
+    line = next(line for line in result.stdout.splitlines() if "model htdemucs" in line)
+    assert line.startswith("[ok  ]"), result.stdout
+    assert "not downloaded yet" in line and "about 80 MB" in line
+    assert "`stemdeck-watch models pull htdemucs`" in line
+    assert hub.requests == [] and model_files(cache) == set()
