@@ -14,6 +14,7 @@ from stemdeck_watch.ui.client import Client
 from stemdeck_watch.ui.tray import build_view
 from stemdeck_watch.util.synth import write_song
 
+from support import browser as chrome
 from support.helpers import wait_for
 from support.modelhub import ModelHub, build_mirror
 
@@ -42,6 +43,13 @@ def test_a_first_run_shows_the_model_arriving_then_separates_with_it(
         assert page["download"] == {"model": "htdemucs", "done": HOLD,
                                     "total": served.stat().st_size, "text": said}
         assert said in build_view(service.scheduler.snapshot(), None).title  # the tray
+        with chrome.chromium(tmp_path / "chromium") as driver:  # the page, in a real browser
+            driver.get(service.api.page_url())
+            shown = "return [document.getElementById('download').textContent, " \
+                    "document.getElementById('download').hidden]"
+            wait_for(lambda: driver.execute_script(shown) == [said, False], 30,
+                     lambda: f"the page to say {said!r}: {driver.execute_script(shown)}")
+            assert not chrome.page_errors(driver)
         write_song(settings.paths.inbox / "song.wav", 2.0)
         wait_for(lambda: jobs.jobs(), 30, "the dropped song to become a job")
         assert not list(cache.glob("*.th"))  # half a model is never a model file
