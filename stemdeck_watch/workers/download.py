@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 PARTIAL = ".partial"
 CHUNK = 1 << 16
 TIMEOUT = 30.0  # seconds without a byte before a download counts as cut off
+ASK_TIMEOUT = 10.0  # seconds for a question to the hub (a size, a list): an unreachable hub fails fast
 RESUMES = 3  # a download cut off is resumed at once this many times, while it gets further
 WAIT_POLL = 0.25  # seconds between two looks at another process's download
 USER_AGENT = f"stemdeck-watch/{__version__}"
@@ -152,7 +153,7 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
             return
         raise DownloadError(f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for "
                             f"{redact_url(url)}") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
     with response:
@@ -197,7 +198,7 @@ def _total(response: http.client.HTTPResponse, have: int) -> int | None:
     return int(length) if length and length.isdigit() else None
 
 
-def remote_size(url: str, timeout: float = TIMEOUT) -> int | None:
+def remote_size(url: str, timeout: float = ASK_TIMEOUT) -> int | None:
     """The file's size as the hub says it (a HEAD request); None if it does not say."""
     request = urllib.request.Request(url, method="HEAD", headers={"User-Agent": USER_AGENT})
     try:
@@ -209,13 +210,13 @@ def remote_size(url: str, timeout: float = TIMEOUT) -> int | None:
             raise DownloadError(f"{_where(url)} has no {url.rsplit('/', 1)[-1]} (HTTP 404): "
                                 f"is separation.model_hub a mirror of the model files?") from None
         return None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
     return int(length) if length and length.isdigit() else None
 
 
-def fetch_text(url: str, limit: int = 1 << 20, timeout: float = TIMEOUT) -> str | None:
+def fetch_text(url: str, limit: int = 1 << 20, timeout: float = ASK_TIMEOUT) -> str | None:
     """A small text file from the hub, or None where it has none (HTTP 403 or 404)."""
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     try:

@@ -240,8 +240,8 @@ class ModelStore:
         own mirror serves neither: its lists ship with demucs)."""
         if self.hub == DEFAULT_HUB:
             return
-        listing = download.fetch_text(self.hub + "files.txt", INDEX_LIMIT, self.timeout)
-        bag = (download.fetch_text(self.hub + f"{name}.yaml", INDEX_LIMIT, self.timeout)
+        listing = download.fetch_text(self.hub + "files.txt", INDEX_LIMIT)
+        bag = (download.fetch_text(self.hub + f"{name}.yaml", INDEX_LIMIT)
                if re.fullmatch(r"[A-Za-z0-9_]+", name) else None)
         if listing is not None:
             parse_files(listing, redact_url(self.hub) + "files.txt")
@@ -283,7 +283,7 @@ class ModelStore:
             self.refresh(name)
             files = self._files(name, fetch)
             missing = [f for f in files if not self._verified(f)]
-        sizes = {f.name: download.remote_size(self.hub + f.path, self.timeout) for f in missing}
+        sizes = {f.name: download.remote_size(self.hub + f.path) for f in missing}
         done = sum((self.cache / f.name).stat().st_size for f in files if f not in missing)
         total = None if None in sizes.values() else done + sum(
             s for s in sizes.values() if s is not None)
