@@ -118,6 +118,7 @@ def check_decode(settings: Settings) -> Finding:
 
 
 def check_models(settings: Settings) -> list[Finding]:
+    from stemdeck_watch.workers.executor import worker_env_for
     from stemdeck_watch.workers.local import WorkerClient
 
     wanted = {}
@@ -127,10 +128,15 @@ def check_models(settings: Settings) -> list[Finding]:
         wanted.setdefault((sep.model, str(repo) if repo else None), preset)
     findings = []
     sep = settings.separation
-    client = WorkerClient(sep.device, threads=sep.threads, precision=sep.precision)
+    client = WorkerClient(sep.device, worker_env_for(settings), threads=sep.threads,
+                          precision=sep.precision)
     try:
         for (model, repo), preset in wanted.items():
             title = f"model {model}" + (f" (preset {preset})" if preset else "")
+            waiting = None if repo else not_downloaded(settings, model)
+            if waiting:  # doctor downloads nothing: a first run is no failure
+                findings.append(Finding(True, title, waiting))
+                continue
             started = time.monotonic()
             try:
                 info = client.ensure_model(model, repo)
@@ -144,6 +150,24 @@ def check_models(settings: Settings) -> list[Finding]:
     finally:
         client.close()
     return findings
+
+
+def not_downloaded(settings: Settings, model: str) -> str | None:
+    """What to say of a pretrained model not in the cache yet (None: it is there, or not one
+    of the hub's, which loading reports)."""
+    from stemdeck_watch.util.redact import redact_url
+    from stemdeck_watch.workers.models import ModelStore, ModelStoreError
+
+    store = ModelStore(settings.separation.model_hub)
+    try:
+        state = store.state(model)
+    except ModelStoreError:
+        return None
+    if state.files == 0 or state.cached or state.hf:
+        return None
+    size = f" (about {state.size_mb} MB)" if state.size_mb else ""
+    return (f"not downloaded yet: the service downloads it{size} from {redact_url(store.hub)} when it "
+            f"first needs it; `stemdeck-watch models pull {model}` downloads it now")
 
 
 def precision_finding(title: str, choice: dict, worker: dict) -> Finding:

@@ -1,6 +1,7 @@
 """Command line: `stemdeck-watch run | demo | status [--json] | pause | start | cancel JOB |
 move JOB --after JOB|--first | retry JOB | remove JOB | open | doctor |
-autostart [--remove] [--headless] | config init [PATH]`.
+models list|pull NAME|verify|import FOLDER | autostart [--remove] [--headless] |
+config init [PATH]`.
 
 Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
 Only `run`, `demo` and `doctor` start the worker process (the only thing that imports torch);
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         "job", metavar="JOB", help=job_help)
     add("open", help="open the queue page in the default browser")
     add("doctor", help="check folders, watcher, decoding and the model")
+    from stemdeck_watch.cli.models import add_parser as add_models
+
+    add_models(add)
     autostart = add("autostart", help="start the service at login (the platform's own way)")
     autostart.add_argument("--remove", action="store_true",
                            help="remove what `autostart` installed")
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if args.command in STEERING_COMMANDS:
             return _steer(args, settings)
-        return {"run": _run, "status": _status, "doctor": _doctor}[args.command](args, settings)
+        return {"run": _run, "status": _status, "doctor": _doctor,
+                "models": _models}[args.command](args, settings)
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -274,6 +279,12 @@ def _autostart(args: argparse.Namespace) -> int:
     if entry.after:
         print(entry.after)
     return EXIT_OK
+
+
+def _models(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.cli.models import run
+
+    return run(args, settings)
 
 
 def _doctor(args: argparse.Namespace, settings: Settings) -> int:

@@ -126,6 +126,8 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
             lines.append(f"worker {each.get('index')}: {each.get('hostname') or '?'} "
                          f"({each.get('node_ip') or '?'}), {each.get('device')}, pid "
                          f"{each.get('pid') or '-'}, {each.get('job') or 'idle'}")
+    if status.get("download"):
+        lines.append(f"model:   {escape_controls(status['download']['text'])}")
     job = status["running"]
     if job:
         lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%")

@@ -27,8 +27,8 @@ from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
                                            choice_list, check_model_stems, extension_list,
                                            layout_template, mix_table, number, number_list,
-                                           ray_address, sample_rate, show, stem_name, text,
-                                           text_list, url_list)
+                                           hub_url, ray_address, sample_rate, show, stem_name,
+                                           text, text_list, url_list)
 
 AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
@@ -103,6 +103,11 @@ class SeparationSettings:
                      "htdemucs_6s, mdx_extra, …) or a name in model_repo")
     model_repo: str = key("", text, 'a local folder of model files, fully offline; "" = the '
                           'model hub')
+    model_hub: str = key("https://dl.fbaipublicfiles.com/demucs/", hub_url,
+                         "where models missing from the cache are downloaded from (the service "
+                         "on first use, `stemdeck-watch models pull`): demucs's own model "
+                         "mirror, or a mirror with the same file layout; set in the config "
+                         "file only, never by a preset, name tag or sidecar")
     device: str = key("auto", choice("auto", "cpu", "cuda", "mps"),
                       "where the model runs; auto: cuda, then mps, then cpu")
     shifts: int = key(1, number(0, 20, integer=True),
@@ -238,6 +243,9 @@ SECTIONS: dict[str, type] = {
     "executor": ExecutorSettings,
 }
 PRESET_SECTIONS = ("separation", "output")
+# [separation] keys only the config file sets: where model files (pickles) come from is the
+# owner's choice, never a preset's or a file dropped into the inbox
+SERVICE_ONLY = frozenset({"model_hub"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +367,8 @@ def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
 def check_overrides(overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Keys a preset may set (any [separation] or [output] key), each checked as in the
     config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ")."""
-    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])}
+    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])
+               if f.name not in SERVICE_ONLY}
     checked = {}
     for k, v in overrides.items():
         if k not in allowed:

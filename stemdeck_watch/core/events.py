@@ -83,6 +83,18 @@ class DiskLow(Event):
     threshold_bytes: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelDownloading(Event):
+    """A worker downloads `model` (from separation.model_hub, before it can separate with
+    it): `done` of `total` bytes (None: the hub did not say); `ended` once it is over,
+    downloaded or not."""
+
+    model: str
+    done: int
+    total: int | None
+    ended: bool = False
+
+
 E = TypeVar("E", bound=Event)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
-from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.config import SERVICE_ONLY, Settings
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
@@ -182,7 +182,9 @@ class Pipeline:
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
-        run.settings = {"separation": dataclasses.asdict(run.sep),
+        # the song's settings: what a song can choose (not where models are downloaded from)
+        run.settings = {"separation": {k: v for k, v in dataclasses.asdict(run.sep).items()
+                                       if k not in SERVICE_ONLY},
                         "output": dataclasses.asdict(run.out)}
         run.key = settings_key_of(run.settings) or ""
         copy = self._duplicate_of(job, run.digest, run.key, control)

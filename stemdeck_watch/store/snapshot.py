@@ -34,6 +34,10 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
     """
     by_id = {job.id: job for job in jobs}
     running = next((job for job in jobs if job.state.is_running), None)
+    every = workers if workers is not None else ([worker] if worker else [])
+    # a download recorded by a service that is not running any more is not going on
+    download = next((w["download"] for w in every if w.get("download")),
+                    None) if service.get("running") else None
     return {
         "service": service,
         "paused": pause_reason is not None,
@@ -49,11 +53,26 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         "worker": worker if worker is not None else (workers[0] if workers else None),
         # every worker (several with executor.kind = "ray"): where it runs, its device, the
         # job it holds
-        "workers": workers if workers is not None else ([worker] if worker else []),
+        "workers": every,
+        # a model the worker downloads before it can separate (first use of a model):
+        # {"model", "done", "total" (bytes; null: unknown), "text"}
+        "download": {**download, "text": download_text(download)} if download else None,
         # when the songs left are expected to be done (engine/eta.py); null before any
         # estimate
         "eta": eta,
     }
+
+
+def download_text(download: dict[str, Any]) -> str:
+    """"downloading htdemucs 34 / 80 MB": the one wording of status, the page and the tray."""
+    done, total = download.get("done") or 0, download.get("total")
+    amount = f"{_mb(done)} / {_mb(total)} MB" if total else f"{_mb(done)} MB"
+    return f"downloading {download.get('model')} {amount}"
+
+
+def _mb(size: int) -> str:
+    megabytes = size / 1e6
+    return f"{megabytes:.1f}" if megabytes < 10 else f"{megabytes:.0f}"
 
 
 WORKERS_META = "workers"  # registry meta key: the executor records every worker's state there

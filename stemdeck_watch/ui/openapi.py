@@ -113,7 +113,21 @@ SCHEMAS: dict[str, Any] = {
                                        "finish": {"type": ["number", "null"]}}}},
                     "took": {"type": "object", "description": "seconds each finished job "
                                                               "listed took",
-                             "additionalProperties": {"type": "number"}}}}]}}},
+                             "additionalProperties": {"type": "number"}}}}]},
+            "download": {
+                "description": "a model the worker downloads before it can separate (its "
+                               "first use), or null",
+                "oneOf": [{"type": "null"}, {
+                    "type": "object", "required": ["model", "done", "total", "text"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "done": {"type": "integer", "minimum": 0,
+                                 "description": "bytes downloaded"},
+                        "total": {"type": ["integer", "null"],
+                                  "description": "bytes in all; null where the hub does not "
+                                                 "say"},
+                        "text": {"type": "string",
+                                 "description": "\"downloading htdemucs 34 / 80 MB\""}}}]}}},
     "JobReply": {"type": "object", "required": ["job"],
                  "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
     "Moved": {

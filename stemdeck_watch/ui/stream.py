@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from stemdeck_watch.core.events import EventBus, JobChanged, JobsRestored, QueueChanged, QueueDrained
+from stemdeck_watch.core.events import (EventBus, JobChanged, JobsRestored, ModelDownloading,
+                                        QueueChanged, QueueDrained)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Broadcaster:
         self.frames_sent = 0
 
     def start(self) -> None:
-        for kind in (JobChanged, QueueChanged, QueueDrained, JobsRestored):
+        for kind in (JobChanged, QueueChanged, QueueDrained, JobsRestored, ModelDownloading):
             self._unsubscribe.append(self._bus.subscribe(kind, self._poke))
         self._thread = threading.Thread(target=self._run, name="stemdeck-api-events",
                                         daemon=True)
@@ -130,13 +131,17 @@ class Broadcaster:
 
 def fingerprints(snap: dict[str, Any]) -> tuple[Any, Any]:
     """(everything a client shows, the same without progress): the running job, the queue in
-    order, the most recent jobs, the pause state and the waiting files."""
+    order, the most recent jobs, the pause state, the waiting files and a model's download
+    (whose bytes count as progress)."""
     jobs = [snap.get("running")] + list(snap.get("queued", [])) + list(snap.get("jobs", []))[:RECENT]
     head = (snap.get("paused"), snap.get("pause_reason"),
             json.dumps(snap.get("waiting", []), sort_keys=True))
-    full = head + tuple(json.dumps(job, sort_keys=True) for job in jobs)
-    shape = head + tuple(json.dumps({k: v for k, v in job.items() if k != "progress"},
-                                    sort_keys=True) if job else "null" for job in jobs)
+    download = snap.get("download") or {}
+    full = head + (json.dumps(download, sort_keys=True),) + tuple(
+        json.dumps(job, sort_keys=True) for job in jobs)
+    shape = head + (download.get("model"),) + tuple(
+        json.dumps({k: v for k, v in job.items() if k != "progress"}, sort_keys=True)
+        if job else "null" for job in jobs)
     return full, shape
 
 

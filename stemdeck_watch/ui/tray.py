@@ -3,7 +3,8 @@
 - The icon is drawn with Pillow: slate when idle, blue while a song is being separated, orange
   while the queue is paused, with a red badge while a failure has not been looked at (it clears
   when you open the failed folder or the queue page from the menu).
-- Its title (tooltip) names the running song, its progress and the queue length; it follows the
+- Its title (tooltip) names the running song, its progress and the queue length (and a model
+  being downloaded, "downloading htdemucs 34 / 80 MB"); it follows the
   event bus, throttled: the bus listener only sets a flag, an updater thread takes one snapshot
   at most every `interval` seconds and changes only what changed.
 - The menu: a status line, Pause/Start (one item whose label follows the queue), Open queue
@@ -223,6 +224,9 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
         state, status = "separating", doing
     else:
         state, status = "idle", "Idle"
+    download = snap.get("download")
+    if download:  # the first use of a model: say why nothing moves yet
+        status = f"{escape_controls(download['text'])} · {status}"
     status += f" · {queue_words}"
     title = f"{NAME}: {status}"
     done = eta_words(snap.get("eta"))

@@ -130,6 +130,18 @@ def url_list(value: Any) -> tuple[str, ...]:
     return tuple(v.strip() for v in items)
 
 
+def hub_url(value: Any) -> str:
+    """A model hub: an http(s) URL of a folder, normalised to end in "/" (files are named
+    relative to it)."""
+    url = value.strip() if isinstance(value, str) else ""
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in ("http", "https") or not rest.strip("/") or any(
+            c.isspace() or ord(c) < 32 for c in url):
+        raise ValueError("an http:// or https:// URL of the folder holding the model files, "
+                         "e.g. \"https://dl.fbaipublicfiles.com/demucs/\"")
+    return url if url.endswith("/") else url + "/"
+
+
 def extension_list(value: Any) -> tuple[str, ...]:
     items = text_list(value)
     cleaned = tuple(v.lower().lstrip(".") for v in items)

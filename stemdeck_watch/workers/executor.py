@@ -7,17 +7,22 @@ client per worker, so at most one job is in flight on each.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.events import ModelDownloading
 from stemdeck_watch.store.snapshot import WORKERS_META
 from stemdeck_watch.workers.separator import Separator
 
 log = logging.getLogger(__name__)
+
+DOWNLOAD_RECORD_EVERY = 1.0  # seconds between two registry writes of a download's progress
 
 
 class Executor:
@@ -32,11 +37,20 @@ class Executor:
         self._jobs: dict[int, str | None] = {}  # the job each worker holds, by slot
         self._recorded: str | None = None  # the workers as last written to the registry
         self._lock = threading.Lock()
+        self._bus: Any = None
+        self._download_written = 0.0  # when a download's progress was last recorded
+        self._download_timer: threading.Timer | None = None  # records the latest, later
+        self._downloading: dict[int, str] = {}  # the model each slot downloads
+        self._closed = False
 
     def attach(self, scheduler: Any) -> None:
         """Record the workers in the registry from now on (status reads them there), and
         for Ray pause the queue while the cluster is gone."""
         self._registry = scheduler.registry
+        self._bus = scheduler.bus
+        for slot, client in enumerate(self.clients):
+            if hasattr(client, "on_download"):  # the local worker reports its downloads
+                client.on_download = functools.partial(self._downloaded, slot)
         if self.kind != "ray":
             return
         from stemdeck_watch.workers.cluster import ClusterWatch, probe
@@ -76,7 +90,53 @@ class Executor:
                 self._registry.set_meta(WORKERS_META, text)
                 self._recorded = text
 
+    def _downloaded(self, slot: int, report: dict[str, Any] | None) -> None:
+        """Worker `slot` reports a model download (None: it ended): recorded for `status`
+        at most every DOWNLOAD_RECORD_EVERY seconds (its start and end at once, the latest
+        figures once the interval is over, also if the transfer stalls), announced on the
+        bus for the page and the tray."""
+        with self._lock:
+            if report is not None:
+                self._downloading[slot] = report["model"]
+            model = self._downloading.pop(slot, "") if report is None else report["model"]
+            self._record_download(force=report is None)
+        if self._bus is not None:
+            self._bus.publish(ModelDownloading(
+                model, report["done"] if report else 0, report.get("total") if report else None,
+                ended=report is None))
+
+    def _record_download(self, force: bool = False) -> None:
+        """Write the workers now if the last download record is old enough (or `force`),
+        else once it is (a timer). Called with the lock held."""
+        wait = self._download_written + DOWNLOAD_RECORD_EVERY - time.monotonic()
+        if wait > 0 and not force:
+            if self._download_timer is None:
+                self._download_timer = threading.Timer(wait, self._record_later)
+                self._download_timer.daemon = True
+                self._download_timer.start()
+            return
+        self._download_written = time.monotonic()
+        if self._registry is not None:
+            text = json.dumps(self.workers())
+            if text != self._recorded:
+                self._registry.set_meta(WORKERS_META, text)
+                self._recorded = text
+
+    def _record_later(self) -> None:
+        try:
+            with self._lock:
+                self._download_timer = None
+                if not self._closed:
+                    self._record_download(force=True)
+        except Exception:
+            log.exception("could not record the workers' download progress")
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._download_timer is not None:
+                self._download_timer.cancel()
+                self._download_timer = None
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
@@ -90,13 +150,14 @@ class Executor:
 def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Executor:
     """The executor `settings.executor` asks for; a ConfigError says what is wrong."""
     ex, sep = settings.executor, settings.separation
+    env = {**worker_env_for(settings), **(worker_env or {})}
     if ex.kind == "local":
         if ex.workers != 1:
             raise ConfigError(f"executor.workers = {ex.workers} needs executor.kind = \"ray\": "
                               f"the local executor is one worker process (one job at a time)")
         from stemdeck_watch.workers.local import WorkerClient
 
-        return Executor("local", [WorkerClient(sep.device, worker_env, threads=sep.threads,
+        return Executor("local", [WorkerClient(sep.device, env, threads=sep.threads,
                                                precision=sep.precision)])
     from stemdeck_watch.workers.cluster import connect
 
@@ -105,8 +166,17 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
 
     clients: list[Separator] = [
         RayWorkerClient(sep.device, sep.threads, sep.precision, gpus=ex.gpus_per_worker,
-                        cpus=ex.cpus_per_worker, index=i, env=worker_env)
+                        cpus=ex.cpus_per_worker, index=i, env=env)
         for i in range(ex.workers)]
     log.info("separating with %d Ray worker(s) on the cluster at %s", ex.workers, ex.address)
     return Executor("ray", clients, connection)
 
+
+
+def worker_env_for(settings: Settings) -> dict[str, str]:
+    """What a worker needs from the configuration in its environment: the model hub it
+    downloads missing models from, where it is not demucs's own (the worker's default)."""
+    from stemdeck_watch.workers.models import DEFAULT_HUB, HUB_ENV
+
+    hub = settings.separation.model_hub
+    return {} if hub == DEFAULT_HUB else {HUB_ENV: hub}

@@ -24,7 +24,7 @@ from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, Separati
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
-from stemdeck_watch.workers.worker import PROGRESS_PREFIX
+from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, PROGRESS_PREFIX
 
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("stemdeck_watch.worker")
@@ -50,6 +50,7 @@ class _Process:
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.on_progress: Callable[[str, float], None] | None = None
+        self.on_download: Callable[[dict[str, Any]], None] | None = None
         self.ready: dict[str, Any] | None = None
         self.model: ModelInfo | None = None
         self._threads = [
@@ -86,6 +87,16 @@ class _Process:
                         callback(data["id"], float(data["value"]))
                 except Exception:
                     worker_log.exception("bad progress line from worker %d", self.pid)
+                continue
+            if line.startswith(DOWNLOAD_PREFIX):
+                try:
+                    data = json.loads(line[len(DOWNLOAD_PREFIX):])
+                    if self.on_download:
+                        self.on_download({"model": str(data["model"]), "done": int(data["done"]),
+                                          "total": None if data.get("total") is None
+                                          else int(data["total"])})
+                except Exception:
+                    worker_log.exception("bad download line from worker %d", self.pid)
                 continue
             self.tail.append(line)
             worker_log.debug("[%d] %s", self.pid, line)
@@ -149,6 +160,12 @@ class WorkerClient:
         # (start, end) of the latest separate requests, time.monotonic(): how busy the
         # worker is kept (the throughput benchmark's idle fraction)
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+        # a model download the worker reports ({"model", "done", "total"} bytes) while it
+        # lasts; `on_download` hears every report, and None when it ends (the executor)
+        self.download: dict[str, Any] | None = None
+        self.on_download: Callable[[dict[str, Any] | None], None] | None = None
+        self._loading = False  # a load request is in flight: download reports count
+        self._download_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -182,9 +199,13 @@ class WorkerClient:
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
                 return model
-            reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
-                                      "precision": setting, "decided": self._decided.get(key)},
-                               control)
+            self._loading = True
+            try:
+                reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
+                                          "precision": setting,
+                                          "decided": self._decided.get(key)}, control)
+            finally:
+                self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
             choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
@@ -216,7 +237,27 @@ class WorkerClient:
         return {"pid": proc.pid if alive and proc else None,
                 "device": ready.get("device", self.device), "threads": ready.get("threads"),
                 "model": model.name if model else None,
-                "precision": dict(model.precision) if model else None}
+                "precision": dict(model.precision) if model else None,
+                "download": dict(self.download) if self.download else None}
+
+    def _downloading(self, report: dict[str, Any] | None, ended: bool = False) -> None:
+        """The worker's download report, passed on (under the lock, so the end is never
+        overtaken by a report); `ended`: the load request ended, and a report read late from
+        the worker's stderr no longer counts."""
+        with self._download_lock:
+            if ended:
+                self._loading = False
+            elif not self._loading:
+                return
+            if report is None and self.download is None:
+                return
+            self.download = report
+            callback = self.on_download
+            if callback is not None:
+                try:
+                    callback(report)
+                except Exception:
+                    log.exception("a download listener failed")
 
     def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
@@ -284,6 +325,7 @@ class WorkerClient:
                         self._proc.pid, self._proc.popen.returncode)
             self._proc.stop()
         self._proc = proc = _Process(self.device, self._env, self.threads)
+        proc.on_download = self._downloading
         self.pids.append(proc.pid)
         log.info("started separation worker %d", proc.pid)
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)

@@ -15,7 +15,12 @@ stdout, replies (nothing else is ever written to stdout):
      "sources": [...], "precision": CHOICE}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
     {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
-stderr: `@@progress {"id": JOB, "value": F}` lines, and anything torch or demucs print.
+stderr: `@@progress {"id": JOB, "value": F}` lines, `@@download {"model": NAME, "done": BYTES,
+"total": BYTES|null}` lines while a model is downloaded, and anything torch or demucs print.
+
+A pretrained model (no "repo") comes from the cache (torch.hub's checkpoints folder); one not
+there yet is downloaded from $STEMDECK_MODEL_HUB (separation.model_hub) first: see
+workers/models.py and workers/download.py.
 
 A song is separated window by window (workers/chunked.py: `window` seconds of output at a
 time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and appended to one
@@ -48,6 +53,8 @@ from typing import Any, Callable, TextIO
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
 
 PROGRESS_PREFIX = "@@progress "
+DOWNLOAD_PREFIX = "@@download "
+DOWNLOAD_EVERY = 0.25  # seconds between two download progress lines at most
 WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
 # "0" turns oneDNN off in the worker: its first call of each convolution compiles kernels,
 # about 2 s per worker start, which is nothing beside a real model's minutes of separation
@@ -79,25 +86,45 @@ def _watch_parent() -> None:
             os._exit(0)
 
 
-def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    import socket
+class _DownloadReport:
+    """Reports a model's download on stderr (`@@download {"model", "done", "total"}`): the
+    latest figures every DOWNLOAD_EVERY seconds while they change (also while the transfer
+    stalls), and the last ones at the end. The service shows them in status, the page and
+    the tray."""
 
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    def __init__(self, name: str):
+        self.name = name
+        self._latest: tuple[int, int | None] | None = None
+        self._sent: tuple[int, int | None] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="download-report", daemon=True)
 
+    def __enter__(self) -> _DownloadReport:
+        self._thread.start()
+        return self
 
-def _hub_cached(name: str) -> bool:
-    try:
-        from demucs.hf import DEFAULT_NAMESPACE, hf_repo_name
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
-    namespace, base = (name.split("/", 1) if "/" in name else (DEFAULT_NAMESPACE, name))
-    found = try_to_load_from_cache(f"{namespace}/{hf_repo_name(base)}", f"{base}.yaml")
-    return isinstance(found, str)
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._emit()
+
+    def __call__(self, done: int, total: int | None) -> None:
+        with self._lock:
+            self._latest = (done, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(DOWNLOAD_EVERY):
+            self._emit()
+
+    def _emit(self) -> None:
+        with self._lock:
+            if self._latest is None or self._latest == self._sent:
+                return
+            self._sent = done_total = self._latest
+        sys.stderr.write(DOWNLOAD_PREFIX + json.dumps(
+            {"model": self.name, "done": done_total[0], "total": done_total[1]}) + "\n")
+        sys.stderr.flush()
 
 
 def load_model(name: str, repo: str | None) -> Any:
@@ -118,21 +145,59 @@ def load_model(name: str, repo: str | None) -> Any:
                 f"could not load model {name!r} from {folder} (separation.model_repo): "
                 f"{exc or type(exc).__name__}; model files there: "
                 f"{', '.join(present) or 'none'}") from None
-    if _hub_cached(name):
-        os.environ["HF_HUB_OFFLINE"] = "1"
-    elif os.environ.get("HF_HUB_OFFLINE") == "1" or not _network_reachable():
-        raise ModelUnavailable(
-            f"could not load model {name!r}: it is not downloaded yet and the model hub "
-            f"(huggingface.co) cannot be reached. Connect to the internet once so it can be "
-            f"downloaded, or put the model files in a folder and set separation.model_repo "
-            f"to that folder (see docs/guide/models.md, 'Using a real model offline')")
+    if name.startswith("hf://"):  # demucs's own HuggingFace download
+        try:
+            return get_model(name)
+        except (ModelLoadingError, OSError) as exc:
+            raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
+    return _from_cache(name)
+
+
+def _from_cache(name: str) -> Any:
+    """A pretrained model from the cache, downloaded from separation.model_hub first if it is
+    not there (verified, resumable; progress on stderr)."""
+    from stemdeck_watch.util.redact import redact_url
+    from stemdeck_watch.workers.download import DownloadError
+    from stemdeck_watch.workers.models import (DEFAULT_HUB, ModelStore, ModelStoreError,
+                                               NotCached, UnknownModel, hf_cached)
+
+    store = ModelStore()
+    how = (f"run `stemdeck-watch models pull {name}` where {redact_url(store.hub)} can be reached, "
+           f"`stemdeck-watch models import FOLDER` from an offline copy, or set "
+           f"separation.model_repo to a folder of model files")
     try:
-        return get_model(name)
-    except ModelLoadingError as exc:
+        store.pull(name, fetch=False)
+        return _built(store, name)
+    except UnknownModel as exc:
+        if store.hub == DEFAULT_HUB:
+            raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
+    except NotCached:
+        pass
+    except ModelStoreError as exc:  # lists that cannot be read
         raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
-    except OSError as exc:
-        raise ModelUnavailable(f"could not download model {name!r}: {exc}; set "
-                               f"separation.model_repo to a folder with the model files") from None
+    if hf_cached(name):  # downloaded by demucs from HuggingFace (earlier versions did)
+        from demucs.pretrained import get_model
+
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return get_model(name)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelUnavailable(f"could not load model {name!r}: it is not downloaded yet and "
+                               f"downloads are off (HF_HUB_OFFLINE=1); {how}")
+    try:
+        with _DownloadReport(name) as report:
+            store.pull(name, report)
+    except (DownloadError, ModelStoreError) as exc:
+        raise ModelUnavailable(f"could not download model {name!r}: {exc}; {how}") from None
+    return _built(store, name)
+
+
+def _built(store: Any, name: str) -> Any:
+    try:
+        return store.load(name)
+    except ImportError as exc:  # the quantized models need diffq
+        raise ModelUnavailable(f"model {name!r} needs a package that is not installed: {exc} "
+                               f"(`pip install diffq` for the quantized mdx_q and "
+                               f"mdx_extra_q)") from None
 
 
 class Worker:

@@ -369,6 +369,10 @@
     setAttr(reason, "data-reason", paused ? (status.pause_reason || "") : null);
     show(reason, paused);
     document.body.dataset.paused = paused ? "true" : "false";
+    // the first use of a model: the worker downloads it before the first song moves
+    const download = $("download");
+    setText(download, status.download ? status.download.text : "");
+    show(download, Boolean(status.download));
   }
 
   function renderRunning(job) {

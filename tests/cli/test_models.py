@@ -1,0 +1,208 @@
+"""`stemdeck-watch models` as a user types it, against a loopback mirror of the model hub
+(a tiny model in the hub's real layout, with its real checksum): list, pull — cut off,
+interrupted and resumed, damaged — verify and import. No byte comes from the internet."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from stemdeck_watch.core.config import settings_from_dict
+from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.core import choices
+
+from support.helpers import config_data, wait_for, write_config
+from support.modelhub import ModelHub, build_mirror
+
+KNOWN = ("htdemucs", "htdemucs_ft", "htdemucs_6s", "hdemucs_mmi", "mdx", "mdx_extra", "mdx_q",
+         "mdx_extra_q")
+HOLD = 200_000  # where a held transfer waits
+
+
+@pytest.fixture
+def mirror(tmp_path: Path, model_repo: Path) -> Path:
+    return build_mirror(tmp_path / "mirror", model_repo / "tiny.th")
+
+
+@pytest.fixture
+def hub(mirror: Path, tmp_path: Path) -> Iterator[ModelHub]:
+    with ModelHub(tmp_path / "mirror") as hub:
+        yield hub
+
+
+@pytest.fixture
+def config(tmp_path: Path, model_repo: Path, hub: ModelHub) -> Path:
+    return write_config(tmp_path, model_repo, separation={
+        "model": "htdemucs", "model_repo": "", "model_hub": hub.url})
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    return tmp_path / "torch" / "hub" / "checkpoints"
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    """torch.hub's cache and HuggingFace's in the test's folder, never the user's."""
+    return {**os.environ, "TORCH_HOME": str(tmp_path / "torch"), "HF_HOME": str(tmp_path / "hf")}
+
+
+def models(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                           "models", *args], capture_output=True, text=True, timeout=120,
+                          env=env_for(config.parent))
+
+
+def model_files(cache: Path) -> set[str]:
+    """What a loader would take for a model: `.th` files (not partial downloads)."""
+    return {p.name for p in cache.glob("*.th")} if cache.is_dir() else set()
+
+
+def leftovers(cache: Path) -> set[str]:
+    return {p.name for p in cache.glob(".*.partial")} if cache.is_dir() else set()
+
+
+def test_pull_lists_then_downloads_verified_and_a_dropped_connection_resumes(
+        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    listed = models(config, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    data = json.loads(listed.stdout)
+    assert [m["name"] for m in data["models"]] == list(KNOWN)
+    first = data["models"][0]
+    assert first["stems"] == ["drums", "bass", "other", "vocals"] and first["size_mb"] == 80
+    assert first["good_for"] and not first["cached"]
+    assert data["models"][2]["stems"][-2:] == ["guitar", "piano"]
+    assert hub.requests == []  # listing asks nobody
+
+    hub.cut_at = 150_000  # the connection drops there, once
+    result = models(config, "pull", "htdemucs")
+    assert result.returncode == 0, result.stderr
+    assert "htdemucs: ready, 1 file(s), 0.5 MB, verified" in result.stdout
+    assert "htdemucs: 0.5 / 0.5 MB" in result.stderr and "resuming" in result.stderr
+    gets = hub.gets()
+    assert [(g.range, g.sent) for g in gets] == [
+        (None, 150_000), ("bytes=150000-", mirror.stat().st_size - 150_000)]
+    assert model_files(cache) == {mirror.name} and leftovers(cache) == set()
+    assert (cache / mirror.name).read_bytes() == mirror.read_bytes()
+
+    table = models(config, "list")
+    assert table.returncode == 0
+    row = next(line for line in table.stdout.splitlines() if line.startswith("htdemucs *"))
+    assert row.split()[2:5] == ["4", "≈80", "MB"] and row.split()[5] == "yes"
+
+
+def test_a_pull_interrupted_by_ctrl_c_resumes_where_it_stopped(
+        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    hub.hold_at = HOLD
+    proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "models", "pull", "htdemucs"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env_for(config.parent))
+    try:
+        wait_for(hub.held.is_set, 60, "the transfer to reach the held byte")
+        partial = wait_for(lambda: [p for p in cache.glob(".*.partial")
+                                    if p.stat().st_size == HOLD], 30, "the partial file")[0]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out + err
+    assert "interrupted at 0.2 / 0.5 MB" in err and "again to resume" in err
+    assert model_files(cache) == set()  # a partial download is never a model file
+    assert partial.stat().st_size == HOLD
+    hub.release()
+
+    result = models(config, "pull", "htdemucs")
+    assert result.returncode == 0, result.stderr
+    resumed = hub.gets()[-1]
+    assert resumed.range == f"bytes={HOLD}-" and resumed.sent == mirror.stat().st_size - HOLD
+    assert model_files(cache) == {mirror.name} and leftovers(cache) == set()
+    assert (cache / mirror.name).read_bytes() == mirror.read_bytes()
+
+
+def test_a_damaged_download_is_never_left_as_a_model_file(
+        config: Path, hub: ModelHub, cache: Path) -> None:
+    hub.damaged = True
+    result = models(config, "pull", "htdemucs")
+    assert result.returncode == 1
+    assert "is not the file its name promises" in result.stderr
+    assert "nothing was kept" in result.stderr
+    assert model_files(cache) == set() and leftovers(cache) == set()
+
+
+def test_verify_finds_a_damaged_cached_file_and_pull_replaces_it(
+        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    assert models(config, "pull", "htdemucs").returncode == 0
+    assert models(config, "verify").returncode == 0
+    cached = cache / mirror.name
+    data = bytearray(cached.read_bytes())
+    data[1000] ^= 0xFF
+    cached.write_bytes(bytes(data))
+    result = models(config, "verify")
+    assert result.returncode == 1
+    assert f"DAMAGED  {mirror.name} (htdemucs)" in result.stdout
+    assert "`stemdeck-watch models pull htdemucs` downloads it again" in result.stdout
+    assert models(config, "pull", "htdemucs").returncode == 0
+    assert cached.read_bytes() == mirror.read_bytes()
+    assert models(config, "verify").returncode == 0
+
+
+def test_import_copies_an_offline_copy_verified_and_refuses_a_damaged_file(
+        tmp_path: Path, model_repo: Path, mirror: Path, cache: Path) -> None:
+    # the default hub (the internet): import must not need it
+    config = write_config(tmp_path, model_repo, separation={"model": "htdemucs",
+                                                           "model_repo": ""})
+    damaged = tmp_path / "damaged"
+    build_mirror(damaged, model_repo / "tiny.th")
+    served = next((damaged / "hybrid_transformer").glob("*.th"))
+    data = bytearray(served.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    served.write_bytes(bytes(data))
+    result = models(config, "import", str(damaged))
+    assert result.returncode == 1
+    assert "refused" in result.stderr and "damaged" in result.stderr
+    assert model_files(cache) == set() and leftovers(cache) == set()
+
+    result = models(config, "import", str(tmp_path / "mirror"))
+    assert result.returncode == 0, result.stderr
+    assert f"imported {mirror.name}" in result.stdout
+    assert "models ready in" in result.stdout and "htdemucs" in result.stdout
+    assert (cache / mirror.name).read_bytes() == mirror.read_bytes()
+    listed = json.loads(models(config, "list", "--json").stdout)
+    assert listed["models"][0]["cached"] is True
+
+
+def test_the_model_hub_is_the_config_files_choice_never_a_presets_or_a_drops(
+        tmp_path: Path, model_repo: Path) -> None:
+    data = config_data(tmp_path, model_repo, presets={"six": {"model_hub": "http://x/"}})
+    with pytest.raises(ConfigError, match="unknown key presets.six.model_hub"):
+        settings_from_dict(data)
+    settings = settings_from_dict(config_data(tmp_path, model_repo))
+    song = tmp_path / "inbox" / "Song.mp3"
+    song.parent.mkdir(parents=True)
+    song.write_bytes(b"")
+    (tmp_path / "inbox" / "Song.mp3.stemdeck.toml").write_text(
+        'model_hub = "http://127.0.0.1:9/"\n')
+    job = Job(id="j", name="Song", kind=JobKind.FILE, state=JobState.QUEUED, source=str(song),
+              rel_path="Song.mp3")
+    with pytest.raises(choices.ChoiceError, match="model_hub"):
+        choices.for_job(settings, job)
+
+
+def test_doctor_says_a_model_is_not_downloaded_yet_and_downloads_nothing(
+        config: Path, hub: ModelHub, cache: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
+                             "doctor"], capture_output=True, text=True, timeout=120,
+                            env=env_for(config.parent))
+    line = next(line for line in result.stdout.splitlines() if "model htdemucs" in line)
+    assert line.startswith("[ok  ]"), result.stdout
+    assert "not downloaded yet" in line and "about 80 MB" in line
+    assert "`stemdeck-watch models pull htdemucs`" in line
+    assert hub.requests == [] and model_files(cache) == set()
