@@ -149,7 +149,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     if sidecar is not None:
         name = sidecar_of(source).name
         try:
-            checked = check_overrides(sidecar, "")
+            checked = check_overrides(sidecar, "", dropped=True)
         except ConfigError as exc:
             raise ChoiceError(f"{name}: {exc}; fix {name} or remove it") from None
         for key, value in checked.items():

@@ -246,6 +246,9 @@ PRESET_SECTIONS = ("separation", "output")
 # [separation] keys only the config file sets: where model files (pickles) come from is the
 # owner's choice, never a preset's or a file dropped into the inbox
 SERVICE_ONLY = frozenset({"model_hub"})
+# ...and keys a file dropped into the inbox (a sidecar) never sets: a folder of model files is
+# code the worker loads, so it comes from the config or one of its presets
+OWNER_ONLY = SERVICE_ONLY | {"model_repo"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,13 +367,21 @@ def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
     return presets
 
 
-def check_overrides(overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_overrides(overrides: Mapping[str, Any], where: str,
+                    dropped: bool = False) -> dict[str, Any]:
     """Keys a preset may set (any [separation] or [output] key), each checked as in the
-    config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ")."""
+    config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ").
+    `dropped`: the keys come from a file in the inbox, which may not say where models load
+    from."""
+    barred = OWNER_ONLY if dropped else SERVICE_ONLY
     allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])
-               if f.name not in SERVICE_ONLY}
+               if f.name not in barred}
     checked = {}
     for k, v in overrides.items():
+        if dropped and k in OWNER_ONLY:
+            raise ConfigError(f"{where}{k} cannot be chosen by a file in the inbox: the model "
+                              f"files it names are loaded as code; set it in the config file "
+                              f"or a preset")
         if k not in allowed:
             raise _unknown_key(where, k, list(allowed))
         checked[k] = _check(allowed[k], v, where)

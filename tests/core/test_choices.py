@@ -87,3 +87,24 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     assert "did you mean 'model'" in worse.error
     assert (failed / "Worse.wav").is_file() and (failed / "Worse.wav.stemdeck.toml").is_file()
     assert "modle" in (failed / "Worse.wav.error.txt").read_text()
+
+
+def test_a_sidecar_cannot_choose_where_models_load_from(settings, tmp_path: Path) -> None:
+    """A file in the inbox may choose a song's settings, never a folder of model files (the
+    worker loads them as code) or the hub they come from."""
+    from stemdeck_watch.core.choices import for_job
+    from stemdeck_watch.core.jobs import Job, JobKind
+
+    song = write_song(settings.paths.inbox / "Song.wav", 0.5)
+    job = Job(id="j", name="Song", kind=JobKind.FILE, state=JobState.QUEUED, source=str(song),
+              rel_path="Song.wav")
+    sidecar = Path(f"{song}.stemdeck.toml")
+    for line in (f'model_repo = "{tmp_path}"\n', 'model_hub = "https://example.invalid/"\n'):
+        sidecar.write_text(line)
+        with pytest.raises(ChoiceError) as caught:
+            for_job(settings, job)
+        key = line.split(" ")[0]
+        assert f"Song.wav.stemdeck.toml: {key} cannot be chosen by a file in the inbox" in str(
+            caught.value)
+    sidecar.write_text('format = "flac"\n')  # what a song's own settings are stays open
+    assert for_job(settings, job).output.format == "flac"
