@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import re
-import socket
-import socketserver
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from stemdeck_watch.core.config import ApiSettings
 from stemdeck_watch.ui import discovery, media, openapi, upload
+from stemdeck_watch.ui.httpbase import CountedBody, HttpError, JsonHandler, LoopbackServer
 from stemdeck_watch.ui.pagecode import OneTimeCodes
 from stemdeck_watch.ui.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
 from stemdeck_watch.core.errors import ConfigError, ControlError, JobNotFound
@@ -44,18 +40,6 @@ from stemdeck_watch.core.events import EventBus
 log = logging.getLogger(__name__)
 
 PAGE_DIR = Path(__file__).resolve().parent / "page"
-MAX_BODY = 64 * 1024
-MAX_DRAIN = 1024 * 1024      # an unread body up to this size is read away before closing
-IO_TIMEOUT = 10.0            # a client that neither sends nor reads for this long is dropped
-CSP = "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
-CONTENT_TYPES = {
-    ".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-    ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-    ".json": "application/json", ".svg": "image/svg+xml", ".png": "image/png",
-    ".ico": "image/x-icon", ".webmanifest": "application/manifest+json", ".woff2": "font/woff2",
-    ".txt": "text/plain; charset=utf-8",
-}
-STATIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 JOB = r"/api/jobs/(?P<ref>[^/]+)"
 ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
     (re.compile(pattern), methods) for pattern, methods in (
@@ -89,12 +73,6 @@ PAGE_LIMIT, MAX_PAGE_LIMIT = 100, 1000  # GET /api/jobs: jobs per page, by defau
 CURSOR = re.compile(openapi.CURSOR)  # its `before`: a job's created_at and rowid
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-
-
 class ApiServer:
     """The server, its broadcaster and the discovery file, started and stopped together."""
 
@@ -115,7 +93,7 @@ class ApiServer:
         self.token = ""
         self.codes = OneTimeCodes()
         self.broadcaster = Broadcaster(self.snapshot, bus, progress_interval)
-        self._httpd: _Server | None = None
+        self._httpd: LoopbackServer | None = None
         self._thread: threading.Thread | None = None
         self._published: discovery.Discovery | None = None
 
@@ -126,7 +104,7 @@ class ApiServer:
     def start(self) -> None:
         """Bind (OSError if the port is taken), serve, then write the discovery file."""
         self.token = discovery.new_token()
-        self._httpd = _Server((self.host, self._wanted_port), self)
+        self._httpd = LoopbackServer((self.host, self._wanted_port), self, _Handler)
         self.port = self._httpd.server_address[1]
         self._allowed_hosts = {f"{name}:{self.port}" for name in ("127.0.0.1", "localhost",
                                                                   "[::1]")}
@@ -176,76 +154,10 @@ class ApiServer:
         return bool(self.token) and hmac.compare_digest(presented.encode(), self.token.encode())
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], api: ApiServer):
-        self.api = api
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._open: set[socket.socket] = set()
-        self._open_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind would look up the host's FQDN: a DNS query at every start
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            self._open.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._open_lock:
-            self._open.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # a client that hung up mid-request: not worth a traceback on the terminal
-        log.debug("connection from %s ended with an error", client_address, exc_info=True)
-
-    def disconnect_all(self) -> None:
-        """Wake every connection thread blocked on a socket (a stalled reader or writer)."""
-        with self._open_lock:
-            sockets = list(self._open)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     """One connection, one request: check, route, call the scheduler, answer JSON."""
 
-    server: _Server
-    timeout = IO_TIMEOUT
-    _unread = 0  # declared body bytes not read yet; read away before answering
-
-    def version_string(self) -> str:
-        return "stemdeck-watch"
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_HEAD(self) -> None:
-        self._handle("HEAD")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def do_PUT(self) -> None:
-        self._handle("PUT")
-
-    def do_DELETE(self) -> None:
-        self._handle("DELETE")
-
-    def do_PATCH(self) -> None:
-        self._handle("PATCH")
-
-    def do_OPTIONS(self) -> None:
-        self._handle("OPTIONS")  # a CORS preflight gets no CORS headers: refused
+    static_dir = PAGE_DIR
 
     # ------------------------------------------------------------ the one path
 
@@ -305,34 +217,6 @@ class _Handler(BaseHTTPRequestHandler):
         if scheme.lower() != "bearer" or not api.token_ok(token.strip()):
             raise HttpError(401, "wrong token: the service makes a new one at every start; read "
                                  "api.token in its state folder again", challenge)
-
-    def _read_json(self) -> dict[str, Any]:
-        if self.headers.get("Transfer-Encoding"):
-            raise HttpError(411, "send the body with a Content-Length (no chunked bodies)")
-        length = self._unread
-        if length < 0:
-            raise HttpError(400, "the Content-Length header is not a number")
-        if length > MAX_BODY:
-            raise HttpError(413, f"the request body has {length} bytes; at most {MAX_BODY} "
-                                 f"are accepted")
-        try:
-            raw = self.rfile.read(length) if length else b""
-        except OSError:
-            raise HttpError(400, "the request body did not arrive") from None
-        self._unread = 0
-        if len(raw) < length:
-            raise HttpError(400, "the request body ended early")
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:  # nested deeper than the parser's stack allows
-            raise HttpError(400, "the request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        return body
 
     # ------------------------------------------------------------ actions
 
@@ -474,7 +358,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not name:
             raise HttpError(400, "say the file's name: POST /api/uploads?name=NAME")
         settings = api.scheduler.settings
-        path = upload.receive(_CountedBody(self), self._unread, settings, name, preset)
+        path = upload.receive(CountedBody(self), self._unread, settings, name, preset)
         return {"file": path.relative_to(settings.paths.inbox).as_posix(),
                 "bytes": path.stat().st_size, "preset": preset}
 
@@ -490,52 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
         return {"file": path.relative_to(settings.paths.inbox).as_posix(), "url": url.strip(),
                 "preset": preset or None}
 
-    def _send_file(self, handle: Any, size: int, content_type: str) -> None:
-        """The file, or the one range of it the `Range` header asks for (206)."""
-        try:
-            span = media.byte_range(self.headers.get("Range"), size)
-        except media.NotSatisfiable as exc:
-            raise HttpError(416, str(exc), {"Content-Range": f"bytes */{exc.size}"}) from None
-        first, last = span if span else (0, size - 1)
-        self._drain()
-        self.send_response(206 if span else 200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(last - first + 1))
-        self.send_header("Accept-Ranges", "bytes")
-        if span:
-            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
-        self._common_headers()
-        self.end_headers()
-        log.debug("sent bytes %d-%d/%d of %s", first, last, size, urlsplit(self.path).path)
-        if self.command != "HEAD":
-            try:
-                media.copy_range(handle, first, last - first + 1, self.wfile.write)
-            except OSError as exc:  # the player seeked away and dropped the request
-                log.debug("%s stopped reading a file: %s", self.address_string(), exc)
-
-    def _query(self, *allowed: str) -> dict[str, str]:
-        """The query string's parameters: only `allowed` ones, each at most once."""
-        pairs = parse_qsl(urlsplit(self.path).query, keep_blank_values=True)
-        names = [name for name, _ in pairs]
-        unknown = sorted(set(names) - set(allowed))
-        if unknown:
-            raise HttpError(400, f"unexpected query parameter(s): {', '.join(unknown)[:200]}")
-        if len(names) != len(set(names)):
-            raise HttpError(400, "a query parameter is given more than once")
-        return dict(pairs)
-
     # ------------------------------------------------------------ the page and the stream
-
-    def _static(self, method: str, path: str) -> None:
-        if method not in ("GET", "HEAD"):
-            raise HttpError(405, f"{method} is not allowed on {path}", {"Allow": "GET, HEAD"})
-        name = "index.html" if path == "/" else unquote(path[1:])
-        file = PAGE_DIR / name
-        content_type = CONTENT_TYPES.get(file.suffix.lower())
-        if (not STATIC_NAME.fullmatch(name) or content_type is None or not file.is_file()
-                or file.resolve().parent != PAGE_DIR):
-            raise HttpError(404, f"not found: {path[:200]}")
-        self._send(200, file.read_bytes(), content_type)
 
     def _stream(self, api: ApiServer) -> None:
         client = api.broadcaster.attach()
@@ -560,84 +399,6 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("event stream to %s ended: %s", self.address_string(), exc)
         finally:
             api.broadcaster.detach(client)
-
-    # ------------------------------------------------------------ answers
-
-    def _send_json(self, status: int, reply: Any) -> None:
-        self._send(status, json.dumps(reply).encode(), "application/json")
-
-    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        log.info("refused %s %s: %d %s", self.command, urlsplit(self.path).path[:200], status,
-                 message)
-        self._send(status, json.dumps({"error": message}).encode(), "application/json", headers)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """Also for requests http.server could not parse: JSON, like every other answer."""
-        self.close_connection = True
-        self._unread = 0
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "error"
-        self._send(code, json.dumps({"error": message or phrase}).encode(), "application/json")
-
-    def _send(self, status: int, body: bytes, content_type: str,
-              headers: dict[str, str] | None = None) -> None:
-        self._drain()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self._common_headers()
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-        except OSError as exc:
-            log.debug("could not answer %s: %s", self.address_string(), exc)
-
-    def _common_headers(self) -> None:
-        for name, value in (("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
-                            ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),
-                            ("Content-Security-Policy", CSP),
-                            ("Cross-Origin-Resource-Policy", "same-origin"),
-                            ("Connection", "close")):
-            self.send_header(name, value)
-
-    def _drain(self) -> None:
-        """Read away a body nobody read (a refused request): closing a socket with unread
-        data resets the connection, and the client might lose our answer."""
-        left, self._unread = self._unread, 0
-        if not 0 < left <= MAX_DRAIN:
-            return
-        try:
-            while left > 0 and (chunk := self.rfile.read(min(left, 65536))):
-                left -= len(chunk)
-        except OSError:
-            pass
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        log.debug('%s "%s %s" %s', self.address_string(), self.command,
-                  urlsplit(self.path).path[:200], code)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-
-class _CountedBody:
-    """The request body as an upload reads it: what is read is no longer left to drain."""
-
-    def __init__(self, handler: _Handler):
-        self._handler = handler
-
-    def read(self, size: int) -> bytes:
-        data = self._handler.rfile.read(size)
-        self._handler._unread -= len(data)
-        if not data:
-            self._handler._unread = 0  # the client went away: nothing more will come
-        return data
-
 
 def _route(method: str, path: str) -> tuple[str, dict[str, str]]:
     for pattern, methods in ROUTES:
