@@ -83,6 +83,27 @@ class DiskLow(Event):
     threshold_bytes: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareAway(Event):
+    """One of the service's folders (`role`: inbox, outbox, processed, failed) has been
+    unreachable for `seconds` — announced once, after a grace period; the queue is paused
+    meanwhile if it needs that folder."""
+
+    role: str
+    path: str
+    why: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareBack(Event):
+    """A folder announced as away answers again after `seconds`."""
+
+    role: str
+    path: str
+    seconds: float
+
+
 E = TypeVar("E", bound=Event)
 
 

@@ -84,7 +84,15 @@ SCHEMAS: dict[str, Any] = {
             "folders": {"type": "object", "additionalProperties": {"type": "string"}},
             "notes": {"type": "array", "items": {"type": "string"}},
             "worker": {"type": ["object", "null"]},
-            "workers": {"type": "array", "items": {"type": "object"}}}},
+            "workers": {"type": "array", "items": {"type": "object"}},
+            "pending_moves": {
+                "type": "array", "description": "done or failed jobs whose input waits for its "
+                                                "share to answer before it moves",
+                "items": {"type": "object", "required": ["job", "source", "to", "since"],
+                          "properties": {"job": {"type": "string"},
+                                         "source": {"type": "string"},
+                                         "to": {"enum": ["processed", "failed"]},
+                                         "since": {"type": "number"}}}}}},
     "JobReply": {"type": "object", "required": ["job"],
                  "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
     "Moved": {
