@@ -35,6 +35,7 @@ from stemdeck_watch.core.paths import (default_state_dir, filesystem_type, is_ne
 from stemdeck_watch.engine.recovery import adopt_orphans, restore
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.engine.scheduler import Scheduler
+from stemdeck_watch.engine.shares import ShareWatch, unmounted_at_start
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,17 @@ class Service:
         service gives up the inbox; `stop` set meanwhile returns without starting."""
         folders = self.folders
         private_dir(folders.state)
-        for folder in (folders.inbox, folders.outbox, folders.processed, folders.failed):
+        roles = {"inbox": folders.inbox, "outbox": folders.outbox,
+                 "processed": folders.processed, "failed": folders.failed}
+        # a folder whose share is not mounted yet (the NAS after a reboot) is waited for,
+        # never made on the local disk under its mount point
+        unmounted = unmounted_at_start(folders.state, roles)
+        for role, mount in unmounted.items():
+            log.warning("the %s %s is on a share that is not mounted at %s; waiting for it",
+                        role, roles[role], mount)
+        for folder in [f for role, f in roles.items() if role not in unmounted]:
             folder.mkdir(parents=True, exist_ok=True)
-        for preset in self.settings.presets:
+        for preset in self.settings.presets if "inbox" not in unmounted else ():
             (folders.inbox / preset).mkdir(exist_ok=True)
         if is_network_filesystem(folders.state):
             raise ConfigError(
@@ -78,6 +87,7 @@ class Service:
         try:
             self.ownership = InboxOwnership(folders.inbox, standby=self.settings.watch.standby,
                                             clock=self._clock)
+            self.ownership.away = lambda: "inbox" in unmounted
             if not self.ownership.claim(stop):
                 self.ownership = None
                 self._lock.release()
@@ -99,12 +109,21 @@ class Service:
                 lambda sha, key: [job.output for job in self.registry.done_with(sha, key)
                                   if job.output], songs) for client in self.executor.clients]
             self.pipeline = self.pipelines[0]
+            # which folders answer: looked at once now (what each one is, the moves kept
+            # from last time), then every second on its own thread
+            self.shares = ShareWatch(self.scheduler, self.settings)
+            for pipeline in self.pipelines:
+                pipeline.shares = self.shares
+            self.ownership.away = lambda: self.shares.away("inbox")
+            for role in roles:  # before the restore: an input out of reach is not removed
+                self.shares.look(role)
             self.notifier = Notifier(self.bus, self.settings)
             self.notifier.start()  # before restore, which announces the restored jobs
             self.pipeline.playlists = Playlists(self.scheduler)
             for pipeline in self.pipelines[1:]:
                 pipeline.playlists = self.pipeline.playlists
-            restore(self.scheduler, self.settings, self.pipeline.file_input)
+            restore(self.scheduler, self.settings, self.pipeline.file_input,
+                    unreachable=lambda _source: self.shares.away("inbox"))
             self.pipeline.playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
@@ -118,9 +137,15 @@ class Service:
                            record=self.executor.record)
                 for slot, pipeline in enumerate(self.pipelines)]
             self.dispatcher = self.dispatchers[0]
+            for dispatcher in self.dispatchers:
+                dispatcher.shares = self.shares
             self.intake = InboxWatcher(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
+            self.intake.shares = self.shares
+            self.shares.subscribe(self.intake.share_changed)
+            self.shares.tick()  # learn the folders, do the moves kept from last time
             self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
+            self.folder_remote.away = self.shares.away
             self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
                         if self.settings.api.enabled else None)
         except BaseException:
@@ -136,6 +161,7 @@ class Service:
             self._lock.release()
             raise
         self.ownership.start()
+        self.shares.start()
         self.executor.attach(self.scheduler)
         for dispatcher in self.dispatchers:
             dispatcher.start()
@@ -186,6 +212,9 @@ class Service:
             log.error("the prefetch thread died; restarting it")
             self.prefetcher.start()
         self.intake.check_health()
+        if not self.shares.alive():
+            log.error("the share watch thread died; restarting it")
+            self.shares.start()
         if not self.folder_remote.alive():
             log.error("the folder control thread died; restarting it")
             self.folder_remote.start()
@@ -226,6 +255,7 @@ class Service:
             self.api.stop()
             self.api = None
         self.intake.stop()
+        self.shares.stop()  # before the dispatchers: a song waiting for its outbox gives up
         self.prefetcher.stop()
         for dispatcher in self.dispatchers:
             dispatcher.stop()

@@ -16,7 +16,7 @@ from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.engine.eta import eta_words, stored as stored_eta
-from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.util.safetext import escape_controls
 
@@ -42,6 +42,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
     older = 0
     workers = None
     eta = None
+    pending: list[PendingMove] = []
     notes: list[str] = []
     try:
         registry = Registry.open_readonly(path)
@@ -56,6 +57,10 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
                 pause_reason = registry.get_meta("pause_reason") or None
                 workers = workers_of(registry)
                 eta = stored_eta(registry, pid is not None)
+                try:
+                    pending = registry.pending_moves()
+                except sqlite3.OperationalError:  # a registry from before pending moves
+                    pending = []
                 rebuilt = registry.get_meta("rebuilt_from")
                 if rebuilt:
                     notes.append(f"the job registry was damaged and rebuilt; the old file is "
@@ -70,7 +75,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
         raise _damaged(path, exc, pid) from None
     return build_snapshot(jobs, order, waiting, pause_reason, folders,
                  {"running": pid is not None, "pid": pid}, notes, workers=workers,
-                          older=older, eta=eta)
+                          older=older, eta=eta, pending=pending)
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -108,7 +113,10 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         why = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start "
                "(or drop a new file)", "disk": "the disk is almost full",
                "folder": "a PAUSE file is in the inbox; delete it to start",
-               "cluster": "the Ray cluster is unreachable; it starts again when it is back"}
+               "cluster": "the Ray cluster is unreachable; it starts again when it is back",
+               "inbox": "the inbox's share cannot be reached; it starts again when it answers",
+               "outbox": "the outbox's share cannot be reached; separated songs wait in "
+                         "scratch and the queue starts again when it answers"}
         lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
     else:
         lines.append("queue:   running" if service["running"] else "queue:   not paused")
@@ -139,6 +147,9 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         lines.append(f"eta:     {eta_line}")
     if status["waiting"]:
         lines.append(f"waiting: {len(status['waiting'])} file(s) held back until the queue has room")
+    if status.get("pending_moves"):
+        lines.append(f"pending: {len(status['pending_moves'])} input(s) of finished jobs are "
+                     f"moved out of the inbox when their share answers")
     finished = [j for j in status["jobs"] if j["state"] in
                 (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value)]
     if finished:

@@ -34,7 +34,8 @@ AUDIO_EXTENSIONS = (
     "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
     "wma", "mp4", "mkv", "webm", "mov",
 )
-NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low")
+NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low",
+                 "share_away")
 
 
 def key(default: Any, check: Check, doc: str) -> Any:

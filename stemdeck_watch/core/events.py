@@ -95,6 +95,27 @@ class ModelDownloading(Event):
     ended: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareAway(Event):
+    """One of the service's folders (`role`: inbox, outbox, processed, failed) has been
+    unreachable for `seconds` — announced once, after a grace period; the queue is paused
+    meanwhile if it needs that folder."""
+
+    role: str
+    path: str
+    why: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareBack(Event):
+    """A folder announced as away answers again after `seconds`."""
+
+    role: str
+    path: str
+    seconds: float
+
+
 E = TypeVar("E", bound=Event)
 
 

@@ -77,9 +77,14 @@ class PlaylistRef:
                 "entries": self.entries, "listed": self.listed or None}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FileSignature:
-    """What "the same file" means: unchanged size, modification time and inode."""
+    """What "the same file" means: unchanged size, modification time and inode.
+
+    An inode of 0 is "not known": a network share (sshfs, SMB) numbers files per mount, so
+    the same file has another inode once the share was mounted again; there a job keeps its
+    input's signature without the inode (`without_inode`) and the file is told by its size
+    and time, which the share keeps."""
 
     size: int
     mtime_ns: int
@@ -88,6 +93,18 @@ class FileSignature:
     @classmethod
     def of(cls, stat_result: Any) -> FileSignature:
         return cls(stat_result.st_size, stat_result.st_mtime_ns, stat_result.st_ino)
+
+    def without_inode(self) -> FileSignature:
+        return dataclasses.replace(self, inode=0)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileSignature):
+            return NotImplemented
+        return ((self.size, self.mtime_ns) == (other.size, other.mtime_ns)
+                and (not self.inode or not other.inode or self.inode == other.inode))
+
+    def __hash__(self) -> int:
+        return hash((self.size, self.mtime_ns))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,6 +134,41 @@ def _rename_no_replace(src: Path, dst: Path) -> None:
     os.rename(src, dst)  # on Windows, rename itself refuses to replace
 
 
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+# what a share that does not answer says (a full disk or a refused permission is no outage)
+UNREACHABLE_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EIO", "ENOTCONN", "ESTALE", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH",
+    "ENETRESET", "ETIMEDOUT", "ECONNABORTED", "ECONNRESET", "ECONNREFUSED", "EREMOTEIO")
+    if hasattr(errno, name))
+
+
+def exists_or_unreachable(path: Path | str) -> os.stat_result | None:
+    """The file's stat if it is there, None if it is not there (ENOENT, ENOTDIR); any other
+    error (EIO, ENOTCONN, ESTALE, EHOSTDOWN, EACCES, a timeout) is raised: the file may well
+    be there, on a share that does not answer, and taking that for "deleted" would cancel
+    its job or forget its move."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        if exc.errno in GONE_ERRNOS:
+            return None
+        raise
+
+
+def is_unreachable(exc: BaseException | None) -> bool:
+    """Whether a failed operation says "the share does not answer" (EIO, ENOTCONN, ESTALE,
+    EHOSTDOWN, a timeout…): the first OSError in it (itself, a FilesystemError's reason, or
+    the error it was raised from) has one of UNREACHABLE_ERRNOS."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno in UNREACHABLE_ERRNOS
+        reason = getattr(exc, "reason", None)
+        exc = reason if isinstance(reason, BaseException) else exc.__cause__
+        seen += 1
+    return False
+
+
 def report_path(path: Path) -> Path:
     """Where a failed input's diagnosis lives: `song.mp3` → `song.mp3.error.txt`."""
     return path.with_name(path.name + ".error.txt")

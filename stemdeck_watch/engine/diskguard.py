@@ -147,7 +147,11 @@ class DiskGuard:
 
     def _short(self, needs: dict[Path, int]) -> tuple[Path, int, int] | None:
         for folder, need in needs.items():
-            free = self._free(_existing(folder))
+            try:
+                free = self._free(_existing(folder))
+            except OSError as exc:  # a share that is away: the publish step waits for it
+                log.info("could not see the free space on %s (%s)", folder, exc.strerror or exc)
+                continue
             if free < need + MARGIN:
                 return folder, need + MARGIN, free
         return None

@@ -25,6 +25,7 @@ from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.engine.pipeline import Pipeline, Publishing
 from stemdeck_watch.workers.separator import Separator
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, Scheduler
+from stemdeck_watch.engine.shares import ShareWatch
 from stemdeck_watch.util.retry import until_stored
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._disk_checked = 0.0
         self._behind: threading.Thread | None = None  # the previous job's publish step
+        self.shares: ShareWatch | None = None  # set by the service: folders on a share
 
     # ------------------------------------------------------------ lifecycle
 
@@ -241,6 +243,14 @@ class Dispatcher:
             until_stored(lambda: self.pipeline.file_input(recorded, Path(job.source), published),
                          f"{job.name} as done", self._stop)
             return
+        if self.shares is not None and not self.shares.check("inbox"):
+            # the share holding its input is away (the queue pauses): not the song's fault,
+            # nor a song the user removed; it waits at the head of the queue for the share
+            log.warning("%s could not be read while %s: the inbox is away; it goes back to "
+                        "the head of the queue", job.source, stage)
+            until_stored(lambda: self.scheduler.requeue_front(job.id),
+                         f"{job.name} back at the head of the queue", self._stop)
+            return
         if not os.path.lexists(job.source):
             # taken away while the step ran (its delete event may still be on the way): the
             # user removed the song, so this is a cancel, with nothing to quarantine
@@ -255,9 +265,13 @@ class Dispatcher:
         if current is None:
             return  # stopping: the input stays in the inbox and the restore retries it
         tail = self.client.stderr_tail() if stage in ("separating", "internal") else ""
+        shares = self.shares
+        defer = None if shares is None else (
+            lambda source, target, why: shares.defer_move(job.id, "failed", source, target,
+                                                          job.signature, why))
         where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
                            details=details, worker_tail=tail,
-                           worker_versions=self.client.versions)
+                           worker_versions=self.client.versions, defer=defer)
         until_stored(lambda: self.scheduler.update(job.id, state=JobState.FAILED, error=message,
                                                    stage=stage, source=str(where),
                                                    finished_at=time.time()),

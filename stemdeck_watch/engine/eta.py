@@ -190,12 +190,14 @@ class Estimator:
     # ------------------------------------------------------------ estimating
 
     def estimate(self, running: list[Job], queued: list[Job], shown: list[Job],
-                 worker: dict[str, Any] | None, paused: bool = False) -> dict[str, Any]:
+                 worker: dict[str, Any] | None, paused: bool = False,
+                 probe: bool = True) -> dict[str, Any]:
         """The `eta` of a snapshot: its running jobs, its queued ones in order, and the time
         each of the `shown` finished ones took. A paused queue starts nothing: its songs say
-        how long they will take, not when they will be done."""
+        how long they will take, not when they will be done. `probe` False: no song's header
+        is read now (the inbox's share is away: a read could hang), lengths known are used."""
         now = self._clock()
-        budget = [PROBES_PER_ESTIMATE]
+        budget = [PROBES_PER_ESTIMATE if probe else 0]
         with self._lock:
             started = dict(self._started)
             last_final = self._last_final if self.lanes == 1 else None

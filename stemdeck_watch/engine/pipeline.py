@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from pathlib import Path, PurePosixPath
@@ -35,14 +34,16 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import SERVICE_ONLY, Settings
-from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
+from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError, StageError
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
-from stemdeck_watch.core.paths import find_moved, move_file
+from stemdeck_watch.core.paths import exists_or_unreachable, find_moved, is_unreachable, move_file
 from stemdeck_watch.engine.inflight import SongsInFlight
 from stemdeck_watch.engine.jobrun import JobRun, Progress
 from stemdeck_watch.engine.playlists import Playlists
 from stemdeck_watch.engine.prepared import Prepared, signature_of, version_of
+from stemdeck_watch.engine.recovery import find_published
+from stemdeck_watch.engine.shares import ShareWatch
 from stemdeck_watch.links.fetch import Playlist, download
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
@@ -80,6 +81,7 @@ class Pipeline:
         # set by the service: a link is checked for room again once its download says its
         # length, and decoded ahead only if it fits
         self.disk: DiskGuard | None = None
+        self.shares: ShareWatch | None = None  # set by the service: folders on a share
 
     # ------------------------------------------------------------ a job's life
 
@@ -108,8 +110,7 @@ class Pipeline:
         try:
             try:
                 if not run.ended:
-                    self._write(run)
-                    self._publish(run)
+                    self._write_and_publish(run)
             finally:
                 self._clean(run)
             if run.output is None:  # a playlist link: its entries are queued, it waits for them
@@ -174,7 +175,10 @@ class Pipeline:
             run.prepared = claim(lambda _v: None)  # a decode ahead in flight is waited for
         if run.link is None:
             run.read = signature_of(source)  # looked at before it is read: a later change shows
-        run.job = job = dataclasses.replace(run.job, signature=run.read or run.job.signature)
+        queued = run.job.signature
+        if run.read is not None and queued is not None and not queued.inode:
+            run.read = run.read.without_inode()  # an inbox on a share: kept as it was queued
+        run.job = job = dataclasses.replace(run.job, signature=run.read or queued)
         prepared = run.prepared
         try:
             run.digest = (prepared and prepared.sha256_for(source)) or publish.sha256_of(source)
@@ -279,15 +283,52 @@ class Pipeline:
                  timings["write"])
         run.end(output)
 
+    def _write_and_publish(self, run: JobRun) -> None:
+        """write → publish. An outbox on a share that is away fails nothing: the stems stay
+        in scratch, the queue pauses ("outbox"), and the song is written again once the
+        outbox answers — unless its folder did appear (the rename went through, its answer
+        was lost; or so before a stop, and the job runs again)."""
+        job = run.job
+        while True:
+            shares = self.shares
+            if shares is not None and not shares.check("outbox"):
+                self._wait_for_outbox(run, shares)
+            existing = find_published(self.settings.paths.outbox, job)
+            if existing is not None:  # an attempt before the outbox went away got through
+                log.info("%s was published to %s before the outbox went away", job.name,
+                         existing)
+                run.end(existing)
+                return
+            try:
+                self._write(run)
+                self._publish(run)
+                return
+            except (OSError, StageError) as exc:
+                if shares is None or shares.check("outbox"):
+                    raise
+                log.warning("could not publish %s: %s", job.name, exc)
+
+    def _wait_for_outbox(self, run: JobRun, shares: ShareWatch) -> None:
+        log.warning("the outbox %s cannot be reached: the stems of %s wait in scratch until "
+                    "it answers", self.settings.paths.outbox, run.job.name)
+        shares.wait_back("outbox", run.control)
+        publish.remove_tree(run.staging)  # a half-written attempt
+
     def file_input(self, job: Job, source: Path, output: Path, note: str | None = None) -> Job:
         """Move the input to processed/ — only now that its stems are safely published."""
         error = note
         moved_to = source
-        try:
-            current = FileSignature.of(os.stat(source))
-        except OSError:
-            current = None
         target = self.settings.paths.processed / PurePosixPath(job.rel_path)
+        shares = self.shares
+        try:
+            found = exists_or_unreachable(source)
+        except OSError as exc:
+            return self._move_later(job, source, target, output, note, exc.strerror or str(exc))
+        current = FileSignature.of(found) if found is not None else None
+        if current is None and shares is not None and not shares.check("inbox"):
+            return self._move_later(job, source, target, output, note, "the inbox is away")
+        if current is not None and shares is not None and not shares.check("processed"):
+            return self._move_later(job, source, target, output, note, "processed/ is away")
         if current is None:
             # gone: taken away, or moved here just before a crash cut off the registry write
             sig = job.signature
@@ -303,6 +344,9 @@ class Pipeline:
             try:
                 moved_to = move_file(source, target)
             except FilesystemError as exc:
+                if shares is not None and (is_unreachable(exc) or not shares.check("inbox")
+                                           or not shares.check("processed")):
+                    return self._move_later(job, source, target, output, note, str(exc))
                 error = f"stems published, but {exc}; the input stays in the inbox"
                 log.error("%s", error)
             else:
@@ -310,6 +354,20 @@ class Pipeline:
         return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
                             source=str(moved_to), error=error, stage=None,
                             finished_at=time.time())
+
+    def _move_later(self, job: Job, source: Path, target: Path, output: Path,
+                    note: str | None, why: str) -> Job:
+        """The song is done; its input could not be reached to move it (its share is
+        away). The move is kept in the registry and done when the share answers: the
+        input's final place is pending, and it is never taken for a song deleted."""
+        if self.shares is not None:
+            self.shares.defer_move(job.id, "processed", source, target, job.signature, why)
+        else:
+            note = (f"stems published, but {source} could not be reached to move it ({why}); "
+                    f"the input stays in the inbox")
+            log.error("%s", note)
+        return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
+                            source=str(source), error=note, stage=None, finished_at=time.time())
 
     # ------------------------------------------------------------ work ahead of the worker
 

@@ -185,11 +185,18 @@ class Prefetcher:
                     or current.state is not JobState.SEPARATING):
                 return
             job = registry.get(head)
-            if job is None or job.state is not JobState.QUEUED or not self.pipeline.can_prepare(job):
+            if job is None or job.state is not JobState.QUEUED:
                 return
-            if self.guard is not None and not self.guard.fits_ahead(
-                    job, decode=job.kind is not JobKind.LINK):
-                return  # looked at again when the work in flight moves on
+        # both look at the job's files (its choices, its length), which a share that stalls
+        # holds up: off the lock, which a cancel's announcement waits for
+        if not self.pipeline.can_prepare(job) or (
+                self.guard is not None
+                and not self.guard.fits_ahead(job, decode=job.kind is not JobKind.LINK)):
+            return  # looked at again when the work in flight moves on
+        with self._lock:
+            if (self._ahead is not None or queue.paused or queue.order()[:1] != [job.id]
+                    or registry.get(job.id) != job):
+                return  # changed meanwhile: looked at again at the next wake
             self._ahead = ahead = _Ahead(job, JobControl(job.id))
         log.info("preparing %s ahead while %s separates", job.name, current.name)
         threading.Thread(target=self._prepare, args=(ahead,), name=f"prefetch-{job.id}",

@@ -23,7 +23,8 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.events import JobsRestored
 from stemdeck_watch.core.jobs import (RUNNING_STATES, Job, JobKind, JobState, new_job_id,
                                  settings_key_of)
-from stemdeck_watch.core.paths import find_moved, numbered_siblings, report_path
+from stemdeck_watch.core.paths import (exists_or_unreachable, find_moved, numbered_siblings,
+                                       report_path)
 from stemdeck_watch.stages.publish import MANIFEST, read_manifest, remove_tree
 from stemdeck_watch.stages.quarantine import quarantine
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
@@ -54,8 +55,11 @@ def find_quarantined(failed: Path, job: Job) -> Path | None:
 
 
 def restore(scheduler: Scheduler, settings: Settings,
-            finish: Callable[[Job, Path, Path], Job]) -> int:
-    """Requeue what the last run left; returns how many jobs wait in the queue again."""
+            finish: Callable[[Job, Path, Path], Job],
+            unreachable: Callable[[str], bool] = lambda _source: False) -> int:
+    """Requeue what the last run left; returns how many jobs wait in the queue again.
+    `unreachable(source)`: the input's share is away (not mounted yet), so a missing input
+    says nothing about the song."""
     registry = scheduler.registry
     folders = settings.paths
     limit = settings.queue.resume_attempts
@@ -71,7 +75,7 @@ def restore(scheduler: Scheduler, settings: Settings,
         if published is not None:
             log.info("%s was published before the restart: marking it done", job.name)
             finish(job, Path(job.source), published)
-        elif not Path(job.source).exists():
+        elif not (unreachable(job.source) or _may_be_there(job.source)):
             moved = find_quarantined(folders.failed, job)
             if moved is None:
                 scheduler.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
@@ -101,7 +105,7 @@ def restore(scheduler: Scheduler, settings: Settings,
         if job_id in front:
             continue
         job = registry.get(job_id)
-        if job is not None and not os.path.exists(job.source):
+        if job is not None and not (unreachable(job.source) or _may_be_there(job.source)):
             scheduler.update(job_id, state=JobState.CANCELLED, error=INPUT_REMOVED,
                              finished_at=time.time())
         else:
@@ -124,6 +128,16 @@ def restore(scheduler: Scheduler, settings: Settings,
                  " — the queue is paused: press Start, or drop a new file" if paused else "")
         scheduler.bus.publish(JobsRestored(len(order), paused))
     return len(order)
+
+
+def _may_be_there(source: str) -> bool:
+    """Whether a job's input is there, or cannot be reached (its share is away at start-up):
+    only "not there" makes a job whose input was removed."""
+    try:
+        return exists_or_unreachable(source) is not None
+    except OSError as exc:
+        log.warning("%s cannot be reached (%s); its job is kept", source, exc.strerror or exc)
+        return True
 
 
 def _remove_leftovers(scratch: Path) -> None:

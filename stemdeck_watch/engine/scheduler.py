@@ -24,6 +24,7 @@ from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, Queue
 from stemdeck_watch.store.jobqueue import JobControl, JobQueue
 from stemdeck_watch.core.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
                                  PlaylistRef, new_job_id)
+from stemdeck_watch.core.paths import exists_or_unreachable, is_network_filesystem
 from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.store.registry import Registry
 from stemdeck_watch.engine.requests import Requests
@@ -36,6 +37,8 @@ PAUSE_USER = "user"
 PAUSE_RESTORE = "restore"
 PAUSE_FOLDER = "folder"
 PAUSE_DISK = "disk"
+PAUSE_INBOX = "inbox"    # the inbox's share is away (shares.py)
+PAUSE_OUTBOX = "outbox"  # the outbox's share is away: stems wait in scratch
 
 
 class Scheduler(Requests):
@@ -57,6 +60,9 @@ class Scheduler(Requests):
         self._batch = threading.local()
         self._kinds: dict[str, JobKind | None] = {}
         self.eta: Any = None  # the service's engine.eta.Estimator: snapshots say when songs finish
+        self._gone_count = 0  # deletes handled so far (see submit_file)
+        self._inodes = True
+        self.learn_inbox_filesystem()
 
     # ------------------------------------------------------------ intake side
 
@@ -79,13 +85,15 @@ class Scheduler(Requests):
                          twin.id)
                 return False
             job = self.registry.latest_for_source(key)
+            if job is not None and job.state.is_final and self.registry.has_pending_move(key):
+                return False  # its job is done; the move out of the inbox waits for the share
             if job is None:
                 # a song the user removed stays removed until its content changes
                 return self.registry.tombstone(key, "input") != signature
             if job.state is JobState.QUEUED:
                 if job.signature != signature:
                     log.info("%s changed while queued; it keeps its place", source)
-                    self.update(job.id, signature=signature)
+                    self.update(job.id, signature=self._kept(signature))
                 return False
             if job.state.is_running:
                 if job.signature is not None and job.signature != signature:
@@ -120,16 +128,21 @@ class Scheduler(Requests):
                     signature: FileSignature) -> Job | None:
         """Queue a stable file, or hold it back as waiting when the file lane is full.
 
-        The check and the creation are one step under the lock, with the file looked at
-        again: a file deleted between the intake's decision and now (its delete event found
-        no job to cancel) must not become a job that fails for a song the user removed.
+        The file is looked at again first: a file deleted between the intake's decision and
+        now (its delete event found no job to cancel) must not become a job that fails for a
+        song the user removed. That look is outside the lock (on a slow share it takes
+        seconds, and `status` and the controls must not wait for it); a delete handled
+        meanwhile (`file_gone`) makes it look again under the lock.
         """
+        gone_before = self._gone_count
+        current = _signature_now(source)
+        if current is None:
+            return None
         with self._lock:
-            try:
-                current = FileSignature.of(os.stat(source))
-            except OSError:
-                log.info("%s left the inbox before it was queued", source)
-                return None
+            if self._gone_count != gone_before:
+                current = _signature_now(source)
+                if current is None:
+                    return None
             if current != signature or not self.wants(source, signature):
                 return None  # changed again (the intake will settle it anew) or already held
             self._left.discard(str(source))
@@ -163,12 +176,21 @@ class Scheduler(Requests):
         job = self.registry.add(Job(
             id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,
             source=str(source), rel_path=_nfc(str(rel_path)), preset=preset,
-            signature=signature))
+            signature=self._kept(signature)))
         self.queue.put(job.id)
         self._save_order()
         log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
         self.bus.publish(JobChanged(job))
         return job
+
+    def learn_inbox_filesystem(self) -> None:
+        """Whether the inbox is on a share (looked at again when its share answers): a
+        share's inode numbers change when it is mounted again, so jobs there keep none."""
+        self._inodes = not is_network_filesystem(self.settings.paths.inbox)
+
+    def _kept(self, signature: FileSignature) -> FileSignature:
+        """The signature a job keeps: without the inode where the inbox is a share."""
+        return signature if self._inodes else signature.without_inode()
 
     def refuse(self, source: Path, rel_path: PurePosixPath, reason: str) -> Job:
         """Record input that is never separated (a link out of the inbox) as a failed job,
@@ -238,14 +260,19 @@ class Scheduler(Requests):
                     if len(full) == 2:
                         break
                     continue
-                del self._waiting[source]
-                admitted.append(source)
                 path = Path(source)
                 try:
-                    signature = FileSignature.of(os.stat(path))
-                except OSError:
+                    found = exists_or_unreachable(path)
+                except OSError as exc:  # its share is away: it keeps waiting, in its place
+                    log.info("%s cannot be reached (%s); it keeps waiting", source,
+                             exc.strerror or exc)
+                    break
+                del self._waiting[source]
+                admitted.append(source)
+                if found is None:
                     log.info("%s left the inbox while waiting", source)
                     continue
+                signature = FileSignature.of(found)
                 if self.wants(path, signature):
                     self._left.discard(source)
                     self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()),
@@ -260,6 +287,7 @@ class Scheduler(Requests):
         renamed. Its job is cancelled — removed at once if queued, stopped if running."""
         prefix = str(source) + os.sep
         with self._lock:
+            self._gone_count += 1
             gone = [s for s in self._waiting if s == str(source) or s.startswith(prefix)]
             for waiting in gone:
                 del self._waiting[waiting]
@@ -418,20 +446,26 @@ class Scheduler(Requests):
 
     def snapshot(self) -> dict[str, Any]:
         """The live `status --json` object (the API's GET /api/queue), as small with a
-        history of 20,000 songs as with none: older jobs are paged (`jobs_page`)."""
-        with self._lock:
-            waiting = [(s, k, t) for s, (k, t) in self._waiting.items()]
-            jobs, older = self.registry.recent(RECENT_JOBS)
-            order = self.queue.order()
-            snap = build_snapshot(jobs, order, waiting,
-                                  self.queue.pause_reason if self.queue.paused else None,
-                                  self.settings.paths, {"running": True, "pid": os.getpid()},
-                                  workers=workers_of(self.registry), older=older)
-        if self.eta is not None:  # outside the lock: it may read a few files' headers
+        history of 20,000 songs as with none: older jobs are paged (`jobs_page`).
+
+        Without the scheduler's lock and without a filesystem call: whoever holds the lock
+        may be waiting on a slow share, and status must answer at once. The waiting list
+        is copied in one C-level step (no other thread runs meanwhile). The estimate reads
+        a few songs' headers, never while the inbox's share is away."""
+        waiting = [(s, k, t) for s, (k, t) in _copy(self._waiting)]
+        jobs, older = self.registry.recent(RECENT_JOBS)
+        order = self.queue.order()
+        snap = build_snapshot(jobs, order, waiting,
+                              self.queue.pause_reason if self.queue.paused else None,
+                              self.settings.paths, {"running": True, "pid": os.getpid()},
+                              workers=workers_of(self.registry), older=older,
+                              pending=self.registry.pending_moves())
+        if self.eta is not None:
             by_id = {job.id: job for job in jobs}
             snap["eta"] = self.eta.estimate([job for job in jobs if job.state.is_running],
                                             [by_id[i] for i in order if i in by_id], jobs,
-                                            snap["worker"], paused=snap["paused"])
+                                            snap["worker"], paused=snap["paused"],
+                                            probe=snap["pause_reason"] != PAUSE_INBOX)
         return snap
 
     def jobs_page(self, before: tuple[float, int] | None,
@@ -465,6 +499,24 @@ class Scheduler(Requests):
                                       pause_reason=self.queue.pause_reason,
                                       queued=tuple(self.queue.order()),
                                       waiting=len(self._waiting)))
+
+
+def _signature_now(source: Path) -> FileSignature | None:
+    try:
+        return FileSignature.of(os.stat(source))
+    except OSError:
+        log.info("%s left the inbox before it was queued", source)
+        return None
+
+
+def _copy(items: collections.OrderedDict[str, tuple[JobKind, float]]
+          ) -> list[tuple[str, tuple[JobKind, float]]]:
+    for _ in range(10):
+        try:
+            return list(items.items())
+        except RuntimeError:  # changed during the copy: take it again
+            continue
+    return []
 
 
 def _nfc(text: str) -> str:

@@ -98,6 +98,9 @@ class InboxOwnership(Ticker):
         self._clock = clock
         self._started = clock()
         self._warned: set[str] = set()
+        # set by the service: while the inbox's share is away no heartbeat is written (into
+        # the empty local folder a mount point leaves, it would fake the share's return)
+        self.away: Callable[[], bool] = lambda: False
 
     # ------------------------------------------------------------ who owns it
 
@@ -141,7 +144,8 @@ class InboxOwnership(Ticker):
             log.warning("the owner's heartbeat went stale: taking over the inbox %s",
                         self.folder.parent)
         self._remove_crashed()
-        self.beat()
+        if not self.away():
+            self.beat()
         return True
 
     def _remove_crashed(self) -> None:
@@ -162,13 +166,15 @@ class InboxOwnership(Ticker):
         data = {"host": self.host, "service_id": self.service_id, "pid": os.getpid(),
                 "started": self._started, "updated": self._clock()}
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(exist_ok=True)  # never the inbox itself: it may be a share away
             write_replacing(self.path, json.dumps(data))
         except OSError as exc:
             log.warning("could not write the heartbeat %s: %s; check that the inbox is "
                         "writable", self.path, exc.strerror or exc)
 
     def tick(self) -> None:
+        if self.away():
+            return
         self.beat()
         self._warn_about_others()
 

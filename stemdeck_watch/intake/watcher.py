@@ -28,6 +28,7 @@ from stemdeck_watch.intake.stability import StabilityTracker
 from stemdeck_watch.intake.symlinks import link_refusal, outside_inbox, set_aside
 from stemdeck_watch.core.paths import MOUNT_TABLE, filesystem_type, is_network_filesystem
 from stemdeck_watch.engine.scheduler import Scheduler
+from stemdeck_watch.engine.shares import ShareWatch
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,13 @@ class _Handler(FileSystemEventHandler):
     """Turns watchdog events into calls on the InboxWatcher; never lets an exception escape (a
     handler that raises kills the observer thread)."""
 
-    def __init__(self, intake: InboxWatcher):
+    def __init__(self, intake: InboxWatcher, generation: int = 0):
         self.intake = intake
+        self.generation = generation
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         try:
-            self.intake.on_event(event)
+            self.intake.on_event(event, self.generation)
         except Exception:
             log.exception("handling %s failed; a rescan will follow", event)
             self.intake.request_rescan()
@@ -82,13 +84,23 @@ class InboxWatcher:
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
         self._outside: set[Path] = set()  # files seen through linked folders (logged once)
+        # set by the service: whether the inbox's share is there (a watcher that reports
+        # every file deleted is not believed while it is away)
+        self.shares: ShareWatch | None = None
+        self._reobserve = threading.Event()  # the share is back: a fresh observer, a rescan
+        # bumped when the share goes away: the observer that saw it go compares against a
+        # snapshot of another mount (every inode differs); its events are not believed
+        self._generation = 0
         self.mode, self.mode_reason = choose_mode(settings, inbox, mount_table)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self._unsubscribe = self.scheduler.bus.subscribe(JobChanged, self._job_changed)
-        self._start_observer()
+        if self._away():
+            self._reobserve.set()  # watched once the share answers (and never made here)
+        else:
+            self._start_observer()
         self._stop.clear()
         self._rescan.set()  # files already in the inbox are picked up
         self._thread = threading.Thread(target=self._loop, name="intake", daemon=True)
@@ -110,6 +122,8 @@ class InboxWatcher:
         """Called by the service's supervisor: restart a dead observer or intake loop."""
         if self._stop.is_set():
             return
+        if self._away():
+            return  # restarted when the share answers
         if self._observer is not None and not self._observer.is_alive():
             log.error("the %s watcher stopped; restarting it and rescanning the inbox", self.mode)
             self._start_observer()
@@ -122,13 +136,35 @@ class InboxWatcher:
     def request_rescan(self) -> None:
         self._rescan.set()
 
+    def share_changed(self, role: str, away: bool) -> None:
+        """The inbox went away: nothing its observer reports is believed any more. It
+        answers again: watch it afresh (a polling observer stops for good when its folder
+        vanishes) and rescan it, on the intake's own thread."""
+        if role != "inbox":
+            return
+        if away:
+            self._generation += 1
+        else:
+            self._reobserve.set()
+            self._rescan.set()
+
+    def _away(self) -> bool:
+        """Whether the inbox's share is away, as last seen (no filesystem call)."""
+        return self.shares is not None and self.shares.away("inbox")
+
+    def _there(self) -> bool:
+        """Whether the inbox answers now, looked at on this thread: a deletion is believed
+        only then."""
+        return self.shares is None or self.shares.check("inbox")
+
     def _start_observer(self) -> None:
         self.inbox.mkdir(parents=True, exist_ok=True)
         if self.mode == "native":
             native: BaseObserver | None = None
             try:
                 native = Observer()  # inotify: starts its reader thread here already
-                native.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
+                native.schedule(_Handler(self, self._generation), str(self.inbox),
+                                recursive=self.settings.recursive)
                 native.start()
                 self._observer = native
                 log.info("watching %s with %s", self.inbox, self.mode_reason)
@@ -140,7 +176,8 @@ class InboxWatcher:
                 log.warning("could not watch %s natively (%s); polling every %.1f s instead",
                             self.inbox, exc, self.settings.poll_interval)
         observer = PollingObserver(timeout=self.settings.poll_interval)
-        observer.schedule(_Handler(self), str(self.inbox), recursive=self.settings.recursive)
+        observer.schedule(_Handler(self, self._generation), str(self.inbox),
+                          recursive=self.settings.recursive)
         observer.start()
         self._observer = observer
         log.info("polling %s every %.1f s (%s)", self.inbox, self.settings.poll_interval,
@@ -148,12 +185,16 @@ class InboxWatcher:
 
     # ------------------------------------------------------------ events
 
-    def on_event(self, event: FileSystemEvent) -> None:
+    def on_event(self, event: FileSystemEvent, generation: int | None = None) -> None:
+        if generation is not None and generation != self._generation:
+            return  # from an observer that saw the share go away
         kind = event.event_type
         src = Path(os.fsdecode(event.src_path))
         if kind in ("opened", "closed_no_write"):
             return
         if kind == "deleted" or kind == "moved":
+            if not self._there():
+                return  # the share is away: its files are not deleted, just out of reach
             self._gone(src)
         if kind == "moved":
             src = Path(os.fsdecode(event.dest_path))
@@ -171,11 +212,13 @@ class InboxWatcher:
     def _job_changed(self, event: JobChanged) -> None:
         """A job ended: if its input is still in the inbox (it changed while the job ran, or
         it could not be moved), look at it again now rather than at the next full rescan —
-        the scheduler decides whether it is new content."""
+        the scheduler decides whether it is new content. No filesystem call here: this runs
+        on whichever thread changed the job (an API request), and a share may be slow; the
+        intake's own thread looks at the file (and forgets it if it is not there)."""
         job = event.job
         if job.state.is_final:
             path = Path(job.source)
-            if self._inside(path) and self._eligible(path) and path.is_file():
+            if self._inside(path) and self._eligible(path) and not self._away():
                 self.tracker.touch(path)
 
     def _gone(self, path: Path) -> None:
@@ -200,6 +243,11 @@ class InboxWatcher:
         while not self._stop.wait(TICK_SECONDS if retry_at is not None
                                   else self._until_next_look()):
             try:
+                if self._away():
+                    continue  # nothing to scan or admit until the share answers
+                if self._reobserve.is_set():
+                    self._reobserve.clear()
+                    self._restart_observer()
                 if retry_at is not None and self._clock() >= retry_at:
                     retry_at = None
                     self._rescan.set()
@@ -220,6 +268,13 @@ class InboxWatcher:
                 # more: a rescan soon offers it again, without hammering a failing disk
                 log.exception("the intake loop failed; rescanning in %.0f s", RETRY_SECONDS)
                 retry_at = retry_at or self._clock() + RETRY_SECONDS
+
+    def _restart_observer(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join(5)
+        self._start_observer()
 
     def _until_next_look(self) -> float:
         """A tick, or less when a file's quiet period ends sooner."""

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
 import platform
 import sys
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from stemdeck_watch import __version__
 from stemdeck_watch.core.choices import move_sidecar
 from stemdeck_watch.core.errors import FilesystemError
 from stemdeck_watch.core.jobs import FileSignature, Job
-from stemdeck_watch.core.paths import move_file, report_path, unique_path
+from stemdeck_watch.core.paths import (exists_or_unreachable, is_unreachable, move_file,
+                                       report_path, unique_path)
 from stemdeck_watch.util.safefile import write_replacing
 from stemdeck_watch.util.safetext import strip_controls
 
@@ -37,9 +38,14 @@ def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
-               worker_tail: str = "", worker_versions: dict[str, str] | None = None) -> Path:
+               worker_tail: str = "", worker_versions: dict[str, str] | None = None,
+               defer: Callable[[Path, Path, str], None] | None = None) -> Path:
     """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
     is now (its old place if it could not be moved).
+
+    An input that cannot be reached (its share is away) is not "no longer there": with
+    `defer` the move is handed over (source, target, why) to be done when the share answers,
+    and the report says so.
 
     Only the file the job took is moved: a new version saved over it while the job ran was
     never separated, so it stays in the inbox (the intake queues it as new content) and the
@@ -49,11 +55,15 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     target = failed_dir / PurePosixPath(job.rel_path)
     where = source
     move_note = ""
+    unreachable: str | None = None
     try:
-        current: FileSignature | None = FileSignature.of(os.stat(source))
-    except OSError:
-        current = None
-    if current is None:
+        found = exists_or_unreachable(source)
+        current: FileSignature | None = FileSignature.of(found) if found is not None else None
+    except OSError as exc:
+        current, unreachable = None, str(exc.strerror or exc)
+    if unreachable is not None:
+        move_note = _deferred(source, target, unreachable, defer)
+    elif current is None:
         move_note = f"The input {source} was no longer there to move."
     elif job.signature is not None and current != job.signature:
         move_note = (f"The input {source} was replaced by a new version after this job took "
@@ -64,7 +74,10 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
         try:
             where = move_file(source, target, companion=report_path)
         except FilesystemError as exc:
-            move_note = f"The input stays at {source}: {exc}."
+            if is_unreachable(exc):
+                move_note = _deferred(source, target, str(exc), defer)
+            else:
+                move_note = f"The input stays at {source}: {exc}."
             log.error("%s", exc)
         else:
             move_sidecar(source, where)  # the song's choices go with it
@@ -78,6 +91,15 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     except OSError as exc:
         log.error("%s", FilesystemError("write", report, reason=exc))
     return where
+
+
+def _deferred(source: Path, target: Path, why: str,
+              defer: Callable[[Path, Path, str], None] | None) -> str:
+    if defer is None:
+        return f"The input stays at {source}: it could not be reached ({why})."
+    defer(source, target, why)
+    return (f"The input {source} could not be reached ({why}); it is moved here when its "
+            f"share answers.")
 
 
 def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,

@@ -22,7 +22,7 @@ from stemdeck_watch.core.paths import private_dir, private_file, tighten
 log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "registry.sqlite3"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -62,10 +62,19 @@ CREATE TABLE IF NOT EXISTS waiting (
     source TEXT PRIMARY KEY, kind TEXT NOT NULL, since REAL NOT NULL
 );
 """
-# Columns added after the first release: an older registry file gains them on open.
+# A finished job's input that could not be reached to move it into processed/ or failed/ (its
+# share was away): the move is done when the share answers again, and at start-up.
+PENDING_MOVES = """
+CREATE TABLE IF NOT EXISTS pending_moves (
+    job_id TEXT PRIMARY KEY, kind TEXT NOT NULL, source TEXT NOT NULL, target TEXT NOT NULL,
+    size INTEGER, mtime_ns INTEGER, inode INTEGER, since REAL NOT NULL
+)"""
+SCHEMA += PENDING_MOVES + ";\n"
+# Columns and tables added after the first release: an older registry file gains them on open.
 MIGRATIONS = {2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT",
                   "ALTER TABLE jobs ADD COLUMN settings_key TEXT"),
-              3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",)}
+              3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",),
+              4: (PENDING_MOVES,)}
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
     "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
@@ -403,8 +412,52 @@ class Registry:
                                     "ORDER BY since, source").fetchall()
         return [(s, JobKind(k), t) for s, k, t in rows]
 
+    # ------------------------------------------------------------ moves waiting for a share
+
+    def add_pending_move(self, move: PendingMove) -> None:
+        sig = move.signature
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO pending_moves (job_id, kind, source, target, size, "
+                "mtime_ns, inode, since) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (move.job_id, move.kind, move.source, move.target, sig.size if sig else None,
+                 sig.mtime_ns if sig else None, sig.inode if sig else None,
+                 move.since or self._clock()))
+
+    def pending_moves(self) -> list[PendingMove]:
+        """Oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT job_id, kind, source, target, size, mtime_ns, "
+                                    "inode, since FROM pending_moves ORDER BY since, job_id"
+                                    ).fetchall()
+        return [PendingMove(job_id, kind, source, target,
+                            FileSignature(size, mtime_ns, inode) if size is not None else None,
+                            since)
+                for job_id, kind, source, target, size, mtime_ns, inode, since in rows]
+
+    def has_pending_move(self, source: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM pending_moves WHERE source = ? LIMIT 1",
+                                    (source,)).fetchone() is not None
+
+    def remove_pending_move(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM pending_moves WHERE job_id = ?", (job_id,))
+
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingMove:
+    """A done (or failed) job's input still to be moved to `target` in processed/ (failed/)."""
+
+    job_id: str
+    kind: str  # "processed" | "failed"
+    source: str
+    target: str
+    signature: FileSignature | None
+    since: float = 0.0
 
 
 class _Transaction:

@@ -12,7 +12,7 @@ from typing import Any
 
 from stemdeck_watch.core.config import Folders, Settings
 from stemdeck_watch.core.jobs import Job, JobKind
-from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 
 RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
 
@@ -22,7 +22,8 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
           service: dict[str, Any], notes: list[str] | None = None,
           worker: dict[str, Any] | None = None,
           workers: list[dict[str, Any]] | None = None, older: int = 0,
-          eta: dict[str, Any] | None = None) -> dict[str, Any]:
+          eta: dict[str, Any] | None = None,
+          pending: list[PendingMove] | None = None) -> dict[str, Any]:
     """The `status --json` object: the queue, the service, its folders, and every worker
     (`workers`; `worker` is the first of them: its device, threads, model and precision with
     the figures that chose it).
@@ -60,6 +61,10 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         # when the songs left are expected to be done (engine/eta.py); null before any
         # estimate
         "eta": eta,
+        # done or failed jobs whose input waits for its share to answer, to be moved into
+        # processed/ (failed/): the input's final place is pending
+        "pending_moves": [{"job": move.job_id, "source": move.source, "to": move.kind,
+                           "since": move.since} for move in pending or []],
     }
 
 

@@ -37,7 +37,11 @@ RECENT_FAILURES = 5
 QUEUE_LINES = 30
 REASONS = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start",
            "folder": "paused by the PAUSE file in the inbox — delete it to start",
-           "disk": "paused: the disk is almost full"}
+           "disk": "paused: the disk is almost full",
+           "inbox": "paused: the inbox's share cannot be reached — it starts again when the "
+                    "share answers; no song is lost",
+           "outbox": "paused: the outbox's share cannot be reached — separated songs wait and "
+                     "are published when it answers"}
 
 
 class FolderRemote:
@@ -55,6 +59,11 @@ class FolderRemote:
         self._listed_stamp: int | None = None   # the inbox's mtime when last listed
         self._list_again_at = float("-inf")
         self._pause_path: Path | None = None
+        self._unreadable: str | None = None  # why the inbox could not be listed (logged once)
+        self._status_failing = False  # STATUS.txt could not be written (logged once)
+        # set by the service: whether the inbox's or the outbox's share is away; nothing is
+        # looked for or written there meanwhile (a mount point left behind is a local folder)
+        self.away: Callable[[str], bool] = lambda _role: False
 
     def start(self) -> None:
         if self._unsubscribe is not None:  # a restart after the thread died
@@ -73,7 +82,8 @@ class FolderRemote:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
-        self.write_status()  # the last word: "service stopped"
+        if not self.away("outbox"):
+            self.write_status()  # the last word: "service stopped"
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -85,10 +95,11 @@ class FolderRemote:
         while not self._stop.is_set():
             try:
                 now = self._clock()
-                if now >= next_check:
+                if now >= next_check and not self.away("inbox"):
                     self.check_pause_file()
                     next_check = now + PAUSE_CHECK_EVERY
-                if self._dirty.is_set() and now - self._last_written >= STATUS_EVERY:
+                if (self._dirty.is_set() and now - self._last_written >= STATUS_EVERY
+                        and not self.away("outbox")):
                     self._dirty.clear()
                     self.write_status()
             except Exception:
@@ -126,8 +137,17 @@ class FolderRemote:
                         found = Path(entry.path)
                         break
         except OSError as exc:
-            log.warning("could not look for a PAUSE file in %s: %s", self.inbox, exc)
-            stamp = None
+            # the inbox's share is away: what was there is still there (a PAUSE file does
+            # not vanish because the share did), said once, not every second
+            if self._unreadable is None:
+                log.warning("could not look for a PAUSE file in %s: %s; looking again "
+                            "every %.0f s", self.inbox, exc.strerror or exc, PAUSE_CHECK_EVERY)
+            self._unreadable = str(exc.strerror or exc)
+            self._listed_stamp = None
+            return self._pause_path
+        if self._unreadable is not None:
+            log.info("the inbox %s can be listed again", self.inbox)
+            self._unreadable = None
         self._listed_stamp, self._list_again_at = stamp, now + PAUSE_FULL_CHECK_EVERY
         self._pause_path = found
         return found
@@ -140,7 +160,11 @@ class FolderRemote:
         try:  # a failed rewrite leaves the last status whole and no temporary file
             write_replacing(self.status_path, text)
         except OSError as exc:
-            log.warning("could not write %s: %s", self.status_path, exc)
+            if not self._status_failing:  # the outbox's share is away: once, not every time
+                log.warning("could not write %s: %s", self.status_path, exc)
+            self._status_failing = True
+        else:
+            self._status_failing = False
 
 
 def is_status_temp(name: str) -> bool:

@@ -1,5 +1,5 @@
 """Notifications through apprise: a song is done, a song failed, the queue drained or filled,
-jobs came back after a restart, the disk is almost full.
+jobs came back after a restart, the disk is almost full, a share went away (or came back).
 
 `notify.urls` takes any apprise URL (`json://…`, `mailto://…`, `ntfy://…`, …); `"desktop"` is the
 platform's own notifications: D-Bus on Linux (`dbus://` with dbus-python, else `glib://` with
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 from stemdeck_watch.core.config import NOTIFY_EVENTS, Folders, NotifySettings, Settings
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import (DiskLow, Event, EventBus, JobChanged, JobsRestored,
-                                   QueueDrained, QueueFull)
+                                   QueueDrained, QueueFull, ShareAway, ShareBack)
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.core.paths import report_path
 from stemdeck_watch.util.safetext import escape_controls, escape_markup
@@ -120,6 +120,15 @@ class Composer:
             else:
                 body = f"{event.count} job(s) from before the restart go on now."
             return [Note("restored", "Jobs restored", body, "info")]
+        if isinstance(event, ShareAway):
+            return [Note("share_away", f"Share unreachable: {event.role}",
+                         f"The {event.role} {event.path} has not answered for "
+                         f"{event.seconds:.0f} s ({event.why}). The queue waits for it; no "
+                         f"song is lost.", "warning")]
+        if isinstance(event, ShareBack):
+            return [Note("share_away", f"Share back: {event.role}",
+                         f"The {event.role} {event.path} answers again after "
+                         f"{event.seconds:.0f} s; the queue goes on.", "success")]
         if isinstance(event, DiskLow):
             return [Note("disk_low", "Disk almost full",
                          f"Only {describe_size(event.free_bytes)} left on the disk of "

@@ -127,7 +127,15 @@ SCHEMAS: dict[str, Any] = {
                                   "description": "bytes in all; null where the hub does not "
                                                  "say"},
                         "text": {"type": "string",
-                                 "description": "\"downloading htdemucs 34 / 80 MB\""}}}]}}},
+                                 "description": "\"downloading htdemucs 34 / 80 MB\""}}}]},
+            "pending_moves": {
+                "type": "array", "description": "done or failed jobs whose input waits for its "
+                                                "share to answer before it moves",
+                "items": {"type": "object", "required": ["job", "source", "to", "since"],
+                          "properties": {"job": {"type": "string"},
+                                         "source": {"type": "string"},
+                                         "to": {"enum": ["processed", "failed"]},
+                                         "since": {"type": "number"}}}}}},
     "JobReply": {"type": "object", "required": ["job"],
                  "properties": {"job": {"$ref": "#/components/schemas/Job"}}},
     "Moved": {

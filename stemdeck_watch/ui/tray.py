@@ -61,7 +61,8 @@ INSTALL_GTK = ("on Debian/Ubuntu: `sudo apt install gir1.2-gtk-3.0 libgireposito
                "libcairo2-dev pkg-config`, then `pip install 'stemdeck-watch[tray]'` "
                "(PyGObject); or run with `--no-tray`")
 PAUSE_WORDS = {"user": "by you", "restore": "restored jobs wait for Start",
-               "folder": "PAUSE file in the inbox", "disk": "disk almost full"}
+               "folder": "PAUSE file in the inbox", "disk": "disk almost full",
+               "inbox": "inbox share unreachable", "outbox": "outbox share unreachable"}
 
 
 # ---------------------------------------------------------------- where a tray can run

@@ -36,6 +36,8 @@
     restore: "Restored after a restart — press Start.",
     folder: "Paused by a PAUSE file in the inbox.",
     disk: "Paused: the disk is almost full.",
+    inbox: "Paused: the inbox's share cannot be reached — it goes on when the share answers.",
+    outbox: "Paused: the outbox's share cannot be reached — stems wait until it answers.",
   };
 
   const $ = (id) => document.getElementById(id);
