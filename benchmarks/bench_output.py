@@ -91,6 +91,7 @@ def measure_steps(work: Path, stems: dict[str, Path], runs: int) -> dict[str, fl
             for name, path in stems.items():
                 for start, block in AudioReader(path).blocks(1 << 18):
                     peaks[name].add(start, block)
+            (work / "preview.png").unlink(missing_ok=True)  # new in each song folder
             draw_preview(work / "preview.png", peaks, "Bench", frames / SR)
         return timed(run)
 

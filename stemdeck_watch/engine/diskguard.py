@@ -192,11 +192,12 @@ class DiskGuard:
         return estimate_scratch_bytes(seconds, 6 if "6s" in sep.model else 4)
 
     def _outbox_bytes(self, job: Job, seconds: float) -> int:
-        """The stems and mixes in the chosen format, and what the optional outputs add
-        (a DJ stem file, practice renders, the small files)."""
+        """The stems and mixes in the chosen format (the DAW projects' mix too), and what the
+        optional outputs add (a DJ stem file, practice renders)."""
         sep, out = settings_for(self.settings, job)
         stems = 6 if "6s" in sep.model else 4
-        outputs = (2 if sep.two_stems else stems) + len(out.mixes)
+        # a DAW project plays the whole song as a mix on a muted track
+        outputs = (2 if sep.two_stems else stems) + len(out.mixes) + bool(out.session)
         if out.format == "mp3":
             per_second = out.mp3_bitrate * 125
         else:

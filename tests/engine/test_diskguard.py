@@ -67,8 +67,9 @@ def test_a_link_needs_room_for_its_download_only_until_its_length_is_known(setti
 
 
 def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) -> None:
-    """A DJ stem file or practice renders asked for by a sidecar, or mp3 stems asked for by a
-    tag in the name, change what the song needs on the outbox's disk before it starts."""
+    """A DJ stem file, practice renders or a DAW project's mix asked for by a sidecar, or mp3
+    stems asked for by a tag in the name, change what the song needs on the outbox's disk
+    before it starts."""
     scheduler = open_scheduler(settings)
     try:
         def needed(name: str, sidecar: str | None = None) -> int:
@@ -89,5 +90,7 @@ def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) ->
         practice = needed("practice.wav", "practice = true\n") - plain
         assert practice >= 128_000 / 8 * minute * (1 + 4 + 100 / 75) * 0.99
         assert needed("small [mp3].wav") < plain  # mp3 stems take less than 16-bit wav
+        # a DAW project plays the whole song on a muted track: one more 16-bit wav
+        assert needed("daw.wav", 'session = ["reaper"]\n') - plain >= 44_100 * 4 * minute
     finally:
         scheduler.registry.close()
