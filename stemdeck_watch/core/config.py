@@ -84,6 +84,11 @@ class QueueSettings:
     max_pending_links: int = key(200, number(1, integer=True), "the same for links")
     resume_attempts: int = key(1, number(0, integer=True),
                                "how often a job cut off by a crash is resumed before it fails")
+    worker_retries: int = key(2, number(0, 20, integer=True),
+                              "attempts a song gets again after a machine fault (the worker "
+                              "process or actor died, its machine left, it stalled); each goes "
+                              "back to the head of the queue, on another worker where there is "
+                              "one; after that the song fails with every attempt's reason")
     start_paused_after_restore: bool = key(True, boolean, "jobs restored after a restart "
                                            "wait for Start (or a new file)")
     on_duplicate: str = key("skip", choice("skip", "separate"),

@@ -262,6 +262,10 @@ class Pipeline:
             "versions": self.client.versions,
             # the precision the worker separated in, and the figures that chose it
             "precision": dict(model.precision) or {"precision": model.dtype},
+            # this was attempt N: the ones before it were cut off by the machine (the worker
+            # died, stalled, ran out of memory), each recorded with its reason
+            "attempts": len(job.faults) + 1,
+            "faults": [fault.to_dict() for fault in job.faults],
         })
 
     def _publish(self, run: JobRun) -> None:

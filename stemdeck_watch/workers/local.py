@@ -2,8 +2,9 @@
 
 The worker is registered on the running job's JobControl while a request is in flight, so a
 cancel terminates it at once; the next job gets a fresh worker. If the worker dies on its own
-(out of memory, a crash in torch), the job fails with the last lines the worker wrote to
-stderr, and the next job gets a fresh worker too: the queue never wedges.
+(out of memory, a crash in torch), the request ends in `WorkerDied` with the last lines the
+worker wrote to stderr — a machine fault, so the song is tried again (engine/faults.py) — and
+the next request gets a fresh worker: the queue never wedges.
 """
 from __future__ import annotations
 
@@ -323,7 +324,8 @@ class WorkerClient:
                     if deadline is not None and time.monotonic() > deadline:
                         proc.stop()
                         raise WorkerDied(f"the separation worker did not start within "
-                                         f"{timeout:.0f} s", details=proc.stderr_tail()) from None
+                                         f"{timeout:.0f} s", details=proc.stderr_tail(),
+                                         worker=_name(proc)) from None
                     continue
                 if match(message):
                     return message
@@ -337,7 +339,12 @@ class WorkerClient:
         code = proc.popen.returncode
         why = _describe_exit(code)
         raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
-                         details=proc.stderr_tail())
+                         details=proc.stderr_tail(), worker=_name(proc))
+
+
+def _name(proc: _Process) -> str:
+    """A worker process as a fault names it."""
+    return f"the local worker (pid {proc.pid})"
 
 
 def _describe_choice(choice: dict[str, Any]) -> str:

@@ -12,8 +12,8 @@ actor at once, and if the actor has not stopped within `CANCEL_GRACE` seconds it
 (and restarted), so a cancel never waits for a segment that does not end. Any other error
 on this side while the actor separates (a failed registry write, a full disk) ends the
 actor's job the same way: an actor left separating a job nobody reads would refuse every
-next one as busy. A dead actor or machine fails the job like a dead local worker does:
-`WorkerDied` with a diagnosis naming the machine.
+next one as busy. A dead actor or machine ends the request like a dead local worker does:
+`WorkerDied` with a diagnosis naming the machine, a machine fault (the song is tried again).
 """
 from __future__ import annotations
 
@@ -348,7 +348,7 @@ class RayWorkerClient:
                 raise WorkerDied(f"the ray worker {self.index} did not start within "
                                  f"{timeout:.0f} s: the cluster may lack free resources "
                                  f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
-                                 details=self.stderr_tail())
+                                 details=self.stderr_tail(), worker=self.name())
 
     def _value(self, ref: Any, quiet: bool = False) -> Any:
         try:
@@ -372,7 +372,7 @@ class RayWorkerClient:
             self._tail.extend(text.splitlines()[-TAIL_LINES:])
             log.warning("ray worker %d on %s died: %s", self.index, host, why)
         raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}); "
-                         f"Ray restarts it for the next job", details=text)
+                         f"Ray restarts it", details=text, worker=self.name())
 
     def _node_alive(self) -> bool:
         """Whether the machine the worker ran on is still in the cluster (as far as Ray's
@@ -387,6 +387,10 @@ class RayWorkerClient:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=not restart)
         self._model = None
+
+    def name(self) -> str:
+        """This worker as a fault names it."""
+        return f"ray worker {self.index} on {self._host()}"
 
     def _host(self) -> str:
         where = self._where or {}

@@ -253,7 +253,8 @@
     setText(li.querySelector(".name"), job.name);
     setAttr(li, "title", job.source);
     setText(li.querySelector(".meta"), [job.preset ? "preset " + job.preset : "",
-                                        playlistText(job)].filter(Boolean).join(" · "));
+                                        playlistText(job), attemptText(job)].filter(Boolean).join(" · "));
+    setAttr(li.querySelector(".meta"), "title", faultsText(job) || null);
     const up = li.querySelector('[data-action="move-up"]');
     const down = li.querySelector('[data-action="move-down"]');
     setAttr(up, "aria-label", "Move " + job.name + " up");
@@ -270,6 +271,17 @@
     if (!ref) return "";
     if (ref.entry) return ref.entry + "/" + ref.entries + " of " + ref.name;
     return "playlist · " + ref.entries + " entries";
+  }
+
+  // "attempt 2" for a song the machine cut off before (the worker died, stalled, ran out of
+  // memory); each earlier attempt's reason in faultsText, for a tooltip
+  function attemptText(job) {
+    const faults = job.faults || [];
+    return faults.length ? "attempt " + (faults.length + 1) : "";
+  }
+
+  function faultsText(job) {
+    return (job.faults || []).map((fault, n) => "attempt " + (n + 1) + ": " + fault.reason).join("\n");
   }
 
   function createRecentItem(job) {
@@ -334,7 +346,9 @@
     setAttr(box, "data-state", job.state);
     setText($("running-name"), job.name);
     setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : "") +
-                                (job.playlist ? " · " + playlistText(job) : ""));
+                                (job.playlist ? " · " + playlistText(job) : "") +
+                                (attemptText(job) ? " · " + attemptText(job) : ""));
+    setAttr($("running-stage"), "title", faultsText(job) || null);
     const bar = $("running-progress");
     const value = Math.max(0, Math.min(1, Number(job.progress) || 0));
     if (Number(bar.value) !== value) bar.value = value;
