@@ -125,6 +125,11 @@ class SeparationSettings:
     threads: int = key(0, number(0, 1024, integer=True),
                        "threads the worker separates with; 0 = one per physical core; set "
                        "fewer to keep the computer responsive while you work on it")
+    stall_seconds: float = key(0.0, number(0, unit="(seconds)"),
+                               "a worker that reports no progress for this long while it "
+                               "separates is stopped and the song tried again (a machine "
+                               "fault, queue.worker_retries); 0 = ten times the slowest "
+                               "segment measured on that worker, never under 60 s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +244,9 @@ SECTIONS: dict[str, type] = {
     "executor": ExecutorSettings,
 }
 PRESET_SECTIONS = ("separation", "output")
+# [separation] keys that say how the machine copes, not what the stems are: left out of a
+# song's recorded settings (its manifest, and the key duplicates are told by)
+MACHINE_KEYS = frozenset({"stall_seconds"})
 
 
 @dataclasses.dataclass(frozen=True)

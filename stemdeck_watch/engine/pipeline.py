@@ -34,7 +34,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
-from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
+from stemdeck_watch.core.config import (MACHINE_KEYS, OutputSettings, SeparationSettings,
+                                        Settings)
 from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
@@ -182,7 +183,8 @@ class Pipeline:
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
-        run.settings = {"separation": dataclasses.asdict(run.sep),
+        song = {k: v for k, v in dataclasses.asdict(run.sep).items() if k not in MACHINE_KEYS}
+        run.settings = {"separation": song,
                         "output": dataclasses.asdict(run.out)}
         run.key = settings_key_of(run.settings) or ""
         copy = self._duplicate_of(job, run.digest, run.key, control)
@@ -218,6 +220,7 @@ class Pipeline:
             job.id, sep.model, run.repo, decoded.path, run.scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
             control=control, stats=decoded.stats, precision=model.dtype,
+            stall_seconds=sep.stall_seconds,
             on_progress=lambda v: run.report.progress(base + share * v))
         run.timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, SeparationError,
+                                       WorkerDied, WorkerStalled)
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import PROGRESS_PREFIX
@@ -150,6 +152,7 @@ class WorkerClient:
         # (start, end) of the latest separate requests, time.monotonic(): how busy the
         # worker is kept (the throughput benchmark's idle fraction)
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+        self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
 
     @property
     def pid(self) -> int | None:
@@ -223,14 +226,16 @@ class WorkerClient:
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
         streamed pass over the input. `window`: seconds of output the worker separates at a
         time (default: the worker's, 30 s); memory grows with it, never with the song.
-        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`)."""
+        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`).
+        `stall_seconds`: see Separator.separate."""
         request: dict[str, Any] = {
             "op": "separate", "id": job_id, "model": model, "repo": repo,
             "input": str(input_path), "output": str(output_dir), "shifts": shifts,
@@ -241,20 +246,29 @@ class WorkerClient:
             request["window"] = float(window)
         with self._lock:
             proc = self._ensure_process(control)
+            watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
 
             def progress(owner: str, value: float) -> None:
                 if owner == job_id:  # progress belongs to the job that owns the worker
+                    watch.beat()
                     on_progress(value)
 
             proc.on_progress = progress
             started = time.monotonic()
             try:
-                reply = self._call(proc, request, control)
+                reply = self._call(proc, request, control, watch)
             finally:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
+            watch.done()
             return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
                               float(reply["seconds"]))
+
+    def pace(self) -> Pace:
+        """The time per segment measured on this worker's device."""
+        proc = self._proc
+        device = str(((proc.ready or {}) if proc else {}).get("device") or self.device)
+        return self._paces.setdefault(device, Pace())
 
     def stop(self) -> None:
         """Terminate the worker now (cancel, shutdown). Safe from any thread."""
@@ -290,7 +304,8 @@ class WorkerClient:
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
         return proc
 
-    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None) -> dict[str, Any]:
+    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None,
+              watch: Watch | None = None) -> dict[str, Any]:
         # every request carries a fresh number that the worker echoes: a late reply to an
         # earlier request (one cut off by a cancel) can never be taken for this one's
         self._requests += 1
@@ -299,7 +314,7 @@ class WorkerClient:
             proc.send(request)
         except (BrokenPipeError, OSError):
             pass  # the process died; _wait reports it with its stderr
-        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None)
+        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None, watch)
         if not reply.get("ok"):
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])
@@ -308,7 +323,11 @@ class WorkerClient:
         return reply
 
     def _wait(self, proc: _Process, control: JobControl | None,
-              match: Callable[[dict[str, Any]], bool], timeout: float | None) -> dict[str, Any]:
+              match: Callable[[dict[str, Any]], bool], timeout: float | None,
+              watch: Watch | None = None) -> dict[str, Any]:
+        """The worker's reply `match` accepts. A cancel stops the worker (Cancelled); a
+        worker that dies, does not start within `timeout` or stays silent past `watch`'s
+        limit is a machine fault (WorkerDied, WorkerStalled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
             if control is not None:  # a cancel from any thread stops the worker at once
@@ -321,6 +340,17 @@ class WorkerClient:
                 except queue.Empty:
                     if not proc.alive() and proc.replies.empty():
                         self._raise_died(proc, control)
+                    if watch is not None and watch.stalled():
+                        proc.stop()
+                        if control is not None:
+                            control.check()  # a cancel that came meanwhile wins
+                        log.warning("worker %d reported no progress for %.0f s; stopped it",
+                                    proc.pid, watch.silent())
+                        raise WorkerStalled(
+                            f"the separation worker reported no progress for "
+                            f"{watch.silent():.0f} s (the stall limit is {watch.limit:.0f} s, "
+                            f"separation.stall_seconds) and was stopped",
+                            details=proc.stderr_tail(), worker=_name(proc)) from None
                     if deadline is not None and time.monotonic() > deadline:
                         proc.stop()
                         raise WorkerDied(f"the separation worker did not start within "

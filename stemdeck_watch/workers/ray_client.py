@@ -29,10 +29,12 @@ import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError,
                             RayActorError, RayTaskError)
 
-from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, SeparationError,
+                                       WorkerDied, WorkerStalled)
 from stemdeck_watch.workers.ray_actor import SeparationActor
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.workers.separator import ModelInfo, Separation
@@ -71,6 +73,7 @@ class RayWorkerClient:
         self.nodes: list[str] = []  # the node of every job this client ran (tests)
         self.current: str | None = None  # the job separating on this worker now
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+        self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
 
     # ------------------------------------------------------------ views
 
@@ -142,7 +145,8 @@ class RayWorkerClient:
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
         request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
@@ -157,13 +161,20 @@ class RayWorkerClient:
             try:
                 with self._cancel_on(actor, job_id, control):
                     self._upload(actor, job_id, input_path, window, control)
+                    watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
                     stems, seconds = self._receive(actor, job_id, request, output_dir, control,
-                                                   on_progress)
+                                                   on_progress, watch)
+                    watch.done()
             finally:
                 self.current = None
                 self.busy.append((started, time.monotonic()))
             self.nodes.append(str((self._where or {}).get("node_id")))
             return Separation(stems, self.pid or 0, seconds)
+
+    def pace(self) -> Pace:
+        """The time per segment measured on this worker's device."""
+        device = str((self._where or {}).get("device") or self.device)
+        return self._paces.setdefault(device, Pace())
 
     def stop(self) -> None:
         """Kill the actor now (it restarts and reloads its model for the next job)."""
@@ -248,7 +259,7 @@ class RayWorkerClient:
             raise
 
     def _receive(self, actor: Any, job_id: str, request: dict[str, Any], output_dir: Path,
-                 control: JobControl, on_progress: Callable[[float], None],
+                 control: JobControl, on_progress: Callable[[float], None], watch: Watch,
                  ) -> tuple[dict[str, Path], float]:
         output_dir.mkdir(parents=True, exist_ok=True)
         writers: dict[str, AudioWriter] = {}
@@ -268,12 +279,15 @@ class RayWorkerClient:
                         control.check()
                 ready, _ = ray.wait([stream], timeout=POLL)
                 if not ready:
+                    if watch.stalled() and cancelled_at is None:
+                        self._stalled(actor, watch)
                     continue
                 try:
                     item = self._value(next(stream))
                 except StopIteration:
                     break
                 if "progress" in item:
+                    watch.beat()
                     on_progress(float(item["progress"]))
                 elif "stem" in item:
                     name = item["stem"]
@@ -296,6 +310,17 @@ class RayWorkerClient:
                 self._end(actor, job_id, stream)
             raise
         return {name: output_dir / f"{name}.npy" for name in writers}, seconds
+
+    def _stalled(self, actor: Any, watch: Watch) -> None:
+        """The actor has reported nothing for longer than the stall limit: kill it (Ray
+        starts it again) and end the request as a machine fault."""
+        log.warning("ray worker %d on %s reported no progress for %.0f s; killing it",
+                    self.index, self._host(), watch.silent())
+        self._kill(actor, restart=True)
+        raise WorkerStalled(f"the separation worker on {self._host()} reported no progress "
+                            f"for {watch.silent():.0f} s (the stall limit is "
+                            f"{watch.limit:.0f} s, separation.stall_seconds) and was stopped",
+                            details=self.stderr_tail(), worker=self.name())
 
     def _end(self, actor: Any, job_id: str, stream: Any) -> None:
         """Make the actor let go of a job this side gave up on: its cancel flag is set and

@@ -95,13 +95,19 @@ class Separator(Protocol):
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them; without them the worker makes one extra pass over the input.
         `window`: seconds of output separated at a time (memory grows with it, never with
-        the song). `precision`: the one to run in (`ModelInfo.dtype`)."""
+        the song). `precision`: the one to run in (`ModelInfo.dtype`). `stall_seconds`:
+        a worker silent this long is stopped (`WorkerStalled`); 0 = derived from the time
+        per segment measured on it (workers/pace.py).
+
+        A machine fault ends it in `WorkerDied` (or a kind of it): the worker died, its
+        machine left, it stalled, it ran out of memory."""
 
     def stop(self) -> None:
         """Stop the worker now (a cancel); the next request gets a fresh one. Any thread."""

@@ -95,3 +95,19 @@ def test_the_same_fault_twice_fails_the_song_with_both_reasons(
     recorded = service.scheduler.registry.get(job.id)
     assert recorded is not None and len(recorded.faults) == 2
     assert json.loads(json.dumps(recorded.to_status()))["faults"][1]["kind"] == "died"
+
+
+def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_again(
+        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    """A worker that stops reporting progress mid-song (it hangs) is stopped once it has been
+    silent for `separation.stall_seconds`; the song is done on the next attempt."""
+    settings = make_settings(separation={"stall_seconds": 3.0})
+    service, jobs = service_factory(settings)
+    arm(faults, "stall")
+    drop(settings, "song.wav")
+    [job] = jobs.wait_final(1, 120)
+    assert job.state is JobState.DONE, job.error
+    [fault] = job.faults
+    assert fault.kind == "stalled" and "reported no progress for" in fault.reason
+    assert "the stall limit is 3 s" in fault.reason
+    assert len(service.client.pids) == 2 and list(settings.paths.failed.iterdir()) == []
