@@ -125,6 +125,10 @@ class SeparationSettings:
     threads: int = key(0, number(0, 1024, integer=True),
                        "threads the worker separates with; 0 = one per physical core; set "
                        "fewer to keep the computer responsive while you work on it")
+    fallback_device: str = key("cpu", choice("cpu", ""),
+                               'where a song goes when a GPU runs out of memory under it '
+                               'twice (after a try with half the window and segment): "cpu" '
+                               '(slower, but done) or "" (it fails)')
     stall_seconds: float = key(0.0, number(0, unit="(seconds)"),
                                "a worker that reports no progress for this long while it "
                                "separates is stopped and the song tried again (a machine "
@@ -246,7 +250,7 @@ SECTIONS: dict[str, type] = {
 PRESET_SECTIONS = ("separation", "output")
 # [separation] keys that say how the machine copes, not what the stems are: left out of a
 # song's recorded settings (its manifest, and the key duplicates are told by)
-MACHINE_KEYS = frozenset({"stall_seconds"})
+MACHINE_KEYS = frozenset({"stall_seconds", "fallback_device"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,9 +61,12 @@ class WorkerDied(SeparationError):
 
     kind = "died"
 
-    def __init__(self, message: str, *, details: str = "", worker: str = ""):
+    def __init__(self, message: str, *, details: str = "", worker: str = "",
+                 device: str = ""):
         super().__init__(message, details=details)
         self.worker = worker
+        self.device = device  # whose memory ran out ("cuda", "mps", "cpu"), where known
+        self.plan = ""  # what the attempt ran with, where a memory fault changed it
 
 
 class WorkerStalled(WorkerDied):
@@ -73,8 +76,9 @@ class WorkerStalled(WorkerDied):
 
 
 class OutOfMemory(WorkerDied):
-    """The worker ran out of memory (CUDA, MPS or the computer's): tried again with a smaller
-    window and segment, then on the CPU (`separation.fallback_device`)."""
+    """The worker ran out of memory (`device`: "cuda", "mps", or "cpu" for the computer's):
+    tried again with a smaller window and segment, then on the CPU
+    (`separation.fallback_device`)."""
 
     kind = "memory"
 

@@ -91,6 +91,7 @@ class Fault:
     # what the attempt ran with, where a memory fault changed it: window and segment
     # (seconds) and the device
     plan: str = ""
+    device: str = ""  # a memory fault: whose memory ran out ("cuda", "mps", "cpu")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

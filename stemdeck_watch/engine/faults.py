@@ -10,26 +10,69 @@ every attempt's reason in its `error.txt`.
 
 Limits: `queue.worker_retries` attempts after deaths and stalls. Running out of memory is
 not retried the same way, which would only run out again: each memory fault takes the
-song one step down the memory ladder (`plan_for`).
+song one step down the memory ladder (`plan_for`): half the window and segment; then, when
+a GPU's memory ran out, the CPU (`separation.fallback_device = "cpu"`), else a quarter of
+each; then the song fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 
-from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.config import SeparationSettings, Settings
 from stemdeck_watch.core.errors import WorkerDied
 from stemdeck_watch.core.jobs import Fault
 
+MEMORY_STEPS = 2  # memory faults after which the song is tried again (down the ladder)
+GPUS = ("cuda", "mps")
 
-def fault_of(exc: WorkerDied, worker: str, at: float, plan: str = "") -> Fault:
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How an attempt separates: as configured, or (after memory faults) with the window
+    and segment halved `shrink` times, on `device` (None: the worker's own)."""
+
+    shrink: int = 0
+    device: str | None = None
+
+    @property
+    def as_configured(self) -> bool:
+        return self.shrink == 0 and self.device is None
+
+    def describe(self) -> str:
+        parts = [] if not self.shrink else [
+            f"window and segment {'halved' if self.shrink == 1 else f'1/{2 ** self.shrink}'}"]
+        if self.device is not None:
+            parts.append(f"on the {self.device.upper()} (separation.fallback_device)")
+        return ", ".join(parts) or "as configured"
+
+
+def plan_for(faults: tuple[Fault, ...], separation: SeparationSettings) -> Plan:
+    """The next attempt's plan after `faults`: one step down the memory ladder per memory
+    fault. The CPU is the second step where a GPU's memory ran out and the fallback is on;
+    a computer whose own memory ran out gains nothing from it, so it halves again."""
+    memory = [fault for fault in faults if fault.kind == "memory"]
+    if not memory:
+        return Plan()
+    if len(memory) == 1:
+        return Plan(shrink=1)
+    if (memory[-1].device in GPUS and separation.fallback_device == "cpu"
+            and separation.device != "cpu"):
+        return Plan(shrink=1, device="cpu")
+    return Plan(shrink=len(memory))
+
+
+def fault_of(exc: WorkerDied, worker: str, at: float) -> Fault:
     """The record of one attempt cut off by `exc` on `worker`."""
-    return Fault(kind=exc.kind, reason=str(exc), worker=exc.worker or worker, at=at, plan=plan)
+    return Fault(kind=exc.kind, reason=str(exc), worker=exc.worker or worker, at=at,
+                 plan=exc.plan, device=exc.device)
 
 
 def may_retry(faults: tuple[Fault, ...], settings: Settings) -> bool:
     """Whether a song whose attempts ended in `faults` gets another attempt."""
-    others = sum(1 for fault in faults if fault.kind != "memory")
-    return others <= settings.queue.worker_retries
+    memory = sum(1 for fault in faults if fault.kind == "memory")
+    return (len(faults) - memory <= settings.queue.worker_retries
+            and memory <= MEMORY_STEPS)
 
 
 def failure(faults: tuple[Fault, ...]) -> tuple[str, str]:

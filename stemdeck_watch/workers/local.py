@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -21,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, SeparationError,
-                                       WorkerDied, WorkerStalled)
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
+                                       SeparationError, WorkerDied, WorkerStalled)
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.separator import ModelInfo, Separation
@@ -40,6 +41,7 @@ class _Process:
     """One worker process with its reader threads."""
 
     def __init__(self, device: str, env: dict[str, str], threads: int = 0):
+        self.device = device  # as asked for ("auto" included)
         kwargs: dict[str, Any] = {}
         if sys.platform == "win32":
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
@@ -142,7 +144,7 @@ class WorkerClient:
         self.precision = precision  # separation.precision, unless a request says otherwise
         # choices measured on this machine, per (model, repo, setting): a worker restarted
         # after a cancel reuses them instead of calibrating again
-        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._lock = threading.Lock()
         self._proc: _Process | None = None
@@ -176,13 +178,14 @@ class WorkerClient:
         return proc.model if proc is not None and proc.alive() else None
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None) -> ModelInfo:
+                     precision: str | None = None, device: str | None = None) -> ModelInfo:
         """Start the worker if needed and have it load `name` and choose its precision
-        (`precision`: the setting, default the client's); cached while it lives."""
+        (`precision`: the setting, default the client's); cached while it lives. `device`:
+        see Separator.ensure_model."""
         setting = precision or self.precision
-        key = (name, repo, setting)
+        key = (name, repo, setting, device or self.device)
         with self._lock:
-            proc = self._ensure_process(control)
+            proc = self._ensure_process(control, device)
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
                 return model
@@ -227,7 +230,8 @@ class WorkerClient:
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
                  window: float | None = None, precision: str = "float32",
-                 stall_seconds: float = 0.0) -> Separation:
+                 stall_seconds: float = 0.0, shrink: int = 0,
+                 device: str | None = None) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
@@ -235,7 +239,7 @@ class WorkerClient:
         streamed pass over the input. `window`: seconds of output the worker separates at a
         time (default: the worker's, 30 s); memory grows with it, never with the song.
         `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`).
-        `stall_seconds`: see Separator.separate."""
+        `stall_seconds`, `shrink`, `device`: see Separator.separate."""
         request: dict[str, Any] = {
             "op": "separate", "id": job_id, "model": model, "repo": repo,
             "input": str(input_path), "output": str(output_dir), "shifts": shifts,
@@ -244,8 +248,10 @@ class WorkerClient:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         if window is not None:
             request["window"] = float(window)
+        if shrink:
+            request["shrink"] = int(shrink)
         with self._lock:
-            proc = self._ensure_process(control)
+            proc = self._ensure_process(control, device)
             watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
 
             def progress(owner: str, value: float) -> None:
@@ -262,7 +268,7 @@ class WorkerClient:
                 self.busy.append((started, time.monotonic()))
             watch.done()
             return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
-                              float(reply["seconds"]))
+                              float(reply["seconds"]), **Separation.from_reply(reply))
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""
@@ -289,16 +295,23 @@ class WorkerClient:
 
     # ------------------------------------------------------------ internals
 
-    def _ensure_process(self, control: JobControl | None) -> _Process:
+    def _ensure_process(self, control: JobControl | None, device: str | None = None) -> _Process:
+        """The live worker on `device` (default: the client's), started if needed."""
         if self._shut:
             raise Cancelled(SHUTDOWN)
-        if self._proc is not None and self._proc.alive():
-            return self._proc
-        if self._proc is not None:
+        wanted = device or self.device
+        current = self._proc
+        if current is not None and current.alive() and current.device == wanted:
+            return current
+        if current is not None and current.alive():
+            log.info("worker %d runs on %s; starting one on %s", current.pid, current.device,
+                     wanted)
+            current.close()
+        elif current is not None:
             log.info("worker %d is gone (exit code %s); starting a new one",
-                        self._proc.pid, self._proc.popen.returncode)
-            self._proc.stop()
-        self._proc = proc = _Process(self.device, self._env, self.threads)
+                     current.pid, current.popen.returncode)
+            current.stop()
+        self._proc = proc = _Process(wanted, self._env, self.threads)
         self.pids.append(proc.pid)
         log.info("started separation worker %d", proc.pid)
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
@@ -318,6 +331,12 @@ class WorkerClient:
         if not reply.get("ok"):
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])
+            if reply.get("kind") == "memory":
+                where = {"cuda": "the GPU's", "mps": "the GPU's"}.get(reply.get("device") or "",
+                                                                      "the computer's")
+                raise OutOfMemory(f"the separation worker ran out of memory ({where}): "
+                                  f"{reply.get('error')}", details=reply.get("traceback", ""),
+                                  worker=_name(proc), device=reply.get("device") or "cpu")
             raise SeparationError(f"the separation worker failed: {reply.get('error')}",
                                   details=reply.get("traceback", ""))
         return reply
@@ -368,8 +387,12 @@ class WorkerClient:
             control.check()  # we killed it for a cancel: that is not a failure
         code = proc.popen.returncode
         why = _describe_exit(code)
-        raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
-                         details=proc.stderr_tail(), worker=_name(proc))
+        # nothing here sends SIGKILL but a stop, and a stop for a cancel ended above: it came
+        # from the kernel's OOM killer, most likely
+        died = OutOfMemory if code == -signal.SIGKILL else WorkerDied
+        raise died(f"the separation worker stopped unexpectedly ({why})",
+                   details=proc.stderr_tail(), worker=_name(proc),
+                   device="cpu" if died is OutOfMemory else "")
 
 
 def _name(proc: _Process) -> str:
@@ -390,8 +413,6 @@ def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError,
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, OutOfMemoryError,
                             RayActorError, RayTaskError)
 
-from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, SeparationError,
-                                       WorkerDied, WorkerStalled)
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
+                                       SeparationError, WorkerDied, WorkerStalled)
 from stemdeck_watch.workers.ray_actor import SeparationActor
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.chunked import WINDOW_SECONDS
@@ -38,7 +38,7 @@ from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.workers.separator import ModelInfo, Separation
-from stemdeck_watch.workers.worker import ModelUnavailable
+from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,10 @@ class RayWorkerClient:
         self.index = index  # which worker of the pool (status, logs)
         self._gpus, self._cpus, self._spread = gpus, cpus, spread
         self._env = dict(env or {})  # environment of the actor process (tests, benchmarks)
-        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._lock = threading.Lock()  # one request at a time, as on the local client
         self._actor: Any = None
+        self._actor_device = device  # the device the actor was started for
         self._where: dict[str, Any] | None = None  # the actor's ready() answer
         self._model: ModelInfo | None = None
         self._shut = False
@@ -124,12 +125,12 @@ class RayWorkerClient:
     # ------------------------------------------------------------ requests
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None) -> ModelInfo:
+                     precision: str | None = None, device: str | None = None) -> ModelInfo:
         """Start the actor if needed and have it load `name` (see Separator.ensure_model)."""
         setting = precision or self.precision
-        key = (name, repo, setting)
+        key = (name, repo, setting, device or self.device)
         with self._lock:
-            actor = self._ensure_actor(control)
+            actor = self._ensure_actor(control, device)
             model = self._model
             if model is not None and model.serves(name, repo, setting):
                 return model
@@ -146,30 +147,33 @@ class RayWorkerClient:
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
                  window: float | None = None, precision: str = "float32",
-                 stall_seconds: float = 0.0) -> Separation:
+                 stall_seconds: float = 0.0, shrink: int = 0,
+                 device: str | None = None) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
         request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
                                    "overlap": overlap, "segment": segment,
-                                   "precision": precision, "window": window}
+                                   "precision": precision, "window": window,
+                                   "shrink": shrink}
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         with self._lock:
-            actor = self._ensure_actor(control)
+            actor = self._ensure_actor(control, device)
             started = time.monotonic()
             self.current = job_id
             try:
                 with self._cancel_on(actor, job_id, control):
                     self._upload(actor, job_id, input_path, window, control)
                     watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
-                    stems, seconds = self._receive(actor, job_id, request, output_dir, control,
-                                                   on_progress, watch)
+                    stems, done = self._receive(actor, job_id, request, output_dir, control,
+                                                on_progress, watch)
                     watch.done()
             finally:
                 self.current = None
                 self.busy.append((started, time.monotonic()))
             self.nodes.append(str((self._where or {}).get("node_id")))
-            return Separation(stems, self.pid or 0, seconds)
+            return Separation(stems, self.pid or 0, float(done.get("seconds") or 0.0),
+                              **Separation.from_reply(done))
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""
@@ -191,6 +195,11 @@ class RayWorkerClient:
         """Kill the actor for good (the service stopped), once it removed its scratch (or
         could not within LEAVE_WAIT: the next actor on its machine removes it)."""
         self._shut = True
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Kill the actor for good, once it removed its scratch (or could not within
+        LEAVE_WAIT: the next actor on its machine removes it)."""
         actor, self._actor = self._actor, None
         if actor is not None:
             with contextlib.suppress(Exception):
@@ -200,19 +209,28 @@ class RayWorkerClient:
 
     # ------------------------------------------------------------ internals
 
-    def _ensure_actor(self, control: JobControl | None) -> Any:
+    def _ensure_actor(self, control: JobControl | None, device: str | None = None) -> Any:
+        """The actor on `device` (default: the client's), started if needed: one on another
+        device is let go first (the CPU after a GPU ran out of memory, and back)."""
         if self._shut:
             raise Cancelled(SHUTDOWN)
+        wanted = device or self.device
+        if self._actor is not None and self._actor_device != wanted:
+            log.info("ray worker %d runs on %s; starting one on %s", self.index,
+                     self._actor_device, wanted)
+            self._let_go()
         if self._actor is None:
+            cpu_only = wanted == "cpu" and self.device != "cpu"  # a GPU worker's fallback
             options: dict[str, Any] = {
-                "num_cpus": self._cpus, "num_gpus": self._gpus, "max_restarts": -1,
-                "max_task_retries": 0, "max_concurrency": 4}
+                "num_cpus": self._cpus, "num_gpus": 0 if cpu_only else self._gpus,
+                "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
             if self._spread:
                 options["scheduling_strategy"] = "SPREAD"
             if self._env:
                 options["runtime_env"] = {"env_vars": self._env}
             self._actor = ray.remote(SeparationActor).options(**options).remote(
-                self.device, self.threads)
+                wanted, self.threads)
+            self._actor_device = wanted
         where = self._ready(control)
         if self._where is None or where["pid"] != self._where["pid"]:
             if self._where is not None:
@@ -260,12 +278,12 @@ class RayWorkerClient:
 
     def _receive(self, actor: Any, job_id: str, request: dict[str, Any], output_dir: Path,
                  control: JobControl, on_progress: Callable[[float], None], watch: Watch,
-                 ) -> tuple[dict[str, Path], float]:
+                 ) -> tuple[dict[str, Path], dict[str, Any]]:
         output_dir.mkdir(parents=True, exist_ok=True)
         writers: dict[str, AudioWriter] = {}
         stream = actor.separate.remote(job_id, request)
         cancelled_at: float | None = None
-        seconds = 0.0
+        done: dict[str, Any] = {}
         held = True  # the actor may still be running the job
         try:
             while True:
@@ -299,7 +317,7 @@ class RayWorkerClient:
                     control.check()
                     raise SeparationError("the ray worker stopped the job without a cancel")
                 elif item.get("done"):
-                    seconds = float(item["seconds"])
+                    done = item
             control.check()
             for writer in writers.values():
                 writer.close()
@@ -309,7 +327,7 @@ class RayWorkerClient:
             if held and not isinstance(exc, WorkerDied):  # a dead actor holds nothing
                 self._end(actor, job_id, stream)
             raise
-        return {name: output_dir / f"{name}.npy" for name in writers}, seconds
+        return {name: output_dir / f"{name}.npy" for name in writers}, done
 
     def _stalled(self, actor: Any, watch: Watch) -> None:
         """The actor has reported nothing for longer than the stall limit: kill it (Ray
@@ -382,9 +400,22 @@ class RayWorkerClient:
             cause = exc.cause
             if isinstance(cause, ModelUnavailable):
                 raise ModelError(str(cause)) from None
+            memory = memory_error(cause) if cause is not None else None
+            if memory is not None:
+                self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
+                raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory "
+                                  f"({'the GPU' if memory != 'cpu' else 'the machine'}'s): "
+                                  f"{type(cause).__name__}: {cause}", details=str(exc),
+                                  worker=self.name(), device=memory) from None
             self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
             raise SeparationError(f"the ray worker on {self._host()} failed: "
                                   f"{type(cause).__name__}: {cause}", details=str(exc)) from None
+        except OutOfMemoryError as exc:  # Ray's memory monitor killed the worker
+            self._model = None
+            self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
+            raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory (the "
+                              f"machine's; Ray stopped it)", details=str(exc),
+                              worker=self.name(), device="cpu") from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             self._died(exc, quiet)
 

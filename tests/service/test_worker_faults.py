@@ -17,6 +17,7 @@ from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.stages.publish import read_manifest
 from stemdeck_watch.util.synth import write_song
 from stemdeck_watch.workers.faultseam import FAULTS_ENV
+from stemdeck_watch.workers.worker import WINDOW_ENV
 
 from support.helpers import wait_for
 
@@ -101,7 +102,8 @@ def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_aga
         make_settings: Any, service_factory: Any, faults: Path) -> None:
     """A worker that stops reporting progress mid-song (it hangs) is stopped once it has been
     silent for `separation.stall_seconds`; the song is done on the next attempt."""
-    settings = make_settings(separation={"stall_seconds": 3.0})
+    # long enough for a fresh worker's first segment on a busy machine, short for a test
+    settings = make_settings(separation={"stall_seconds": 8.0})
     service, jobs = service_factory(settings)
     arm(faults, "stall")
     drop(settings, "song.wav")
@@ -109,5 +111,62 @@ def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_aga
     assert job.state is JobState.DONE, job.error
     [fault] = job.faults
     assert fault.kind == "stalled" and "reported no progress for" in fault.reason
-    assert "the stall limit is 3 s" in fault.reason
+    assert "the stall limit is 8 s" in fault.reason
     assert len(service.client.pids) == 2 and list(settings.paths.failed.iterdir()) == []
+
+
+def test_out_of_gpu_memory_twice_goes_smaller_then_to_the_cpu(
+        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    """The worker raises the errors torch raises when MPS, then CUDA, run out of memory: the
+    second attempt separates with half the window and segment, the third on the CPU
+    (separation.fallback_device, a worker started there); the manifest records each step."""
+    settings = make_settings(separation={"device": "auto", "fallback_device": "cpu"})
+    service, jobs = service_factory(settings)
+    arm(faults, "oom-mps", "oom-cuda", segment=1)
+    drop(settings, "song.wav")
+    [job] = jobs.wait_final(1, 120)
+    assert job.state is JobState.DONE, job.error
+    assert [(f.kind, f.device) for f in job.faults] == [("memory", "mps"), ("memory", "cuda")]
+    assert "MPS backend out of memory" in job.faults[0].reason
+    assert "OutOfMemoryError: CUDA out of memory" in job.faults[1].reason
+    assert job.faults[0].plan == "" and job.faults[1].plan == "window and segment halved"
+    manifest = read_manifest(Path(job.output or ""))
+    assert manifest is not None and manifest["attempts"] == 3
+    plan = manifest["memory_plan"]
+    assert plan["device"] == "cpu" and plan["shrink"] == 1, plan
+    assert plan["segment"] == 2.0 and plan["window"] == 15.0  # the tiny model's 4 s, 30 s
+    assert manifest["settings"]["separation"]["device"] == "auto"  # as configured
+    client = service.client
+    assert len(client.pids) == 2 and client.info()["device"] == "cpu"  # the fallback worker
+
+
+def test_a_real_memory_limit_on_the_worker_is_met_with_a_smaller_window(
+        make_settings: Any, service_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker process under a real memory limit (RLIMIT_AS, set on the running worker as
+    `prlimit` would): separating a minute in one window needs more than the limit allows,
+    so torch's allocator fails; the same worker separates it again with a smaller window."""
+    resource = pytest.importorskip("resource")
+    monkeypatch.setenv(WINDOW_ENV, "60")  # one window for the whole song: the most memory
+    settings = make_settings(separation={"threads": 1})
+    service, jobs = service_factory(settings)
+    client = service.client
+    wait_for(lambda: client.model_info, 120, "the worker to load the model")
+    pid = client.pid
+    size = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                    .splitlines() if line.startswith("VmSize:"))) * 1024
+    # a minute in one window takes ~330 MB more, in two windows of 30 s ~170 MB
+    # (measured on Linux, x86-64, torch 2.13 and the tiny model)
+    limit = size + (250 << 20)
+    resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+    drop(settings, "long.wav", seconds=60.0)
+    [job] = jobs.wait_final(1, 240)
+    assert job.state is JobState.DONE, job.error
+    # halved once (a heap left fragmented by the failed attempt may need it halved twice)
+    assert 1 <= len(job.faults) <= 2, job.faults
+    for fault in job.faults:
+        assert fault.kind == "memory" and fault.device == "cpu", fault
+        assert "can't allocate memory" in fault.reason or "MemoryError" in fault.reason
+    assert client.pids == [pid]  # the same worker, still under its limit
+    manifest = read_manifest(Path(job.output or ""))
+    assert manifest is not None
+    assert manifest["memory_plan"]["window"] == 60.0 / 2 ** len(job.faults)
