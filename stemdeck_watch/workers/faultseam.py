@@ -13,7 +13,9 @@ order, by removing it, and fails as `kind` says:
     oom-cuda  raise the error torch raises when CUDA runs out of memory
     oom-mps   raise the error torch raises when MPS runs out of memory
 
-Each file fires once, so a fault can be made to repeat (two files) or not (one).
+Each file fires once, so a fault can be made to repeat (two files) or not (one). A file
+named `slow` is never claimed: while it is there, every segment takes the seconds it holds
+longer, as on a slow machine.
 """
 from __future__ import annotations
 
@@ -40,12 +42,21 @@ def armed(on_progress: Callable[[float], None]) -> Callable[[float], None]:
 
     def report(value: float) -> None:
         segments[0] += 1
+        _slow(Path(folder) / "slow")
         kind = _claim(Path(folder), segments[0])
         if kind is not None:
             fire(kind)
         on_progress(value)
 
     return report
+
+
+def _slow(path: Path) -> None:
+    try:
+        seconds = float(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return
+    threading.Event().wait(seconds)
 
 
 def _claim(folder: Path, segment: int) -> str | None:

@@ -8,8 +8,10 @@ notices by the actor's process id changing.
 
 Data: the decoded song goes up in bounded windows (two in flight at most), the stems come
 back in windows; the whole song is never one object. Cancel: the job's flag is set on the
-actor at once, and if the actor has not stopped within `CANCEL_GRACE` seconds it is killed
-(and restarted), so a cancel never waits for a segment that does not end. Any other error
+actor at once, and the actor stops at its next segment; one that has not stopped within the
+grace the worker's measured pace allows (one segment and a margin, workers/pace.py) is killed
+(and restarted), so a cancel neither kills a slow worker that is about to stop nor waits for
+a segment that does not end. Any other error
 on this side while the actor separates (a failed registry write, a full disk) ends the
 actor's job the same way: an actor left separating a job nobody reads would refuse every
 next one as busy. A dead actor or machine ends the request like a dead local worker does:
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, OutOfMemoryError,
-                            RayActorError, RayTaskError)
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
+                            NodeDiedError, ObjectLostError, OutOfMemoryError, RayActorError,
+                            RayTaskError, WorkerCrashedError)
 
 from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
                                        SeparationError, WorkerDied, WorkerStalled)
@@ -43,7 +46,6 @@ from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0  # an actor's start (placement, imports, a restart after a death)
-CANCEL_GRACE = 0.6  # seconds a cancelled job may take to stop before its actor is killed
 UPLOADS_IN_FLIGHT = 2  # windows of the song on their way to the actor at once
 POLL = 0.05  # seconds between checks of the job's cancel flag while waiting on Ray
 LEAVE_WAIT = 2.0  # seconds an actor killed for good is given to remove its scratch first
@@ -55,12 +57,14 @@ class RayWorkerClient:
 
     def __init__(self, device: str = "auto", threads: int = 0, precision: str = "auto", *,
                  gpus: float = 0.0, cpus: float = 1.0, index: int = 0,
-                 spread: bool = True, env: dict[str, str] | None = None):
+                 spread: bool = True, env: dict[str, str] | None = None,
+                 node: str | None = None):
         self.device = device
         self.threads = threads
         self.precision = precision
         self.index = index  # which worker of the pool (status, logs)
         self._gpus, self._cpus, self._spread = gpus, cpus, spread
+        self.node = node  # the machine this worker is pinned to (`workers = "auto"`)
         self._env = dict(env or {})  # environment of the actor process (tests, benchmarks)
         self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._lock = threading.Lock()  # one request at a time, as on the local client
@@ -224,7 +228,12 @@ class RayWorkerClient:
             options: dict[str, Any] = {
                 "num_cpus": self._cpus, "num_gpus": 0 if cpu_only else self._gpus,
                 "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
-            if self._spread:
+            if self.node is not None:  # its machine's worker: never moved to another
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    self.node, soft=False)
+            elif self._spread:
                 options["scheduling_strategy"] = "SPREAD"
             if self._env:
                 options["runtime_env"] = {"env_vars": self._env}
@@ -289,9 +298,10 @@ class RayWorkerClient:
             while True:
                 if control.cancelled:
                     cancelled_at = cancelled_at or time.monotonic()
-                    if time.monotonic() - cancelled_at > CANCEL_GRACE:
+                    grace = self.pace().cancel_grace()
+                    if time.monotonic() - cancelled_at > grace:
                         log.info("ray worker %d did not stop %s within %.1f s; killing it",
-                                 self.index, job_id, CANCEL_GRACE)
+                                 self.index, job_id, grace)
                         self._kill(actor, restart=True)
                         held = False
                         control.check()
@@ -342,12 +352,12 @@ class RayWorkerClient:
 
     def _end(self, actor: Any, job_id: str, stream: Any) -> None:
         """Make the actor let go of a job this side gave up on: its cancel flag is set and
-        its stream read to the end; an actor that has not let go within CANCEL_GRACE is
+        its stream read to the end; an actor that has not let go within the cancel grace is
         killed (and restarted), as for a cancel."""
         with contextlib.suppress(Exception):
             actor.cancel.remote(job_id)
             actor.drop.remote(job_id)
-        deadline = time.monotonic() + CANCEL_GRACE
+        deadline = time.monotonic() + self.pace().cancel_grace()
         try:
             while time.monotonic() < deadline:
                 ready, _ = ray.wait([stream], timeout=POLL)
@@ -418,6 +428,11 @@ class RayWorkerClient:
                               worker=self.name(), device="cpu") from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             self._died(exc, quiet)
+        except (ActorUnschedulableError, NodeDiedError, ObjectLostError,
+                WorkerCrashedError) as exc:
+            # its machine left (with the stems it held), or the worker cannot be placed
+            # where it must run: the machine's fault as well
+            self._died(exc, quiet)
 
     def _died(self, exc: BaseException, quiet: bool = False) -> None:
         host = self._host()
@@ -427,8 +442,9 @@ class RayWorkerClient:
         if not quiet:  # not while waiting for a (re)start
             self._tail.extend(text.splitlines()[-TAIL_LINES:])
             log.warning("ray worker %d on %s died: %s", self.index, host, why)
-        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}); "
-                         f"Ray restarts it", details=text, worker=self.name())
+        then = "; Ray restarts it" if self.node is None else ""  # a pinned one goes with it
+        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}){then}",
+                         details=text, worker=self.name())
 
     def _node_alive(self) -> bool:
         """Whether the machine the worker ran on is still in the cluster (as far as Ray's
