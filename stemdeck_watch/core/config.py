@@ -25,7 +25,8 @@ from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
-                                           choice_list, check_model_stems, extension_list,
+                                           choice_list, check_model_stems, count_or_auto,
+                                           extension_list,
                                            layout_template, mix_table, number, number_list,
                                            ray_address, sample_rate, show, stem_name, text,
                                            text_list, url_list)
@@ -231,9 +232,13 @@ class ExecutorSettings:
                        'joined with ray start), "local" (a private one started with the '
                        'service), "ray://HOST:10001" (Ray Client) or "HOST:6379" (the head); an '
                        "address where nothing listens is an error at start")
-    workers: int = key(1, number(1, 256, integer=True),
-                       'resident workers (Ray actors), one job in flight on each; above 1 needs '
-                       'kind = "ray"')
+    workers: int | str = key(1, count_or_auto(1, 256),
+                             'resident workers (Ray actors), one job in flight on each; above 1 '
+                             'needs kind = "ray"; "auto" (Ray) keeps one per GPU, or per '
+                             'cpus_per_worker cores on machines without one, of the machines '
+                             'the cluster has now: a machine that joins gets workers within '
+                             'seconds, one that leaves takes its workers (their songs go back '
+                             'to the queue), no restart')
     gpus_per_worker: float = key(0.0, number(0, 64),
                                  "GPUs each worker reserves: 1 on GPU machines, 0 for CPU")
     cpus_per_worker: float = key(1.0, number(0.5, 1024),

@@ -49,6 +49,8 @@ class Dispatcher:
         self.slot = slot
         self._record = record
         self._stop = threading.Event()
+        # retired: its worker left (`executor.workers = "auto"`); it takes no more songs
+        self._retired = threading.Event()
         self._thread: threading.Thread | None = None
         self._disk_checked = 0.0
         self._behind: threading.Thread | None = None  # the previous job's publish step
@@ -80,6 +82,17 @@ class Dispatcher:
                 log.error("the dispatcher did not stop within %.0f s", timeout)
         self._wait_behind(timeout)
 
+    def retire(self) -> None:
+        """Take no more songs: this dispatcher's worker left with its machine. A song it
+        held ends in a machine fault (or, while the worker starts, a cut-off) and goes
+        back to the queue for the other workers; `stop` still waits for it to end."""
+        self._retired.set()
+        self.client.shutdown()
+
+    @property
+    def retired(self) -> bool:
+        return self._retired.is_set()
+
     def _wait_behind(self, timeout: float | None = None) -> None:
         """Wait for the previous job's publish step (one publish at a time, in order)."""
         behind = self._behind
@@ -109,7 +122,7 @@ class Dispatcher:
 
     def _loop(self) -> None:
         self._warm_up()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._retired.is_set():
             try:
                 if self._rewarm:
                     self._rewarm = False
