@@ -268,9 +268,8 @@ class Dispatcher:
         waiting, until the faults run past the limits (engine/faults.py); then it fails with
         every attempt's reason."""
         self._rewarm = True
-        recorded = self.scheduler.registry.get(job.id) or job
         fault = machine.fault_of(exc, self._worker_name(), time.time())
-        faults = (*recorded.faults, fault)
+        faults = (*job.faults, fault)  # `job` as it was taken: with the attempts before
         if not machine.may_retry(faults, self.settings):
             message, attempts = machine.failure(faults)
             log.error("%s failed on every attempt: %s", job.name, attempts.replace("\n", "; "))
