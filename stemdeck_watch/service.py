@@ -36,6 +36,7 @@ from stemdeck_watch.engine.recovery import adopt_orphans, restore
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.engine.scheduler import Scheduler
 from stemdeck_watch.engine.shares import ShareWatch, unmounted_at_start
+from stemdeck_watch.workers.separator import Separator
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class Service:
         self.notifier: Notifier | None = None  # notify.urls, on threads of their own
         self.ownership: InboxOwnership | None = None  # the heartbeat in inbox/.stemdeck/
         self.executor: pool.Executor | None = None  # the workers (executor.kind)
+        self._workers_lock = threading.Lock()  # the dispatchers change as workers come and go
+        self._guard: DiskGuard | None = None
+        self._playlists: Playlists | None = None
+        self.shares: ShareWatch | None = None  # which folders answer (made at start)
 
     @property
     def started(self) -> bool:
@@ -103,11 +108,8 @@ class Service:
                                  lanes=len(self.executor.clients), clock=self._clock)
             self.scheduler.eta = self.eta
             self.client = self.executor.clients[0]
-            songs = SongsInFlight()  # a song separating on one worker is no new song on another
-            self.pipelines = [Pipeline(
-                self.settings, client, self.bus, self.scheduler.update,
-                lambda sha, key: [job.output for job in self.registry.done_with(sha, key)
-                                  if job.output], songs) for client in self.executor.clients]
+            self._songs = SongsInFlight()  # a song separating on one worker is no new song on another
+            self.pipelines = [self._pipeline(client) for client in self.executor.clients]
             self.pipeline = self.pipelines[0]
             # which folders answer: looked at once now (what each one is, the moves kept
             # from last time), then every second on its own thread
@@ -119,26 +121,21 @@ class Service:
                 self.shares.look(role)
             self.notifier = Notifier(self.bus, self.settings)
             self.notifier.start()  # before restore, which announces the restored jobs
-            self.pipeline.playlists = Playlists(self.scheduler)
-            for pipeline in self.pipelines[1:]:
-                pipeline.playlists = self.pipeline.playlists
+            self._playlists = Playlists(self.scheduler)
+            for pipeline in self.pipelines:
+                pipeline.playlists = self._playlists
             restore(self.scheduler, self.settings, self.pipeline.file_input,
                     unreachable=lambda _source: self.shares.away("inbox"))
-            self.pipeline.playlists.tidy()  # entries of a playlist link removed while stopped
+            self._playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
-            guard = DiskGuard(self.scheduler, self.settings)
+            self._guard = guard = DiskGuard(self.scheduler, self.settings)
             for pipeline in self.pipelines:
                 pipeline.disk = guard
             self.prefetcher = Prefetcher(self.scheduler, self.pipeline, guard)
-            self.dispatchers = [
-                Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
-                           self.prefetcher, guard, slot=slot,
-                           record=self.executor.record)
-                for slot, pipeline in enumerate(self.pipelines)]
+            self.dispatchers = [self._dispatcher(pipeline) for pipeline in self.pipelines]
             self.dispatcher = self.dispatchers[0]
-            for dispatcher in self.dispatchers:
-                dispatcher.shares = self.shares
+            self._retired: list[Dispatcher] = []  # their workers left (executor.workers = "auto")
             self.intake = InboxWatcher(self.settings.watch, folders.inbox, self.scheduler,
                                  links=self.settings.links.enabled)
             self.intake.shares = self.shares
@@ -162,6 +159,7 @@ class Service:
             raise
         self.ownership.start()
         self.shares.start()
+        self.executor.on_change = self._workers_changed
         self.executor.attach(self.scheduler)
         for dispatcher in self.dispatchers:
             dispatcher.start()
@@ -172,6 +170,46 @@ class Service:
         self._started = True
         self._start_api()
         self._log_start()
+
+    def _pipeline(self, client: Separator) -> Pipeline:
+        """A worker's pipeline; they share the songs in flight, the playlists and the disk
+        check."""
+        pipeline = Pipeline(self.settings, client, self.bus, self.scheduler.update,
+                            lambda sha, key: [job.output for job in
+                                              self.registry.done_with(sha, key) if job.output],
+                            self._songs)
+        pipeline.playlists, pipeline.disk = self._playlists, self._guard  # once made
+        pipeline.shares = self.shares
+        return pipeline
+
+    def _dispatcher(self, pipeline: Pipeline) -> Dispatcher:
+        assert self.executor is not None
+        dispatcher = Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
+                                self.prefetcher, self._guard,
+                                slot=pool.slot_of(pipeline.client), record=self.executor.record)
+        dispatcher.shares = self.shares
+        return dispatcher
+
+    def _workers_changed(self, joined: list[Separator], left: list[Separator]) -> None:
+        """The cluster's machines changed (`executor.workers = "auto"`): a dispatcher for
+        each worker that joined, and those of the workers that left retired (their songs
+        go back to the queue)."""
+        with self._workers_lock:
+            if not self._started:
+                return
+            gone = [d for d in self.dispatchers if d.client in left]
+            for dispatcher in gone:
+                dispatcher.retire()
+            added = [self._dispatcher(self._pipeline(client)) for client in joined]
+            self._retired += gone
+            self.dispatchers = [d for d in self.dispatchers if d not in gone] + added
+            self.pipelines = [d.pipeline for d in self.dispatchers]
+            if self.dispatchers:  # the first worker's, for what needs one: work ahead
+                self.dispatcher = self.dispatchers[0]
+                self.pipeline, self.client = self.dispatcher.pipeline, self.dispatcher.client
+                self.prefetcher.pipeline = self.pipeline
+            for dispatcher in added:
+                dispatcher.start()
 
     def _start_api(self) -> None:
         """The API is a control surface beside the data flow: if it cannot listen (the
@@ -203,10 +241,11 @@ class Service:
         """Notice dead parts and restart them."""
         if not self._started:
             return
-        for dispatcher in self.dispatchers:
-            if not dispatcher.alive():
-                log.error("the dispatcher thread %d died; restarting it", dispatcher.slot)
-                dispatcher.start()
+        with self._workers_lock:
+            for dispatcher in self.dispatchers:
+                if not dispatcher.alive():
+                    log.error("the dispatcher thread %d died; restarting it", dispatcher.slot)
+                    dispatcher.start()
         self.executor.supervise()
         if not self.prefetcher.alive():
             log.error("the prefetch thread died; restarting it")
@@ -257,8 +296,9 @@ class Service:
         self.intake.stop()
         self.shares.stop()  # before the dispatchers: a song waiting for its outbox gives up
         self.prefetcher.stop()
-        for dispatcher in self.dispatchers:
-            dispatcher.stop()
+        with self._workers_lock:  # no worker joins meanwhile
+            for dispatcher in [*self.dispatchers, *self._retired]:
+                dispatcher.stop()
         self.folder_remote.stop()
         self.executor.close()
         self.eta.stop()

@@ -249,8 +249,10 @@ def check_executor(settings: Settings) -> list[Finding]:
         findings = [Finding(True, "executor", "local: one resident worker process on this "
                             "machine")]
     else:
-        plan = (f"{ex.workers} worker(s) of {ex.gpus_per_worker:g} GPU and "
-                f"{ex.cpus_per_worker:g} CPU each on the Ray cluster at {ex.address}")
+        count = ("one worker per GPU (or per cpus_per_worker cores) of each machine, as "
+                 "machines come and go" if ex.workers == "auto" else f"{ex.workers} worker(s)")
+        plan = (f"{count} of {ex.gpus_per_worker:g} GPU and {ex.cpus_per_worker:g} CPU each "
+                f"on the Ray cluster at {ex.address}")
         if not ray_installed():
             return [Finding(False, "executor", f"executor.kind = \"ray\" ({plan}), but Ray is "
                             f"not installed: pip install 'stemdeck-watch[ray]' (here and on "

@@ -138,9 +138,11 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
         lines.append(f"model:   {escape_controls(status['download']['text'])}")
     job = status["running"]
     if job:
-        lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%")
+        lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%"
+                     f"{_attempt(job)}")
     queued = status["queued"]
-    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) for j in queued[:5])
+    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) + _attempt(j)
+                                                               for j in queued[:5])
                                               + (" …" if len(queued) > 5 else "") if queued else ""))
     eta_line = eta_words(status.get("eta"))
     if eta_line:
@@ -176,6 +178,15 @@ def label(job: dict[str, Any]) -> str:
     if ref.get("entry"):
         return f"{name} ({ref['entry']}/{ref['entries']} of {escape_controls(ref['name'])})"
     return f"{name} (playlist, {ref['entries']} entries)"
+
+
+def _attempt(job: dict[str, Any]) -> str:
+    """" (attempt 2: <why the last one ended>)" for a song the machine cut off before (the
+    worker died, stalled, ran out of memory); "" for a first attempt."""
+    faults = job.get("faults") or []
+    if not faults:
+        return ""
+    return f" (attempt {len(faults) + 1}: {_short(str(faults[-1].get('reason')), 80)})"
 
 
 def _short(text: str, width: int = 100) -> str:

@@ -25,7 +25,8 @@ from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
-                                           choice_list, check_model_stems, extension_list,
+                                           choice_list, check_model_stems, count_or_auto,
+                                           extension_list,
                                            layout_template, mix_table, number, number_list,
                                            hub_url, ray_address, sample_rate, show, stem_name,
                                            text, text_list, url_list)
@@ -85,6 +86,11 @@ class QueueSettings:
     max_pending_links: int = key(200, number(1, integer=True), "the same for links")
     resume_attempts: int = key(1, number(0, integer=True),
                                "how often a job cut off by a crash is resumed before it fails")
+    worker_retries: int = key(2, number(0, 20, integer=True),
+                              "attempts a song gets again after a machine fault (the worker "
+                              "process or actor died, its machine left, it stalled); each goes "
+                              "back to the head of the queue, on another worker where there is "
+                              "one; after that the song fails with every attempt's reason")
     start_paused_after_restore: bool = key(True, boolean, "jobs restored after a restart "
                                            "wait for Start (or a new file)")
     on_duplicate: str = key("skip", choice("skip", "separate"),
@@ -126,6 +132,15 @@ class SeparationSettings:
     threads: int = key(0, number(0, 1024, integer=True),
                        "threads the worker separates with; 0 = one per physical core; set "
                        "fewer to keep the computer responsive while you work on it")
+    fallback_device: str = key("cpu", choice("cpu", ""),
+                               'where a song goes when a GPU runs out of memory under it '
+                               'twice (after a try with half the window and segment): "cpu" '
+                               '(slower, but done) or "" (it fails)')
+    stall_seconds: float = key(0.0, number(0, unit="(seconds)"),
+                               "a worker that reports no progress for this long while it "
+                               "separates is stopped and the song tried again (a machine "
+                               "fault, queue.worker_retries); 0 = ten times the slowest "
+                               "segment measured on that worker, never under 60 s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +242,13 @@ class ExecutorSettings:
                        'joined with ray start), "local" (a private one started with the '
                        'service), "ray://HOST:10001" (Ray Client) or "HOST:6379" (the head); an '
                        "address where nothing listens is an error at start")
-    workers: int = key(1, number(1, 256, integer=True),
-                       'resident workers (Ray actors), one job in flight on each; above 1 needs '
-                       'kind = "ray"')
+    workers: int | str = key(1, count_or_auto(1, 256),
+                             'resident workers (Ray actors), one job in flight on each; above 1 '
+                             'needs kind = "ray"; "auto" (Ray) keeps one per GPU, or per '
+                             'cpus_per_worker cores on machines without one, of the machines '
+                             'the cluster has now: a machine that joins gets workers within '
+                             'seconds, one that leaves takes its workers (their songs go back '
+                             'to the queue), no restart')
     gpus_per_worker: float = key(0.0, number(0, 64),
                                  "GPUs each worker reserves: 1 on GPU machines, 0 for CPU")
     cpus_per_worker: float = key(1.0, number(0.5, 1024),
@@ -250,6 +269,9 @@ SERVICE_ONLY = frozenset({"model_hub"})
 # ...and keys a file dropped into the inbox (a sidecar) never sets: a folder of model files is
 # code the worker loads, so it comes from the config or one of its presets
 OWNER_ONLY = SERVICE_ONLY | {"model_repo"}
+# [separation] keys that say how the machine copes, not what the stems are: left out of a
+# song's recorded settings (its manifest, and the key duplicates are told by)
+MACHINE_KEYS = frozenset({"stall_seconds", "fallback_device"})
 
 
 @dataclasses.dataclass(frozen=True)

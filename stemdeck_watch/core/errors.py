@@ -55,7 +55,32 @@ class ModelError(SeparationError):
 
 
 class WorkerDied(SeparationError):
-    """The worker process exited in the middle of a request."""
+    """A machine fault: the worker process or actor died in the middle of a request, or its
+    machine left the cluster. The song was not at fault, so it is tried again
+    (`queue.worker_retries`). `worker` names the worker, `kind` the fault."""
+
+    kind = "died"
+
+    def __init__(self, message: str, *, details: str = "", worker: str = "",
+                 device: str = ""):
+        super().__init__(message, details=details)
+        self.worker = worker
+        self.device = device  # whose memory ran out ("cuda", "mps", "cpu"), where known
+        self.plan = ""  # what the attempt ran with, where a memory fault changed it
+
+
+class WorkerStalled(WorkerDied):
+    """The worker reported no progress for `separation.stall_seconds` and was killed."""
+
+    kind = "stalled"
+
+
+class OutOfMemory(WorkerDied):
+    """The worker ran out of memory (`device`: "cuda", "mps", or "cpu" for the computer's):
+    tried again with a smaller window and segment, then on the CPU
+    (`separation.fallback_device`)."""
+
+    kind = "memory"
 
 
 class PublishError(StageError):

@@ -77,6 +77,48 @@ class PlaylistRef:
                 "entries": self.entries, "listed": self.listed or None}
 
 
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One attempt at a song that the machine cut off, not the song: the worker process or
+    actor died, its machine left, it stalled, or it ran out of memory. The song goes back to
+    the head of the queue for another attempt; its faults travel with the job (the registry,
+    `status`, the page, the manifest, `error.txt`)."""
+
+    kind: str  # "died", "stalled" or "memory"
+    reason: str  # the error as a person reads it
+    worker: str = ""  # which worker: "the local worker (pid 123)", "ray worker 1 on host (ip)"
+    at: float = 0.0  # when (Unix time)
+    # what the attempt ran with, where a memory fault changed it: window and segment
+    # (seconds) and the device
+    plan: str = ""
+    device: str = ""  # a memory fault: whose memory ran out ("cuda", "mps", "cpu")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Fault:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict):
+            return cls("died", str(data))
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    @staticmethod
+    def to_json(faults: tuple[Fault, ...]) -> str | None:
+        return json.dumps([f.to_dict() for f in faults], separators=(",", ":")) if faults else None
+
+    @classmethod
+    def from_json(cls, text: str | None) -> tuple[Fault, ...]:
+        """The faults as the registry holds them; a torn record reads as none."""
+        if not text:
+            return ()
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return ()
+        return tuple(cls.from_dict(item) for item in data) if isinstance(data, list) else ()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class FileSignature:
     """What "the same file" means: unchanged size, modification time and inode.
@@ -129,6 +171,8 @@ class Job:
     sha256: str | None = None  # of the input, once read: duplicates are found by it
     settings_key: str | None = None  # the separation and output settings, hashed
     playlist: PlaylistRef | None = None  # the playlist link or entry this job is
+    # the attempts the machine cut off (worker died, stalled, out of memory), oldest first
+    faults: tuple[Fault, ...] = ()
 
     def to_status(self) -> dict[str, Any]:
         """The job object of `status --json`."""
@@ -145,6 +189,9 @@ class Job:
             "created_at": self.created_at,
             "finished_at": self.finished_at,
             "playlist": self.playlist.to_status() if self.playlist else None,
+            # attempts the machine cut off (the worker died, stalled, ran out of memory);
+            # the song was tried again after each
+            "faults": [fault.to_dict() for fault in self.faults],
         }
 
 

@@ -1,8 +1,9 @@
 """The single consumer: takes one job at a time from the queue and sees it to an end.
 
 Every job that leaves the queue through here ends in exactly one of: done, failed (input
-quarantined), cancelled, or back at the head of the queue (the service is stopping). The loop
-catches and logs everything and goes on: one bad song must never stop the queue.
+quarantined), cancelled, or back at the head of the queue (the service is stopping, the disk
+is full, or the machine failed the song: engine/faults.py). The loop catches and logs
+everything and goes on: one bad song must never stop the queue.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import traceback
 from typing import Callable
 
 from stemdeck_watch.core.config import Settings
-from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, StageError
+from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, StageError, WorkerDied
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.core.jobs import Job, JobState
+from stemdeck_watch.core.jobs import Fault, Job, JobState
+from stemdeck_watch.engine import faults as machine
 from stemdeck_watch.stages.quarantine import quarantine
 from stemdeck_watch.engine.diskguard import NO_ROOM, DiskGuard
 from stemdeck_watch.engine.prefetch import Prefetcher
@@ -48,10 +50,15 @@ class Dispatcher:
         self.slot = slot
         self._record = record
         self._stop = threading.Event()
+        # retired: its worker left (`executor.workers = "auto"`); it takes no more songs
+        self._retired = threading.Event()
         self._thread: threading.Thread | None = None
         self._disk_checked = 0.0
         self._behind: threading.Thread | None = None  # the previous job's publish step
         self.shares: ShareWatch | None = None  # set by the service: folders on a share
+        # a machine fault ended the last job: the worker is made ready again (a new process,
+        # a restarted actor placed) before this dispatcher takes another song
+        self._rewarm = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -76,6 +83,17 @@ class Dispatcher:
             if self._thread.is_alive():
                 log.error("the dispatcher did not stop within %.0f s", timeout)
         self._wait_behind(timeout)
+
+    def retire(self) -> None:
+        """Take no more songs: this dispatcher's worker left with its machine. A song it
+        held ends in a machine fault (or, while the worker starts, a cut-off) and goes
+        back to the queue for the other workers; `stop` still waits for it to end."""
+        self._retired.set()
+        self.client.shutdown()
+
+    @property
+    def retired(self) -> bool:
+        return self._retired.is_set()
 
     def _wait_behind(self, timeout: float | None = None) -> None:
         """Wait for the previous job's publish step (one publish at a time, in order)."""
@@ -106,8 +124,11 @@ class Dispatcher:
 
     def _loop(self) -> None:
         self._warm_up()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._retired.is_set():
             try:
+                if self._rewarm:
+                    self._rewarm = False
+                    self._warm_up()
                 control = self.scheduler.next_job(timeout=0.5, slot=self.slot)
                 if control is not None:
                     self._handle(control)
@@ -195,6 +216,8 @@ class Dispatcher:
             work()
         except Cancelled as exc:
             self._cancelled(job, exc.reason, control)
+        except WorkerDied as exc:  # the machine's fault, not the song's
+            self._machine_fault(job, control, exc)
         except StageError as exc:
             self._failed(job, exc.stage, str(exc), exc.details)
         except Exception as exc:
@@ -214,25 +237,63 @@ class Dispatcher:
 
     def _record_cancel(self, job: Job, reason: str, control: JobControl | None) -> None:
         """End a cancelled job, or put it back at the head of the queue (stopping, or no room
-        on disk yet: the queue is paused for disk and it runs first once there is room).
-
-        It goes back while the queue still has it taken, so a person's cancel finds it in
-        one place or the other: one that came before (answered "cancelled", the job's flag
-        set) takes it out of the queue again here, one that comes after finds it queued."""
+        on disk yet: the queue is paused for disk and it runs first once there is room)."""
         if reason in (SHUTDOWN, NO_ROOM):
             log.info("%s %s", job.name, "was cut off by shutdown; it goes back to the head of "
                      "the queue" if reason == SHUTDOWN else "waits at the head of the queue "
                      "for room on disk")
-            self.scheduler.requeue_front(job.id)
-            asked = control.reason if control is not None and control.cancelled else None
-            if asked in (None, SHUTDOWN, NO_ROOM) or not self.scheduler.queue.discard(job.id):
-                return
-            reason = asked
+            self._back_to_head(job, control)
+            return
+        self._end_cancelled(job, reason)
+
+    def _back_to_head(self, job: Job, control: JobControl | None,
+                      avoid: int | None = None, **fields: object) -> None:
+        """Put a taken job back at the head of the queue, recording `fields`.
+
+        It goes back while the queue still has it taken, so a person's cancel finds it in
+        one place or the other: one that came before (answered "cancelled", the job's flag
+        set) takes it out of the queue again here, one that comes after finds it queued."""
+        self.scheduler.requeue_front(job.id, avoid, **fields)
+        asked = control.reason if control is not None and control.cancelled else None
+        if asked in (None, SHUTDOWN, NO_ROOM) or not self.scheduler.queue.discard(job.id):
+            return
+        self._end_cancelled(job, asked)
+
+    def _end_cancelled(self, job: Job, reason: str) -> None:
         log.info("cancelled %s: %s", job.name, reason)
         self.scheduler.update(job.id, state=JobState.CANCELLED, error=reason, stage=None,
                               progress=0.0, finished_at=time.time())
 
-    def _failed(self, job: Job, stage: str, message: str, details: str) -> None:
+    def _machine_fault(self, job: Job, control: JobControl, exc: WorkerDied) -> None:
+        """The worker failed under the song (died, stalled, out of memory): the song goes
+        back to the head of the queue for another attempt, on another worker where one is
+        waiting, until the faults run past the limits (engine/faults.py); then it fails with
+        every attempt's reason."""
+        self._rewarm = True
+        fault = machine.fault_of(exc, self._worker_name(), time.time())
+        faults = (*job.faults, fault)  # `job` as it was taken: with the attempts before
+        if not machine.may_retry(faults, self.settings):
+            message, attempts = machine.failure(faults)
+            log.error("%s failed on every attempt: %s", job.name, attempts.replace("\n", "; "))
+            self._failed(job, exc.stage, message, exc.details, faults, attempts)
+            return
+        log.warning("%s: %s on %s; it goes back to the head of the queue for attempt %d",
+                    job.name, exc, fault.worker, len(faults) + 1)
+
+        def retry() -> None:
+            self._back_to_head(job, control, avoid=self.slot, faults=faults, error=None)
+        until_stored(retry, f"{job.name} for another attempt", self._stop)
+
+    def _worker_name(self) -> str:
+        """This dispatcher's worker as a fault names it."""
+        info = self.client.info()
+        where = info.get("hostname") or info.get("node_ip")
+        if info.get("executor") == "ray":
+            return f"ray worker {info.get('index', self.slot)}" + (f" on {where}" if where else "")
+        return f"the local worker (pid {self.client.pids[-1] if self.client.pids else '?'})"
+
+    def _failed(self, job: Job, stage: str, message: str, details: str,
+                faults: tuple[Fault, ...] | None = None, attempts: str = "") -> None:
         published = find_published(self.settings.paths.outbox, job)
         if published is not None:
             # the song is out; only recording it failed (a registry write): record it again
@@ -260,7 +321,9 @@ class Dispatcher:
         log.error("%s failed while %s: %s", job.source, stage, message)
         # the diagnosis is on record before the input moves: a crash in between still ends
         # with the input in failed/ and its report (recovery.find_quarantined)
-        current = until_stored(lambda: self.scheduler.update(job.id, error=message, stage=stage),
+        noted: dict[str, object] = {} if faults is None else {"faults": faults}
+        current = until_stored(lambda: self.scheduler.update(job.id, error=message, stage=stage,
+                                                             **noted),
                                f"why {job.name} failed", self._stop)
         if current is None:
             return  # stopping: the input stays in the inbox and the restore retries it
@@ -271,7 +334,8 @@ class Dispatcher:
                                                           job.signature, why))
         where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
                            details=details, worker_tail=tail,
-                           worker_versions=self.client.versions, defer=defer)
+                           worker_versions=self.client.versions, defer=defer,
+                           attempts=attempts)
         until_stored(lambda: self.scheduler.update(job.id, state=JobState.FAILED, error=message,
                                                    stage=stage, source=str(where),
                                                    finished_at=time.time()),

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.jobs import FileSignature, Job, JobState
+from stemdeck_watch.engine.faults import Plan
 from stemdeck_watch.engine.prepared import Prepared
 from stemdeck_watch.links.fetch import Downloaded
 from stemdeck_watch.stages.decode import DecodedAudio
@@ -41,6 +42,8 @@ class JobRun:
     source: Path  # the file to separate: the input, or a link's download
     # where each setting came from (config, preset, a tag in the name, a sidecar)
     origins: dict[str, str] = dataclasses.field(default_factory=dict)
+    # how this attempt separates: as configured, or smaller / on the CPU after memory faults
+    plan: Plan = dataclasses.field(default_factory=Plan)
     timer: StageTimer = dataclasses.field(default_factory=StageTimer)
     start: float = 0.0  # where decoding starts on the progress bar (after a download)
     prepared: Prepared | None = None

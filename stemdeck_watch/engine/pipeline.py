@@ -33,11 +33,13 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
-from stemdeck_watch.core.config import SERVICE_ONLY, Settings
-from stemdeck_watch.core.errors import Cancelled, DecodeError, FilesystemError, StageError
+from stemdeck_watch.core.config import MACHINE_KEYS, SERVICE_ONLY, Settings
+from stemdeck_watch.core.errors import (Cancelled, DecodeError, FilesystemError, StageError,
+                                        WorkerDied)
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
 from stemdeck_watch.core.paths import exists_or_unreachable, find_moved, is_unreachable, move_file
+from stemdeck_watch.engine import faults as machine
 from stemdeck_watch.engine.inflight import SongsInFlight
 from stemdeck_watch.engine.jobrun import JobRun, Progress
 from stemdeck_watch.engine.playlists import Playlists
@@ -97,11 +99,15 @@ class Pipeline:
         Cancelled, with scratch and staging removed (so does the rest)."""
         run = self._new_run(job, control)
         with self._lock, self._discarded_on_error(run):
-            self._prepare(run, claim)
-            if not run.ended:
-                self._decode(run, claim)
-            if not run.ended:
-                self._separate(run)
+            try:
+                self._prepare(run, claim)
+                if not run.ended:
+                    self._decode(run, claim)
+                if not run.ended:
+                    self._separate(run)
+            except WorkerDied as exc:  # a machine fault: what this attempt ran with
+                exc.plan = "" if run.plan.as_configured else run.plan.describe()
+                raise
         return Publishing(self, run)
 
     def finish(self, run: JobRun) -> Job:
@@ -186,9 +192,11 @@ class Pipeline:
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
-        # the song's settings: what a song can choose (not where models are downloaded from)
-        run.settings = {"separation": {k: v for k, v in dataclasses.asdict(run.sep).items()
-                                       if k not in SERVICE_ONLY},
+        # the song's settings: what a song can choose, not how this machine copes or where
+        # models are downloaded from
+        song = {k: v for k, v in dataclasses.asdict(run.sep).items()
+                if k not in MACHINE_KEYS | SERVICE_ONLY}
+        run.settings = {"separation": song,
                         "output": dataclasses.asdict(run.out)}
         run.key = settings_key_of(run.settings) or ""
         copy = self._duplicate_of(job, run.digest, run.key, control)
@@ -199,7 +207,8 @@ class Pipeline:
             return
         started = time.monotonic()
         run.model = model = self.client.ensure_model(run.sep.model, run.repo, control,
-                                                     precision=run.sep.precision)
+                                                     precision=run.sep.precision,
+                                                     device=run.plan.device)
         run.timer.measure("model", started)
         started = time.monotonic()
         run.decoded = prepared.decoded_for(source, model.samplerate,
@@ -224,6 +233,7 @@ class Pipeline:
             job.id, sep.model, run.repo, decoded.path, run.scratch / "stems",
             shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
             control=control, stats=decoded.stats, precision=model.dtype,
+            stall_seconds=sep.stall_seconds, shrink=run.plan.shrink, device=run.plan.device,
             on_progress=lambda v: run.report.progress(base + share * v))
         run.timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
@@ -268,6 +278,14 @@ class Pipeline:
             "versions": self.client.versions,
             # the precision the worker separated in, and the figures that chose it
             "precision": dict(model.precision) or {"precision": model.dtype},
+            # this was attempt N: the ones before it were cut off by the machine (the worker
+            # died, stalled, ran out of memory), each recorded with its reason
+            "attempts": len(job.faults) + 1,
+            "faults": [fault.to_dict() for fault in job.faults],
+            # after running out of memory: what this attempt separated with instead (the
+            # window and segment in seconds, the device)
+            **({} if run.plan.as_configured else {"memory_plan": {
+                "plan": run.plan.describe(), "shrink": run.plan.shrink, **result.sizes()}}),
         })
 
     def _publish(self, run: JobRun) -> None:
@@ -456,9 +474,14 @@ class Pipeline:
         sep, out = chosen.separation, chosen.output
         repo = self.settings.resolve_model_repo(sep)
         folders = self.settings.paths
+        plan = machine.plan_for(job.faults, sep)  # after memory faults: smaller, the CPU
+        if not plan.as_configured:
+            log.info("%s: attempt %d after running out of memory: %s", job.name,
+                     len(job.faults) + 1, plan.describe())
         return JobRun(job, control, Progress(self._update, job.id), sep, out,
                       str(repo) if repo else None, folders.scratch / job.id,
-                      folders.staging / job.id, Path(job.source), origins=chosen.origins)
+                      folders.staging / job.id, Path(job.source), origins=chosen.origins,
+                      plan=plan)
 
     @contextlib.contextmanager
     def _discarded_on_error(self, run: JobRun) -> Iterator[None]:

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("stemdeck_watch.engine.scheduler")
 
 CANCELLED_BY_USER = "cancelled by you; change the file or drop it again to queue it again"
+CANCEL_RECORDED_WAIT = 10.0  # seconds a cancel's answer waits for a job in flight to end
 
 
 class Requests:
@@ -72,7 +74,24 @@ class Requests:
 
     def cancel_job(self, job_id: str) -> Job:
         """Cancel on a person's request: the input stays where it is, and neither a rescan
-        nor a restart queues it again (changing the file or dropping it again does)."""
+        nor a restart queues it again (changing the file or dropping it again does).
+
+        A job in flight is answered once its dispatcher has ended it on record (its step is
+        stopped at once, so that takes a moment): "cancelled" then holds even if the
+        service is killed right after, instead of the restore running the song again."""
+        job = self._cancel_job(job_id)
+        if job.state.is_final:
+            return job
+        deadline = time.monotonic() + CANCEL_RECORDED_WAIT
+        while any(c.job_id == job.id for c in self.queue.in_flight()):
+            if time.monotonic() > deadline:
+                log.warning("%s was cancelled but has not ended within %.0f s", job.name,
+                            CANCEL_RECORDED_WAIT)
+                break
+            time.sleep(0.02)
+        return self.registry.get(job.id) or job
+
+    def _cancel_job(self, job_id: str) -> Job:
         with self._lock:
             job = self._get(job_id)
             if job.state.is_final:

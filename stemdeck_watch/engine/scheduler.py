@@ -404,11 +404,12 @@ class Scheduler(Requests):
         self.bus.publish(JobChanged(job))
         return job
 
-    def requeue_front(self, job_id: str) -> Job:
-        """A taken job goes back to the head of the queue (stopping, or no disk room yet),
+    def requeue_front(self, job_id: str, avoid: int | None = None, **fields: Any) -> Job:
+        """A taken job goes back to the head of the queue (stopping, no disk room yet, or a
+        machine fault: `avoid` is the slot whose worker failed it, `fields` what to record),
         behind any job taken before it that went back too."""
-        job = self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None)
-        self.queue.put_back(job_id)
+        job = self.update(job_id, state=JobState.QUEUED, progress=0.0, stage=None, **fields)
+        self.queue.put_back(job_id, avoid)
         self._save_order()
         return job
 

@@ -39,7 +39,8 @@ def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
 
 def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
                worker_tail: str = "", worker_versions: dict[str, str] | None = None,
-               defer: Callable[[Path, Path, str], None] | None = None) -> Path:
+               defer: Callable[[Path, Path, str], None] | None = None,
+               attempts: str = "") -> Path:
     """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
     is now (its old place if it could not be moved).
 
@@ -49,7 +50,8 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
 
     Only the file the job took is moved: a new version saved over it while the job ran was
     never separated, so it stays in the inbox (the intake queues it as new content) and the
-    report says so.
+    report says so. `attempts`: one line per attempt a machine fault cut off (the worker
+    died, stalled, ran out of memory), when those are why the song failed.
     """
     source = Path(job.source)
     target = failed_dir / PurePosixPath(job.rel_path)
@@ -84,7 +86,7 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     report = report_path(where) if where != source else unique_path(report_path(target))
     text = _diagnosis(job, stage=stage, message=message, details=details,
                       worker_tail=worker_tail, versions=versions(worker_versions),
-                      where=where, move_note=move_note)
+                      where=where, move_note=move_note, attempts=attempts)
     try:
         report.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(report, text)
@@ -103,7 +105,7 @@ def _deferred(source: Path, target: Path, why: str,
 
 
 def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,
-               versions: dict[str, str], where: Path, move_note: str) -> str:
+               versions: dict[str, str], where: Path, move_note: str, attempts: str = "") -> str:
     """The report. Names, paths and messages come from whoever named the file: their control
     characters are shown as `?`, so none adds a line of its own or reaches a terminal that
     shows the report (the worker's lines and details keep their line breaks)."""
@@ -123,6 +125,10 @@ def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail:
         f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
     ]
+    if attempts.strip():
+        lines += ["", "Every attempt failed because of the machine, not the song (the worker "
+                  "died, stalled or ran out of memory), and the song was tried again each time:",
+                  shown(attempts.rstrip(), keep="\n\t")]
     if worker_tail.strip():
         lines += ["", "Last lines from the separation worker:",
                   shown(worker_tail.rstrip(), keep="\n\t")]

@@ -125,6 +125,10 @@ class JobQueue:
         self._takes = itertools.count(1)
         # jobs put back at the head after being taken: job id -> when it had been taken
         self._returned: dict[str, int] = {}
+        # jobs put back after a machine fault: job id -> the slot whose worker failed it,
+        # which leaves it to another worker waiting for a job
+        self._avoid: dict[str, int] = {}
+        self._idle: set[int] = set()  # slots waiting in take() now
         self._closed = False
 
     # ------------------------------------------------------------ producers
@@ -134,18 +138,24 @@ class JobQueue:
             if job_id in self._order:
                 return
             self._returned.pop(job_id, None)
+            self._avoid.pop(job_id, None)
             if front:
                 self._order.appendleft(job_id)
             else:
                 self._order.append(job_id)
             self._changed.notify_all()
 
-    def put_back(self, job_id: str) -> None:
+    def put_back(self, job_id: str, avoid: int | None = None) -> None:
         """Return a taken job to the head of the queue, behind every job that was taken
         before it and went back too: a stop cuts off the song publishing behind and the one
         separating at once, in whatever order their threads get there, and they must come
-        back in the order they were queued."""
+        back in the order they were queued.
+
+        `avoid`: the slot whose worker failed the job (a machine fault); while another
+        slot is waiting for a job, that one takes it."""
         with self._lock:
+            if avoid is not None:
+                self._avoid[job_id] = avoid
             if job_id in self._order:
                 return
             taken = next((c.taken for c in self._controls() if c.job_id == job_id), 0)
@@ -159,6 +169,7 @@ class JobQueue:
 
     def discard(self, job_id: str) -> bool:
         with self._lock:
+            self._avoid.pop(job_id, None)
             try:
                 self._order.remove(job_id)
             except ValueError:
@@ -212,17 +223,29 @@ class JobQueue:
         """Block until a job may start; None on timeout or when the queue is closed.
         `slot`: the consumer's (its worker's) slot."""
         with self._lock:
-            ready = self._changed.wait_for(
-                lambda: self._closed or (not self._paused and bool(self._order)), timeout)
+            self._idle.add(slot)
+            try:
+                ready = self._changed.wait_for(
+                    lambda: self._closed or self._ready_for(slot), timeout)
+            finally:
+                self._idle.discard(slot)
             if not ready or self._closed:
                 return None
             control = JobControl(self._order.popleft())
+            self._avoid.pop(control.job_id, None)
             control.taken = next(self._takes)
             # every job still queued was behind this one: a job put back before now no
             # longer orders the ones put back later
             self._returned.clear()
             self._claimed[slot] = control
             return control
+
+    def _ready_for(self, slot: int) -> bool:
+        """A job may start on `slot`: the queue runs and holds one, and it is not one this
+        slot's worker failed while another slot waits for a job."""
+        if self._paused or not self._order:
+            return False
+        return self._avoid.get(self._order[0]) != slot or not (self._idle - {slot})
 
     def set_running(self, control: JobControl, slot: int = 0) -> bool:
         """False if the job was cancelled between `take` and now: the caller finalises it,

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.core.jobs import Fault, FileSignature, Job, JobKind, JobState, PlaylistRef
 from stemdeck_watch.core.paths import private_dir, private_file, tighten
 
 log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "registry.sqlite3"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     version INTEGER NOT NULL DEFAULT 0,
     sha256 TEXT,
     settings_key TEXT,
-    playlist TEXT
+    playlist TEXT,
+    faults TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
@@ -74,15 +75,16 @@ SCHEMA += PENDING_MOVES + ";\n"
 MIGRATIONS = {2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT",
                   "ALTER TABLE jobs ADD COLUMN settings_key TEXT"),
               3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",),
-              4: (PENDING_MOVES,)}
+              4: (PENDING_MOVES,),
+              5: ("ALTER TABLE jobs ADD COLUMN faults TEXT",)}
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
     "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
-    "settings_key, playlist"
+    "settings_key, playlist, faults"
 )
 _UPDATABLE = {"name", "state", "source", "rel_path", "preset", "progress", "output", "error",
               "stage", "signature", "attempts", "finished_at", "sha256", "settings_key",
-              "playlist"}
+              "playlist", "faults"}
 
 
 class Registry:
@@ -179,13 +181,13 @@ class Registry:
         sig = job.signature
         self._db.execute(
             f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
-            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
              job.preset, job.progress, job.output, job.error, job.stage,
              sig.size if sig else None, sig.mtime_ns if sig else None,
              sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
              job.finished_at, job.version, job.sha256, job.settings_key,
-             job.playlist.to_json() if job.playlist else None))
+             job.playlist.to_json() if job.playlist else None, Fault.to_json(job.faults)))
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -216,6 +218,8 @@ class Registry:
                 columns[name] = value.value
             elif isinstance(value, PlaylistRef):
                 columns[name] = value.to_json()
+            elif name == "faults":
+                columns[name] = Fault.to_json(tuple(value))
             else:
                 columns[name] = value
         columns["updated_at"] = self._clock()
@@ -474,10 +478,11 @@ class _Transaction:
 def _job(row: tuple[Any, ...]) -> Job:
     (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
      mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256,
-     settings_key, playlist) = row
+     settings_key, playlist, faults) = row
     signature = FileSignature(size, mtime_ns, inode) if size is not None else None
     return Job(id=job_id, name=name, kind=JobKind(kind), state=JobState(state), source=source,
                rel_path=rel_path, preset=preset, progress=progress, output=output, error=error,
                stage=stage, signature=signature, attempts=attempts, created_at=created_at,
                updated_at=updated_at, finished_at=finished_at, version=version, sha256=sha256,
-               settings_key=settings_key, playlist=PlaylistRef.from_json(playlist))
+               settings_key=settings_key, playlist=PlaylistRef.from_json(playlist),
+               faults=Fault.from_json(faults))

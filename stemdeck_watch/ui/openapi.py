@@ -59,7 +59,7 @@ SCHEMAS: dict[str, Any] = {
     "Job": {
         "type": "object",
         "required": ["id", "name", "kind", "state", "progress", "source", "output", "error",
-                     "preset", "created_at", "finished_at", "playlist"],
+                     "preset", "created_at", "finished_at", "playlist", "faults"],
         "properties": {
             "id": {"type": "string"}, "name": {"type": "string"},
             "kind": {"enum": ["file", "link"]}, "state": {"enum": STATES},
@@ -68,7 +68,17 @@ SCHEMAS: dict[str, Any] = {
             "output": NULLABLE_STRING, "error": NULLABLE_STRING, "preset": NULLABLE_STRING,
             "created_at": {"type": "number"}, "finished_at": {"type": ["number", "null"]},
             "playlist": {"oneOf": [{"$ref": "#/components/schemas/Playlist"},
-                                   {"type": "null"}]}}},
+                                   {"type": "null"}]},
+            "faults": {"type": "array", "description": "attempts the machine cut off (the "
+                       "worker died, stalled, ran out of memory); the song was tried again "
+                       "after each", "items": {"$ref": "#/components/schemas/Fault"}}}},
+    "Fault": {
+        "type": "object", "required": ["kind", "reason", "worker", "at", "plan"],
+        "properties": {"kind": {"enum": ["died", "stalled", "memory"]},
+                       "reason": {"type": "string"}, "worker": {"type": "string"},
+                       "at": {"type": "number"},
+                       "plan": {"type": "string", "description": "window, segment and device "
+                                "of the attempt where a memory fault changed them"}}},
     "Status": {
         "type": "object", "description": "the `status --json` object",
         "required": ["service", "paused", "pause_reason", "running", "queued", "waiting", "jobs",

@@ -48,6 +48,21 @@ def number(minimum: float | None = None, maximum: float | None = None, *,
     return check
 
 
+def count_or_auto(minimum: int, maximum: int) -> Check:
+    """A whole number in [minimum, maximum], or "auto"."""
+    count = number(minimum, maximum, integer=True)
+
+    def check(value: Any) -> Any:
+        if value == "auto":
+            return value
+        try:
+            return count(value)
+        except ValueError as exc:
+            raise ValueError(f'"auto" or {exc}') from None
+
+    return check
+
+
 def number_list(minimum: float, maximum: float, *, integer: bool = False,
                 unit: str = "") -> Check:
     """A list of numbers, each checked as `number` checks one; duplicates dropped."""

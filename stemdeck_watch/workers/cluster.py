@@ -136,6 +136,27 @@ def nodes() -> list[dict[str, Any]]:
             for n in ray.nodes() if n.get("Alive")]
 
 
+def workers_for(resources: dict[str, Any], gpus_per_worker: float,
+                cpus_per_worker: float) -> tuple[int, float]:
+    """How many workers a machine with `resources` holds under `executor.workers = "auto"`,
+    and the GPUs each reserves: one per GPU (`gpus_per_worker` each, 1 when that is 0) on a
+    machine with GPUs, else one per `cpus_per_worker` cores; never more than its cores hold."""
+    cpus = int(float(resources.get("CPU", 0)) // cpus_per_worker)
+    gpus = float(resources.get("GPU", 0))
+    if gpus >= 1:
+        each = gpus_per_worker or 1.0
+        return min(int(gpus // each), cpus), each
+    return cpus, 0.0
+
+
+def machines() -> dict[str, dict[str, Any]]:
+    """The live machines of the cluster: node id → its resources (totals)."""
+    import ray
+
+    return {str(n.get("NodeID")): dict(n.get("Resources") or {}) for n in ray.nodes()
+            if n.get("Alive")}
+
+
 class ClusterWatch(Ticker):
     """Pauses the queue while the cluster is gone, starts it when it is back."""
 

@@ -2,8 +2,9 @@
 
 The worker is registered on the running job's JobControl while a request is in flight, so a
 cancel terminates it at once; the next job gets a fresh worker. If the worker dies on its own
-(out of memory, a crash in torch), the job fails with the last lines the worker wrote to
-stderr, and the next job gets a fresh worker too: the queue never wedges.
+(out of memory, a crash in torch), the request ends in `WorkerDied` with the last lines the
+worker wrote to stderr — a machine fault, so the song is tried again (engine/faults.py) — and
+the next request gets a fresh worker: the queue never wedges.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -20,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
+                                       SeparationError, WorkerDied, WorkerStalled)
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, PROGRESS_PREFIX
@@ -37,6 +41,7 @@ class _Process:
     """One worker process with its reader threads."""
 
     def __init__(self, device: str, env: dict[str, str], threads: int = 0):
+        self.device = device  # as asked for ("auto" included)
         kwargs: dict[str, Any] = {}
         if sys.platform == "win32":
             kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
@@ -150,7 +155,7 @@ class WorkerClient:
         self.precision = precision  # separation.precision, unless a request says otherwise
         # choices measured on this machine, per (model, repo, setting): a worker restarted
         # after a cancel reuses them instead of calibrating again
-        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._lock = threading.Lock()
         self._proc: _Process | None = None
@@ -166,6 +171,7 @@ class WorkerClient:
         self.on_download: Callable[[dict[str, Any] | None], None] | None = None
         self._loading = False  # a load request is in flight: download reports count
         self._download_lock = threading.Lock()
+        self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
 
     @property
     def pid(self) -> int | None:
@@ -189,13 +195,14 @@ class WorkerClient:
         return proc.model if proc is not None and proc.alive() else None
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None) -> ModelInfo:
+                     precision: str | None = None, device: str | None = None) -> ModelInfo:
         """Start the worker if needed and have it load `name` and choose its precision
-        (`precision`: the setting, default the client's); cached while it lives."""
+        (`precision`: the setting, default the client's); cached while it lives. `device`:
+        see Separator.ensure_model."""
         setting = precision or self.precision
-        key = (name, repo, setting)
+        key = (name, repo, setting, device or self.device)
         with self._lock:
-            proc = self._ensure_process(control)
+            proc = self._ensure_process(control, device)
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
                 return model
@@ -263,14 +270,17 @@ class WorkerClient:
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0, shrink: int = 0,
+                 device: str | None = None) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
         streamed pass over the input. `window`: seconds of output the worker separates at a
         time (default: the worker's, 30 s); memory grows with it, never with the song.
-        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`)."""
+        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`).
+        `stall_seconds`, `shrink`, `device`: see Separator.separate."""
         request: dict[str, Any] = {
             "op": "separate", "id": job_id, "model": model, "repo": repo,
             "input": str(input_path), "output": str(output_dir), "shifts": shifts,
@@ -279,22 +289,33 @@ class WorkerClient:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         if window is not None:
             request["window"] = float(window)
+        if shrink:
+            request["shrink"] = int(shrink)
         with self._lock:
-            proc = self._ensure_process(control)
+            proc = self._ensure_process(control, device)
+            watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
 
             def progress(owner: str, value: float) -> None:
                 if owner == job_id:  # progress belongs to the job that owns the worker
+                    watch.beat()
                     on_progress(value)
 
             proc.on_progress = progress
             started = time.monotonic()
             try:
-                reply = self._call(proc, request, control)
+                reply = self._call(proc, request, control, watch)
             finally:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
+            watch.done()
             return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
-                              float(reply["seconds"]))
+                              float(reply["seconds"]), **Separation.from_reply(reply))
+
+    def pace(self) -> Pace:
+        """The time per segment measured on this worker's device."""
+        proc = self._proc
+        device = str(((proc.ready or {}) if proc else {}).get("device") or self.device)
+        return self._paces.setdefault(device, Pace())
 
     def stop(self) -> None:
         """Terminate the worker now (cancel, shutdown). Safe from any thread."""
@@ -315,23 +336,31 @@ class WorkerClient:
 
     # ------------------------------------------------------------ internals
 
-    def _ensure_process(self, control: JobControl | None) -> _Process:
+    def _ensure_process(self, control: JobControl | None, device: str | None = None) -> _Process:
+        """The live worker on `device` (default: the client's), started if needed."""
         if self._shut:
             raise Cancelled(SHUTDOWN)
-        if self._proc is not None and self._proc.alive():
-            return self._proc
-        if self._proc is not None:
+        wanted = device or self.device
+        current = self._proc
+        if current is not None and current.alive() and current.device == wanted:
+            return current
+        if current is not None and current.alive():
+            log.info("worker %d runs on %s; starting one on %s", current.pid, current.device,
+                     wanted)
+            current.close()
+        elif current is not None:
             log.info("worker %d is gone (exit code %s); starting a new one",
-                        self._proc.pid, self._proc.popen.returncode)
-            self._proc.stop()
-        self._proc = proc = _Process(self.device, self._env, self.threads)
+                     current.pid, current.popen.returncode)
+            current.stop()
+        self._proc = proc = _Process(wanted, self._env, self.threads)
         proc.on_download = self._downloading
         self.pids.append(proc.pid)
         log.info("started separation worker %d", proc.pid)
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
         return proc
 
-    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None) -> dict[str, Any]:
+    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None,
+              watch: Watch | None = None) -> dict[str, Any]:
         # every request carries a fresh number that the worker echoes: a late reply to an
         # earlier request (one cut off by a cancel) can never be taken for this one's
         self._requests += 1
@@ -340,16 +369,26 @@ class WorkerClient:
             proc.send(request)
         except (BrokenPipeError, OSError):
             pass  # the process died; _wait reports it with its stderr
-        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None)
+        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None, watch)
         if not reply.get("ok"):
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])
+            if reply.get("kind") == "memory":
+                where = {"cuda": "the GPU's", "mps": "the GPU's"}.get(reply.get("device") or "",
+                                                                      "the computer's")
+                raise OutOfMemory(f"the separation worker ran out of memory ({where}): "
+                                  f"{reply.get('error')}", details=reply.get("traceback", ""),
+                                  worker=_name(proc), device=reply.get("device") or "cpu")
             raise SeparationError(f"the separation worker failed: {reply.get('error')}",
                                   details=reply.get("traceback", ""))
         return reply
 
     def _wait(self, proc: _Process, control: JobControl | None,
-              match: Callable[[dict[str, Any]], bool], timeout: float | None) -> dict[str, Any]:
+              match: Callable[[dict[str, Any]], bool], timeout: float | None,
+              watch: Watch | None = None) -> dict[str, Any]:
+        """The worker's reply `match` accepts. A cancel stops the worker (Cancelled); a
+        worker that dies, does not start within `timeout` or stays silent past `watch`'s
+        limit is a machine fault (WorkerDied, WorkerStalled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
             if control is not None:  # a cancel from any thread stops the worker at once
@@ -362,10 +401,22 @@ class WorkerClient:
                 except queue.Empty:
                     if not proc.alive() and proc.replies.empty():
                         self._raise_died(proc, control)
+                    if watch is not None and watch.stalled():
+                        proc.stop()
+                        if control is not None:
+                            control.check()  # a cancel that came meanwhile wins
+                        log.warning("worker %d reported no progress for %.0f s; stopped it",
+                                    proc.pid, watch.silent())
+                        raise WorkerStalled(
+                            f"the separation worker reported no progress for "
+                            f"{watch.silent():.0f} s (the stall limit is {watch.limit:.0f} s, "
+                            f"separation.stall_seconds) and was stopped",
+                            details=proc.stderr_tail(), worker=_name(proc)) from None
                     if deadline is not None and time.monotonic() > deadline:
                         proc.stop()
                         raise WorkerDied(f"the separation worker did not start within "
-                                         f"{timeout:.0f} s", details=proc.stderr_tail()) from None
+                                         f"{timeout:.0f} s", details=proc.stderr_tail(),
+                                         worker=_name(proc)) from None
                     continue
                 if match(message):
                     return message
@@ -378,8 +429,17 @@ class WorkerClient:
             control.check()  # we killed it for a cancel: that is not a failure
         code = proc.popen.returncode
         why = _describe_exit(code)
-        raise WorkerDied(f"the separation worker stopped unexpectedly ({why})",
-                         details=proc.stderr_tail())
+        # nothing here sends SIGKILL but a stop, and a stop for a cancel ended above: it came
+        # from the kernel's OOM killer, most likely
+        died = OutOfMemory if code == -signal.SIGKILL else WorkerDied
+        raise died(f"the separation worker stopped unexpectedly ({why})",
+                   details=proc.stderr_tail(), worker=_name(proc),
+                   device="cpu" if died is OutOfMemory else "")
+
+
+def _name(proc: _Process) -> str:
+    """A worker process as a fault names it."""
+    return f"the local worker (pid {proc.pid})"
 
 
 def _describe_choice(choice: dict[str, Any]) -> str:
@@ -395,8 +455,6 @@ def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:

@@ -262,7 +262,8 @@ class SeparationActor:
                        "audio": reader.read(start, min(reader.frames, start + frames))}
             if reader.frames == 0:
                 yield {"stem": name, "start": 0, "audio": reader.read(0, 0)}
-        yield {"done": True, "seconds": time.monotonic() - started}
+        yield {"done": True, "seconds": time.monotonic() - started,
+               **self._worker.sizes(request, model)}
 
     def _discard(self, job_id: str) -> None:
         staged = self._staged.pop(job_id, None)

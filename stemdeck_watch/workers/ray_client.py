@@ -8,12 +8,14 @@ notices by the actor's process id changing.
 
 Data: the decoded song goes up in bounded windows (two in flight at most), the stems come
 back in windows; the whole song is never one object. Cancel: the job's flag is set on the
-actor at once, and if the actor has not stopped within `CANCEL_GRACE` seconds it is killed
-(and restarted), so a cancel never waits for a segment that does not end. Any other error
+actor at once, and the actor stops at its next segment; one that has not stopped within the
+grace the worker's measured pace allows (one segment and a margin, workers/pace.py) is killed
+(and restarted), so a cancel neither kills a slow worker that is about to stop nor waits for
+a segment that does not end. Any other error
 on this side while the actor separates (a failed registry write, a full disk) ends the
 actor's job the same way: an actor left separating a job nobody reads would refuse every
-next one as busy. A dead actor or machine fails the job like a dead local worker does:
-`WorkerDied` with a diagnosis naming the machine.
+next one as busy. A dead actor or machine ends the request like a dead local worker does:
+`WorkerDied` with a diagnosis naming the machine, a machine fault (the song is tried again).
 """
 from __future__ import annotations
 
@@ -26,22 +28,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError,
-                            RayActorError, RayTaskError)
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
+                            NodeDiedError, ObjectLostError, OutOfMemoryError, RayActorError,
+                            RayTaskError, WorkerCrashedError)
 
-from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, ModelError, SeparationError, WorkerDied
+from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
+                                       SeparationError, WorkerDied, WorkerStalled)
 from stemdeck_watch.workers.ray_actor import SeparationActor
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.workers.separator import ModelInfo, Separation
-from stemdeck_watch.workers.worker import ModelUnavailable
+from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0  # an actor's start (placement, imports, a restart after a death)
-CANCEL_GRACE = 0.6  # seconds a cancelled job may take to stop before its actor is killed
 UPLOADS_IN_FLIGHT = 2  # windows of the song on their way to the actor at once
 POLL = 0.05  # seconds between checks of the job's cancel flag while waiting on Ray
 LEAVE_WAIT = 2.0  # seconds an actor killed for good is given to remove its scratch first
@@ -53,16 +57,19 @@ class RayWorkerClient:
 
     def __init__(self, device: str = "auto", threads: int = 0, precision: str = "auto", *,
                  gpus: float = 0.0, cpus: float = 1.0, index: int = 0,
-                 spread: bool = True, env: dict[str, str] | None = None):
+                 spread: bool = True, env: dict[str, str] | None = None,
+                 node: str | None = None):
         self.device = device
         self.threads = threads
         self.precision = precision
         self.index = index  # which worker of the pool (status, logs)
         self._gpus, self._cpus, self._spread = gpus, cpus, spread
+        self.node = node  # the machine this worker is pinned to (`workers = "auto"`)
         self._env = dict(env or {})  # environment of the actor process (tests, benchmarks)
-        self._decided: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._lock = threading.Lock()  # one request at a time, as on the local client
         self._actor: Any = None
+        self._actor_device = device  # the device the actor was started for
         self._where: dict[str, Any] | None = None  # the actor's ready() answer
         self._model: ModelInfo | None = None
         self._shut = False
@@ -71,6 +78,7 @@ class RayWorkerClient:
         self.nodes: list[str] = []  # the node of every job this client ran (tests)
         self.current: str | None = None  # the job separating on this worker now
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=10000)
+        self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
 
     # ------------------------------------------------------------ views
 
@@ -121,12 +129,12 @@ class RayWorkerClient:
     # ------------------------------------------------------------ requests
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None) -> ModelInfo:
+                     precision: str | None = None, device: str | None = None) -> ModelInfo:
         """Start the actor if needed and have it load `name` (see Separator.ensure_model)."""
         setting = precision or self.precision
-        key = (name, repo, setting)
+        key = (name, repo, setting, device or self.device)
         with self._lock:
-            actor = self._ensure_actor(control)
+            actor = self._ensure_actor(control, device)
             model = self._model
             if model is not None and model.serves(name, repo, setting):
                 return model
@@ -142,28 +150,39 @@ class RayWorkerClient:
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0, shrink: int = 0,
+                 device: str | None = None) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
         request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
                                    "overlap": overlap, "segment": segment,
-                                   "precision": precision, "window": window}
+                                   "precision": precision, "window": window,
+                                   "shrink": shrink}
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         with self._lock:
-            actor = self._ensure_actor(control)
+            actor = self._ensure_actor(control, device)
             started = time.monotonic()
             self.current = job_id
             try:
                 with self._cancel_on(actor, job_id, control):
                     self._upload(actor, job_id, input_path, window, control)
-                    stems, seconds = self._receive(actor, job_id, request, output_dir, control,
-                                                   on_progress)
+                    watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
+                    stems, done = self._receive(actor, job_id, request, output_dir, control,
+                                                on_progress, watch)
+                    watch.done()
             finally:
                 self.current = None
                 self.busy.append((started, time.monotonic()))
             self.nodes.append(str((self._where or {}).get("node_id")))
-            return Separation(stems, self.pid or 0, seconds)
+            return Separation(stems, self.pid or 0, float(done.get("seconds") or 0.0),
+                              **Separation.from_reply(done))
+
+    def pace(self) -> Pace:
+        """The time per segment measured on this worker's device."""
+        device = str((self._where or {}).get("device") or self.device)
+        return self._paces.setdefault(device, Pace())
 
     def stop(self) -> None:
         """Kill the actor now (it restarts and reloads its model for the next job)."""
@@ -180,6 +199,11 @@ class RayWorkerClient:
         """Kill the actor for good (the service stopped), once it removed its scratch (or
         could not within LEAVE_WAIT: the next actor on its machine removes it)."""
         self._shut = True
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Kill the actor for good, once it removed its scratch (or could not within
+        LEAVE_WAIT: the next actor on its machine removes it)."""
         actor, self._actor = self._actor, None
         if actor is not None:
             with contextlib.suppress(Exception):
@@ -189,19 +213,33 @@ class RayWorkerClient:
 
     # ------------------------------------------------------------ internals
 
-    def _ensure_actor(self, control: JobControl | None) -> Any:
+    def _ensure_actor(self, control: JobControl | None, device: str | None = None) -> Any:
+        """The actor on `device` (default: the client's), started if needed: one on another
+        device is let go first (the CPU after a GPU ran out of memory, and back)."""
         if self._shut:
             raise Cancelled(SHUTDOWN)
+        wanted = device or self.device
+        if self._actor is not None and self._actor_device != wanted:
+            log.info("ray worker %d runs on %s; starting one on %s", self.index,
+                     self._actor_device, wanted)
+            self._let_go()
         if self._actor is None:
+            cpu_only = wanted == "cpu" and self.device != "cpu"  # a GPU worker's fallback
             options: dict[str, Any] = {
-                "num_cpus": self._cpus, "num_gpus": self._gpus, "max_restarts": -1,
-                "max_task_retries": 0, "max_concurrency": 4}
-            if self._spread:
+                "num_cpus": self._cpus, "num_gpus": 0 if cpu_only else self._gpus,
+                "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
+            if self.node is not None:  # its machine's worker: never moved to another
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    self.node, soft=False)
+            elif self._spread:
                 options["scheduling_strategy"] = "SPREAD"
             if self._env:
                 options["runtime_env"] = {"env_vars": self._env}
             self._actor = ray.remote(SeparationActor).options(**options).remote(
-                self.device, self.threads)
+                wanted, self.threads)
+            self._actor_device = wanted
         where = self._ready(control)
         if self._where is None or where["pid"] != self._where["pid"]:
             if self._where is not None:
@@ -248,32 +286,36 @@ class RayWorkerClient:
             raise
 
     def _receive(self, actor: Any, job_id: str, request: dict[str, Any], output_dir: Path,
-                 control: JobControl, on_progress: Callable[[float], None],
-                 ) -> tuple[dict[str, Path], float]:
+                 control: JobControl, on_progress: Callable[[float], None], watch: Watch,
+                 ) -> tuple[dict[str, Path], dict[str, Any]]:
         output_dir.mkdir(parents=True, exist_ok=True)
         writers: dict[str, AudioWriter] = {}
         stream = actor.separate.remote(job_id, request)
         cancelled_at: float | None = None
-        seconds = 0.0
+        done: dict[str, Any] = {}
         held = True  # the actor may still be running the job
         try:
             while True:
                 if control.cancelled:
                     cancelled_at = cancelled_at or time.monotonic()
-                    if time.monotonic() - cancelled_at > CANCEL_GRACE:
+                    grace = self.pace().cancel_grace()
+                    if time.monotonic() - cancelled_at > grace:
                         log.info("ray worker %d did not stop %s within %.1f s; killing it",
-                                 self.index, job_id, CANCEL_GRACE)
+                                 self.index, job_id, grace)
                         self._kill(actor, restart=True)
                         held = False
                         control.check()
                 ready, _ = ray.wait([stream], timeout=POLL)
                 if not ready:
+                    if watch.stalled() and cancelled_at is None:
+                        self._stalled(actor, watch)
                     continue
                 try:
                     item = self._value(next(stream))
                 except StopIteration:
                     break
                 if "progress" in item:
+                    watch.beat()
                     on_progress(float(item["progress"]))
                 elif "stem" in item:
                     name = item["stem"]
@@ -285,7 +327,7 @@ class RayWorkerClient:
                     control.check()
                     raise SeparationError("the ray worker stopped the job without a cancel")
                 elif item.get("done"):
-                    seconds = float(item["seconds"])
+                    done = item
             control.check()
             for writer in writers.values():
                 writer.close()
@@ -295,16 +337,27 @@ class RayWorkerClient:
             if held and not isinstance(exc, WorkerDied):  # a dead actor holds nothing
                 self._end(actor, job_id, stream)
             raise
-        return {name: output_dir / f"{name}.npy" for name in writers}, seconds
+        return {name: output_dir / f"{name}.npy" for name in writers}, done
+
+    def _stalled(self, actor: Any, watch: Watch) -> None:
+        """The actor has reported nothing for longer than the stall limit: kill it (Ray
+        starts it again) and end the request as a machine fault."""
+        log.warning("ray worker %d on %s reported no progress for %.0f s; killing it",
+                    self.index, self._host(), watch.silent())
+        self._kill(actor, restart=True)
+        raise WorkerStalled(f"the separation worker on {self._host()} reported no progress "
+                            f"for {watch.silent():.0f} s (the stall limit is "
+                            f"{watch.limit:.0f} s, separation.stall_seconds) and was stopped",
+                            details=self.stderr_tail(), worker=self.name())
 
     def _end(self, actor: Any, job_id: str, stream: Any) -> None:
         """Make the actor let go of a job this side gave up on: its cancel flag is set and
-        its stream read to the end; an actor that has not let go within CANCEL_GRACE is
+        its stream read to the end; an actor that has not let go within the cancel grace is
         killed (and restarted), as for a cancel."""
         with contextlib.suppress(Exception):
             actor.cancel.remote(job_id)
             actor.drop.remote(job_id)
-        deadline = time.monotonic() + CANCEL_GRACE
+        deadline = time.monotonic() + self.pace().cancel_grace()
         try:
             while time.monotonic() < deadline:
                 ready, _ = ray.wait([stream], timeout=POLL)
@@ -348,7 +401,7 @@ class RayWorkerClient:
                 raise WorkerDied(f"the ray worker {self.index} did not start within "
                                  f"{timeout:.0f} s: the cluster may lack free resources "
                                  f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
-                                 details=self.stderr_tail())
+                                 details=self.stderr_tail(), worker=self.name())
 
     def _value(self, ref: Any, quiet: bool = False) -> Any:
         try:
@@ -357,10 +410,28 @@ class RayWorkerClient:
             cause = exc.cause
             if isinstance(cause, ModelUnavailable):
                 raise ModelError(str(cause)) from None
+            memory = memory_error(cause) if cause is not None else None
+            if memory is not None:
+                self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
+                raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory "
+                                  f"({'the GPU' if memory != 'cpu' else 'the machine'}'s): "
+                                  f"{type(cause).__name__}: {cause}", details=str(exc),
+                                  worker=self.name(), device=memory) from None
             self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
             raise SeparationError(f"the ray worker on {self._host()} failed: "
                                   f"{type(cause).__name__}: {cause}", details=str(exc)) from None
+        except OutOfMemoryError as exc:  # Ray's memory monitor killed the worker
+            self._model = None
+            self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
+            raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory (the "
+                              f"machine's; Ray stopped it)", details=str(exc),
+                              worker=self.name(), device="cpu") from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            self._died(exc, quiet)
+        except (ActorUnschedulableError, NodeDiedError, ObjectLostError,
+                WorkerCrashedError) as exc:
+            # its machine left (with the stems it held), or the worker cannot be placed
+            # where it must run: the machine's fault as well
             self._died(exc, quiet)
 
     def _died(self, exc: BaseException, quiet: bool = False) -> None:
@@ -371,8 +442,9 @@ class RayWorkerClient:
         if not quiet:  # not while waiting for a (re)start
             self._tail.extend(text.splitlines()[-TAIL_LINES:])
             log.warning("ray worker %d on %s died: %s", self.index, host, why)
-        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}); "
-                         f"Ray restarts it for the next job", details=text)
+        then = "; Ray restarts it" if self.node is None else ""  # a pinned one goes with it
+        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}){then}",
+                         details=text, worker=self.name())
 
     def _node_alive(self) -> bool:
         """Whether the machine the worker ran on is still in the cluster (as far as Ray's
@@ -387,6 +459,10 @@ class RayWorkerClient:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=not restart)
         self._model = None
+
+    def name(self) -> str:
+        """This worker as a fault names it."""
+        return f"ray worker {self.index} on {self._host()}"
 
     def _host(self) -> str:
         where = self._where or {}

@@ -47,11 +47,25 @@ class ModelInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Separation:
-    """What a separate request made: one `<stem>.npy` per stem, by whom, how long it took."""
+    """What a separate request made: one `<stem>.npy` per stem, by whom, how long it took,
+    and with what window and segment (seconds; None: the model's own) on which device."""
 
     stems: dict[str, Path]
     worker_pid: int
     seconds: float
+    window: float | None = None
+    segment: float | None = None
+    device: str | None = None
+
+    def sizes(self) -> dict[str, Any]:
+        """The window, segment and device, for the manifest."""
+        return {"device": self.device, "window": self.window, "segment": self.segment}
+
+    @staticmethod
+    def from_reply(reply: dict[str, Any]) -> dict[str, Any]:
+        """The window, segment and device fields of a worker's (local or Ray) answer."""
+        return {"window": reply.get("window"), "segment": reply.get("segment"),
+                "device": reply.get("device")}
 
 
 class Separator(Protocol):
@@ -87,21 +101,33 @@ class Separator(Protocol):
         separation nothing."""
 
     def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None) -> ModelInfo:
+                     precision: str | None = None, device: str | None = None) -> ModelInfo:
         """Start the worker if needed and have it load `name` and choose its precision
-        (`precision`: the setting, default the client's); cached while the worker lives."""
+        (`precision`: the setting, default the client's); cached while the worker lives.
+        `device`: run on this one instead of the client's (the CPU after a GPU ran out of
+        memory under a song): the worker is started again there, and back on the client's
+        own for the next request that does not ask."""
 
     def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
                  output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
                  control: JobControl, on_progress: Callable[[float], None],
                  stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32") -> Separation:
+                 window: float | None = None, precision: str = "float32",
+                 stall_seconds: float = 0.0, shrink: int = 0,
+                 device: str | None = None) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them; without them the worker makes one extra pass over the input.
         `window`: seconds of output separated at a time (memory grows with it, never with
-        the song). `precision`: the one to run in (`ModelInfo.dtype`)."""
+        the song). `precision`: the one to run in (`ModelInfo.dtype`). `stall_seconds`:
+        a worker silent this long is stopped (`WorkerStalled`); 0 = derived from the time
+        per segment measured on it (workers/pace.py). `shrink`: the window and segment
+        halved that many times (the memory ran out under the song before); `device`: as
+        for `ensure_model`.
+
+        A machine fault ends it in `WorkerDied` (or a kind of it): the worker died, its
+        machine left, it stalled, it ran out of memory."""
 
     def stop(self) -> None:
         """Stop the worker now (a cancel); the next request gets a fresh one. Any thread."""

@@ -8,13 +8,15 @@ stdin, requests (each may carry "req": N, which its reply echoes):
      "precision": "auto"|"float32"|"bfloat16"|"float16", "decided": CHOICE|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
-     "precision": P, "mean": F, "std": F, "window": F}      (the last four optional)
+     "precision": P, "mean": F, "std": F, "window": F, "shrink": N}  (the last five optional)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
      "sources": [...], "precision": CHOICE}
-    {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F}
-    {"op": ..., "ok": false, "kind": "model"|"error", "error": TEXT, "traceback": TEXT}
+    {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
+     "window": F, "segment": F|null, "device": D, "shrink": N}
+    {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
+     "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines, `@@download {"model": NAME, "done": BYTES,
 "total": BYTES|null}` lines while a model is downloaded, and anything torch or demucs print.
 
@@ -28,6 +30,8 @@ time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and app
 those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation statistics of
 the mono mix (decode accumulates them); without them the worker computes them with one
 streamed pass. A song of at most one window is read whole and normalised exactly as before.
+"shrink": N (after the memory ran out under the song) halves the window and the segment N
+times (the model's own segment when none is given).
 
 After loading a model the worker chooses its precision (workers/precision.py): with
 "auto" it calibrates once per model load, unless the client passes "decided" (a choice this
@@ -40,6 +44,7 @@ process holding gigabytes of model behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +53,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
 
@@ -56,6 +61,7 @@ PROGRESS_PREFIX = "@@progress "
 DOWNLOAD_PREFIX = "@@download "
 DOWNLOAD_EVERY = 0.25  # seconds between two download progress lines at most
 WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
+MIN_WINDOW, MIN_SEGMENT = 1.0, 1.0  # seconds: the smallest a memory fault halves them to
 # "0" turns oneDNN off in the worker: its first call of each convolution compiles kernels,
 # about 2 s per worker start, which is nothing beside a real model's minutes of separation
 # but most of the test suite's time (it starts a worker ~150 times, with a tiny model)
@@ -258,25 +264,111 @@ class Worker:
         return {"op": "separate", "id": job_id, "ok": True,
                 "stems": {name: str(path) for name, path in paths.items()},
                 "samplerate": int(model.samplerate), "seconds": time.monotonic() - started,
-                "precision": request.get("precision") or "float32"}
+                "precision": request.get("precision") or "float32",
+                **self.sizes(request, model)}
+
+    def sizes(self, request: dict[str, Any], model: Any) -> dict[str, Any]:
+        """The window and segment (seconds) a separate request runs with: as asked, or
+        halved `shrink` times after the memory ran out (a segment of the model's own length
+        when none was asked for); and the device."""
+        shrink = int(request.get("shrink") or 0)
+        window = window_seconds(request)
+        segment = request.get("segment") or None
+        if shrink:
+            window = max(MIN_WINDOW, window / 2 ** shrink)
+            segment = max(MIN_SEGMENT, float(segment or own_segment(model)) / 2 ** shrink)
+        return {"window": window, "segment": segment, "device": self.device, "shrink": shrink}
 
     def separate_files(self, request: dict[str, Any], input_path: Path, output_dir: Path,
                        on_progress: Callable[[float], None]) -> dict[str, Path]:
         """Separate the decoded song at `input_path` into `output_dir` as a separate request
-        asks (model, shifts, overlap, segment, precision, window, the input's statistics):
-        the one reading of a request, for this process's pipe and for a Ray actor."""
+        asks (model, shifts, overlap, segment, precision, window, shrink, the input's
+        statistics): the one reading of a request, for this process's pipe and for a Ray
+        actor."""
         from stemdeck_watch.workers.chunked import separate_to_files
+        from stemdeck_watch.workers.faultseam import armed
 
+        on_progress = armed(on_progress)  # faults on purpose, where tests ask for them
         model = self.model(request["model"], request.get("repo"))
         stats = None
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
-        with autocast(self.device, request.get("precision") or "float32"):
+        sizes = self.sizes(request, model)
+        with autocast(self.device, request.get("precision") or "float32"), \
+                segments_of(model, sizes["segment"] if sizes["shrink"] else None):
             return separate_to_files(
                 model, input_path, output_dir,
                 shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
-                segment=request.get("segment") or None, device=self.device, stats=stats,
-                window=window_seconds(request), on_progress=on_progress)
+                segment=sizes["segment"], device=self.device, stats=stats,
+                window=sizes["window"], on_progress=on_progress)
+
+
+def own_segment(model: Any) -> float:
+    """The segment (seconds) the model separates in when none is asked for."""
+    members = list(getattr(model, "models", None) or [model])
+    found = [float(m.segment) for m in members if getattr(m, "segment", None)]
+    return min(found) if found else 10.0
+
+
+@contextlib.contextmanager
+def segments_of(model: Any, segment: float | None) -> Iterator[None]:
+    """While inside, a Transformer member of `model` runs `segment`-long inputs (shorter
+    than it was trained on: less memory), instead of padding them back to its training
+    length, as demucs's BagOfModels(segment=…) sets it; restored on the way out."""
+    from demucs.htdemucs import HTDemucs
+
+    members = list(getattr(model, "models", None) or [model])
+    changed = [(m, m.segment) for m in members
+               if segment is not None and isinstance(m, HTDemucs) and segment < m.segment]
+    for member, _ in changed:
+        member.segment = segment
+    try:
+        yield
+    finally:
+        for member, original in changed:
+            member.segment = original
+
+
+def release_memory() -> None:
+    """Give back what a failed attempt held: its tensors (once their traceback is gone),
+    torch's cached GPU blocks, and the C heap's free pages (glibc keeps them otherwise)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if torch is not None and getattr(torch.backends, "mps", None) and \
+            torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+    if sys.platform == "linux":
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+def memory_error(exc: BaseException) -> str | None:
+    """Whose memory ran out, if `exc` says memory ran out: "cuda" or "mps" (a GPU's), "cpu"
+    (the computer's: a failed allocation, the rlimit); None for any other error."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return "cuda"  # torch's CUDA caching allocator raises this type
+    if isinstance(exc, MemoryError):
+        return "cpu"
+    text = str(exc)
+    if not isinstance(exc, RuntimeError):
+        return None
+    if "MPS backend out of memory" in text:
+        return "mps"
+    if "CUDA out of memory" in text or "CUDA error: out of memory" in text:
+        return "cuda"
+    if "can't allocate memory" in text or "not enough memory" in text:
+        return "cpu"  # torch's DefaultCPUAllocator (Linux, macOS / Windows)
+    return None
 
 
 def window_seconds(request: dict[str, Any]) -> float:
@@ -344,9 +436,13 @@ def main(argv: list[str] | None = None) -> int:
             reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
                      "kind": "model", "error": str(exc)}
         except Exception as exc:
+            memory = memory_error(exc)
             reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
-                     "kind": "error", "error": f"{type(exc).__name__}: {exc}",
+                     "kind": "memory" if memory else "error", "device": memory,
+                     "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
+        if reply.get("kind") == "memory":  # the next attempt needs what this one held
+            release_memory()
         reply["req"] = request.get("req")  # the client matches replies on it
         _reply(protocol, reply)
     return 0

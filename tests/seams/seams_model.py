@@ -25,6 +25,7 @@ from seams_service import JobRow, RegistryView, ServiceProcess, read_registry
 KNOWN = frozenset(filter(None, os.environ.get("STEMDECK_MODEL_KNOWN", "").split(",")))
 STALL = 90.0  # seconds without any change before a queue that should finish counts as stuck
 DISK_STALL = 15.0
+RETRIES = 2  # queue.worker_retries: a song whose worker died this often is not failed
 
 
 class Model:
@@ -207,6 +208,11 @@ class Model:
             if job is not None and job.state != "cancelled":
                 problems.append(f"[cancel] {job.rel_path} ({job_id}) was cancelled in time "
                                 f"({why}), yet it is {job.state}")
+        for job in view.jobs.values():
+            if job.state == "failed" and 0 < job.faults <= RETRIES:
+                problems.append(f"[machine] {job.rel_path} ({job.id}) failed after the "
+                                f"machine cut off only {job.faults} attempt(s) (the worker "
+                                f"died under it; {RETRIES} more are allowed): {job.error}")
         if self.paused and view.pause_reason not in ("user", "disk"):
             now = f"paused for {view.pause_reason}" if view.pause_reason else "running"
             problems.append(f"[pause] the test paused the queue, and it is {now}")

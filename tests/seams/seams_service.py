@@ -53,6 +53,7 @@ class JobRow:
     signature: tuple[int, int, int] | None
     sha256: str | None
     created_at: float
+    faults: int = 0  # attempts the machine cut off (the worker died, stalled, out of memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +108,13 @@ def _read(path: Path) -> RegistryView:
         db.execute("BEGIN")
         jobs = {}
         for row in db.execute("SELECT id, name, kind, state, source, rel_path, preset, output, "
-                              "error, size, mtime_ns, inode, sha256, created_at FROM jobs"):
+                              "error, size, mtime_ns, inode, sha256, created_at, faults "
+                              "FROM jobs"):
             jobs[row[0]] = JobRow(
                 id=row[0], name=row[1], kind=row[2], state=row[3], source=row[4],
                 rel_path=row[5], preset=row[6], output=row[7], error=row[8],
                 signature=(row[9], row[10], row[11]) if row[9] is not None else None,
-                sha256=row[12], created_at=row[13])
+                sha256=row[12], created_at=row[13], faults=len(json.loads(row[14] or "[]")))
         order = [r[0] for r in db.execute(
             "SELECT id FROM jobs WHERE state = 'queued' "
             "ORDER BY position IS NULL, position, created_at, rowid")]
@@ -188,6 +190,11 @@ class ServiceProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def worker_pid(self) -> int | None:
+        """The separation worker this life started last, if it still runs."""
+        started = re.findall(r"started separation worker (\d+)", self.output())
+        return int(started[-1]) if started and alive({int(started[-1])}) else None
 
     def _track(self) -> None:
         assert self.proc is not None

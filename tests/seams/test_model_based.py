@@ -6,12 +6,14 @@ worker with the tiny model), with decode ahead and publish behind on (`queue.wor
 another one) into the inbox or a preset folder, replace it (an editor's atomic save, a rewrite
 in place, `cp -p`'s same size and mtime), delete it or move it out, save and edit a link to a
 loopback server, take a stems folder out of the outbox, cancel / move / retry / remove through
-the API, pause and start, restart cleanly, SIGKILL, fill and free a small disk (root only).
+the API, pause and start, restart cleanly, SIGKILL, SIGKILL the worker process mid-song, fill
+and free a small disk (root only).
 
 A plain reference model (tests/seams_model.py) says what must hold after every step: every
 outbox folder holds the stems of a version of the song its manifest names; no folder
 disappears but the one a removed job published, or one the test took away; a cancel that came
-in time is never published; no half folder; nothing the test dropped is lost. At quiet points
+in time is never published; no half folder; nothing the test dropped is lost; a song whose
+worker died under it once is not failed for it. At quiet points
 (`wait(until="quiet")`, and the end of every example) the queue must finish, and every done job's
 folder must hold the stems of its own input; after a restart or a kill the queue keeps its order.
 
@@ -22,10 +24,12 @@ run); `STEMDECK_MODEL_SEED=N` replays seed N, `STEMDECK_MODEL_BLOB=…` the blob
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -351,6 +355,21 @@ class SeamsMachine(RuleBasedStateMachine):
         self.service.start()
         self.check(order_kept(before, self.view(), "clean restart" if how == "clean"
                               else "SIGKILL and restart"))
+
+    @rule(when=st.sampled_from(["not now", "not now", "mid-song"]))
+    @guarded
+    def kill_worker(self, when: str) -> None:
+        """The separation worker process is SIGKILLed in the middle of a song (as the
+        kernel's OOM killer does): the song is tried again, never failed for it ("not now"
+        keeps this slow step rarer)."""
+        assert self.service is not None
+        if when == "not now" or self.pick("separating", 0) is None:
+            return
+        pid = self.service.worker_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.world.tally["worker killed mid-song"] += 1
 
     @precondition(lambda self: self.disk is not None)
     @rule(fill=st.booleans())

@@ -123,3 +123,28 @@ def test_the_job_that_was_cancelled_cannot_hand_on_a_worker_that_is_still_being_
     step.join(10)
     canceller.join(10)
     assert order == ["worker stopped", "step left"]
+
+
+def test_a_job_a_worker_failed_goes_to_another_worker_waiting_for_one() -> None:
+    """After a machine fault on slot 0 the job is back at the head: slot 1, waiting for a
+    job, takes it; slot 0 takes it only while no other slot waits."""
+    queue = JobQueue()
+    queue.put("a")
+    failed = queue.take(timeout=0, slot=0)
+    assert failed is not None and failed.job_id == "a" and queue.set_running(failed, 0)
+    got: list[str] = []
+    other = threading.Thread(target=lambda: got.append(queue.take(timeout=5, slot=1).job_id))
+    other.start()
+    while 1 not in queue._idle:  # slot 1 waits for a job
+        threading.Event().wait(0.01)
+    queue.put_back("a", avoid=0)
+    assert queue.take(timeout=0.2, slot=0) is None  # left to slot 1
+    queue.finish(failed)
+    other.join(5)
+    assert got == ["a"]
+    queue.put("b")
+    taken = queue.take(timeout=0, slot=1)
+    assert taken is not None and queue.set_running(taken, 1)
+    queue.put_back("b", avoid=1)  # it failed on slot 1 too, and no other slot waits
+    again = queue.take(timeout=0, slot=1)
+    assert again is not None and again.job_id == "b"

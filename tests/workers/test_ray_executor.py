@@ -52,6 +52,7 @@ def test_cluster_addresses_accepted(address: str) -> None:
     ("address", "head.lan", "ray://HOST:PORT"),
     ("address", "ray://head:port", "ray://HOST:PORT"),
     ("workers", 0, "executor.workers = 0"),
+    ("workers", "all", '"auto" or a whole number'),
     ("gpus_per_worker", -1, "executor.gpus_per_worker"),
 ])
 def test_bad_executor_values_name_the_key(key: str, value: Any, expected: str) -> None:
@@ -60,9 +61,24 @@ def test_bad_executor_values_name_the_key(key: str, value: Any, expected: str) -
     assert expected in str(caught.value)
 
 
-def test_several_local_workers_are_refused() -> None:
+@pytest.mark.parametrize("workers", [2, "auto"])
+def test_several_local_workers_are_refused(workers: Any) -> None:
     with pytest.raises(ConfigError, match='needs executor.kind = "ray"'):
-        pool.build(executor(workers=2))
+        pool.build(executor(workers=workers))
+
+
+@pytest.mark.parametrize("resources,expected", [
+    ({"CPU": 8.0}, (4, 0.0)),  # a CPU machine: one worker per cpus_per_worker cores
+    ({"CPU": 1.0}, (0, 0.0)),  # too small for one
+    ({"CPU": 16.0, "GPU": 2.0}, (2, 1.0)),  # one per GPU
+    ({"CPU": 2.0, "GPU": 4.0}, (1, 1.0)),  # … as far as its cores go
+])
+def test_auto_workers_per_machine(resources: dict[str, float],
+                                  expected: tuple[int, float]) -> None:
+    """`workers = "auto"`: what each machine of the cluster holds (2 cores a worker here)."""
+    from stemdeck_watch.workers.cluster import workers_for
+
+    assert workers_for(resources, 0.0, 2.0) == expected
 
 
 def test_local_executor_never_imports_ray() -> None:

@@ -288,11 +288,12 @@
     setAttr(li, "title", job.source);
     const expected = etaOf(job.id);
     setText(li.querySelector(".meta"), [job.preset ? "preset " + job.preset : "",
-                                        playlistText(job),
+                                        playlistText(job), attemptText(job),
                                         expected && expected.finish ? "starts ~" + clockAt(expected.start)
                                           + ", done ~" + clockAt(expected.finish) : ""]
       .filter(Boolean).join(" · "));
     setAttr(li, "data-finish", expected && expected.finish ? String(expected.finish) : null);
+    setAttr(li.querySelector(".meta"), "title", faultsText(job) || null);
     const up = li.querySelector('[data-action="move-up"]');
     const down = li.querySelector('[data-action="move-down"]');
     setAttr(up, "aria-label", "Move " + job.name + " up");
@@ -309,6 +310,17 @@
     if (!ref) return "";
     if (ref.entry) return ref.entry + "/" + ref.entries + " of " + ref.name;
     return "playlist · " + ref.entries + " entries";
+  }
+
+  // "attempt 2" for a song the machine cut off before (the worker died, stalled, ran out of
+  // memory); each earlier attempt's reason in faultsText, for a tooltip
+  function attemptText(job) {
+    const faults = job.faults || [];
+    return faults.length ? "attempt " + (faults.length + 1) : "";
+  }
+
+  function faultsText(job) {
+    return (job.faults || []).map((fault, n) => "attempt " + (n + 1) + ": " + fault.reason).join("\n");
   }
 
   function createRecentItem(job) {
@@ -391,7 +403,9 @@
     const expected = etaOf(job.id);
     setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : "") +
                                 (job.playlist ? " · " + playlistText(job) : "") +
+                                (attemptText(job) ? " · " + attemptText(job) : "") +
                                 (expected && expected.finish ? " · done ~" + clockAt(expected.finish) : ""));
+    setAttr($("running-stage"), "title", faultsText(job) || null);
     const bar = $("running-progress");
     const value = Math.max(0, Math.min(1, Number(job.progress) || 0));
     if (Number(bar.value) !== value) bar.value = value;
