@@ -36,12 +36,13 @@ demo: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff's lint rules and mypy (configured in pyproject.toml: strict on the queue's core and the
-# worker interface, lenient elsewhere)
+# ruff's lint rules and its format check, and mypy (configured in pyproject.toml: strict on
+# the queue's core and the worker interface, lenient elsewhere)
 LINT_EXTRAS := $(if $(filter lint,$(subst $(comma), ,$(EXTRAS))),$(EXTRAS),$(EXTRAS),lint)
 lint:
 	$(MAKE) install EXTRAS=$(LINT_EXTRAS)
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
 
 # the manual (docs/, mkdocs.yml) into site/; --strict: a broken link or anchor, a page outside

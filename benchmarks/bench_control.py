@@ -29,6 +29,7 @@ before each measure; the machine may be shared. Raw numbers: benchmarks/results/
 
     python benchmarks/bench_control.py [--trials 20] [--idle 60] [--requests 200]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,20 +48,27 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, summary,
-                     tiny_model, wait_quiet, write_results)
+from harness import (
+    cpu_snapshot,
+    machine,
+    other_cores,
+    parser as bench_parser,
+    summary,
+    tiny_model,
+    wait_quiet,
+    write_results,
+)
 from support.helpers import child_pids  # noqa: F401  (bench_links imports it from here)
 
-SONG_SECONDS = 30.0    # the songs that are cancelled while they separate
-SHIFTS = 2             # [separation] shifts: ~4 s of separation per song on a quiet 2-core box
-LONG_PRESET = "long"   # inbox/long/: shifts = 20, the song separating under (2) and (5)
-POLL = 0.002           # how often the worker's /proc entry is looked at during a cancel
+SONG_SECONDS = 30.0  # the songs that are cancelled while they separate
+SHIFTS = 2  # [separation] shifts: ~4 s of separation per song on a quiet 2-core box
+LONG_PRESET = "long"  # inbox/long/: shifts = 20, the song separating under (2) and (5)
+POLL = 0.002  # how often the worker's /proc entry is looked at during a cancel
 TARGETS = {"running": 0.5, "queued": 0.2, "frame": 0.2, "get": 0.020, "idle": 0}
 
 
-
 def proc_state(pid: int) -> str:
-    """"alive", "exited" (its main thread is a zombie: the process is not reaped yet, or its
+    """ "alive", "exited" (its main thread is a zombie: the process is not reaped yet, or its
     other threads are still being torn down) or "gone" (reaped: the pid no longer exists)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -70,8 +78,9 @@ def proc_state(pid: int) -> str:
     return "exited" if state in ("Z", "X") else "alive"
 
 
-def poll_until(predicate: Callable[[], Any], timeout: float, what: str,
-               interval: float = 0.05) -> Any:
+def poll_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
     """For conditions no event announces (the queue empty): look every `interval` s. Never
     inside JobWatch's lock: the service may hold its scheduler lock while it publishes."""
     pace, deadline = threading.Event(), time.monotonic() + timeout
@@ -89,8 +98,8 @@ class JobWatch:
         from stemdeck_watch.core.events import JobChanged
 
         self._cond = threading.Condition()
-        self.latest: dict[str, Any] = {}        # job id -> Job
-        self.by_name: dict[str, str] = {}       # song name -> its latest job id
+        self.latest: dict[str, Any] = {}  # job id -> Job
+        self.by_name: dict[str, str] = {}  # song name -> its latest job id
         self.reached: dict[tuple[str, str], float] = {}  # (job id, state) -> first time
         bus.subscribe(JobChanged, self._on_change)
 
@@ -125,8 +134,10 @@ class Stream:
 
     def __init__(self, port: int, token: str):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.sock.sendall(f"GET /api/queue/events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                          f"Authorization: Bearer {token}\r\n\r\n".encode())
+        self.sock.sendall(
+            f"GET /api/queue/events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n".encode()
+        )
         self.sock.settimeout(None)
         self._cond = threading.Condition()
         self.frames: list[tuple[float, dict[str, Any]]] = []
@@ -154,8 +165,9 @@ class Stream:
                         if block.startswith(b":"):
                             self.comments.append(now)
                         else:
-                            fields = dict(line.split(": ", 1)
-                                          for line in block.decode().split("\n"))
+                            fields = dict(
+                                line.split(": ", 1) for line in block.decode().split("\n")
+                            )
                             self.frames.append((now, json.loads(fields["data"])))
                         self._cond.notify_all()
         except OSError:
@@ -165,9 +177,11 @@ class Stream:
         with self._cond:
             self._cond.notify_all()
 
-    def wait_frame(self, since: float, predicate: Callable[[dict[str, Any]], bool],
-                   timeout: float) -> float | None:
+    def wait_frame(
+        self, since: float, predicate: Callable[[dict[str, Any]], bool], timeout: float
+    ) -> float | None:
         """Arrival time of the first frame after `since` that satisfies `predicate`."""
+
         def found() -> float | None:
             return next((t for t, snap in self.frames if t >= since and predicate(snap)), None)
 
@@ -200,10 +214,10 @@ class Bench:
         from stemdeck_watch.service import Service
 
         data = default_toml()  # as tests/conftest.py config_data does
-        data["folders"] = {n: str(work / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                      "state")}
-        data["separation"].update(model="tiny", model_repo=str(repo), device="cpu",
-                                  shifts=SHIFTS)
+        data["folders"] = {
+            n: str(work / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+        }
+        data["separation"].update(model="tiny", model_repo=str(repo), device="cpu", shifts=SHIFTS)
         data["watch"]["settle_seconds"] = 0.3
         data["api"].update(enabled=True, host="127.0.0.1", port=0)
         data["presets"] = {LONG_PRESET: {"shifts": 20}}
@@ -235,9 +249,16 @@ class Bench:
     def http(self, method: str, path: str) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=15)
         try:
-            conn.request(method, path, body=b"{}" if method == "POST" else None, headers={
-                "Host": f"127.0.0.1:{self.port}", "Authorization": f"Bearer {self.token}",
-                **({"Content-Type": "application/json"} if method == "POST" else {})})
+            conn.request(
+                method,
+                path,
+                body=b"{}" if method == "POST" else None,
+                headers={
+                    "Host": f"127.0.0.1:{self.port}",
+                    "Authorization": f"Bearer {self.token}",
+                    **({"Content-Type": "application/json"} if method == "POST" else {}),
+                },
+            )
             response = conn.getresponse()
             return response.status, response.read()
         finally:
@@ -266,10 +287,18 @@ class Bench:
         def ready() -> Any:
             job = self.watch.job(name)
             if job is not None and job.state.is_final:
-                raise RuntimeError(f"{name} ended ({job.state.value}: {job.error}) before it "
-                                   f"could be measured")
-            return job if (job is not None and job.state.value == "separating"
-                           and job.progress > DECODE_SHARE) else None
+                raise RuntimeError(
+                    f"{name} ended ({job.state.value}: {job.error}) before it could be measured"
+                )
+            return (
+                job
+                if (
+                    job is not None
+                    and job.state.value == "separating"
+                    and job.progress > DECODE_SHARE
+                )
+                else None
+            )
 
         return self.watch.wait(ready, timeout, f"{name} to separate")
 
@@ -314,21 +343,34 @@ def cancel_running(bench: Bench, stream: Stream, trials: int) -> list[dict[str, 
             pace.wait(POLL)
         final = bench.watch.job(name)
         framed = stream.wait_frame(t0, lambda s, j=job.id: job_state_in(s, j) == "cancelled", 5)
-        row = {"trial": name, "how": how, "job": job.id, "worker_pid": pid,
-               "progress_at_action": progress, "final_state": final.state.value,
-               "call_s": returned - t0,
-               "exited_s": None if exited is None else exited - t0,
-               "reaped_s": None if reaped is None else reaped - t0,
-               "cancelled_s": None if cancelled is None else cancelled - t0,
-               "frame_s": None if framed is None else framed - t0,
-               "other_cores": other_cores(cpu0, time.monotonic() - w0)}
-        row["seconds"] = (max(row["reaped_s"], row["cancelled_s"])
-                          if reaped is not None and cancelled is not None else None)
+        row = {
+            "trial": name,
+            "how": how,
+            "job": job.id,
+            "worker_pid": pid,
+            "progress_at_action": progress,
+            "final_state": final.state.value,
+            "call_s": returned - t0,
+            "exited_s": None if exited is None else exited - t0,
+            "reaped_s": None if reaped is None else reaped - t0,
+            "cancelled_s": None if cancelled is None else cancelled - t0,
+            "frame_s": None if framed is None else framed - t0,
+            "other_cores": other_cores(cpu0, time.monotonic() - w0),
+        }
+        row["seconds"] = (
+            max(row["reaped_s"], row["cancelled_s"])
+            if reaped is not None and cancelled is not None
+            else None
+        )
         rows.append(row)
         shown = "TIMEOUT" if row["seconds"] is None else f"{row['seconds'] * 1000:.0f} ms"
-        print(f"  {name}: {shown} (worker gone {fmt_ms(row['reaped_s'])}, cancelled "
-              f"{fmt_ms(row['cancelled_s'])}, frame {fmt_ms(row['frame_s'])}; other procs "
-              f"{row['other_cores']:.2f} cores)", file=sys.stderr, flush=True)
+        print(
+            f"  {name}: {shown} (worker gone {fmt_ms(row['reaped_s'])}, cancelled "
+            f"{fmt_ms(row['cancelled_s'])}, frame {fmt_ms(row['frame_s'])}; other procs "
+            f"{row['other_cores']:.2f} cores)",
+            file=sys.stderr,
+            flush=True,
+        )
         poll_until(bench.idle, 60, "the queue to empty after the cancel")
     return rows
 
@@ -346,24 +388,34 @@ def queue_latency(bench: Bench, requests: int, spacing: float) -> list[dict[str,
             raise RuntimeError(f"GET /api/queue answered {status}: {body[:300]!r}")
         snap = json.loads(body)
         running = snap["running"]
-        rows.append({"seconds": seconds, "bytes": len(body),
-                     "jobs": len(snap["jobs"]) + snap.get("older_jobs", 0),
-                     "separating": bool(running and running["state"] == "separating")})
+        rows.append(
+            {
+                "seconds": seconds,
+                "bytes": len(body),
+                "jobs": len(snap["jobs"]) + snap.get("older_jobs", 0),
+                "separating": bool(running and running["state"] == "separating"),
+            }
+        )
     return rows
 
 
-def cancel_queued(bench: Bench, stream: Stream, trials: int, long_id: str,
-                  batch: int = 10) -> list[dict[str, Any]]:
+def cancel_queued(
+    bench: Bench, stream: Stream, trials: int, long_id: str, batch: int = 10
+) -> list[dict[str, Any]]:
     """(2): the queue paused (the long song goes on separating); batches of queued songs,
     each cancelled by deleting its file or with the CLI, alternating."""
     pace, rows = threading.Event(), []
     plan = [(("delete", "cli")[i % 2], i // 2) for i in range(2 * trials)]
     for first in range(0, len(plan), batch):
-        names = {f"queued-{how}-{n:02d}": how for how, n in plan[first:first + batch]}
+        names = {f"queued-{how}-{n:02d}": how for how, n in plan[first : first + batch]}
         paths = {name: bench.drop(name) for name in names}
-        bench.watch.wait(lambda: all((j := bench.watch.job(n)) is not None
-                                     and j.state.value == "queued" for n in names),
-                         60, f"{len(names)} songs to be queued")
+        bench.watch.wait(
+            lambda: all(
+                (j := bench.watch.job(n)) is not None and j.state.value == "queued" for n in names
+            ),
+            60,
+            f"{len(names)} songs to be queued",
+        )
         for name, how in names.items():
             job = bench.watch.job(name)
             behind = bench.watch.latest[long_id].state.value == "separating"
@@ -373,14 +425,22 @@ def cancel_queued(bench: Bench, stream: Stream, trials: int, long_id: str,
             else:
                 bench.cli_cancel(job.id)
             returned = time.monotonic()
-            bench.watch.wait(lambda j=job.id: bench.watch.when(j, "cancelled"), 10,
-                             f"{name} to be cancelled")
+            bench.watch.wait(
+                lambda j=job.id: bench.watch.when(j, "cancelled"), 10, f"{name} to be cancelled"
+            )
             cancelled = bench.watch.when(job.id, "cancelled")
-            framed = stream.wait_frame(t0, lambda s, j=job.id: job_state_in(s, j) == "cancelled",
-                                       5)
-            rows.append({"trial": name, "how": how, "job": job.id, "behind_separation": behind,
-                         "call_s": returned - t0, "seconds": cancelled - t0,
-                         "frame_s": None if framed is None else framed - t0})
+            framed = stream.wait_frame(t0, lambda s, j=job.id: job_state_in(s, j) == "cancelled", 5)
+            rows.append(
+                {
+                    "trial": name,
+                    "how": how,
+                    "job": job.id,
+                    "behind_separation": behind,
+                    "call_s": returned - t0,
+                    "seconds": cancelled - t0,
+                    "frame_s": None if framed is None else framed - t0,
+                }
+            )
             pace.wait(0.05)  # fixed pacing between trials
     return rows
 
@@ -396,8 +456,13 @@ def change_to_frame(bench: Bench, stream: Stream, changes: int) -> list[dict[str
         bench.post(f"/api/queue/{action}")
         returned = time.monotonic()
         framed = stream.wait_frame(t0, lambda s, w=want: s["paused"] is w, 5)
-        rows.append({"action": action, "post_s": returned - t0,
-                     "seconds": None if framed is None else framed - t0})
+        rows.append(
+            {
+                "action": action,
+                "post_s": returned - t0,
+                "seconds": None if framed is None else framed - t0,
+            }
+        )
     return rows
 
 
@@ -416,12 +481,16 @@ def idle_frames(bench: Bench, stream: Stream, seconds: float) -> dict[str, Any]:
         threading.Event().wait(seconds)  # the measurement window
         frames1, comments1 = stream.counts()
         fresh1 = fresh.counts()
-        result = {"seconds": seconds, "frames": frames1 - frames0,
-                  "comments": comments1 - comments0, "fresh_stream_frames": fresh1[0] - fresh0[0],
-                  "fresh_stream_comments": fresh1[1] - fresh0[1],
-                  "broadcaster_frames": bench.service.api.broadcaster.frames_sent - sent0,
-                  "still_idle": bench.idle(),
-                  "other_cores": other_cores(cpu0, time.monotonic() - t0)}
+        result = {
+            "seconds": seconds,
+            "frames": frames1 - frames0,
+            "comments": comments1 - comments0,
+            "fresh_stream_frames": fresh1[0] - fresh0[0],
+            "fresh_stream_comments": fresh1[1] - fresh0[1],
+            "broadcaster_frames": bench.service.api.broadcaster.frames_sent - sent0,
+            "still_idle": bench.idle(),
+            "other_cores": other_cores(cpu0, time.monotonic() - t0),
+        }
     finally:
         fresh.close()
     result["frames_per_minute"] = result["frames"] * 60.0 / seconds
@@ -433,8 +502,10 @@ def fmt_ms(value: float | None) -> str:
 
 
 def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    lines = ["| measure | n | median | p95 | min | max | target (p95) | |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| measure | n | median | p95 | min | max | target (p95) | |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     verdicts: dict[str, bool] = {}
 
     def row(label: str, values: list[float | None], target: float | None, key: str) -> None:
@@ -455,51 +526,77 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 verdict += f" ({missing} never arrived)"
         elif missing:
             verdict = f"{missing} never arrived"
-        lines.append(f"| {label} | {s['n']} | {fmt_ms(s['median'])} | {fmt_ms(s['p95'])} | "
-                     f"{fmt_ms(s['min'])} | {fmt_ms(s['max'])} | "
-                     f"{'' if target is None else '≤ ' + fmt_ms(target)} | {verdict} |")
+        lines.append(
+            f"| {label} | {s['n']} | {fmt_ms(s['median'])} | {fmt_ms(s['p95'])} | "
+            f"{fmt_ms(s['min'])} | {fmt_ms(s['max'])} | "
+            f"{'' if target is None else '≤ ' + fmt_ms(target)} | {verdict} |"
+        )
 
     running = results["cancel_running"]
     for how, label in (("delete", "input deleted"), ("cli", "`cancel JOB` (CLI)")):
         trials = [r for r in running if r["how"] == how]
-        row(f"(1) running job, {label} → worker gone + `cancelled`",
-            [r["seconds"] for r in trials], TARGETS["running"], f"running_{how}")
+        row(
+            f"(1) running job, {label} → worker gone + `cancelled`",
+            [r["seconds"] for r in trials],
+            TARGETS["running"],
+            f"running_{how}",
+        )
         row("    of which: worker reaped", [r["reaped_s"] for r in trials], None, "")
         row("    of which: state `cancelled`", [r["cancelled_s"] for r in trials], None, "")
         row("    the stream shows it", [r["frame_s"] for r in trials], None, "")
     queued = results["cancel_queued"]
     for how, label in (("delete", "input deleted"), ("cli", "`cancel JOB` (CLI)")):
         trials = [r for r in queued if r["how"] == how]
-        row(f"(2) queued job, {label} → `cancelled`", [r["seconds"] for r in trials],
-            TARGETS["queued"], f"queued_{how}")
+        row(
+            f"(2) queued job, {label} → `cancelled`",
+            [r["seconds"] for r in trials],
+            TARGETS["queued"],
+            f"queued_{how}",
+        )
         row("    the stream shows it", [r["frame_s"] for r in trials], None, "")
     idle = results["idle"]
     ok = idle["frames"] == 0 and idle["fresh_stream_frames"] == 0 and idle["still_idle"]
     verdicts["idle"] = ok
-    lines.append(f"| (3) stream frames per minute while idle ({idle['seconds']:.0f} s, 2 streams; "
-                 f"keep-alive comments apart: {idle['comments']}) | 1 | "
-                 f"{idle['frames_per_minute']:.1f} | | | | 0 | {'pass' if ok else 'FAIL'} |")
-    row("(4) pause/start POST → frame with the change",
-        [r["seconds"] for r in results["change_to_frame"]], TARGETS["frame"], "frame")
-    row("    the POST's own round trip", [r["post_s"] for r in results["change_to_frame"]],
-        None, "")
+    lines.append(
+        f"| (3) stream frames per minute while idle ({idle['seconds']:.0f} s, 2 streams; "
+        f"keep-alive comments apart: {idle['comments']}) | 1 | "
+        f"{idle['frames_per_minute']:.1f} | | | | 0 | {'pass' if ok else 'FAIL'} |"
+    )
+    row(
+        "(4) pause/start POST → frame with the change",
+        [r["seconds"] for r in results["change_to_frame"]],
+        TARGETS["frame"],
+        "frame",
+    )
+    row(
+        "    the POST's own round trip", [r["post_s"] for r in results["change_to_frame"]], None, ""
+    )
     get = results["queue_get"]
-    row("(5) GET /api/queue while a song separates", [r["seconds"] for r in get],
-        TARGETS["get"], "get")
+    row(
+        "(5) GET /api/queue while a song separates",
+        [r["seconds"] for r in get],
+        TARGETS["get"],
+        "get",
+    )
     notes = []
     late = [r["trial"] for r in running if r["final_state"] != "cancelled"]
     if late:
         notes.append(f"running trials that did not end cancelled: {late}")
     behind = sum(r["behind_separation"] for r in queued)
-    notes.append(f"(2): {behind} of {len(queued)} queued cancels happened while the long song "
-                 f"was separating")
+    notes.append(
+        f"(2): {behind} of {len(queued)} queued cancels happened while the long song was separating"
+    )
     sep = sum(r["separating"] for r in get)
-    notes.append(f"(5): {sep} of {len(get)} requests answered while the song was separating; "
-                 f"{get[-1]['jobs']} jobs in the registry, {get[-1]['bytes']} bytes per answer")
+    notes.append(
+        f"(5): {sep} of {len(get)} requests answered while the song was separating; "
+        f"{get[-1]['jobs']} jobs in the registry, {get[-1]['bytes']} bytes per answer"
+    )
     loads = [r["other_cores"] for r in running]
-    notes.append(f"other processes kept {statistics.median(loads):.2f} cores busy (median over "
-                 f"the running-cancel trials; max {max(loads):.2f}) and "
-                 f"{idle['other_cores']:.2f} during the idle window")
+    notes.append(
+        f"other processes kept {statistics.median(loads):.2f} cores busy (median over "
+        f"the running-cancel trials; max {max(loads):.2f}) and "
+        f"{idle['other_cores']:.2f} during the idle window"
+    )
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]), verdicts
 
 
@@ -552,8 +649,10 @@ def main(argv: list[str] | None = None) -> int:
         long_state = bench.watch.job("long").state.value
         results["long_song_state_after"] = long_state
         if long_state != "separating":
-            print(f"  note: the long song was {long_state} before the last queued cancel",
-                  file=sys.stderr)
+            print(
+                f"  note: the long song was {long_state} before the last queued cancel",
+                file=sys.stderr,
+            )
         if not bench.watch.job("long").state.is_final:
             bench.post(f"/api/jobs/{long_job.id}/cancel")
         bench.post("/api/queue/start")
@@ -577,32 +676,49 @@ def main(argv: list[str] | None = None) -> int:
             threading.Event().wait(0.1)
         shutil.rmtree(work, ignore_errors=True)
     if leaked:
-        print(f"LEAK: child processes still running after shutdown: {sorted(leaked)}",
-              file=sys.stderr)
+        print(
+            f"LEAK: child processes still running after shutdown: {sorted(leaked)}", file=sys.stderr
+        )
     info = machine()
     table, verdicts = report(results)
     total = time.monotonic() - began
-    print(f"Control latency: the tiny model on the CPU, {args.trials} trials per way of "
-          f"cancelling; {info['nproc']} cores ({info['cpu']}), Python {info['python']}, "
-          f"torch {info['torch']}, demucs {info['demucs']}\n")
+    print(
+        f"Control latency: the tiny model on the CPU, {args.trials} trials per way of "
+        f"cancelling; {info['nproc']} cores ({info['cpu']}), Python {info['python']}, "
+        f"torch {info['torch']}, demucs {info['demucs']}\n"
+    )
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s; no processes left: {not leaked}")
-    write_results(args.out, {
-        "machine": info, "args": {k: v for k, v in vars(args).items() if k != "out"}, "targets_s": TARGETS, "verdicts": verdicts,
-        "quiet_before": quiet, "leaked_children": sorted(leaked), "total_seconds": total,
-        "summaries": {key: summary([r["seconds"] for r in rows if r["seconds"] is not None])
-                      for key, rows in (
-                          ("running_delete", [r for r in results["cancel_running"]
-                                              if r["how"] == "delete"]),
-                          ("running_cli", [r for r in results["cancel_running"]
-                                           if r["how"] == "cli"]),
-                          ("queued_delete", [r for r in results["cancel_queued"]
-                                             if r["how"] == "delete"]),
-                          ("queued_cli", [r for r in results["cancel_queued"]
-                                          if r["how"] == "cli"]),
-                          ("queue_get", results["queue_get"]),
-                          ("change_to_frame", results["change_to_frame"]))},
-        **results})
+    write_results(
+        args.out,
+        {
+            "machine": info,
+            "args": {k: v for k, v in vars(args).items() if k != "out"},
+            "targets_s": TARGETS,
+            "verdicts": verdicts,
+            "quiet_before": quiet,
+            "leaked_children": sorted(leaked),
+            "total_seconds": total,
+            "summaries": {
+                key: summary([r["seconds"] for r in rows if r["seconds"] is not None])
+                for key, rows in (
+                    (
+                        "running_delete",
+                        [r for r in results["cancel_running"] if r["how"] == "delete"],
+                    ),
+                    ("running_cli", [r for r in results["cancel_running"] if r["how"] == "cli"]),
+                    (
+                        "queued_delete",
+                        [r for r in results["cancel_queued"] if r["how"] == "delete"],
+                    ),
+                    ("queued_cli", [r for r in results["cancel_queued"] if r["how"] == "cli"]),
+                    ("queue_get", results["queue_get"]),
+                    ("change_to_frame", results["change_to_frame"]),
+                )
+            },
+            **results,
+        },
+    )
     return 1 if leaked else 0
 
 

@@ -14,6 +14,7 @@ settings unless given:
 
     python benchmarks/bench_intake.py [--files 10000] [--latency 20]
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,14 @@ def start(root: Path, repo: Path, mode: str) -> tuple[Service, Path]:
 def latency(root: Path, repo: Path, mode: str, count: int) -> list[float]:
     service, _ = start(root, repo, mode)
     queued: dict[str, float] = {}
-    service.bus.subscribe(JobChanged, lambda e: queued.setdefault(
-        e.job.source, time.monotonic()) if e.job.state is JobState.QUEUED else None)
+    service.bus.subscribe(
+        JobChanged,
+        lambda e: (
+            queued.setdefault(e.job.source, time.monotonic())
+            if e.job.state is JobState.QUEUED
+            else None
+        ),
+    )
     pace = threading.Event()
     delays = []
     try:
@@ -90,9 +97,20 @@ def library(root: Path, repo: Path, mode: str, files: int) -> dict[str, Any]:
         while not stop.is_set():
             with open(out, "wb") as handle:
                 began = time.monotonic()
-                subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                                "status", "--json"], stdout=handle, stderr=subprocess.DEVNULL,
-                               check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "stemdeck_watch",
+                        "--config",
+                        str(config),
+                        "status",
+                        "--json",
+                    ],
+                    stdout=handle,
+                    stderr=subprocess.DEVNULL,
+                    check=True,
+                )
                 slowest[0] = max(slowest[0], time.monotonic() - began)
             json.loads(out.read_bytes())  # a complete, valid object every time
             stop.wait(0.2)
@@ -116,12 +134,18 @@ def library(root: Path, repo: Path, mode: str, files: int) -> dict[str, Any]:
         cpu_before, wall_before = sum(os.times()[:2]), time.monotonic()
         pace.wait(10)
         idle = (sum(os.times()[:2]) - cpu_before) / (time.monotonic() - wall_before)
-        return {"mode": mode, "files": files, "accounted": accounted(), "seconds": took,
-                "peak_rss_mb": rss_mb, "slowest_status_s": slowest[0], "idle_cpu": idle}
+        return {
+            "mode": mode,
+            "files": files,
+            "accounted": accounted(),
+            "seconds": took,
+            "peak_rss_mb": rss_mb,
+            "slowest_status_s": slowest[0],
+            "idle_cpu": idle,
+        }
     finally:
         stop.set()
         service.shutdown()
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,16 +161,22 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("native", "polling"):
             delays = latency(work / f"latency-{mode}", repo, mode, args.latency)
             results["latency"][mode] = delays
-            print(f"latency {mode:<8} median {sorted(delays)[len(delays) // 2]:.2f} s  "
-                  f"p95 {p95(delays):.2f} s  max {max(delays):.2f} s", flush=True)
+            print(
+                f"latency {mode:<8} median {sorted(delays)[len(delays) // 2]:.2f} s  "
+                f"p95 {p95(delays):.2f} s  max {max(delays):.2f} s",
+                flush=True,
+            )
         # each library run in a fresh process would be cleaner for RSS; run polling after
         # native in this process and report ru_maxrss (the peak so far) honestly as such
         for mode in ("native", "polling"):
             row = library(work / f"library-{mode}", repo, mode, args.files)
             results["library"].append(row)
-            print(f"{args.files} files {mode:<8} accounted in {row['seconds']:.1f} s  "
-                  f"peak RSS {row['peak_rss_mb']:.0f} MB  slowest status {row['slowest_status_s']:.2f} s  "
-                  f"idle CPU {row['idle_cpu'] * 100:.1f} %", flush=True)
+            print(
+                f"{args.files} files {mode:<8} accounted in {row['seconds']:.1f} s  "
+                f"peak RSS {row['peak_rss_mb']:.0f} MB  slowest status {row['slowest_status_s']:.2f} s  "
+                f"idle CPU {row['idle_cpu'] * 100:.1f} %",
+                flush=True,
+            )
     write_results(args.out, results)
     return 0
 

@@ -43,6 +43,7 @@ numbers: benchmarks/results/links.json.
 
 Exit status 1 if a check fails or a child process is left behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,14 +61,22 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bench_control import child_pids
-from harness import (cpu_snapshot, machine, median, other_cores, parser as bench_parser,
-                     tiny_model, wait_quiet, write_results)
+from harness import (
+    cpu_snapshot,
+    machine,
+    median,
+    other_cores,
+    parser as bench_parser,
+    tiny_model,
+    wait_quiet,
+    write_results,
+)
 
 STEMS = ("drums", "bass", "other", "vocals")
-CHUNKS = 40          # a throttled body goes out in this many evenly paced pieces
+CHUNKS = 40  # a throttled body goes out in this many evenly paced pieces
 RUN_TIMEOUT = 180.0  # seconds for one run's five jobs
-GAP_SLACK = 0.10     # "idle close to zero": with the prefetch, a gap may exceed the plain-file
-                     # gap by at most this share of one download
+GAP_SLACK = 0.10  # "idle close to zero": with the prefetch, a gap may exceed the plain-file
+# gap by at most this share of one download
 
 
 class MediaServer:
@@ -95,8 +104,9 @@ class MediaServer:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="bench-media",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="bench-media", daemon=True
+        )
         self.thread.start()
 
     def url(self, path: str) -> str:
@@ -105,8 +115,14 @@ class MediaServer:
     def handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
         t0 = time.monotonic()
         path = h.path.lstrip("/").split("?")[0]
-        row = {"method": h.command, "path": path, "start": t0, "end": None, "sent": 0,
-               "complete": False}
+        row = {
+            "method": h.command,
+            "path": path,
+            "start": t0,
+            "end": None,
+            "sent": 0,
+            "complete": False,
+        }
         with self._lock:
             self.log.append(row)
         body = self.bodies.get(path)
@@ -125,10 +141,11 @@ class MediaServer:
         try:
             for i in range(CHUNKS):
                 # piece i goes out at i/(CHUNKS-1) of the time: the last byte at `seconds`
-                if self.release.wait(max(0.0, t0 + i * self.seconds / (CHUNKS - 1)
-                                         - time.monotonic())):
+                if self.release.wait(
+                    max(0.0, t0 + i * self.seconds / (CHUNKS - 1) - time.monotonic())
+                ):
                     break
-                piece = body[i * size:(i + 1) * size]
+                piece = body[i * size : (i + 1) * size]
                 h.wfile.write(piece)
                 h.wfile.flush()
                 row["sent"] += len(piece)
@@ -173,8 +190,11 @@ class Timeline:
     def _on_separated(self, event: Any) -> None:
         now = time.monotonic()
         with self._cond:
-            self.separated[event.job_id] = {"at": now, "worker_pid": event.worker_pid,
-                                            "seconds": event.seconds}
+            self.separated[event.job_id] = {
+                "at": now,
+                "worker_pid": event.worker_pid,
+                "seconds": event.seconds,
+            }
             self._cond.notify_all()
 
     def final(self) -> list[Any]:
@@ -183,12 +203,14 @@ class Timeline:
 
     def wait_final(self, timeout: float) -> list[Any]:
         with self._cond:
-            ok = self._cond.wait_for(lambda: sum(j.state.is_final for j in self.latest.values())
-                                     >= self.expect, timeout)
+            ok = self._cond.wait_for(
+                lambda: sum(j.state.is_final for j in self.latest.values()) >= self.expect, timeout
+            )
             jobs = [j for j in self.latest.values() if j.state.is_final]
         if not ok:
-            raise RuntimeError(f"timed out after {timeout:.0f} s: {len(jobs)} of {self.expect} "
-                               f"jobs ended")
+            raise RuntimeError(
+                f"timed out after {timeout:.0f} s: {len(jobs)} of {self.expect} jobs ended"
+            )
         return jobs
 
 
@@ -196,8 +218,9 @@ def make_settings(root: Path, repo: Path, shifts: int) -> Any:
     from stemdeck_watch.core.config import default_toml, settings_from_dict
 
     data = default_toml()  # as tests/conftest.py config_data does
-    data["folders"] = {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                  "state")}
+    data["folders"] = {
+        n: str(root / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["separation"].update(model="tiny", model_repo=str(repo), device="cpu", shifts=shifts)
     data["watch"]["settle_seconds"] = 0.3
     data["api"]["enabled"] = False
@@ -250,18 +273,23 @@ def poll_until(predicate: Any, timeout: float, what: str) -> Any:
 
 
 def check_outbox(settings: Any, count: int, what: str) -> None:
-    outputs = [o for o in settings.paths.outbox.iterdir()
-               if o.is_dir() and not o.name.startswith(".")]
-    if len(outputs) != count or any(sorted(p.stem for p in o.glob("*.wav")) != sorted(STEMS)
-                                    for o in outputs):
+    outputs = [
+        o for o in settings.paths.outbox.iterdir() if o.is_dir() and not o.name.startswith(".")
+    ]
+    if len(outputs) != count or any(
+        sorted(p.stem for p in o.glob("*.wav")) != sorted(STEMS) for o in outputs
+    ):
         raise RuntimeError(f"{what}: the outbox does not hold {count} folders of 4 stems")
 
 
-def separation_gaps(order: list[str], reached: dict[str, dict[str, float]],
-                    separated: dict[str, dict[str, Any]]) -> list[float]:
+def separation_gaps(
+    order: list[str], reached: dict[str, dict[str, float]], separated: dict[str, dict[str, Any]]
+) -> list[float]:
     """Job i's separation end (JobSeparated) to job i+1's separation start (SEPARATING)."""
-    return [reached[order[i + 1]]["separating"] - separated[order[i]]["at"]
-            for i in range(len(order) - 1)]
+    return [
+        reached[order[i + 1]]["separating"] - separated[order[i]]["at"]
+        for i in range(len(order) - 1)
+    ]
 
 
 def calibrate(work: Path, repo: Path, songs: list[Path], shifts: int) -> dict[str, Any]:
@@ -289,12 +317,26 @@ def calibrate(work: Path, repo: Path, songs: list[Path], shifts: int) -> dict[st
     order = sorted(separated, key=lambda j: reached[j]["separating"])
     seconds = [separated[j]["seconds"] for j in order]
     gaps = separation_gaps(order, reached, separated)
-    return {"separate_seconds": seconds, "median": statistics.median(seconds),
-            "file_gaps_s": gaps, "file_gap_median": statistics.median(gaps)}
+    return {
+        "separate_seconds": seconds,
+        "median": statistics.median(seconds),
+        "file_gaps_s": gaps,
+        "file_gap_median": statistics.median(gaps),
+    }
 
 
-def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], jobs: int,
-              shifts: int, mode: str, tag: str, quiet: float, patience: float) -> dict[str, Any]:
+def run_links(
+    work: Path,
+    repo: Path,
+    server: MediaServer,
+    songs: list[bytes],
+    jobs: int,
+    shifts: int,
+    mode: str,
+    tag: str,
+    quiet: float,
+    patience: float,
+) -> dict[str, Any]:
     """One run: the five links queued while paused, then the queue started; see the module
     docstring for what is measured."""
     from stemdeck_watch.core.jobs import JobKind
@@ -302,9 +344,11 @@ def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], j
     settings = make_settings(work, repo, shifts)
     paths = [f"{tag}/link{i}.wav" for i in range(jobs)]
     for path, body in zip(paths, songs):  # distinct songs: the service skips a song it
-        server.bodies[path] = body          # has separated before with the same settings
-    with prefetch_disabled(mode == "without"), running_service(settings, jobs) as (service,
-                                                                                   timeline):
+        server.bodies[path] = body  # has separated before with the same settings
+    with (
+        prefetch_disabled(mode == "without"),
+        running_service(settings, jobs) as (service, timeline),
+    ):
         service.scheduler.pause("user")
         drop = work / "drop"
         drop.mkdir()
@@ -357,50 +401,76 @@ def run_links(work: Path, repo: Path, server: MediaServer, songs: list[bytes], j
         gets = [r for r in requests if r["path"] == path and r["method"] == "GET"]
         full = [r for r in gets if r["complete"]]
         downloading = reached[job_id]["downloading"]
-        per_job.append({
-            "job": job_id, "path": path,
-            # yt-dlp asks twice per download: a probe (headers only, then it hangs up) and
-            # the download itself; more means the link was fetched again
-            "get_requests": len(gets), "full_transfers": len(full),
-            "gets": [{"start": r["start"] - t0, "bytes": r["sent"], "complete": r["complete"],
-                      "seconds": None if r["end"] is None else r["end"] - r["start"]}
-                     for r in gets],
-            "downloading_at": downloading - t0,
-            "separating_at": reached[job_id]["separating"] - t0,
-            "separated_at": separated[job_id]["at"] - t0,
-            "done_at": reached[job_id]["done"] - t0,
-            # the Prefetcher asked for it while the job was still queued
-            "prefetched": any(r["start"] < downloading for r in gets),
-            # how long the job waited for its download once it ran (the manifest's timing)
-            "download_wait_s": float(manifest.get("timings", {}).get("download", float("nan"))),
-            "manifest_timings": manifest.get("timings", {}),
-            "worker_separate_s": separated[job_id]["seconds"]})
+        per_job.append(
+            {
+                "job": job_id,
+                "path": path,
+                # yt-dlp asks twice per download: a probe (headers only, then it hangs up) and
+                # the download itself; more means the link was fetched again
+                "get_requests": len(gets),
+                "full_transfers": len(full),
+                "gets": [
+                    {
+                        "start": r["start"] - t0,
+                        "bytes": r["sent"],
+                        "complete": r["complete"],
+                        "seconds": None if r["end"] is None else r["end"] - r["start"],
+                    }
+                    for r in gets
+                ],
+                "downloading_at": downloading - t0,
+                "separating_at": reached[job_id]["separating"] - t0,
+                "separated_at": separated[job_id]["at"] - t0,
+                "done_at": reached[job_id]["done"] - t0,
+                # the Prefetcher asked for it while the job was still queued
+                "prefetched": any(r["start"] < downloading for r in gets),
+                # how long the job waited for its download once it ran (the manifest's timing)
+                "download_wait_s": float(manifest.get("timings", {}).get("download", float("nan"))),
+                "manifest_timings": manifest.get("timings", {}),
+                "worker_separate_s": separated[job_id]["seconds"],
+            }
+        )
     repeated = [p["path"] for p in per_job if p["full_transfers"] != 1 or p["get_requests"] != 2]
-    return {"mode": mode, "tag": tag, "total_s": total, "gaps_s": gaps, "idle_s": sum(gaps),
-            "span_s": span, "idle_fraction": sum(gaps) / span if span > 0 else 0.0,
-            "worker_busy_s": busy_worker, "worker_pids": pids,
-            "first_separation_at": starts[0] - t0,
-            "prefetched": sum(p["prefetched"] for p in per_job),
-            "fetched_more_than_once": repeated, "jobs": per_job, "other_cores": other,
-            "quiet_before": other_before, "waited_for_quiet": waited}
+    return {
+        "mode": mode,
+        "tag": tag,
+        "total_s": total,
+        "gaps_s": gaps,
+        "idle_s": sum(gaps),
+        "span_s": span,
+        "idle_fraction": sum(gaps) / span if span > 0 else 0.0,
+        "worker_busy_s": busy_worker,
+        "worker_pids": pids,
+        "first_separation_at": starts[0] - t0,
+        "prefetched": sum(p["prefetched"] for p in per_job),
+        "fetched_more_than_once": repeated,
+        "jobs": per_job,
+        "other_cores": other,
+        "quiet_before": other_before,
+        "waited_for_quiet": waited,
+    }
 
 
-
-def report(runs: list[dict[str, Any]], download: float, calibration: dict[str, Any],
-           jobs: int) -> tuple[str, dict[str, Any]]:
+def report(
+    runs: list[dict[str, Any]], download: float, calibration: dict[str, Any], jobs: int
+) -> tuple[str, dict[str, Any]]:
     floor = calibration["file_gap_median"]
-    lines = ["| prefetch | total s, median (min–max) | total − separating, s | worker idle between jobs, s: sum of "
-             f"{jobs - 1} gaps, median (min–max) | idle fraction | median gap − plain-file gap "
-             f"| wait for the download once a job runs, jobs 2–{jobs}, median | links asked "
-             "for ahead | links fetched again | other procs, cores |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| prefetch | total s, median (min–max) | total − separating, s | worker idle between jobs, s: sum of "
+        f"{jobs - 1} gaps, median (min–max) | idle fraction | median gap − plain-file gap "
+        f"| wait for the download once a job runs, jobs 2–{jobs}, median | links asked "
+        "for ahead | links fetched again | other procs, cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     med: dict[str, dict[str, float]] = {}
     for mode in ("with", "without"):
         rows = [r for r in runs if r["mode"] == mode]
         if not rows:
             continue
-        m = {k: median([r[k] for r in rows]) for k in ("total_s", "idle_s", "idle_fraction",
-                                                       "first_separation_at", "other_cores")}
+        m = {
+            k: median([r[k] for r in rows])
+            for k in ("total_s", "idle_s", "idle_fraction", "first_separation_at", "other_cores")
+        }
         # the total less the worker's own separation seconds: what the prefetch can shorten,
         # without the noise of separations that a shared machine slows down unevenly
         m["not_separating"] = median([r["total_s"] - r["worker_busy_s"] for r in rows])
@@ -419,35 +489,48 @@ def report(runs: list[dict[str, Any]], download: float, calibration: dict[str, A
             f"{m['download_wait']:.2f} s | "
             f"{'/'.join(str(r['prefetched']) for r in rows)} of {jobs} | "
             f"{'/'.join(str(len(r['fetched_more_than_once'])) for r in rows)} of {jobs} | "
-            f"{m['other_cores']:.2f} |")
+            f"{m['other_cores']:.2f} |"
+        )
     verdicts: dict[str, bool] = {}
-    notes = [f"plain files (nothing to download, same clip, queued while paused): median gap "
-             f"{1000 * floor:.0f} ms (publish one, decode the next) - the floor for a gap; "
-             f"one separation {calibration['median']:.2f} s, one download {download:.2f} s"]
+    notes = [
+        f"plain files (nothing to download, same clip, queued while paused): median gap "
+        f"{1000 * floor:.0f} ms (publish one, decode the next) - the floor for a gap; "
+        f"one separation {calibration['median']:.2f} s, one download {download:.2f} s"
+    ]
     if "with" in med and "without" in med:
         w, wo = med["with"], med["without"]
-        notes.append(f"saved by the prefetch (total − separating, medians): "
-                     f"{wo['not_separating'] - w['not_separating']:.2f} s; ideal: {jobs - 1} "
-                     f"downloads x {download:.2f} s = {(jobs - 1) * download:.2f} s; medians of "
-                     f"the totals differ by {wo['total_s'] - w['total_s']:.2f} s")
-        notes.append(f"median gap between jobs: {1000 * w['gap_median']:.0f} ms with, "
-                     f"{1000 * wo['gap_median']:.0f} ms without; the first separation starts "
-                     f"{w['first_separation_at']:.2f} s / {wo['first_separation_at']:.2f} s after "
-                     f"the start (the first download cannot be hidden)")
-        verdicts[f"with: the download adds at most {GAP_SLACK:.0%} of one download to the "
-                 f"median gap ({w['extra_gap']:+.2f} s <= {GAP_SLACK * download:.2f} s)"] = \
-            w["extra_gap"] <= GAP_SLACK * download
-        verdicts[f"the prefetch saves at least half of the {jobs - 1} hideable downloads "
-                 f"(total − separating: with <= without − {(jobs - 1) * download / 2:.2f} s)"] = \
-            w["not_separating"] <= wo["not_separating"] - (jobs - 1) * download / 2
+        notes.append(
+            f"saved by the prefetch (total − separating, medians): "
+            f"{wo['not_separating'] - w['not_separating']:.2f} s; ideal: {jobs - 1} "
+            f"downloads x {download:.2f} s = {(jobs - 1) * download:.2f} s; medians of "
+            f"the totals differ by {wo['total_s'] - w['total_s']:.2f} s"
+        )
+        notes.append(
+            f"median gap between jobs: {1000 * w['gap_median']:.0f} ms with, "
+            f"{1000 * wo['gap_median']:.0f} ms without; the first separation starts "
+            f"{w['first_separation_at']:.2f} s / {wo['first_separation_at']:.2f} s after "
+            f"the start (the first download cannot be hidden)"
+        )
+        verdicts[
+            f"with: the download adds at most {GAP_SLACK:.0%} of one download to the "
+            f"median gap ({w['extra_gap']:+.2f} s <= {GAP_SLACK * download:.2f} s)"
+        ] = w["extra_gap"] <= GAP_SLACK * download
+        verdicts[
+            f"the prefetch saves at least half of the {jobs - 1} hideable downloads "
+            f"(total − separating: with <= without − {(jobs - 1) * download / 2:.2f} s)"
+        ] = w["not_separating"] <= wo["not_separating"] - (jobs - 1) * download / 2
     verdicts["one worker process did every separation in each run"] = all(
-        len(r["worker_pids"]) == 1 for r in runs)
+        len(r["worker_pids"]) == 1 for r in runs
+    )
     verdicts["every link fetched once (2 GETs: yt-dlp's probe + 1 full transfer)"] = not any(
-        r["fetched_more_than_once"] for r in runs)
+        r["fetched_more_than_once"] for r in runs
+    )
     verdicts[f"with: {jobs - 1} of {jobs} downloads started ahead in every run"] = all(
-        r["prefetched"] == jobs - 1 for r in runs if r["mode"] == "with")
+        r["prefetched"] == jobs - 1 for r in runs if r["mode"] == "with"
+    )
     verdicts["without: no download started ahead"] = all(
-        r["prefetched"] == 0 for r in runs if r["mode"] == "without")
+        r["prefetched"] == 0 for r in runs if r["mode"] == "without"
+    )
     lines += [""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in verdicts.items()]
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines), {"medians": med, "verdicts": verdicts}
@@ -459,12 +542,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=5, help="link files per run")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the clip")
     parser.add_argument("--shifts", type=int, default=1, help="[separation] shifts")
-    parser.add_argument("--download", type=float, default=None, metavar="S",
-                        help="seconds per download (default: the measured separation time, "
-                             "at most --max-download)")
-    parser.add_argument("--max-download", type=float, default=3.0, metavar="S",
-                        help="cap on the measured default: on a busy machine separations slow "
-                             "down and the runs would grow with them")
+    parser.add_argument(
+        "--download",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds per download (default: the measured separation time, at most --max-download)",
+    )
+    parser.add_argument(
+        "--max-download",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="cap on the measured default: on a busy machine separations slow "
+        "down and the runs would grow with them",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from stemdeck_watch.util.synth import write_song
@@ -480,32 +572,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         repo = work / "models"
         tiny_model(repo)
-        songs = [write_song(work / f"link{i}.wav", args.seconds, seed=i)
-                 for i in range(args.jobs)]
+        songs = [write_song(work / f"link{i}.wav", args.seconds, seed=i) for i in range(args.jobs)]
         files = [write_song(work / f"file{i}.wav", args.seconds, seed=100 + i) for i in range(4)]
         quiet = wait_quiet(args.quiet, args.patience)
         print("calibrating: separation time of the clip ...", file=sys.stderr, flush=True)
         calibration = calibrate(work / "calibrate", repo, files, args.shifts)
         calibration["quiet_before"] = quiet
         separate = calibration["median"]
-        download = args.download if args.download is not None else min(separate,
-                                                                        args.max_download)
-        print(f"  one separation {separate:.2f} s; each download throttled to {download:.2f} s",
-              file=sys.stderr, flush=True)
+        download = args.download if args.download is not None else min(separate, args.max_download)
+        print(
+            f"  one separation {separate:.2f} s; each download throttled to {download:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         server = MediaServer(download)
         bodies = [song.read_bytes() for song in songs]
         for n in range(args.runs):
-            for mode in (("with", "without") if n % 2 == 0 else ("without", "with")):
+            for mode in ("with", "without") if n % 2 == 0 else ("without", "with"):
                 tag = f"r{n}-{mode}"
-                run = run_links(work / tag, repo, server, bodies, args.jobs, args.shifts,
-                                mode, tag, args.quiet, args.patience)
+                run = run_links(
+                    work / tag,
+                    repo,
+                    server,
+                    bodies,
+                    args.jobs,
+                    args.shifts,
+                    mode,
+                    tag,
+                    args.quiet,
+                    args.patience,
+                )
                 runs.append(run)
-                print(f"run {n + 1}/{args.runs} {mode:>7}: total {run['total_s']:.2f} s, idle "
-                      f"{run['idle_s']:.2f} s ({100 * run['idle_fraction']:.1f} %), gaps "
-                      f"{' '.join(f'{g:.2f}' for g in run['gaps_s'])}, prefetched "
-                      f"{run['prefetched']}, other procs {run['other_cores']:.2f} cores "
-                      f"(waited {run['waited_for_quiet']:.0f} s for quiet)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"run {n + 1}/{args.runs} {mode:>7}: total {run['total_s']:.2f} s, idle "
+                    f"{run['idle_s']:.2f} s ({100 * run['idle_fraction']:.1f} %), gaps "
+                    f"{' '.join(f'{g:.2f}' for g in run['gaps_s'])}, prefetched "
+                    f"{run['prefetched']}, other procs {run['other_cores']:.2f} cores "
+                    f"(waited {run['waited_for_quiet']:.0f} s for quiet)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shutil.rmtree(work / tag, ignore_errors=True)
         assert "torch" not in sys.modules, "the benchmark's main process imported torch"
     finally:
@@ -516,25 +622,38 @@ def main(argv: list[str] | None = None) -> int:
             threading.Event().wait(0.1)
         shutil.rmtree(work, ignore_errors=True)
     if leaked:
-        print(f"LEAK: child processes still running after shutdown: {sorted(leaked)}",
-              file=sys.stderr)
+        print(
+            f"LEAK: child processes still running after shutdown: {sorted(leaked)}", file=sys.stderr
+        )
     info = machine()
     info["yt_dlp"] = yt_dlp.version.__version__
     table, summary = report(runs, download, calibration, args.jobs)
     total = time.monotonic() - began
-    print(f"Link jobs: {args.jobs} links x {args.seconds:g} s wav from a loopback server, each "
-          f"download throttled to {download:.2f} s; one separation {separate:.2f} s (tiny model, "
-          f"CPU, shifts {args.shifts}); {args.runs} runs per mode; {info['nproc']} cores "
-          f"({info['cpu']}), Python {info['python']}, torch {info['torch']}, demucs "
-          f"{info['demucs']}, yt-dlp {info['yt_dlp']}\n"
-          f"`without`: stemdeck_watch.engine.prefetch.Prefetcher._consider monkeypatched to a no-op "
-          f"for those runs (the service is not edited).\n")
+    print(
+        f"Link jobs: {args.jobs} links x {args.seconds:g} s wav from a loopback server, each "
+        f"download throttled to {download:.2f} s; one separation {separate:.2f} s (tiny model, "
+        f"CPU, shifts {args.shifts}); {args.runs} runs per mode; {info['nproc']} cores "
+        f"({info['cpu']}), Python {info['python']}, torch {info['torch']}, demucs "
+        f"{info['demucs']}, yt-dlp {info['yt_dlp']}\n"
+        f"`without`: stemdeck_watch.engine.prefetch.Prefetcher._consider monkeypatched to a no-op "
+        f"for those runs (the service is not edited).\n"
+    )
     print(table)
     print(f"\ntotal benchmark time {total:.0f} s; no processes left: {not leaked}")
-    write_results(args.out, {
-        "machine": info, "args": vars(args), "calibration": calibration,
-        "download_seconds": download, "gap_slack": GAP_SLACK, **summary,
-        "runs": runs, "leaked_children": sorted(leaked), "total_seconds": total})
+    write_results(
+        args.out,
+        {
+            "machine": info,
+            "args": vars(args),
+            "calibration": calibration,
+            "download_seconds": download,
+            "gap_slack": GAP_SLACK,
+            **summary,
+            "runs": runs,
+            "leaked_children": sorted(leaked),
+            "total_seconds": total,
+        },
+    )
     ok = all(summary["verdicts"].values()) and not leaked
     return 0 if ok else 1
 

@@ -22,6 +22,7 @@ more than 5 % slower.
 
 The parent never imports torch; 60 minutes of audio take ~10 minutes of CPU on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,10 @@ def child_songs(folder: str, minutes: list[int]) -> None:
 
     from stemdeck_watch.util.synth import song
 
-    files = {m: soundfile.SoundFile(Path(folder) / f"song-{m:03d}min.wav", "w", SR, 2,
-                                    subtype="PCM_16") for m in minutes}
+    files = {
+        m: soundfile.SoundFile(Path(folder) / f"song-{m:03d}min.wav", "w", SR, 2, subtype="PCM_16")
+        for m in minutes
+    }
     try:
         for i in range(max(minutes)):
             piece = song(PIECE_SECONDS, seed=i)
@@ -99,13 +102,15 @@ def child_songs(folder: str, minutes: list[int]) -> None:
 
 # -------------------------------------------------------------------------- the parent side
 
+
 def write_config(root: Path, repo: Path) -> Path:
     import tomli_w
 
-    config = {"folders": {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                     "state")},
-              "separation": {"model": "tiny", "model_repo": str(repo), "device": "cpu"},
-              "watch": {"settle_seconds": 0.5}}
+    config = {
+        "folders": {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed", "state")},
+        "separation": {"model": "tiny", "model_repo": str(repo), "device": "cpu"},
+        "watch": {"settle_seconds": 0.5},
+    }
     path = root / "stemdeck.toml"
     path.write_text(tomli_w.dumps(config))
     return path
@@ -144,9 +149,14 @@ def run_one(song: Path, repo: Path, work: Path, pythonpath: str | None) -> dict[
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log = open(root / "service.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "run", "--no-tray",
-                             "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=pythonpath or str(ROOT), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stemdeck_watch", "run", "--no-tray", "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=pythonpath or str(ROOT),
+        start_new_session=True,
+    )
     sampled = {"service": 0, "worker": 0}
     workers: set[int] = set()
     stop = threading.Event()
@@ -166,16 +176,28 @@ def run_one(song: Path, repo: Path, work: Path, pythonpath: str | None) -> dict[
     sampler.start()
     processed = root / "processed" / song.name
     try:
-        wait(lambda: registry_row(root, "SELECT value FROM meta WHERE key IN ('worker', 'workers')"), proc,
-             600, "the worker to load the model")
+        wait(
+            lambda: registry_row(root, "SELECT value FROM meta WHERE key IN ('worker', 'workers')"),
+            proc,
+            600,
+            "the worker to load the model",
+        )
         os.replace(song, root / "inbox" / song.name)
-        row = wait(lambda: registry_row(
-            root, "SELECT state, error, output, created_at, finished_at FROM jobs "
-                  "WHERE state IN ('done', 'failed', 'cancelled')"), proc, 4 * 3600,
-            f"{song.name} to finish")
+        row = wait(
+            lambda: registry_row(
+                root,
+                "SELECT state, error, output, created_at, finished_at FROM jobs "
+                "WHERE state IN ('done', 'failed', 'cancelled')",
+            ),
+            proc,
+            4 * 3600,
+            f"{song.name} to finish",
+        )
         worker = max(workers) if workers else None
-        peaks = {"service_hwm_kb": status_kb(proc.pid, "VmHWM"),
-                 "worker_hwm_kb": status_kb(worker, "VmHWM") if worker else None}
+        peaks = {
+            "service_hwm_kb": status_kb(proc.pid, "VmHWM"),
+            "worker_hwm_kb": status_kb(worker, "VmHWM") if worker else None,
+        }
     finally:
         stop.set()
         sampler.join()
@@ -194,9 +216,14 @@ def run_one(song: Path, repo: Path, work: Path, pythonpath: str | None) -> dict[
         raise RuntimeError(f"{song.name} ended {state}: {error}")
     manifest = json.loads((Path(output) / "stemdeck.json").read_text())
     shutil.rmtree(root, ignore_errors=True)
-    return {**peaks, "service_sampled_kb": sampled["service"],
-            "worker_sampled_kb": sampled["worker"], "job_seconds": finished - created,
-            "timings": manifest["timings"], "duration": manifest["input"]["duration"]}
+    return {
+        **peaks,
+        "service_sampled_kb": sampled["service"],
+        "worker_sampled_kb": sampled["worker"],
+        "job_seconds": finished - created,
+        "timings": manifest["timings"],
+        "duration": manifest["input"]["duration"],
+    }
 
 
 def mb(kb: int | None) -> float:
@@ -209,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed-minutes", type=int, default=5)
     parser.add_argument("--speed-runs", type=int, default=3)
     parser.add_argument("--before", type=Path, help="an earlier source tree to compare speed")
-    parser.add_argument("--before-minutes", type=int, nargs="*", default=[],
-                        help="also measure the earlier tree's peaks at these lengths")
+    parser.add_argument(
+        "--before-minutes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also measure the earlier tree's peaks at these lengths",
+    )
     parser.add_argument("--work", type=Path, help="working folder (default: a temp folder)")
     parser.add_argument("--child-songs", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -220,20 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="stemdeck-mem-"))
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine(), "memory": {}, "memory_before": {},
-                               "speed": {}}
+    results: dict[str, Any] = {"machine": machine(), "memory": {}, "memory_before": {}, "speed": {}}
     try:
         repo = work / "models"
         tiny_model(repo)
-        lengths = sorted(set(args.minutes) | set(args.before_minutes)
-                         | ({args.speed_minutes} if args.speed_runs else set()))
+        lengths = sorted(
+            set(args.minutes)
+            | set(args.before_minutes)
+            | ({args.speed_minutes} if args.speed_runs else set())
+        )
         songs = work / "songs"
         songs.mkdir(exist_ok=True)
         missing = [m for m in lengths if not (songs / f"song-{m:03d}min.wav").exists()]
         if missing:
             t = time.monotonic()
-            subprocess.run([sys.executable, __file__, "--child-songs", str(songs),
-                            *map(str, missing)], check=True)
+            subprocess.run(
+                [sys.executable, __file__, "--child-songs", str(songs), *map(str, missing)],
+                check=True,
+            )
             print(f"wrote songs {missing} min in {time.monotonic() - t:.0f} s", file=sys.stderr)
 
         def song(minutes: int) -> Path:
@@ -242,15 +278,23 @@ def main(argv: list[str] | None = None) -> int:
         for minutes in args.minutes:
             r = run_one(song(minutes), repo, work, None)
             results["memory"][minutes] = r
-            print(f"{minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, worker "
-                  f"{mb(r['worker_hwm_kb']):7.0f} MB, job {r['job_seconds']:.1f} s "
-                  f"({r['job_seconds'] / minutes:.2f} s/min)", file=sys.stderr, flush=True)
+            print(
+                f"{minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, worker "
+                f"{mb(r['worker_hwm_kb']):7.0f} MB, job {r['job_seconds']:.1f} s "
+                f"({r['job_seconds'] / minutes:.2f} s/min)",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.before:
             for minutes in args.before_minutes:
                 r = run_one(song(minutes), repo, work, str(args.before))
                 results["memory_before"][minutes] = r
-                print(f"before {minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, "
-                      f"worker {mb(r['worker_hwm_kb']):7.0f} MB", file=sys.stderr, flush=True)
+                print(
+                    f"before {minutes:3d} min: service {mb(r['service_hwm_kb']):7.0f} MB, "
+                    f"worker {mb(r['worker_hwm_kb']):7.0f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
             runs: dict[str, list[dict[str, Any]]] = {"now": [], "before": []}
             for n in range(args.speed_runs):
                 for label, path in (("now", None), ("before", str(args.before))):
@@ -258,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_one(song(args.speed_minutes), repo, work, path)
                     r["other_cores_before"] = quiet
                     runs[label].append(r)
-                    print(f"speed run {n + 1} {label}: {r['job_seconds']:.2f} s "
-                          f"(separate {r['timings'].get('separate')} s)", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"speed run {n + 1} {label}: {r['job_seconds']:.2f} s "
+                        f"(separate {r['timings'].get('separate')} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             results["speed"] = runs
     finally:
         if not args.work:
@@ -273,47 +320,65 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     info = results["machine"]
-    lines = [f"One song per fresh `stemdeck-watch run`, tiny model, CPU; {info['nproc']} cores "
-             f"({info['cpu']}), Python {info['python']}, torch {info['torch']}"]
+    lines = [
+        f"One song per fresh `stemdeck-watch run`, tiny model, CPU; {info['nproc']} cores "
+        f"({info['cpu']}), Python {info['python']}, torch {info['torch']}"
+    ]
     memory = results["memory"]
     if memory:
-        lines += ["", "| song | service peak (VmHWM) | worker peak (VmHWM) | service sampled | "
-                  "worker sampled | job s | s per min of audio |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| song | service peak (VmHWM) | worker peak (VmHWM) | service sampled | "
+            "worker sampled | job s | s per min of audio |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
     for minutes, r in sorted(memory.items()):
-        lines.append(f"| {minutes} min | {mb(r['service_hwm_kb']):,.0f} MB | "
-                     f"{mb(r['worker_hwm_kb']):,.0f} MB | {mb(r['service_sampled_kb']):,.0f} MB"
-                     f" | {mb(r['worker_sampled_kb']):,.0f} MB | {r['job_seconds']:.1f} | "
-                     f"{r['job_seconds'] / minutes:.2f} |")
+        lines.append(
+            f"| {minutes} min | {mb(r['service_hwm_kb']):,.0f} MB | "
+            f"{mb(r['worker_hwm_kb']):,.0f} MB | {mb(r['service_sampled_kb']):,.0f} MB"
+            f" | {mb(r['worker_sampled_kb']):,.0f} MB | {r['job_seconds']:.1f} | "
+            f"{r['job_seconds'] / minutes:.2f} |"
+        )
     if 1 in memory and len(memory) > 1:
         longest = max(memory)
         for who in ("service", "worker"):
             grow = mb(memory[longest][f"{who}_hwm_kb"]) - mb(memory[1][f"{who}_hwm_kb"])
-            lines.append(f"- {'PASS' if grow <= 300 else 'FAIL'}: {who} at {longest} min is "
-                         f"{grow:+.0f} MB over its 1-minute peak (target <= 300 MB)")
+            lines.append(
+                f"- {'PASS' if grow <= 300 else 'FAIL'}: {who} at {longest} min is "
+                f"{grow:+.0f} MB over its 1-minute peak (target <= 300 MB)"
+            )
     for minutes, r in sorted(results["memory_before"].items()):
-        lines.append(f"- before: {minutes} min: service {mb(r['service_hwm_kb']):,.0f} MB, "
-                     f"worker {mb(r['worker_hwm_kb']):,.0f} MB")
+        lines.append(
+            f"- before: {minutes} min: service {mb(r['service_hwm_kb']):,.0f} MB, "
+            f"worker {mb(r['worker_hwm_kb']):,.0f} MB"
+        )
     speed = results["speed"]
     if speed and speed.get("now") and speed.get("before"):
         minutes = args.speed_minutes
-        lines += ["", f"| {minutes}-minute song, {len(speed['now'])} runs each | wall s per "
-                  f"minute of audio, min | median | max | separate s (min) | write s (min) |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"| {minutes}-minute song, {len(speed['now'])} runs each | wall s per "
+            f"minute of audio, min | median | max | separate s (min) | write s (min) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         best, middle = {}, {}
         for label in ("now", "before"):
             runs = speed[label]
             walls = [r["job_seconds"] / minutes for r in runs]
             best[label], middle[label] = min(walls), statistics.median(walls)
-            lines.append(f"| {label} | {min(walls):.2f} | {statistics.median(walls):.2f} | "
-                         f"{max(walls):.2f} | "
-                         f"{min(float(r['timings'].get('separate', 0)) for r in runs):.1f} | "
-                         f"{min(float(r['timings'].get('write', 0)) for r in runs):.2f} |")
+            lines.append(
+                f"| {label} | {min(walls):.2f} | {statistics.median(walls):.2f} | "
+                f"{max(walls):.2f} | "
+                f"{min(float(r['timings'].get('separate', 0)) for r in runs):.1f} | "
+                f"{min(float(r['timings'].get('write', 0)) for r in runs):.2f} |"
+            )
         change = best["now"] / best["before"] - 1
-        lines.append(f"- {'PASS' if change <= 0.05 else 'FAIL'}: fastest run now/before = "
-                     f"{best['now'] / best['before']:.3f} ({change:+.1%}; target <= +5 %); "
-                     f"medians {middle['now'] / middle['before']:.3f}. The fastest run is the "
-                     f"one least disturbed by other processes on a shared machine.")
+        lines.append(
+            f"- {'PASS' if change <= 0.05 else 'FAIL'}: fastest run now/before = "
+            f"{best['now'] / best['before']:.3f} ({change:+.1%}; target <= +5 %); "
+            f"medians {middle['now'] / middle['before']:.3f}. The fastest run is the "
+            f"one least disturbed by other processes on a shared machine."
+        )
     lines.append(f"\ntotal benchmark time {results['total_seconds']:.0f} s")
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ bounded time for a quiet machine. Raw numbers: benchmarks/results/notify.json.
 
     python benchmarks/bench_notify.py [--trials 10] [--runs 3] [--songs 10]
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,20 +35,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import (cpu_snapshot, machine, other_cores, parser as bench_parser, percentile,
-                     tiny_model, wait_quiet, write_results)
+from harness import (
+    cpu_snapshot,
+    machine,
+    other_cores,
+    parser as bench_parser,
+    percentile,
+    tiny_model,
+    wait_quiet,
+    write_results,
+)
 from support.notify_receiver import Receiver, closed_port
 
 SETTLE = 0.5
-
 
 
 def settings_for(root: Path, repo: Path, urls: list[str]) -> Any:
     from stemdeck_watch.core.config import default_toml, settings_from_dict
 
     data = default_toml()
-    data["folders"] = {n: str(root / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                  "state")}
+    data["folders"] = {
+        n: str(root / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["separation"].update(model="tiny", model_repo=str(repo), device="cpu")
     data["watch"]["settle_seconds"] = SETTLE
     data["notify"]["urls"] = urls
@@ -108,7 +117,7 @@ def service_run(root: Path, repo: Path, urls: list[str], clips: list[Path]) -> d
     service.start()
     try:
         service.client.ensure_model("tiny", str(settings.model_repo))  # warm, as in (a) of
-        drop = root / "drop"                                             # bench_throughput
+        drop = root / "drop"  # bench_throughput
         drop.mkdir()
         for clip in clips:
             shutil.copyfile(clip, drop / clip.name)
@@ -125,13 +134,20 @@ def service_run(root: Path, repo: Path, urls: list[str], clips: list[Path]) -> d
     if failed:
         raise RuntimeError(f"jobs failed: {failed}")
     spent = bus.notifier_seconds
-    return {"seconds": seconds, "done_at": done, "other_cores": other, "channels": channels,
-            "listener_events": len(spent), "listener_total_s": sum(spent),
-            "listener_max_s": max(spent, default=0.0)}
+    return {
+        "seconds": seconds,
+        "done_at": done,
+        "other_cores": other,
+        "channels": channels,
+        "listener_events": len(spent),
+        "listener_total_s": sum(spent),
+        "listener_max_s": max(spent, default=0.0),
+    }
 
 
-def latency_service(work: Path, repo: Path, clip: Path, trials: int, quiet: float,
-                    patience: float) -> list[float]:
+def latency_service(
+    work: Path, repo: Path, clip: Path, trials: int, quiet: float, patience: float
+) -> list[float]:
     latencies = []
     for n in range(trials):
         wait_quiet(quiet, patience)
@@ -141,8 +157,11 @@ def latency_service(work: Path, repo: Path, clip: Path, trials: int, quiet: floa
         name = clip.stem
         message = next(m for m in got if m["title"] == f"Stems ready: {name}")
         latencies.append(message["received_at"] - run["done_at"][name])
-        print(f"(1a) trial {n + 1}/{trials}: {latencies[-1] * 1000:.1f} ms", file=sys.stderr,
-              flush=True)
+        print(
+            f"(1a) trial {n + 1}/{trials}: {latencies[-1] * 1000:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
         shutil.rmtree(work / f"lat{n}", ignore_errors=True)
     return latencies
 
@@ -165,19 +184,32 @@ def latency_notifier(work: Path, events: int, spacing: float) -> list[float]:
                 pace.wait(max(0.0, start + i * spacing - time.monotonic()))  # the schedule
                 name = f"song {i:03d}"
                 sent[name] = time.monotonic()
-                bus.publish(JobChanged(Job(id=f"j{i}", name=name, kind=JobKind.FILE,
-                                           state=JobState.DONE, source="/x", rel_path="x",
-                                           output=f"/out/{name}")))
+                bus.publish(
+                    JobChanged(
+                        Job(
+                            id=f"j{i}",
+                            name=name,
+                            kind=JobKind.FILE,
+                            state=JobState.DONE,
+                            source="/x",
+                            rel_path="x",
+                            output=f"/out/{name}",
+                        )
+                    )
+                )
             got = receiver.wait(events, timeout=60)
         finally:
             notifier.stop()
     return [m["received_at"] - sent[m["title"].removeprefix("Stems ready: ")] for m in got]
 
 
-
 def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50": statistics.median(values), "p95": percentile(values, 95),
-            "max": max(values)}
+    return {
+        "n": len(values),
+        "p50": statistics.median(values),
+        "p95": percentile(values, 95),
+        "max": max(values),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         repo = work / "models"
         tiny_model(repo)
-        clips = [write_song(work / "clips" / f"song{i:02d}.wav", args.seconds, seed=i)
-                 for i in range(args.songs)]
+        clips = [
+            write_song(work / "clips" / f"song{i:02d}.wav", args.seconds, seed=i)
+            for i in range(args.songs)
+        ]
         lat_a = latency_service(work, repo, clips[0], args.trials, args.quiet, args.patience)
         wait_quiet(args.quiet, args.patience)
         lat_b = latency_notifier(work, args.events, 0.02)
@@ -205,18 +239,22 @@ def main(argv: list[str] | None = None) -> int:
             for label in ("without", "with"):
                 wait_quiet(args.quiet, args.patience)
                 with Receiver() as receiver:
-                    urls = ([f"json://127.0.0.1:{closed_port()}/"] if label == "with" else []) \
-                        + [receiver.url]
+                    urls = ([f"json://127.0.0.1:{closed_port()}/"] if label == "with" else []) + [
+                        receiver.url
+                    ]
                     run = service_run(work / f"{label}{n}", repo, urls, clips)
                     run["received"] = len(receiver.snapshot())
                 run.pop("done_at")
                 runs[label].append(run)
-                print(f"(2) run {n + 1}/{args.runs} {label} dead target: "
-                      f"{run['seconds']:.2f} s (other processes: {run['other_cores']:.2f} "
-                      f"cores), notifier {run['channels']}, in its listener "
-                      f"{run['listener_total_s'] * 1000:.2f} ms over {run['listener_events']} "
-                      f"events", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"(2) run {n + 1}/{args.runs} {label} dead target: "
+                    f"{run['seconds']:.2f} s (other processes: {run['other_cores']:.2f} "
+                    f"cores), notifier {run['channels']}, in its listener "
+                    f"{run['listener_total_s'] * 1000:.2f} ms over {run['listener_events']} "
+                    f"events",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shutil.rmtree(work / f"{label}{n}", ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -228,36 +266,57 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nNotifications; {info['nproc']} cores ({info['cpu']}), Python {info['python']}\n")
     print("| measure | n | p50 | p95 | max | target |")
     print("|---|---:|---:|---:|---:|---|")
-    for name, s in (("(1a) song published -> notification at the receiver (service)", a),
-                    ("(1b) done event -> notification, steady stream (notifier alone)", b)):
+    for name, s in (
+        ("(1a) song published -> notification at the receiver (service)", a),
+        ("(1b) done event -> notification, steady stream (notifier alone)", b),
+    ):
         if s is None:
             continue
         verdict = "pass" if s["p95"] <= 0.5 else "FAIL"
-        print(f"| {name} | {s['n']} | {s['p50'] * 1000:.1f} ms | {s['p95'] * 1000:.1f} ms | "
-              f"{s['max'] * 1000:.1f} ms | p95 <= 500 ms: {verdict} |")
+        print(
+            f"| {name} | {s['n']} | {s['p50'] * 1000:.1f} ms | {s['p95'] * 1000:.1f} ms | "
+            f"{s['max'] * 1000:.1f} ms | p95 <= 500 ms: {verdict} |"
+        )
     print(f"\n| {args.songs} songs x {args.seconds:g} s | median s | min-max s |")
     print("|---|---:|---:|")
-    for name, values in (("live receiver only", without), ("+ a dead target (closed port)",
-                                                           with_dead)):
-        print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-"
-              f"{max(values):.2f} |")
+    for name, values in (
+        ("live receiver only", without),
+        ("+ a dead target (closed port)", with_dead),
+    ):
+        print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} |")
     for label, key in (("live receiver only", "without"), ("+ a dead target", "with")):
         total = [r["listener_total_s"] * 1000 for r in runs[key]]
         worst = max(r["listener_max_s"] * 1e6 for r in runs[key])
         events = sum(r["listener_events"] for r in runs[key]) / len(runs[key])
-        print(f"| {label}: publishers' time in the notifier's listener per run | "
-              f"{statistics.median(total):.2f} ms (~{events:.0f} events, max {worst:.0f} us "
-              f"per event) | |")
+        print(
+            f"| {label}: publishers' time in the notifier's listener per run | "
+            f"{statistics.median(total):.2f} ms (~{events:.0f} events, max {worst:.0f} us "
+            f"per event) | |"
+        )
     diff = statistics.median(with_dead) - statistics.median(without)
     spread = max(max(without) - min(without), max(with_dead) - min(with_dead))
-    print(f"\nmedian difference {diff:+.2f} s; run-to-run spread up to {spread:.2f} s "
-          f"({'within the noise' if abs(diff) <= spread else 'OUTSIDE the noise'})")
-    write_results(args.out, {
-        "machine": info, "latency_service": lat_a, "latency_notifier": lat_b,
-        "summary": {"service": a, "notifier": b, "median_without": statistics.median(without),
-                    "median_with_dead": statistics.median(with_dead), "difference": diff,
-                    "spread": spread},
-        "runs": runs, "args": vars(args)})
+    print(
+        f"\nmedian difference {diff:+.2f} s; run-to-run spread up to {spread:.2f} s "
+        f"({'within the noise' if abs(diff) <= spread else 'OUTSIDE the noise'})"
+    )
+    write_results(
+        args.out,
+        {
+            "machine": info,
+            "latency_service": lat_a,
+            "latency_notifier": lat_b,
+            "summary": {
+                "service": a,
+                "notifier": b,
+                "median_without": statistics.median(without),
+                "median_with_dead": statistics.median(with_dead),
+                "difference": diff,
+                "spread": spread,
+            },
+            "runs": runs,
+            "args": vars(args),
+        },
+    )
     print(f"raw numbers: {args.out}")
     return 0
 

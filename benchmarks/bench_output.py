@@ -20,6 +20,7 @@ median is reported in seconds per minute of audio:
 
     python benchmarks/bench_output.py [--minutes 1] [--runs 5] [--separation-seconds 10]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,7 +57,7 @@ def make_stems(folder: Path, minutes: float) -> dict[str, Path]:
         path = folder / f"{name}.npy"
         with AudioWriter(path, 2) as writer:
             for start in range(0, audio.shape[1], 10 * SR):
-                writer.write(audio[:, start:start + 10 * SR] * (0.1 * (i + 1)))
+                writer.write(audio[:, start : start + 10 * SR] * (0.1 * (i + 1)))
         stems[name] = path
     return stems
 
@@ -80,8 +81,9 @@ def measure_steps(work: Path, stems: dict[str, Path], runs: int) -> dict[str, fl
         target = work / "out"
         shutil.rmtree(target, ignore_errors=True)
         timings: dict[str, float] = {}
-        seconds = timed(lambda: write_song(target, stems, SR, "song", sep, out, info=info,
-                                           timings=timings))
+        seconds = timed(
+            lambda: write_song(target, stems, SR, "song", sep, out, info=info, timings=timings)
+        )
         return timings[key] if key else seconds
 
     def preview() -> float:
@@ -93,19 +95,24 @@ def measure_steps(work: Path, stems: dict[str, Path], runs: int) -> dict[str, fl
                     peaks[name].add(start, block)
             (work / "preview.png").unlink(missing_ok=True)  # new in each song folder
             draw_preview(work / "preview.png", peaks, "Bench", frames / SR)
+
         return timed(run)
 
     results = {
         "write_wav16": median_of(runs, lambda: publish(PLAIN)),
-        "resample_48k": median_of(runs, lambda: publish(
-            dataclasses.replace(PLAIN, samplerate=48000), "resample")),
+        "resample_48k": median_of(
+            runs, lambda: publish(dataclasses.replace(PLAIN, samplerate=48000), "resample")
+        ),
         "write_flac": median_of(runs, lambda: publish(dataclasses.replace(PLAIN, format="flac"))),
-        "tags_flac": median_of(runs, lambda: publish(
-            dataclasses.replace(PLAIN, format="flac", tags=True), "tags")),
-        "tags_mp3": median_of(runs, lambda: publish(
-            dataclasses.replace(PLAIN, format="mp3", tags=True), "tags")),
+        "tags_flac": median_of(
+            runs, lambda: publish(dataclasses.replace(PLAIN, format="flac", tags=True), "tags")
+        ),
+        "tags_mp3": median_of(
+            runs, lambda: publish(dataclasses.replace(PLAIN, format="mp3", tags=True), "tags")
+        ),
         "preview": median_of(runs, preview),
     }
+
     def beat_grid() -> None:
         (work / "beats.json").unlink(missing_ok=True)  # a song folder's file is new each time
         write_beat_grid(work / "beats.json", stems, SR)
@@ -152,23 +159,34 @@ def measure_optional(work: Path, stems: dict[str, Path], runs: int) -> dict[str,
             seconds, size = folder(out)
             sizes.append(size)
             return seconds
-        results[key] = {"seconds": median_of(runs, once),
-                        "extra_bytes": statistics.median(sizes) - plain}
+
+        results[key] = {
+            "seconds": median_of(runs, once),
+            "extra_bytes": statistics.median(sizes) - plain,
+        }
     return results
 
 
 def cold_beat_grid(stems: dict[str, Path], runs: int) -> float:
     """Seconds of the first beat grid in a fresh process (imports included), median."""
-    code = ("import sys, time; t = time.perf_counter(); from pathlib import Path; "
-            "from stemdeck_watch.stages.songfolder import write_beat_grid; "
-            "stems = {'drums': Path(sys.argv[1])}; "
-            "write_beat_grid(Path(sys.argv[2]), stems, 44100); print(time.perf_counter() - t)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from pathlib import Path; "
+        "from stemdeck_watch.stages.songfolder import write_beat_grid; "
+        "stems = {'drums': Path(sys.argv[1])}; "
+        "write_beat_grid(Path(sys.argv[2]), stems, 44100); print(time.perf_counter() - t)"
+    )
     out = stems["drums"].parent / "cold.json"
 
     def once() -> float:
-        done = subprocess.run([sys.executable, "-c", code, str(stems["drums"]), str(out)],
-                              check=True, capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(stems["drums"]), str(out)],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         return float(done.stdout.strip().splitlines()[-1])
+
     return median_of(runs, once)
 
 
@@ -184,38 +202,57 @@ def separation_per_minute(seconds: float, runs: int) -> float:
 
     def once() -> float:
         with torch.inference_mode():
-            return timed(lambda: apply_model(model, mix, shifts=1, split=True, overlap=0.25,
-                                             progress=False))
+            return timed(
+                lambda: apply_model(model, mix, shifts=1, split=True, overlap=0.25, progress=False)
+            )
+
     return median_of(runs, once) * 60 / seconds
 
 
 def report(results: dict[str, Any]) -> str:
     per = results["per_minute"]
     sep = results.get("separation_per_minute")
-    rows = [("separation (htdemucs, CPU)", sep), ("write 4 stems, wav 16-bit", per["write_wav16"]),
-            ("write 4 stems, flac 16-bit", per["write_flac"]),
-            ("resample to 48 kHz", per["resample_48k"]), ("tags (flac)", per["tags_flac"]),
-            ("tags (mp3)", per["tags_mp3"]), ("beat grid (warm)", per["beat_grid"]),
-            ("preview.png", per["preview"]), ("manifest sha256", per["manifest_sha256"])]
+    rows = [
+        ("separation (htdemucs, CPU)", sep),
+        ("write 4 stems, wav 16-bit", per["write_wav16"]),
+        ("write 4 stems, flac 16-bit", per["write_flac"]),
+        ("resample to 48 kHz", per["resample_48k"]),
+        ("tags (flac)", per["tags_flac"]),
+        ("tags (mp3)", per["tags_mp3"]),
+        ("beat grid (warm)", per["beat_grid"]),
+        ("preview.png", per["preview"]),
+        ("manifest sha256", per["manifest_sha256"]),
+    ]
     lines = ["| step | s per minute of audio | vs separation |", "|---|---:|---:|"]
     for name, value in rows:
         if value is None:
             continue
         share = f"{100 * value / sep:.2f} %" if sep and value is not sep else "—"
         lines.append(f"| {name} | {value:.3f} | {share} |")
-    lines.append(f"| beat grid, first song of a process (librosa load) | "
-                 f"{results['cold_beat_grid_seconds']:.2f} s once | |")
-    names = {"stem_file": "DJ stem file (.stem.mp4)", "practice": "practice renders (mp3)",
-             "session": "DAW projects (.dawproject, .rpp)"}
-    lines += ["", "| output | s per minute of audio | vs separation | extra disk per minute |",
-              "|---|---:|---:|---:|"]
+    lines.append(
+        f"| beat grid, first song of a process (librosa load) | "
+        f"{results['cold_beat_grid_seconds']:.2f} s once | |"
+    )
+    names = {
+        "stem_file": "DJ stem file (.stem.mp4)",
+        "practice": "practice renders (mp3)",
+        "session": "DAW projects (.dawproject, .rpp)",
+    }
+    lines += [
+        "",
+        "| output | s per minute of audio | vs separation | extra disk per minute |",
+        "|---|---:|---:|---:|",
+    ]
     for key, row in results["optional_per_minute"].items():
         share = f"{100 * row['seconds'] / sep:.2f} %" if sep else "—"
-        lines.append(f"| {names[key]} | {row['seconds']:.3f} | {share} | "
-                     f"{row['extra_mb']:.2f} MB |")
+        lines.append(
+            f"| {names[key]} | {row['seconds']:.3f} | {share} | {row['extra_mb']:.2f} MB |"
+        )
     load = results["machine"]["load"][0]
-    lines.append(f"\n{results['minutes']:g} min of audio, medians of {results['runs']} runs; "
-                 f"{results['machine']['cpus']} CPUs, load average {load:.1f} at the start")
+    lines.append(
+        f"\n{results['minutes']:g} min of audio, medians of {results['runs']} runs; "
+        f"{results['machine']['cpus']} CPUs, load average {load:.1f} at the start"
+    )
     return "\n".join(lines)
 
 
@@ -223,8 +260,12 @@ def main() -> int:
     parser = bench_parser(__doc__, "output")
     parser.add_argument("--minutes", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--separation-seconds", type=float, default=10.0,
-                        help="audio for the separation reference; 0 = skip it")
+    parser.add_argument(
+        "--separation-seconds",
+        type=float,
+        default=10.0,
+        help="audio for the separation reference; 0 = skip it",
+    )
     parser.add_argument("--separation-runs", type=int, default=3)
     args = parser.parse_args()
     began = time.monotonic()
@@ -236,16 +277,22 @@ def main() -> int:
         cold = cold_beat_grid(stems, max(1, args.runs // 2))
     results: dict[str, Any] = {
         "machine": {**machine(), "cpus": os.cpu_count(), "load": os.getloadavg()},
-        "minutes": args.minutes, "runs": args.runs,
+        "minutes": args.minutes,
+        "runs": args.runs,
         "per_minute": {k: v / args.minutes for k, v in steps.items()},
         "cold_beat_grid_seconds": cold,
-        "optional_per_minute": {k: {"seconds": v["seconds"] / args.minutes,
-                                    "extra_mb": v["extra_bytes"] / args.minutes / 1e6}
-                                for k, v in optional.items()},
+        "optional_per_minute": {
+            k: {
+                "seconds": v["seconds"] / args.minutes,
+                "extra_mb": v["extra_bytes"] / args.minutes / 1e6,
+            }
+            for k, v in optional.items()
+        },
     }
     if args.separation_seconds > 0:
-        results["separation_per_minute"] = separation_per_minute(args.separation_seconds,
-                                                                 args.separation_runs)
+        results["separation_per_minute"] = separation_per_minute(
+            args.separation_seconds, args.separation_runs
+        )
     results["total_seconds"] = time.monotonic() - began
     print(report(results))
     write_results(args.out, results)

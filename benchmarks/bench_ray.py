@@ -20,6 +20,7 @@ waits for a quiet machine first and the cores other processes used are recorded.
 
     python benchmarks/bench_ray.py [--rounds 3] [--clips 10] [--seconds 10] [--cancels 20]
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import (cpu_snapshot, machine, other_cores, p95, parser as bench_parser,
-                     tiny_model, wait_quiet, write_results)
+from harness import (
+    cpu_snapshot,
+    machine,
+    other_cores,
+    p95,
+    parser as bench_parser,
+    tiny_model,
+    wait_quiet,
+    write_results,
+)
 
 RATE = 44100
 
@@ -70,9 +79,19 @@ def separate_all(clients: list[Any], clips: list[Path], repo: Path, out: Path) -
                 index, clip = todo.pop(0)
             job = f"clip{index}-{time.monotonic_ns()}"
             try:
-                client.separate(job, "tiny", str(repo), clip, out / job, shifts=1,
-                                overlap=0.25, segment=None, control=JobControl(job),
-                                on_progress=lambda _v: None, precision="float32")
+                client.separate(
+                    job,
+                    "tiny",
+                    str(repo),
+                    clip,
+                    out / job,
+                    shifts=1,
+                    overlap=0.25,
+                    segment=None,
+                    control=JobControl(job),
+                    on_progress=lambda _v: None,
+                    precision="float32",
+                )
             except BaseException as exc:
                 errors.append(exc)
                 return
@@ -88,8 +107,15 @@ def separate_all(clients: list[Any], clips: list[Path], repo: Path, out: Path) -
     return time.monotonic() - started
 
 
-def measure(name: str, clients: list[Any], clips: list[Path], repo: Path, root: Path,
-            rounds: int, quiet: tuple[float, float]) -> dict[str, Any]:
+def measure(
+    name: str,
+    clients: list[Any],
+    clips: list[Path],
+    repo: Path,
+    root: Path,
+    rounds: int,
+    quiet: tuple[float, float],
+) -> dict[str, Any]:
     """Median wall time of separating `clips` on `clients`, each round after a wait for a
     quiet machine (`quiet`: cores, patience)."""
     for client in clients:
@@ -101,9 +127,12 @@ def measure(name: str, clients: list[Any], clips: list[Path], repo: Path, root: 
         wall = separate_all(clients, clips, repo, root / f"{name}-{r}")
         walls.append(wall)
         loads.append(other_cores(before, wall))
-    result = {"config": name, "walls": [round(w, 3) for w in walls],
-              "median": round(statistics.median(walls), 3),
-              "other_cores": round(statistics.median(loads), 2)}
+    result = {
+        "config": name,
+        "walls": [round(w, 3) for w in walls],
+        "median": round(statistics.median(walls), 3),
+        "other_cores": round(statistics.median(loads), 2),
+    }
     print(json.dumps(result), flush=True)
     return result
 
@@ -111,8 +140,10 @@ def measure(name: str, clients: list[Any], clips: list[Path], repo: Path, root: 
 def ray_clients(count: int, spread: bool) -> list[Any]:
     from stemdeck_watch.workers.ray_client import RayWorkerClient
 
-    return [RayWorkerClient("cpu", precision="float32", cpus=1, index=i, spread=spread)
-            for i in range(count)]
+    return [
+        RayWorkerClient("cpu", precision="float32", cpus=1, index=i, spread=spread)
+        for i in range(count)
+    ]
 
 
 def with_clients(make: Callable[[], list[Any]], fn: Callable[[list[Any]], Any]) -> Any:
@@ -136,16 +167,27 @@ def cancel_latency(client: Any, clip: Path, repo: Path, out: Path, count: int) -
         point = rng.uniform(0.05, 0.8)
         at: list[float] = []
 
-        def progress(value: float, control: JobControl = control, point: float = point,
-                     at: list[float] = at) -> None:
+        def progress(
+            value: float, control: JobControl = control, point: float = point, at: list[float] = at
+        ) -> None:
             if value >= point and not at:
                 at.append(time.monotonic())
                 threading.Thread(target=control.cancel, args=("bench",)).start()
 
         try:
-            client.separate(control.job_id, "tiny", str(repo), clip, out / control.job_id,
-                            shifts=1, overlap=0.25, segment=None, control=control,
-                            on_progress=progress, precision="float32")
+            client.separate(
+                control.job_id,
+                "tiny",
+                str(repo),
+                clip,
+                out / control.job_id,
+                shifts=1,
+                overlap=0.25,
+                segment=None,
+                control=control,
+                on_progress=progress,
+                precision="float32",
+            )
         except Cancelled:
             latencies.append(time.monotonic() - at[0])
     return latencies
@@ -173,31 +215,43 @@ def main(argv: list[str] | None = None) -> int:
         tiny_model(repo)
         clips = make_clips(root, args.clips, args.seconds)
         for threads in (1, 2):
-            results.append(with_clients(
-                lambda threads=threads: [WorkerClient("cpu", threads=threads,
-                                                      precision="float32")],
-                lambda c, threads=threads: measure(f"local, {threads} thread(s)", c, clips,
-                                                   repo, root, args.rounds, quiet)))
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level=logging.WARNING)
+            results.append(
+                with_clients(
+                    lambda threads=threads: [
+                        WorkerClient("cpu", threads=threads, precision="float32")
+                    ],
+                    lambda c, threads=threads: measure(
+                        f"local, {threads} thread(s)", c, clips, repo, root, args.rounds, quiet
+                    ),
+                )
+            )
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING
+        )
         try:
             for count in (1, 2):
-                results.append(with_clients(
-                    lambda count=count: ray_clients(count, spread=False),
-                    lambda c, count=count: measure(f"ray, {count} worker(s)", c, clips, repo,
-                                                   root, args.rounds, quiet)))
+                results.append(
+                    with_clients(
+                        lambda count=count: ray_clients(count, spread=False),
+                        lambda c, count=count: measure(
+                            f"ray, {count} worker(s)", c, clips, repo, root, args.rounds, quiet
+                        ),
+                    )
+                )
         finally:
             ray.shutdown()
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        )
         try:
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, logging_level=logging.WARNING)
 
             def two_nodes(clients: list[Any]) -> dict[str, Any]:
-                result = measure("ray, 2 workers on 2 nodes", clients, clips, repo, root,
-                                 args.rounds, quiet)
+                result = measure(
+                    "ray, 2 workers on 2 nodes", clients, clips, repo, root, args.rounds, quiet
+                )
                 result["nodes"] = len({c.info()["node_id"] for c in clients})
                 head = cluster.head_node.node_id
                 remote = next(c for c in clients if c.info()["node_id"] != head)
@@ -205,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                 long_clip = make_clips(root / "long", 1, 20.0)[0]
                 latencies = sorted(cancel_latency(remote, long_clip, repo, root, args.cancels))
                 result["cancel"] = {
-                    "count": len(latencies), "p50": round(statistics.median(latencies), 3),
+                    "count": len(latencies),
+                    "p50": round(statistics.median(latencies), 3),
                     "p95": round(p95(latencies), 3),
-                    "max": round(latencies[-1], 3), "restarts": len(remote.pids) - 1}
+                    "max": round(latencies[-1], 3),
+                    "restarts": len(remote.pids) - 1,
+                }
                 print(json.dumps(result["cancel"]), flush=True)
                 return result
 
@@ -217,17 +274,28 @@ def main(argv: list[str] | None = None) -> int:
             cluster.shutdown()
     by = {r["config"]: r for r in results}
     summary = {
-        "overhead_ray1_vs_local1": round(by["ray, 1 worker(s)"]["median"]
-                                         / by["local, 1 thread(s)"]["median"] - 1, 3),
-        "speedup_ray2_vs_ray1": round(by["ray, 1 worker(s)"]["median"]
-                                      / by["ray, 2 worker(s)"]["median"], 2),
-        "speedup_2nodes_vs_ray1": round(by["ray, 1 worker(s)"]["median"]
-                                        / by["ray, 2 workers on 2 nodes"]["median"], 2),
+        "overhead_ray1_vs_local1": round(
+            by["ray, 1 worker(s)"]["median"] / by["local, 1 thread(s)"]["median"] - 1, 3
+        ),
+        "speedup_ray2_vs_ray1": round(
+            by["ray, 1 worker(s)"]["median"] / by["ray, 2 worker(s)"]["median"], 2
+        ),
+        "speedup_2nodes_vs_ray1": round(
+            by["ray, 1 worker(s)"]["median"] / by["ray, 2 workers on 2 nodes"]["median"], 2
+        ),
     }
     print(json.dumps(summary))
-    write_results(args.out, {"machine": machine(), "clips": args.clips,
-                             "seconds": args.seconds, "rounds": args.rounds,
-                             "results": results, "summary": summary})
+    write_results(
+        args.out,
+        {
+            "machine": machine(),
+            "clips": args.clips,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "results": results,
+            "summary": summary,
+        },
+    )
     return 0
 
 

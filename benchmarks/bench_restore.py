@@ -28,6 +28,7 @@ test fails, or it reports a violation.
     python benchmarks/bench_restore.py [--done 10000] [--queued 1000] [--updates 500]
                                        [--no-kill-test] [--kill-seed N]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from harness import (RESULTS, ROOT as REPO, machine, parser as bench_parser, percentile,
-                     tiny_model, write_results)
+from harness import (
+    RESULTS,
+    ROOT as REPO,
+    machine,
+    parser as bench_parser,
+    percentile,
+    tiny_model,
+    write_results,
+)
 
 from stemdeck_watch.engine import recovery
 from stemdeck_watch import service as service_module
@@ -90,24 +98,53 @@ def build(root: Path, done: int, queued: int) -> Path:
             for stem in STEMS:
                 (folder / f"{stem}.wav").write_bytes(b"x")
             digest = f"{i:064x}"
-            (folder / MANIFEST).write_text(json.dumps({
-                "stemdeck_watch": "bench", "job_id": f"done{i:08d}",
-                "input": {"name": f"{name}.wav", "rel_path": f"{name}.wav", "sha256": digest},
-                "stems": [{"name": s, "file": f"{s}.wav"} for s in STEMS],
-                "settings": {"separation": {"model": "tiny"}, "output": {}}}))
-            registry.add(Job(
-                id=f"done{i:08d}", name=name, kind=JobKind.FILE, state=JobState.DONE,
-                source=str(processed / f"{name}.wav"), rel_path=f"{name}.wav",
-                progress=1.0, output=str(folder), created_at=t0 + i, finished_at=t0 + i + 1,
-                sha256=digest, settings_key="bench"))
+            (folder / MANIFEST).write_text(
+                json.dumps(
+                    {
+                        "stemdeck_watch": "bench",
+                        "job_id": f"done{i:08d}",
+                        "input": {
+                            "name": f"{name}.wav",
+                            "rel_path": f"{name}.wav",
+                            "sha256": digest,
+                        },
+                        "stems": [{"name": s, "file": f"{s}.wav"} for s in STEMS],
+                        "settings": {"separation": {"model": "tiny"}, "output": {}},
+                    }
+                )
+            )
+            registry.add(
+                Job(
+                    id=f"done{i:08d}",
+                    name=name,
+                    kind=JobKind.FILE,
+                    state=JobState.DONE,
+                    source=str(processed / f"{name}.wav"),
+                    rel_path=f"{name}.wav",
+                    progress=1.0,
+                    output=str(folder),
+                    created_at=t0 + i,
+                    finished_at=t0 + i + 1,
+                    sha256=digest,
+                    settings_key="bench",
+                )
+            )
         for i in range(queued):
             name = f"queued-{i:04d}"
             source = inbox / f"{name}.wav"
             source.write_bytes(b"RIFF....WAVE" + name.encode())
-            registry.add(Job(
-                id=f"queued{i:06d}", name=name, kind=JobKind.FILE, state=JobState.QUEUED,
-                source=str(source), rel_path=source.name,
-                signature=FileSignature.of(source.stat()), created_at=t0 + done + i))
+            registry.add(
+                Job(
+                    id=f"queued{i:06d}",
+                    name=name,
+                    kind=JobKind.FILE,
+                    state=JobState.QUEUED,
+                    source=str(source),
+                    rel_path=source.name,
+                    signature=FileSignature.of(source.stat()),
+                    created_at=t0 + done + i,
+                )
+            )
     registry.save_order([f"queued{i:06d}" for i in range(queued)])
     registry._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     registry.close()
@@ -177,9 +214,12 @@ def restore_service(root: Path, pristine: Path, model_repo: Path, queued: int) -
         assert len(service.queue.order()) == queued and service.queue.pause_reason == "restore"
     finally:
         service.shutdown()
-    return {"to_restore_done": marks["adopted"] - t, "start_returned": returned - t,
-            "restore": marks["restored"] - marks["restore_called"],
-            "adopt": marks["adopted"] - marks["restored"]}
+    return {
+        "to_restore_done": marks["adopted"] - t,
+        "start_returned": returned - t,
+        "restore": marks["restored"] - marks["restore_called"],
+        "adopt": marks["adopted"] - marks["restored"],
+    }
 
 
 def transitions(root: Path, pristine: Path, updates: int) -> list[float]:
@@ -210,16 +250,28 @@ def transitions(root: Path, pristine: Path, updates: int) -> list[float]:
     return seconds
 
 
-
 def kill_test(seed: int | None) -> tuple[dict[str, Any] | None, int]:
     env = {**os.environ, "STEMDECK_KILL_SUMMARY": "1"}
     if seed is not None:
         env["STEMDECK_KILL_SEED"] = str(seed)
     KILL_SUMMARY.unlink(missing_ok=True)
     print("running the kill test (tests/service/test_kill.py, about 2–3 minutes)…", flush=True)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                           "tests/service/test_kill.py::test_kill_at_random_points"],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "tests/service/test_kill.py::test_kill_at_random_points",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
     summary = json.loads(KILL_SUMMARY.read_text()) if KILL_SUMMARY.exists() else None
@@ -243,15 +295,21 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         pristine = build(root, args.done, args.queued)
         built = time.perf_counter() - t
-        print(f"built {args.done:,} done + {args.queued:,} queued jobs, "
-              f"{args.done:,} song folders, {args.queued:,} inputs in {built:.1f} s "
-              f"({filesystem_type(root)})", flush=True)
+        print(
+            f"built {args.done:,} done + {args.queued:,} queued jobs, "
+            f"{args.done:,} song folders, {args.queued:,} inputs in {built:.1f} s "
+            f"({filesystem_type(root)})",
+            flush=True,
+        )
         model_repo = tiny_model(Path(tmp) / "models")
         direct = [restore_direct(root, pristine, args.queued) for _ in range(args.direct_runs)]
-        print(f"(1a) restore + adopt_orphans: {', '.join(f'{v:.3f}' for v in direct)} s",
-              flush=True)
-        via_service = [restore_service(root, pristine, model_repo, args.queued)
-                       for _ in range(args.service_runs)]
+        print(
+            f"(1a) restore + adopt_orphans: {', '.join(f'{v:.3f}' for v in direct)} s", flush=True
+        )
+        via_service = [
+            restore_service(root, pristine, model_repo, args.queued)
+            for _ in range(args.service_runs)
+        ]
         shown = ", ".join(f"{r['to_restore_done']:.3f}" for r in via_service)
         print(f"(1b) Service.start() to restore + adopt done: {shown} s", flush=True)
         updates = transitions(root, pristine, args.updates)
@@ -266,16 +324,22 @@ def main(argv: list[str] | None = None) -> int:
 
     to_restore = [r["to_restore_done"] for r in via_service]
     result: dict[str, Any] = {
-        "machine": machine(), "filesystem": fs, "registry_mb": round(registry_mb, 2),
-        "jobs": {"done": args.done, "queued": args.queued}, "build_seconds": round(built, 1),
+        "machine": machine(),
+        "filesystem": fs,
+        "registry_mb": round(registry_mb, 2),
+        "jobs": {"done": args.done, "queued": args.queued},
+        "build_seconds": round(built, 1),
         "restore_direct_s": [round(v, 4) for v in direct],
         "restore_service": [{k: round(v, 4) for k, v in r.items()} for r in via_service],
-        "transition_ms": {"n": len(updates),
-                          "median": round(statistics.median(updates) * 1e3, 3),
-                          "p99": round(percentile(updates, 99) * 1e3, 3),
-                          "min": round(min(updates) * 1e3, 3),
-                          "max": round(max(updates) * 1e3, 3)},
-        "kill_test": kill, "kill_test_exit": kill_rc,
+        "transition_ms": {
+            "n": len(updates),
+            "median": round(statistics.median(updates) * 1e3, 3),
+            "p99": round(percentile(updates, 99) * 1e3, 3),
+            "min": round(min(updates) * 1e3, 3),
+            "max": round(max(updates) * 1e3, 3),
+        },
+        "kill_test": kill,
+        "kill_test_exit": kill_rc,
     }
     lines = [
         "| measure | n | median | p99 / max | target | |",
@@ -289,31 +353,40 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(
         f"| (1b) Service.start() → restore + adopt_orphans done | {len(to_restore)} | "
         f"{statistics.median(to_restore):.3f} s | max {max(to_restore):.3f} s | ≤ "
-        f"{RESTORE_TARGET:.0f} s | {'pass' if passed else 'FAIL'} |")
+        f"{RESTORE_TARGET:.0f} s | {'pass' if passed else 'FAIL'} |"
+    )
     lines.append(
         f"| (1b) Service.start() → returns | {len(via_service)} | "
         f"{statistics.median(r['start_returned'] for r in via_service):.3f} s | max "
-        f"{max(r['start_returned'] for r in via_service):.3f} s | – | |")
+        f"{max(r['start_returned'] for r in via_service):.3f} s | – | |"
+    )
     tm = result["transition_ms"]
-    lines.append(f"| (2) one state transition (Registry.update, WAL, synchronous=FULL) | "
-                 f"{tm['n']} | {tm['median']:.2f} ms | {tm['p99']:.2f} ms | – | |")
+    lines.append(
+        f"| (2) one state transition (Registry.update, WAL, synchronous=FULL) | "
+        f"{tm['n']} | {tm['median']:.2f} ms | {tm['p99']:.2f} ms | – | |"
+    )
     if kill is not None:
         clean = kill.get("violations") == 0 and kill_rc == 0
         ok &= clean
         lines.append(
             f"| (3) kill test: {kill['runs']} runs, {kill['kills']} kills, {kill['jobs']} jobs, "
             f"{kill['invariant_checks']:,} invariant checks | – | – | – | violations 0 | "
-            f"{kill['violations']} violations, {'pass' if clean else 'FAIL'} |")
+            f"{kill['violations']} violations, {'pass' if clean else 'FAIL'} |"
+        )
     elif not args.no_kill_test:
         ok = False
         lines.append("| (3) kill test | – | – | – | – | FAIL: no summary |")
     print("\n".join(lines))
-    print(f"(1b) split, medians: restore {statistics.median(r['restore'] for r in via_service):.3f}"
-          f" s, adopt_orphans {statistics.median(r['adopt'] for r in via_service):.3f} s; "
-          f"registry {registry_mb:.1f} MB on {fs}")
+    print(
+        f"(1b) split, medians: restore {statistics.median(r['restore'] for r in via_service):.3f}"
+        f" s, adopt_orphans {statistics.median(r['adopt'] for r in via_service):.3f} s; "
+        f"registry {registry_mb:.1f} MB on {fs}"
+    )
     if kill is not None:
-        print(f"kill test: seed {kill['seed']}, phases {kill['kill_phases']}, notes "
-              f"{kill['notes']}, {kill['seconds']} s")
+        print(
+            f"kill test: seed {kill['seed']}, phases {kill['kill_phases']}, notes "
+            f"{kill['notes']}, {kill['seconds']} s"
+        )
     write_results(args.out, result)
     return 0 if ok else 1
 

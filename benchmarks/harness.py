@@ -10,6 +10,7 @@ current tables.
 Importing this module puts the repository and `tests/` (for `support`) on `sys.path`, so a
 benchmark runs as `python benchmarks/bench_x.py` from a checkout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,26 @@ for _path in (ROOT / "tests", ROOT):
 
 # ------------------------------------------------------------------ the machine
 
+
 def machine() -> dict[str, Any]:
     """The facts a result needs beside it: cores, CPU model, platform, versions."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "executable": sys.executable,
-            "torch": metadata.version("torch"), "demucs": metadata.version("demucs")}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": metadata.version("torch"),
+        "demucs": metadata.version("demucs"),
+    }
 
 
 def cpu_snapshot() -> tuple[float, float]:
@@ -93,6 +107,7 @@ def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 # ------------------------------------------------------------------ figures
 
+
 def percentile(values: list[float], pct: float) -> float:
     """Nearest rank: the value that `pct` % of the trials do not exceed (p95 of 20 trials is
     the 19th)."""
@@ -110,33 +125,47 @@ def median(values: list[float]) -> float:
 
 def summary(values: list[float]) -> dict[str, float]:
     """n, median, p95, min and max of one measure."""
-    return {"n": len(values), "median": statistics.median(values), "p95": p95(values),
-            "min": min(values), "max": max(values)}
+    return {
+        "n": len(values),
+        "median": statistics.median(values),
+        "p95": p95(values),
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 # ------------------------------------------------------------------ set-up and results
 
+
 def tiny_model(repo: Path, name: str = "tiny") -> Path:
     """The tiny untrained model in `repo`, built in a child process (no torch here)."""
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo),
-                    "--name", name], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(repo), "--name", name],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return repo
 
 
-def parser(doc: str | None, name: str, *, quiet: bool = False,
-           patience: float = 120.0) -> argparse.ArgumentParser:
+def parser(
+    doc: str | None, name: str, *, quiet: bool = False, patience: float = 120.0
+) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark has: `--out` (the results file,
     default benchmarks/results/NAME.json) and, with `quiet`, `--quiet` and `--patience` (the
     wait for a quiet machine before each measure)."""
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json",
-                        help="raw results (JSON)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / f"{name}.json", help="raw results (JSON)"
+    )
     if quiet:
-        parser.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                            help="before each measure wait until other processes use fewer "
-                                 "cores (0: never wait)")
-        parser.add_argument("--patience", type=float, default=patience,
-                            help="longest such wait, s")
+        parser.add_argument(
+            "--quiet",
+            type=float,
+            default=0.3,
+            metavar="CORES",
+            help="before each measure wait until other processes use fewer cores (0: never wait)",
+        )
+        parser.add_argument("--patience", type=float, default=patience, help="longest such wait, s")
     return parser
 
 

@@ -11,6 +11,7 @@ broken generator fails `make test`, not only `mkdocs build`.
 
 This file lives in `docs/` beside the pages; `mkdocs.yml` excludes it from the site.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,14 @@ MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->[ \t]*$", re.MULTILINE)
 # Each config section's user-guide page, named under its table (links relative to
 # docs/reference/config.md).
 SECTION_GUIDES = {
-    "folders": [("The inbox", "../guide/inbox.md"), ("The outbox", "../guide/outbox.md"),
-                ("The state folder", "../guide/state.md")],
+    "folders": [
+        ("The inbox", "../guide/inbox.md"),
+        ("The outbox", "../guide/outbox.md"),
+        ("The state folder", "../guide/state.md"),
+    ],
     "watch": [("The inbox", "../guide/inbox.md"), ("Two computers", "../guide/two-computers.md")],
     "queue": [("The queue", "../guide/queue.md"), ("Models and speed", "../guide/models.md")],
-    "separation": [("Models and speed", "../guide/models.md"),
-                   ("Presets", "../guide/presets.md")],
+    "separation": [("Models and speed", "../guide/models.md"), ("Presets", "../guide/presets.md")],
     "output": [("Outputs", "../guide/outputs.md"), ("Presets", "../guide/presets.md")],
     "links": [("Links", "../guide/links.md"), ("Playlists", "../guide/playlists.md")],
     "notify": [("Notifications", "../guide/notifications.md")],
@@ -60,24 +63,25 @@ SECTION_GUIDES = {
 ROUTE_NOTES = {
     "GET /api/queue": "the `status --json` object, live",
     "GET /api/queue/events": "Server-Sent Events: `event: queue` frames carrying the same "
-                             "object, sent only when something visible changes; `: keep-alive` "
-                             "every 15 s; nothing else while idle",
+    "object, sent only when something visible changes; `: keep-alive` "
+    "every 15 s; nothing else while idle",
     "POST /api/queue/pause": "pause (the running song finishes); reply: the queue object",
     "POST /api/queue/start": "start (also lifts a restore pause); reply: the queue object",
     "POST /api/queue/reorder": 'the same as move, with body `{"job": JOB, "after": JOB}` or '
-                               '`{"job": JOB, "first": true}`',
+    '`{"job": JOB, "first": true}`',
     "GET /api/jobs/{ref}": '`{"job": …}`',
     "POST /api/jobs/{ref}/cancel": "cancel; the file stays where it is",
     "POST /api/jobs/{ref}/retry": "queue a failed or cancelled job again, as a new job at the end",
-    "POST /api/jobs/{ref}/remove": 'remove a finished job (as `stemdeck-watch remove`); reply '
-                                   '`{"removed", "not_deleted"}`',
+    "POST /api/jobs/{ref}/remove": "remove a finished job (as `stemdeck-watch remove`); reply "
+    '`{"removed", "not_deleted"}`',
     "POST /api/jobs/{ref}/move": 'body `{"after": JOB}` or `{"first": true}`; reply `{"job", '
-                                 '"order", "queued", "note"?}`; if JOB has left the queue the '
-                                 'job goes to the end and `note` says so',
+    '"order", "queued", "note"?}`; if JOB has left the queue the '
+    "job goes to the end and `note` says so",
 }
 
 
 # ------------------------------------------------------------------ the hook and its entry
+
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **_: Any) -> str:
     return render(markdown)
@@ -85,6 +89,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **_: Any
 
 def render(markdown: str) -> str:
     """The page with every marker replaced; an unknown marker is an error (the build fails)."""
+
     def replace(match: re.Match[str]) -> str:
         return generated(match.group(1)).rstrip("\n")
 
@@ -94,7 +99,10 @@ def render(markdown: str) -> str:
 def generated(name: str) -> str:
     """The markdown for one marker: `config-keys`, `cli` or `api`."""
     generators: dict[str, Callable[[], str]] = {
-        "config-keys": config_keys_markdown, "cli": cli_markdown, "api": api_markdown}
+        "config-keys": config_keys_markdown,
+        "cli": cli_markdown,
+        "api": api_markdown,
+    }
     if name not in generators:
         raise ValueError(f"unknown generated section {name!r}; known: {', '.join(generators)}")
     return generators[name]()
@@ -107,12 +115,15 @@ def _project(name: str) -> ModuleType:
     module = importlib.import_module(name)
     where = Path(module.__file__ or "").resolve()
     if not where.is_relative_to(ROOT):
-        raise ImportError(f"{name} was imported from {where}, not from this checkout ({ROOT}); "
-                          f"the reference would describe other code")
+        raise ImportError(
+            f"{name} was imported from {where}, not from this checkout ({ROOT}); "
+            f"the reference would describe other code"
+        )
     return module
 
 
 # ------------------------------------------------------------------ config keys
+
 
 def config_keys_markdown() -> str:
     """One table per `[section]`: key, default, what the loader accepts, meaning."""
@@ -122,7 +133,8 @@ def config_keys_markdown() -> str:
         section = key.split(".", 1)[0]
         allowed = _cell(_allowed(config, key))
         rows.setdefault(section, []).append(
-            f"| `{key}` | `{_toml(default)}` | {allowed} | {_cell(meaning)} |")
+            f"| `{key}` | `{_toml(default)}` | {allowed} | {_cell(meaning)} |"
+        )
     out: list[str] = []
     for section, lines in rows.items():
         out += [f"### `[{section}]`", ""]
@@ -138,8 +150,9 @@ def _allowed(config: Any, key: str) -> str:
     handed a value no key accepts and says what it expected."""
     section, name = key.split(".", 1)
     sections = getattr(config, "SECTIONS", {})
-    fields = {f.name: f for f in dataclasses.fields(sections[section])} if section in sections \
-        else {}
+    fields = (
+        {f.name: f for f in dataclasses.fields(sections[section])} if section in sections else {}
+    )
     check = fields[name].metadata.get("check") if name in fields else None
     if check is None:
         return ""
@@ -171,12 +184,19 @@ def _toml(value: Any) -> str:
 def _cell(text: str) -> str:
     """Plain text made safe for a markdown table cell: no HTML tags, no column breaks, and
     template fields such as {stem} shown as code (not read as an attribute list)."""
-    text = (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-            .replace("|", "\\|").replace("*", "\\*").replace("\n", " "))
+    text = (
+        text.replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("|", "\\|")
+        .replace("*", "\\*")
+        .replace("\n", " ")
+    )
     return re.sub(r"\{[A-Za-z_.]+\}", lambda m: f"`{m.group(0)}`", text)
 
 
 # ------------------------------------------------------------------ commands and flags
+
 
 def cli_markdown() -> str:
     """The global usage, then every command (nested ones as `config init`) with its usage line
@@ -192,8 +212,9 @@ def cli_markdown() -> str:
     return "\n".join(out)
 
 
-def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...]
-              ) -> list[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
+def _commands(
+    parser: argparse.ArgumentParser, words: tuple[str, ...]
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
     """Every command under `parser`, depth first; a command that only groups others (`config`)
     is listed through them."""
     found = []
@@ -214,8 +235,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     """The usage line at a fixed width (argparse wraps at the terminal's, which would make the
     page depend on where it was built)."""
     formatter = argparse.HelpFormatter(prog=parser.prog, width=10_000)
-    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups,
-                        prefix="")
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
     return formatter.format_help().strip()
 
 
@@ -245,6 +265,7 @@ def _sentence(text: str) -> str:
 
 
 # ------------------------------------------------------------------ the local API
+
 
 def api_markdown() -> str:
     """From the OpenAPI document where the checkout has one, else from the route table."""
@@ -284,11 +305,17 @@ def _api_from_openapi(document: dict[str, Any]) -> str:
     info = document.get("info", {})
     out = [info.get("description", ""), ""] if info.get("description") else []
     out += ["| endpoint | what it does |", "|---|---|"]
-    operations = [(path, method, op) for path, item in document.get("paths", {}).items()
-                  for method, op in item.items() if isinstance(op, dict)]
+    operations = [
+        (path, method, op)
+        for path, item in document.get("paths", {}).items()
+        for method, op in item.items()
+        if isinstance(op, dict)
+    ]
     for path, method, op in operations:
-        out.append(f"| [`{method.upper()} {path}`](#{_slug(method, path)}) | "
-                   f"{_cell(op.get('summary', ''))} |")
+        out.append(
+            f"| [`{method.upper()} {path}`](#{_slug(method, path)}) | "
+            f"{_cell(op.get('summary', ''))} |"
+        )
     out.append("")
     for path, method, op in operations:
         out += [f"### `{method.upper()} {path}` {{#{_slug(method, path)}}}", ""]
@@ -299,9 +326,11 @@ def _api_from_openapi(document: dict[str, Any]) -> str:
         params = op.get("parameters", [])
         if params:
             out += ["| parameter | in | required | meaning |", "|---|---|---|---|"]
-            out += [f"| `{p['name']}` | {p.get('in', '')} | {'yes' if p.get('required') else 'no'}"
-                    f" | {_cell(p.get('description', ''))}: {_type(p.get('schema'))} |"
-                    for p in params]
+            out += [
+                f"| `{p['name']}` | {p.get('in', '')} | {'yes' if p.get('required') else 'no'}"
+                f" | {_cell(p.get('description', ''))}: {_type(p.get('schema'))} |"
+                for p in params
+            ]
             out.append("")
         body = op.get("requestBody")
         if body:
@@ -326,9 +355,11 @@ def _api_from_openapi(document: dict[str, Any]) -> str:
             required = set(schema.get("required", []))
             if properties:
                 out += ["| field | type | required | meaning |", "|---|---|---|---|"]
-                out += [f"| `{field}` | {_type(sub)} | {'yes' if field in required else 'no'}"
-                        f" | {_cell(sub.get('description', ''))} |"
-                        for field, sub in properties.items()]
+                out += [
+                    f"| `{field}` | {_type(sub)} | {'yes' if field in required else 'no'}"
+                    f" | {_cell(sub.get('description', ''))} |"
+                    for field, sub in properties.items()
+                ]
             else:
                 out.append(_type(schema))
             out.append("")

@@ -5,6 +5,7 @@ intake → scheduler (registry + queue) → dispatcher → pipeline (decode, wor
 A supervisor tick (once a second, on the thread that owns the service) restarts any part that
 died: a dead thread must never leave songs sitting in the inbox unnoticed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,12 @@ from stemdeck_watch.engine.inflight import SongsInFlight
 from stemdeck_watch.engine.pipeline import Pipeline
 from stemdeck_watch.engine.playlists import Playlists
 from stemdeck_watch.engine.prefetch import Prefetcher
-from stemdeck_watch.core.paths import (default_state_dir, filesystem_type, is_network_filesystem,
-                                  private_dir)
+from stemdeck_watch.core.paths import (
+    default_state_dir,
+    filesystem_type,
+    is_network_filesystem,
+    private_dir,
+)
 from stemdeck_watch.engine.recovery import adopt_orphans, restore
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.engine.scheduler import Scheduler
@@ -42,9 +47,14 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, settings: Settings, *, bus: EventBus | None = None,
-                 worker_env: dict[str, str] | None = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        bus: EventBus | None = None,
+        worker_env: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.settings = settings
         self.folders = settings.paths
         self.bus = bus or EventBus()
@@ -71,14 +81,22 @@ class Service:
         service gives up the inbox; `stop` set meanwhile returns without starting."""
         folders = self.folders
         private_dir(folders.state)
-        roles = {"inbox": folders.inbox, "outbox": folders.outbox,
-                 "processed": folders.processed, "failed": folders.failed}
+        roles = {
+            "inbox": folders.inbox,
+            "outbox": folders.outbox,
+            "processed": folders.processed,
+            "failed": folders.failed,
+        }
         # a folder whose share is not mounted yet (the NAS after a reboot) is waited for,
         # never made on the local disk under its mount point
         unmounted = unmounted_at_start(folders.state, roles)
         for role, mount in unmounted.items():
-            log.warning("the %s %s is on a share that is not mounted at %s; waiting for it",
-                        role, roles[role], mount)
+            log.warning(
+                "the %s %s is on a share that is not mounted at %s; waiting for it",
+                role,
+                roles[role],
+                mount,
+            )
         for folder in [f for role, f in roles.items() if role not in unmounted]:
             folder.mkdir(parents=True, exist_ok=True)
         for preset in self.settings.presets if "inbox" not in unmounted else ():
@@ -87,11 +105,13 @@ class Service:
             raise ConfigError(
                 f"folders.state = {folders.state} is on a network filesystem "
                 f"({filesystem_type(folders.state)}), where SQLite's locking is unreliable; "
-                f"choose a local folder (the default is {default_state_dir()})")
+                f"choose a local folder (the default is {default_state_dir()})"
+            )
         self._lock = ServiceLock.acquire(folders.state)
         try:
-            self.ownership = InboxOwnership(folders.inbox, standby=self.settings.watch.standby,
-                                            clock=self._clock)
+            self.ownership = InboxOwnership(
+                folders.inbox, standby=self.settings.watch.standby, clock=self._clock
+            )
             self.ownership.away = lambda: "inbox" in unmounted
             if not self.ownership.claim(stop):
                 self.ownership = None
@@ -99,16 +119,24 @@ class Service:
                 return
             self.registry = Registry.open_or_rebuild(folders.state / REGISTRY_FILE, self._clock)
             self.queue = JobQueue()
-            self.scheduler = Scheduler(self.registry, self.queue, self.bus, self.settings,
-                                       self._clock)
+            self.scheduler = Scheduler(
+                self.registry, self.queue, self.bus, self.settings, self._clock
+            )
             # the workers: one local process, or `executor.workers` Ray actors; one
             # pipeline (and below, one dispatcher) per worker
             self.executor = pool.build(self.settings, self._worker_env)
-            self.eta = Estimator(self.registry, self.settings, self.bus,
-                                 lanes=len(self.executor.clients), clock=self._clock)
+            self.eta = Estimator(
+                self.registry,
+                self.settings,
+                self.bus,
+                lanes=len(self.executor.clients),
+                clock=self._clock,
+            )
             self.scheduler.eta = self.eta
             self.client = self.executor.clients[0]
-            self._songs = SongsInFlight()  # a song separating on one worker is no new song on another
+            self._songs = (
+                SongsInFlight()
+            )  # a song separating on one worker is no new song on another
             self.pipelines = [self._pipeline(client) for client in self.executor.clients]
             self.pipeline = self.pipelines[0]
             # which folders answer: looked at once now (what each one is, the moves kept
@@ -124,8 +152,12 @@ class Service:
             self._playlists = Playlists(self.scheduler)
             for pipeline in self.pipelines:
                 pipeline.playlists = self._playlists
-            restore(self.scheduler, self.settings, self.pipeline.file_input,
-                    unreachable=lambda _source: self.shares.away("inbox"))
+            restore(
+                self.scheduler,
+                self.settings,
+                self.pipeline.file_input,
+                unreachable=lambda _source: self.shares.away("inbox"),
+            )
             self._playlists.tidy()  # entries of a playlist link removed while stopped
             adopt_orphans(self.scheduler, self.settings)
             self.scheduler.admit_waiting()  # files held back last time, if there is room now
@@ -136,15 +168,22 @@ class Service:
             self.dispatchers = [self._dispatcher(pipeline) for pipeline in self.pipelines]
             self.dispatcher = self.dispatchers[0]
             self._retired: list[Dispatcher] = []  # their workers left (executor.workers = "auto")
-            self.intake = InboxWatcher(self.settings.watch, folders.inbox, self.scheduler,
-                                 links=self.settings.links.enabled)
+            self.intake = InboxWatcher(
+                self.settings.watch,
+                folders.inbox,
+                self.scheduler,
+                links=self.settings.links.enabled,
+            )
             self.intake.shares = self.shares
             self.shares.subscribe(self.intake.share_changed)
             self.shares.tick()  # learn the folders, do the moves kept from last time
             self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
             self.folder_remote.away = self.shares.away
-            self.api = (ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
-                        if self.settings.api.enabled else None)
+            self.api = (
+                ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
+                if self.settings.api.enabled
+                else None
+            )
         except BaseException:
             if self.executor is not None:
                 self.executor.close()
@@ -174,19 +213,32 @@ class Service:
     def _pipeline(self, client: Separator) -> Pipeline:
         """A worker's pipeline; they share the songs in flight, the playlists and the disk
         check."""
-        pipeline = Pipeline(self.settings, client, self.bus, self.scheduler.update,
-                            lambda sha, key: [job.output for job in
-                                              self.registry.done_with(sha, key) if job.output],
-                            self._songs)
+        pipeline = Pipeline(
+            self.settings,
+            client,
+            self.bus,
+            self.scheduler.update,
+            lambda sha, key: [
+                job.output for job in self.registry.done_with(sha, key) if job.output
+            ],
+            self._songs,
+        )
         pipeline.playlists, pipeline.disk = self._playlists, self._guard  # once made
         pipeline.shares = self.shares
         return pipeline
 
     def _dispatcher(self, pipeline: Pipeline) -> Dispatcher:
         assert self.executor is not None
-        dispatcher = Dispatcher(self.scheduler, pipeline, pipeline.client, self.settings,
-                                self.prefetcher, self._guard,
-                                slot=pool.slot_of(pipeline.client), record=self.executor.record)
+        dispatcher = Dispatcher(
+            self.scheduler,
+            pipeline,
+            pipeline.client,
+            self.settings,
+            self.prefetcher,
+            self._guard,
+            slot=pool.slot_of(pipeline.client),
+            record=self.executor.record,
+        )
         dispatcher.shares = self.shares
         return dispatcher
 
@@ -223,19 +275,29 @@ class Service:
         except OSError as exc:
             api.stop()
             self.api = None
-            log.error("could not start the local API on %s port %d: %s; the queue page and the "
-                      "CLI's pause/start/cancel/move/retry are unavailable", self.settings.api.host,
-                      self.settings.api.port, exc.strerror or exc)
+            log.error(
+                "could not start the local API on %s port %d: %s; the queue page and the "
+                "CLI's pause/start/cancel/move/retry are unavailable",
+                self.settings.api.host,
+                self.settings.api.port,
+                exc.strerror or exc,
+            )
 
     def _log_start(self) -> None:
         folders, sep = self.folders, self.settings.separation
         log.info("stemdeck-watch is running: inbox %s → outbox %s", folders.inbox, folders.outbox)
-        log.info("model %s%s on %s; state in %s", sep.model,
-                 f" from {self.settings.model_repo}" if self.settings.model_repo else "",
-                 sep.device, folders.state)
+        log.info(
+            "model %s%s on %s; state in %s",
+            sep.model,
+            f" from {self.settings.model_repo}" if self.settings.model_repo else "",
+            sep.device,
+            folders.state,
+        )
         if self.settings.links.playlists:
-            log.info("playlist links become one job per entry (at most %d)",
-                     self.settings.links.max_entries)
+            log.info(
+                "playlist links become one job per entry (at most %d)",
+                self.settings.links.max_entries,
+            )
 
     def supervise(self) -> None:
         """Notice dead parts and restart them."""

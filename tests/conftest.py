@@ -4,6 +4,7 @@ Hygiene (after watchdog's own tests/conftest.py): every test must leave no threa
 child process behind — a leaked worker would hold a model in memory long after the service
 that owned it stopped.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,11 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     demucs's local-repo format by the project's own code, in a subprocess (no torch here)."""
     folder = tmp_path_factory.mktemp("models")
     for args in (["--name", "tiny"], ["--name", "tiny6", "--six"]):
-        subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(folder),
-                        *args], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "stemdeck_watch.workers.tinymodel", str(folder), *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return folder
 
 
@@ -61,8 +65,9 @@ def make_settings(tmp_path: Path, model_repo: Path) -> Callable[..., Settings]:
     """Settings on temporary folders with the tiny model (see config_data)."""
 
     def make(**sections: dict[str, Any]) -> Settings:
-        return settings_from_dict(config_data(tmp_path, model_repo, **sections),
-                                  source=tmp_path / "stemdeck.toml")
+        return settings_from_dict(
+            config_data(tmp_path, model_repo, **sections), source=tmp_path / "stemdeck.toml"
+        )
 
     return make
 
@@ -89,8 +94,9 @@ def service_factory() -> Iterator[Callable[[Settings], tuple[Service, JobLog]]]:
 def settings(tmp_path: Path) -> Settings:
     """Default settings on temporary folders (created), for tests without a service."""
     data = default_toml()
-    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed",
-                                                       "state")}
+    data["folders"] = {
+        n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["links"]["allow_private"] = True  # the media servers listen on 127.0.0.1
     settings = settings_from_dict(data)
     for folder in ("inbox", "outbox", "processed", "failed", "state"):

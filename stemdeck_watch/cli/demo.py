@@ -4,6 +4,7 @@ Makes a workspace, saves a tiny untrained HTDemucs in demucs's local-repo format
 two short songs, runs the real service (watcher, registry, worker process, publish) on them
 and prints where the stems are and how long each step took.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,13 @@ separation.model_repo to it (docs/guide/models.md, "Using a real model offline")
 def make_workspace(root: Path) -> Path:
     """Write the demo's stemdeck.toml (folders inside `root`, the tiny model, fast settle)."""
     data = default_toml()
-    data["folders"] = {"inbox": "inbox", "outbox": "outbox", "processed": "processed",
-                       "failed": "failed", "state": "state"}
+    data["folders"] = {
+        "inbox": "inbox",
+        "outbox": "outbox",
+        "processed": "processed",
+        "failed": "failed",
+        "state": "state",
+    }
     data["separation"].update(model="tiny", model_repo="models", device="cpu")
     data["watch"]["settle_seconds"] = 0.5
     data["notify"]["urls"] = []
@@ -56,11 +62,22 @@ def run_demo(workspace: Path | None, emit: Callable[[str], None]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     emit(f"demo workspace: {root}")
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "stemdeck_watch.workers.tinymodel",
-                    str(root / "models"), "--name", "tiny"], check=True,
-                   stdout=subprocess.DEVNULL)
-    emit(f"saved a tiny untrained HTDemucs to {root / 'models' / 'tiny.th'} "
-         f"({time.monotonic() - started:.1f} s)")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stemdeck_watch.workers.tinymodel",
+            str(root / "models"),
+            "--name",
+            "tiny",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    emit(
+        f"saved a tiny untrained HTDemucs to {root / 'models' / 'tiny.th'} "
+        f"({time.monotonic() - started:.1f} s)"
+    )
     settings = load_settings(make_workspace(root))
     folders = settings.paths
     bus = EventBus()
@@ -83,9 +100,11 @@ def run_demo(workspace: Path | None, emit: Callable[[str], None]) -> int:
             tmp = write_song(staging / name, seconds, seed=seed)
             os.replace(tmp, folders.inbox / name)
         dropped = time.monotonic()
-        emit(f"dropped {len(SONGS)} songs into {folders.inbox}; the service waits until each "
-             f"file is complete ({settings.watch.settle_seconds:g} s settle), then separates "
-             f"them one at a time in one resident worker process")
+        emit(
+            f"dropped {len(SONGS)} songs into {folders.inbox}; the service waits until each "
+            f"file is complete ({settings.watch.settle_seconds:g} s settle), then separates "
+            f"them one at a time in one resident worker process"
+        )
         if not all_done.wait(TIMEOUT):
             emit(f"the demo did not finish within {TIMEOUT:.0f} s; see {folders.state / 'logs'}")
             return 1
@@ -113,8 +132,10 @@ def _report(settings: Settings, elapsed: float, emit: Callable[[str], None]) -> 
         emit(f"{job['name']} → {output}")
         emit(f"    {stems}, {MANIFEST}")
         emit("    " + ", ".join(f"{step} {seconds:.2f} s" for step, seconds in timings.items()))
-    emit(f"all songs separated {elapsed:.1f} s after they were dropped; inputs moved to "
-         f"{settings.paths.processed}")
+    emit(
+        f"all songs separated {elapsed:.1f} s after they were dropped; inputs moved to "
+        f"{settings.paths.processed}"
+    )
     emit("")
     emit(UNTRAINED_NOTE)
     return 0 if ok else 1

@@ -4,6 +4,7 @@ Each check says what it found and, when something is wrong, what to do. It loads
 a real worker process (the only step that imports torch), so a model that `run` could not load
 shows up here first.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,16 @@ from stemdeck_watch.intake.watcher import choose_mode
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.core.paths import filesystem_type
 
-SYNC_FOLDER_HINTS = ("dropbox", "google drive", "googledrive", "onedrive", "icloud", "nextcloud",
-                     "syncthing", "mobile documents")
+SYNC_FOLDER_HINTS = (
+    "dropbox",
+    "google drive",
+    "googledrive",
+    "onedrive",
+    "icloud",
+    "nextcloud",
+    "syncthing",
+    "mobile documents",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,22 +53,36 @@ def check_folders(settings: Settings) -> list[Finding]:
             with tempfile.NamedTemporaryFile(dir=path, prefix=".stemdeck-doctor-"):
                 pass
         except OSError as exc:
-            findings.append(Finding(False, f"folders.{name}", f"{path} is not writable "
-                                    f"({exc.strerror or exc}); fix its permissions or choose "
-                                    f"another folder"))
+            findings.append(
+                Finding(
+                    False,
+                    f"folders.{name}",
+                    f"{path} is not writable "
+                    f"({exc.strerror or exc}); fix its permissions or choose "
+                    f"another folder",
+                )
+            )
             continue
         fs = filesystem_type(path)
         findings.append(Finding(True, f"folders.{name}", f"{path}{f' ({fs})' if fs else ''}"))
     state = str(folders.state).lower()
     if any(hint in state for hint in SYNC_FOLDER_HINTS):
-        findings.append(Finding(True, "state folder", f"{folders.state} looks like a sync "
-                                "folder; the registry database should stay on local disk — set "
-                                "folders.state elsewhere", warning=True))
+        findings.append(
+            Finding(
+                True,
+                "state folder",
+                f"{folders.state} looks like a sync "
+                "folder; the registry database should stay on local disk — set "
+                "folders.state elsewhere",
+                warning=True,
+            )
+        )
     return findings
 
 
-def check_sync_layout(settings: Settings, extra_roots: list[tuple[str, Path]] | None = None
-                      ) -> Finding | None:
+def check_sync_layout(
+    settings: Settings, extra_roots: list[tuple[str, Path]] | None = None
+) -> Finding | None:
     """An inbox inside a synced folder wants outbox/ and processed/ in the same one: a phone
     then sees its song move from inbox to processed and its stems appear. None when the
     inbox is not in a synced folder this can recognise."""
@@ -71,15 +94,22 @@ def check_sync_layout(settings: Settings, extra_roots: list[tuple[str, Path]] | 
     synced = find_sync_folder(folders.inbox, extra_roots)
     if synced is None:
         return None
-    outside = [f"{name}/ ({getattr(folders, name)})" for name in ("outbox", "processed")
-               if not synced.holds(getattr(folders, name))]
+    outside = [
+        f"{name}/ ({getattr(folders, name)})"
+        for name in ("outbox", "processed")
+        if not synced.holds(getattr(folders, name))
+    ]
     where = f"the inbox is inside a {synced.client} folder ({synced.root})"
     if outside:
-        return Finding(True, "sync layout", f"{where}, but {' and '.join(outside)} "
-                       f"{'is' if len(outside) == 1 else 'are'} not: other devices see songs "
-                       f"vanish from the inbox without their stems; move "
-                       f"{'it' if len(outside) == 1 else 'them'} into {synced.root} too",
-                       warning=True)
+        return Finding(
+            True,
+            "sync layout",
+            f"{where}, but {' and '.join(outside)} "
+            f"{'is' if len(outside) == 1 else 'are'} not: other devices see songs "
+            f"vanish from the inbox without their stems; move "
+            f"{'it' if len(outside) == 1 else 'them'} into {synced.root} too",
+            warning=True,
+        )
     return Finding(True, "sync layout", f"{where}, with outbox/ and processed/ beside it")
 
 
@@ -90,11 +120,17 @@ def check_watcher(settings: Settings) -> Finding:
     if mode == "native" and limit.exists():
         try:
             watches = int(limit.read_text())
-            folders = sum(1 for _ in os.walk(settings.paths.inbox)) if settings.watch.recursive else 1
+            folders = (
+                sum(1 for _ in os.walk(settings.paths.inbox)) if settings.watch.recursive else 1
+            )
             detail += f"; {folders} folder(s) to watch, OS limit {watches}"
             if folders > watches * 0.8:
-                return Finding(True, "watcher", detail + " — close to the limit; the service "
-                               "will fall back to polling", warning=True)
+                return Finding(
+                    True,
+                    "watcher",
+                    detail + " — close to the limit; the service will fall back to polling",
+                    warning=True,
+                )
         except (OSError, ValueError):
             pass
     return Finding(True, "watcher", detail)
@@ -110,11 +146,18 @@ def check_decode(settings: Settings) -> Finding:
             decoded = decode_to_file(source, Path(tmp) / "probe.npy", 44100, 2)
         import av
 
-        return Finding(True, "decoding", f"PyAV {av.__version__} decoded a flac probe "
-                       f"({decoded.seconds:.1f} s)")
+        return Finding(
+            True,
+            "decoding",
+            f"PyAV {av.__version__} decoded a flac probe ({decoded.seconds:.1f} s)",
+        )
     except Exception as exc:
-        return Finding(False, "decoding", f"could not decode a probe file: {exc}; reinstall "
-                       "with `pip install --force-reinstall av`")
+        return Finding(
+            False,
+            "decoding",
+            f"could not decode a probe file: {exc}; reinstall "
+            "with `pip install --force-reinstall av`",
+        )
 
 
 def check_models(settings: Settings) -> list[Finding]:
@@ -128,8 +171,9 @@ def check_models(settings: Settings) -> list[Finding]:
         wanted.setdefault((sep.model, str(repo) if repo else None), preset)
     findings = []
     sep = settings.separation
-    client = WorkerClient(sep.device, worker_env_for(settings), threads=sep.threads,
-                          precision=sep.precision)
+    client = WorkerClient(
+        sep.device, worker_env_for(settings), threads=sep.threads, precision=sep.precision
+    )
     try:
         for (model, repo), preset in wanted.items():
             title = f"model {model}" + (f" (preset {preset})" if preset else "")
@@ -143,9 +187,15 @@ def check_models(settings: Settings) -> list[Finding]:
             except Exception as exc:
                 findings.append(Finding(False, title, str(exc)))
                 continue
-            findings.append(Finding(True, title, f"loaded in {time.monotonic() - started:.1f} s"
-                                    f" from {repo or 'the model hub cache'}; stems: "
-                                    f"{', '.join(info.sources)}"))
+            findings.append(
+                Finding(
+                    True,
+                    title,
+                    f"loaded in {time.monotonic() - started:.1f} s"
+                    f" from {repo or 'the model hub cache'}; stems: "
+                    f"{', '.join(info.sources)}",
+                )
+            )
             findings.append(precision_finding(title, info.precision, client.info()))
     finally:
         client.close()
@@ -166,8 +216,10 @@ def not_downloaded(settings: Settings, model: str) -> str | None:
     if state.files == 0 or state.cached or state.hf:
         return None
     size = f" (about {state.size_mb} MB)" if state.size_mb else ""
-    return (f"not downloaded yet: the service downloads it{size} from {redact_url(store.hub)} when it "
-            f"first needs it; `stemdeck-watch models pull {model}` downloads it now")
+    return (
+        f"not downloaded yet: the service downloads it{size} from {redact_url(store.hub)} when it "
+        f"first needs it; `stemdeck-watch models pull {model}` downloads it now"
+    )
 
 
 def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
@@ -177,16 +229,21 @@ def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
     figures = ""
     if choice.get("speedup") is not None:
         snr = choice.get("worst_snr_db")
-        figures = (f"; measured {choice['speedup']:.2f}× float32 speed, worst stem "
-                   f"{'identical' if snr is None else f'{snr:.1f} dB SNR'}, calibration "
-                   f"{choice.get('calibration_seconds') or 0:.1f} s")
+        figures = (
+            f"; measured {choice['speedup']:.2f}× float32 speed, worst stem "
+            f"{'identical' if snr is None else f'{snr:.1f} dB SNR'}, calibration "
+            f"{choice.get('calibration_seconds') or 0:.1f} s"
+        )
     cpu = ""
     if str(worker.get("device")) == "cpu":
         flags = cpu_bf16_flags()
         cpu = f"; CPU bf16 support: {', '.join(flags) if flags else 'none (emulated)'}"
-    return Finding(True, f"{title} precision",
-                   f"{choice.get('precision', 'float32')} on {worker.get('device')} with "
-                   f"{worker.get('threads')} thread(s) — {choice.get('reason')}{figures}{cpu}")
+    return Finding(
+        True,
+        f"{title} precision",
+        f"{choice.get('precision', 'float32')} on {worker.get('device')} with "
+        f"{worker.get('threads')} thread(s) — {choice.get('reason')}{figures}{cpu}",
+    )
 
 
 def check_tray(settings: Settings) -> Finding:
@@ -222,8 +279,11 @@ def check_notify(settings: Settings) -> list[Finding]:
         findings.append(Finding(True, "notifications", f"{len(others)} apprise URL(s) accepted"))
     if DESKTOP in notify.urls:
         url, why = resolve_desktop()
-        findings.append(Finding(True, "desktop notifications", f"through {url}") if url else
-                        Finding(True, "desktop notifications", f"off: {why}", warning=True))
+        findings.append(
+            Finding(True, "desktop notifications", f"through {url}")
+            if url
+            else Finding(True, "desktop notifications", f"off: {why}", warning=True)
+        )
     return findings
 
 
@@ -234,8 +294,12 @@ def check_links(settings: Settings) -> Finding:
         from yt_dlp.version import __version__ as version
     except ImportError:
         return Finding(False, "links", "yt-dlp is not installed: pip install yt-dlp")
-    return Finding(True, "links", f"yt-dlp {version} downloads .url/.webloc/.desktop links "
-                   f"(sites change often: `pip install -U yt-dlp` keeps it working)")
+    return Finding(
+        True,
+        "links",
+        f"yt-dlp {version} downloads .url/.webloc/.desktop links "
+        f"(sites change often: `pip install -U yt-dlp` keeps it working)",
+    )
 
 
 def check_executor(settings: Settings) -> list[Finding]:
@@ -246,17 +310,28 @@ def check_executor(settings: Settings) -> list[Finding]:
 
     ex = settings.executor
     if ex.kind == "local":
-        findings = [Finding(True, "executor", "local: one resident worker process on this "
-                            "machine")]
+        findings = [Finding(True, "executor", "local: one resident worker process on this machine")]
     else:
-        count = ("one worker per GPU (or per cpus_per_worker cores) of each machine, as "
-                 "machines come and go" if ex.workers == "auto" else f"{ex.workers} worker(s)")
-        plan = (f"{count} of {ex.gpus_per_worker:g} GPU and {ex.cpus_per_worker:g} CPU each "
-                f"on the Ray cluster at {ex.address}")
+        count = (
+            "one worker per GPU (or per cpus_per_worker cores) of each machine, as "
+            "machines come and go"
+            if ex.workers == "auto"
+            else f"{ex.workers} worker(s)"
+        )
+        plan = (
+            f"{count} of {ex.gpus_per_worker:g} GPU and {ex.cpus_per_worker:g} CPU each "
+            f"on the Ray cluster at {ex.address}"
+        )
         if not ray_installed():
-            return [Finding(False, "executor", f"executor.kind = \"ray\" ({plan}), but Ray is "
-                            f"not installed: pip install 'stemdeck-watch[ray]' (here and on "
-                            f"every worker machine), or set executor.kind = \"local\"")]
+            return [
+                Finding(
+                    False,
+                    "executor",
+                    f'executor.kind = "ray" ({plan}), but Ray is '
+                    f"not installed: pip install 'stemdeck-watch[ray]' (here and on "
+                    f'every worker machine), or set executor.kind = "local"',
+                )
+            ]
         from importlib.metadata import version
 
         findings = [Finding(True, "executor", f"ray {version('ray')}: {plan}")]
@@ -264,9 +339,14 @@ def check_executor(settings: Settings) -> list[Finding]:
         where = each.get("hostname") or "this machine"
         if each.get("node_ip"):
             where += f" ({each['node_ip']})"
-        findings.append(Finding(True, f"worker {each.get('index', 0)}",
-                                f"{where}, {each.get('device')}, {each.get('threads')} "
-                                f"thread(s), pid {each.get('pid') or '-'} (as last recorded)"))
+        findings.append(
+            Finding(
+                True,
+                f"worker {each.get('index', 0)}",
+                f"{where}, {each.get('device')}, {each.get('threads')} "
+                f"thread(s), pid {each.get('pid') or '-'} (as last recorded)",
+            )
+        )
     return findings
 
 
@@ -284,10 +364,14 @@ def run_doctor(settings: Settings, emit: Callable[[str], None]) -> int:
         lambda: check_folders(settings),
         lambda: [f for f in [check_sync_layout(settings)] if f is not None],
         lambda: check_watcher(settings),
-        lambda: check_decode(settings), lambda: check_models(settings),
-        lambda: check_tray(settings), lambda: check_notify(settings),
-        lambda: check_links(settings), lambda: check_executor(settings),
-        lambda: check_service(settings)]
+        lambda: check_decode(settings),
+        lambda: check_models(settings),
+        lambda: check_tray(settings),
+        lambda: check_notify(settings),
+        lambda: check_links(settings),
+        lambda: check_executor(settings),
+        lambda: check_service(settings),
+    ]
     for check in checks:
         result = check()
         for finding in result if isinstance(result, list) else [result]:

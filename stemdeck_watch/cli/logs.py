@@ -6,6 +6,7 @@ a name cannot forge a log line or send escape sequences to the terminal. The log
 links, whose URLs may carry share tokens: its folder and files are for the user only (0700 /
 0600), whatever the umask.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,9 @@ class SafeFormatter(logging.Formatter):
         return escape_controls(super().formatStack(stack_info), keep="\n")
 
 
-def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool = True) -> Path | None:
+def setup_logging(
+    state_dir: Path | None, verbose: bool = False, terminal: bool = True
+) -> Path | None:
     """Configure the `stemdeck_watch` loggers; returns the log file's path."""
     root = logging.getLogger("stemdeck_watch")
     root.setLevel(logging.DEBUG)
@@ -57,7 +60,8 @@ def setup_logging(state_dir: Path | None, verbose: bool = False, terminal: bool 
         for old in log_dir.glob(log_file.name + "*"):
             tighten(old)  # written by an older version with the umask's mode
         file_handler = _PrivateFileHandler(
-            log_file, maxBytes=2_000_000, backupCount=5, encoding="utf-8")
+            log_file, maxBytes=2_000_000, backupCount=5, encoding="utf-8"
+        )
         file_handler.setFormatter(SafeFormatter(FORMAT))
         file_handler.setLevel(logging.DEBUG)
         root.addHandler(file_handler)
@@ -73,5 +77,10 @@ class _PrivateFileHandler(logging.handlers.RotatingFileHandler):
     """A rotating log whose files (each new one after a rollover too) are created 0600."""
 
     def _open(self) -> Any:
-        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors,
-                    opener=lambda path, flags: os.open(path, flags, 0o600))
+        return open(
+            self.baseFilename,
+            self.mode,
+            encoding=self.encoding,
+            errors=self.errors,
+            opener=lambda path, flags: os.open(path, flags, 0o600),
+        )

@@ -9,6 +9,7 @@ everything else answers in a fraction of a second, so modules are imported per c
 The control commands (pause … open) talk to the running service through its local API, found
 via the discovery file in the state folder; `status` reads the registry and works while stopped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,16 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stemdeck-watch",
-        description="Turn songs dropped into an inbox folder into separated stems.")
+        description="Turn songs dropped into an inbox folder into separated stems.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     config_help = "config file (default: ./stemdeck.toml, then the platform config dir)"
     parser.add_argument("--config", type=Path, metavar="PATH", help=config_help)
     # --config is accepted after the command too (`status --config x.toml`)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", type=Path, metavar="PATH", default=argparse.SUPPRESS,
-                        help=config_help)
+    common.add_argument(
+        "--config", type=Path, metavar="PATH", default=argparse.SUPPRESS, help=config_help
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add = lambda name, **kw: commands.add_parser(name, parents=[common], **kw)  # noqa: E731
     run = add("run", help="run the service in the foreground (Ctrl-C stops it)")
@@ -45,33 +48,40 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
     status = add("status", help="show the queue (works while stopped too)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--all", action="store_true",
-                        help="every job ever (default: the queue and the most recent "
-                             "finished jobs)")
+    status.add_argument(
+        "--all",
+        action="store_true",
+        help="every job ever (default: the queue and the most recent finished jobs)",
+    )
     add("pause", help="pause the queue: the running song finishes, no new one starts")
     add("start", help="start the queue (also a queue restored after a restart)")
     job_help = "a job id, a unique id prefix or a unique song name"
     add("cancel", help="cancel a job; its file stays where it is").add_argument(
-        "job", metavar="JOB", help=job_help)
+        "job", metavar="JOB", help=job_help
+    )
     move = add("move", help="move a queued job after another one, or first")
     move.add_argument("job", metavar="JOB", help=job_help)
     where = move.add_mutually_exclusive_group(required=True)
     where.add_argument("--after", metavar="JOB", help="put it right after this job")
     where.add_argument("--first", action="store_true", help="put it at the head of the queue")
     add("retry", help="queue a failed or cancelled job again").add_argument(
-        "job", metavar="JOB", help=job_help)
+        "job", metavar="JOB", help=job_help
+    )
     add("remove", help="delete a finished job's stems and forget it for good").add_argument(
-        "job", metavar="JOB", help=job_help)
+        "job", metavar="JOB", help=job_help
+    )
     add("open", help="open the queue page in the default browser")
     add("doctor", help="check folders, watcher, decoding and the model")
     from stemdeck_watch.cli.models import add_parser as add_models
 
     add_models(add)
     autostart = add("autostart", help="start the service at login (the platform's own way)")
-    autostart.add_argument("--remove", action="store_true",
-                           help="remove what `autostart` installed")
-    autostart.add_argument("--headless", action="store_true",
-                           help="without the tray (Linux: a systemd user unit)")
+    autostart.add_argument(
+        "--remove", action="store_true", help="remove what `autostart` installed"
+    )
+    autostart.add_argument(
+        "--headless", action="store_true", help="without the tray (Linux: a systemd user unit)"
+    )
     config = commands.add_parser("config", help="configuration file")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
     init = config_commands.add_parser("init", help="write a complete default stemdeck.toml")
@@ -96,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if args.command in STEERING_COMMANDS:
             return _steer(args, settings)
-        return {"run": _run, "status": _status, "doctor": _doctor,
-                "models": _models}[args.command](args, settings)
+        return {"run": _run, "status": _status, "doctor": _doctor, "models": _models}[args.command](
+            args, settings
+        )
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -116,8 +127,10 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         path = write_default_config(args.path, force=args.force)
     except FileExistsError:
-        print(f"stemdeck-watch: {args.path} already exists; pass --force to overwrite it",
-              file=sys.stderr)
+        print(
+            f"stemdeck-watch: {args.path} already exists; pass --force to overwrite it",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except OSError as exc:
         print(f"stemdeck-watch: could not write {args.path}: {exc.strerror}", file=sys.stderr)
@@ -143,7 +156,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if tray.backend is None:
         if settings.tray.enabled == "auto" and not args.no_tray:
             logging.getLogger("stemdeck_watch.ui.tray").info(
-                "no tray icon: %s; running headless", tray.reason)
+                "no tray icon: %s; running headless", tray.reason
+            )
         Service(settings).run_until(stop)
     else:
         run_with_tray(Service(settings), stop, tray.backend)
@@ -186,8 +200,11 @@ def _steer(args: argparse.Namespace, settings: Settings) -> int:
         url, seconds = client.page_link()  # the service answers and the token is right
         print(url)
         if not webbrowser.open(url):
-            print(f"stemdeck-watch: could not start a browser; open the address above (it "
-                  f"works once, within {seconds:.0f} s)", file=sys.stderr)
+            print(
+                f"stemdeck-watch: could not start a browser; open the address above (it "
+                f"works once, within {seconds:.0f} s)",
+                file=sys.stderr,
+            )
         return EXIT_OK
     if command in ("pause", "start"):
         queue = client.post(f"/api/queue/{command}")
@@ -195,8 +212,7 @@ def _steer(args: argparse.Namespace, settings: Settings) -> int:
     elif command == "move":
         body = {"first": True} if args.first else {"after": args.after}
         reply = client.post(job_path(args.job, "move"), body)
-        print(f"moved {_shown(_name_of(reply))} "
-              f"{'first' if args.first else 'after ' + args.after}")
+        print(f"moved {_shown(_name_of(reply))} {'first' if args.first else 'after ' + args.after}")
         if reply.get("note"):
             print(_shown(reply["note"]))
         for i, job in enumerate(reply["queued"], 1):
@@ -205,8 +221,9 @@ def _steer(args: argparse.Namespace, settings: Settings) -> int:
         reply = client.post(job_path(args.job, "remove"))
         print(f"removed {_shown(reply['removed']['name'])} (job {reply['removed']['id']})")
         if reply["not_deleted"]:
-            print("could not delete: " + "; ".join(map(_shown, reply["not_deleted"])),
-                  file=sys.stderr)
+            print(
+                "could not delete: " + "; ".join(map(_shown, reply["not_deleted"])), file=sys.stderr
+            )
             return EXIT_FAILED
     else:
         reply = client.post(job_path(args.job, command))
@@ -214,8 +231,9 @@ def _steer(args: argparse.Namespace, settings: Settings) -> int:
         if command == "cancel":
             print(f"cancelled {_shown(job['name'])} (job {job['id']})")
         elif job is None:
-            print(_shown(reply.get("note") or
-                         "the file waits in the inbox until the queue has room"))
+            print(
+                _shown(reply.get("note") or "the file waits in the inbox until the queue has room")
+            )
         else:
             print(f"queued {_shown(job['name'])} again as job {job['id']}")
     return EXIT_OK
@@ -259,23 +277,31 @@ def _autostart(args: argparse.Namespace) -> int:
             print(f"if it was enabled: systemctl --user disable --now {autostart.UNIT}")
         return EXIT_OK
     settings = load_settings(args.config)
-    entry = autostart.entry_for(sys.platform, home, autostart.command(
-        settings.source, args.headless), settings.source, args.headless)
+    entry = autostart.entry_for(
+        sys.platform,
+        home,
+        autostart.command(settings.source, args.headless),
+        settings.source,
+        args.headless,
+    )
     try:
         done = autostart.install(entry)
     except autostart.NotOurs as exc:
         print(f"stemdeck-watch: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except OSError as exc:
-        print(f"stemdeck-watch: could not write {entry.path}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(
+            f"stemdeck-watch: could not write {entry.path}: {exc.strerror or exc}", file=sys.stderr
+        )
         return EXIT_FAILED
     print(f"{done} {entry.path}")
     if settings.source:
         print(f"it runs with the config {settings.source}")
     else:
-        print("no stemdeck.toml was found, so it runs with the built-in defaults; "
-              "`stemdeck-watch config init` writes one (then run `autostart` again)")
+        print(
+            "no stemdeck.toml was found, so it runs with the built-in defaults; "
+            "`stemdeck-watch config init` writes one (then run `autostart` again)"
+        )
     if entry.after:
         print(entry.after)
     return EXIT_OK

@@ -3,6 +3,7 @@ an offline copy. The service downloads a missing model by itself on first use; t
 commands do it ahead, with a progress bar, or without a network at all (`import`). They
 never import torch: they answer at once, also while the service runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,35 @@ def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
     """The `models` command and its actions, on the CLI's parser."""
     models = add("models", help="the Demucs models: list, download, check, import")
     actions = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    listing = actions.add_parser("list", help="the known models: stems, download size, what "
-                                 "each is good for, whether it is downloaded")
+    listing = actions.add_parser(
+        "list",
+        help="the known models: stems, download size, what "
+        "each is good for, whether it is downloaded",
+    )
     listing.add_argument("--json", action="store_true", help="machine-readable output")
-    pull = actions.add_parser("pull", help="download a model from separation.model_hub into "
-                              "the cache, verified; an interrupted download resumes")
+    pull = actions.add_parser(
+        "pull",
+        help="download a model from separation.model_hub into "
+        "the cache, verified; an interrupted download resumes",
+    )
     pull.add_argument("name", metavar="NAME", help="a model name, e.g. htdemucs")
     actions.add_parser("verify", help="check every cached model file against its checksum")
-    imports = actions.add_parser("import", help="copy the model files of an offline copy "
-                                 "(a folder as on the model hub) into the cache, verified")
-    imports.add_argument("folder", metavar="FOLDER", type=Path,
-                         help="the folder holding the .th files (and files.txt, .yaml)")
+    imports = actions.add_parser(
+        "import",
+        help="copy the model files of an offline copy "
+        "(a folder as on the model hub) into the cache, verified",
+    )
+    imports.add_argument(
+        "folder",
+        metavar="FOLDER",
+        type=Path,
+        help="the folder holding the .th files (and files.txt, .yaml)",
+    )
 
 
-def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr) -> int:
+def run(
+    args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> int:
     from stemdeck_watch.workers import download
     from stemdeck_watch.workers.models import ModelStore, ModelStoreError
 
@@ -66,34 +81,66 @@ def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> 
     states = [store.state(entry.name, index) for entry in CATALOGUE]
     chosen = settings.separation.model
     if as_json:
-        print(json.dumps({"hub": redact_url(store.hub), "cache": str(store.cache), "model": chosen,
-                          "model_repo": settings.separation.model_repo or None,
-                          "models": [_as_dict(s) for s in states]}, indent=2), file=out)
+        print(
+            json.dumps(
+                {
+                    "hub": redact_url(store.hub),
+                    "cache": str(store.cache),
+                    "model": chosen,
+                    "model_repo": settings.separation.model_repo or None,
+                    "models": [_as_dict(s) for s in states],
+                },
+                indent=2,
+            ),
+            file=out,
+        )
         return EXIT_OK
     rows = [("model", "stems", "download", "cached", "good for")]
     for state in states:
         mark = " *" if state.name == chosen else ""
-        rows.append((state.name + mark, str(len(state.stems)), f"≈{state.size_mb} MB",
-                     _cached_words(state), state.good_for))
+        rows.append(
+            (
+                state.name + mark,
+                str(len(state.stems)),
+                f"≈{state.size_mb} MB",
+                _cached_words(state),
+                state.good_for,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4],
-              file=out)
-    print(f"\n* separation.model; stems: {', '.join(states[0].stems)} (htdemucs_6s: "
-          f"also guitar, piano)", file=out)
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4],
+            file=out,
+        )
+    print(
+        f"\n* separation.model; stems: {', '.join(states[0].stems)} (htdemucs_6s: "
+        f"also guitar, piano)",
+        file=out,
+    )
     print(f"cache: {escape_controls(store.cache)}", file=out)
     print(f"hub:   {escape_controls(redact_url(store.hub))}", file=out)
     if settings.separation.model_repo:
-        print(f"separation.model_repo = {escape_controls(settings.separation.model_repo)}: the "
-              f"service loads its models from that folder, not from this cache", file=out)
+        print(
+            f"separation.model_repo = {escape_controls(settings.separation.model_repo)}: the "
+            f"service loads its models from that folder, not from this cache",
+            file=out,
+        )
     return EXIT_OK
 
 
 def _as_dict(state: ModelState) -> dict[str, Any]:
-    return {"name": state.name, "stems": list(state.stems), "size_mb": state.size_mb,
-            "good_for": state.good_for, "cached": state.cached, "files": state.files,
-            "files_cached": state.present, "partial_bytes": state.partial_bytes,
-            "huggingface_cache": state.hf}
+    return {
+        "name": state.name,
+        "stems": list(state.stems),
+        "size_mb": state.size_mb,
+        "good_for": state.good_for,
+        "cached": state.cached,
+        "files": state.files,
+        "files_cached": state.present,
+        "partial_bytes": state.partial_bytes,
+        "huggingface_cache": state.hf,
+    }
 
 
 def _cached_words(state: ModelState) -> str:
@@ -110,8 +157,11 @@ def _cached_words(state: ModelState) -> str:
 
 def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: TextIO) -> int:
     if settings.separation.model_repo:
-        print(f"note: separation.model_repo is set, so the service loads its models from "
-              f"{escape_controls(settings.separation.model_repo)}, not from this cache", file=err)
+        print(
+            f"note: separation.model_repo is set, so the service loads its models from "
+            f"{escape_controls(settings.separation.model_repo)}, not from this cache",
+            file=err,
+        )
     from stemdeck_watch.workers import download
 
     bar = ProgressBar(name, err)
@@ -120,19 +170,27 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
         paths = store.pull(name, bar.update)
     except download.Interrupted as exc:
         bar.close()
-        print(f"stemdeck-watch: {escape_controls(exc)}; run `stemdeck-watch models pull "
-              f"{escape_controls(name)}` again to resume", file=err)
+        print(
+            f"stemdeck-watch: {escape_controls(exc)}; run `stemdeck-watch models pull "
+            f"{escape_controls(name)}` again to resume",
+            file=err,
+        )
         return EXIT_FAILED
     except KeyboardInterrupt:
         bar.close()
-        print(f"stemdeck-watch: interrupted at {bar.words()}; run `stemdeck-watch models pull "
-              f"{escape_controls(name)}` again to resume", file=err)
+        print(
+            f"stemdeck-watch: interrupted at {bar.words()}; run `stemdeck-watch models pull "
+            f"{escape_controls(name)}` again to resume",
+            file=err,
+        )
         return EXIT_FAILED
     bar.close()
     size = sum(path.stat().st_size for path in paths)
-    print(f"{escape_controls(name)}: ready, {len(paths)} file(s), {download_mb(size)} MB, "
-          f"verified, in {escape_controls(store.cache)} ({time.monotonic() - started:.1f} s)",
-          file=out)
+    print(
+        f"{escape_controls(name)}: ready, {len(paths)} file(s), {download_mb(size)} MB, "
+        f"verified, in {escape_controls(store.cache)} ({time.monotonic() - started:.1f} s)",
+        file=out,
+    )
     return EXIT_OK
 
 
@@ -151,16 +209,23 @@ def _verify(store: ModelStore, out: TextIO, err: TextIO) -> int:
             continue
         damaged += 1
         models = sorted(set(users.get(path.name, [])))
-        fix = (f"; `stemdeck-watch models pull {models[0]}` downloads it again"
-               if models else "; delete it")
-        print(f"DAMAGED  {path.name} ({', '.join(models) or 'no named model'}): {problem}{fix}",
-              file=out)
+        fix = (
+            f"; `stemdeck-watch models pull {models[0]}` downloads it again"
+            if models
+            else "; delete it"
+        )
+        print(
+            f"DAMAGED  {path.name} ({', '.join(models) or 'no named model'}): {problem}{fix}",
+            file=out,
+        )
     if not checked:
         print(f"no model files in {escape_controls(store.cache)} yet", file=out)
         return EXIT_OK
     whole = len(checked) - damaged
-    print(f"{whole} of {len(checked)} model file(s) in {escape_controls(store.cache)} are whole",
-          file=out)
+    print(
+        f"{whole} of {len(checked)} model file(s) in {escape_controls(store.cache)} are whole",
+        file=out,
+    )
     if damaged:
         print(f"stemdeck-watch: {damaged} damaged model file(s)", file=err)
         return EXIT_FAILED
@@ -175,8 +240,7 @@ def _import(store: ModelStore, folder: Path, out: TextIO, err: TextIO) -> int:
         print(f"refused  {escape_controls(path)}: {why}", file=err)
     index = store.index()
     ready = [entry.name for entry in CATALOGUE if store.state(entry.name, index).cached]
-    print(f"models ready in {escape_controls(store.cache)}: {', '.join(ready) or 'none'}",
-          file=out)
+    print(f"models ready in {escape_controls(store.cache)}: {', '.join(ready) or 'none'}", file=out)
     if not imported and not refused:
         print(f"stemdeck-watch: no model files (.th) in {escape_controls(folder)}", file=err)
     return EXIT_OK if imported and not refused else EXIT_FAILED

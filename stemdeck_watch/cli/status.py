@@ -3,6 +3,7 @@
 Reading the registry (never the running service) is what makes `status` work while the
 service is stopped, and keeps it fast: no torch, no worker, no network.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -63,8 +64,9 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
                     pending = []
                 rebuilt = registry.get_meta("rebuilt_from")
                 if rebuilt:
-                    notes.append(f"the job registry was damaged and rebuilt; the old file is "
-                                 f"{rebuilt}")
+                    notes.append(
+                        f"the job registry was damaged and rebuilt; the old file is {rebuilt}"
+                    )
             finally:
                 registry.close()
     except sqlite3.OperationalError as exc:
@@ -73,9 +75,19 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
         jobs, order, waiting, pause_reason = [], [], [], None
     except sqlite3.DatabaseError as exc:
         raise _damaged(path, exc, pid) from None
-    return build_snapshot(jobs, order, waiting, pause_reason, folders,
-                 {"running": pid is not None, "pid": pid}, notes, workers=workers,
-                          older=older, eta=eta, pending=pending)
+    return build_snapshot(
+        jobs,
+        order,
+        waiting,
+        pause_reason,
+        folders,
+        {"running": pid is not None, "pid": pid},
+        notes,
+        workers=workers,
+        older=older,
+        eta=eta,
+        pending=pending,
+    )
 
 
 def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
@@ -83,7 +95,8 @@ def _damaged(path: Path, exc: Exception, pid: int | None) -> RegistryDamaged:
     return RegistryDamaged(
         f"could not read the job registry {path}: {exc}. The file is damaged; {stop}move it "
         f"aside (e.g. to {path.name}.damaged) and start the service again — it starts with an "
-        f"empty history, and songs still in the inbox are queued again")
+        f"empty history, and songs still in the inbox are queued again"
+    )
 
 
 def to_json(status: dict[str, Any]) -> str:
@@ -110,13 +123,16 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     running = f"running (pid {service['pid']})" if service["running"] else "stopped"
     lines = [f"service: {running}"]
     if status["paused"]:
-        why = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start "
-               "(or drop a new file)", "disk": "the disk is almost full",
-               "folder": "a PAUSE file is in the inbox; delete it to start",
-               "cluster": "the Ray cluster is unreachable; it starts again when it is back",
-               "inbox": "the inbox's share cannot be reached; it starts again when it answers",
-               "outbox": "the outbox's share cannot be reached; separated songs wait in "
-                         "scratch and the queue starts again when it answers"}
+        why = {
+            "user": "paused by you",
+            "restore": "jobs restored after a restart wait for Start (or drop a new file)",
+            "disk": "the disk is almost full",
+            "folder": "a PAUSE file is in the inbox; delete it to start",
+            "cluster": "the Ray cluster is unreachable; it starts again when it is back",
+            "inbox": "the inbox's share cannot be reached; it starts again when it answers",
+            "outbox": "the outbox's share cannot be reached; separated songs wait in "
+            "scratch and the queue starts again when it answers",
+        }
         lines.append(f"queue:   paused — {why.get(status['pause_reason'], status['pause_reason'])}")
     else:
         lines.append("queue:   running" if service["running"] else "queue:   not paused")
@@ -126,44 +142,64 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     lines.append(f"outbox:  {escape_controls(folders['outbox'])}")
     worker = status.get("worker") or {}
     if worker.get("precision"):
-        lines.append(f"worker:  {worker.get('model')} in {worker['precision'].get('precision')} "
-                     f"on {worker.get('device')}, {worker.get('threads')} thread(s) — "
-                     f"{worker['precision'].get('reason')}")
+        lines.append(
+            f"worker:  {worker.get('model')} in {worker['precision'].get('precision')} "
+            f"on {worker.get('device')}, {worker.get('threads')} thread(s) — "
+            f"{worker['precision'].get('reason')}"
+        )
     for each in status.get("workers") or []:
         if each.get("executor") == "ray":  # where each Ray worker runs
-            lines.append(f"worker {each.get('index')}: {each.get('hostname') or '?'} "
-                         f"({each.get('node_ip') or '?'}), {each.get('device')}, pid "
-                         f"{each.get('pid') or '-'}, {each.get('job') or 'idle'}")
+            lines.append(
+                f"worker {each.get('index')}: {each.get('hostname') or '?'} "
+                f"({each.get('node_ip') or '?'}), {each.get('device')}, pid "
+                f"{each.get('pid') or '-'}, {each.get('job') or 'idle'}"
+            )
     if status.get("download"):
         lines.append(f"model:   {escape_controls(status['download']['text'])}")
     job = status["running"]
     if job:
-        lines.append(f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%"
-                     f"{_attempt(job)}")
+        lines.append(
+            f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%{_attempt(job)}"
+        )
     queued = status["queued"]
-    lines.append(f"queued:  {len(queued)}" + (": " + ", ".join(label(j) + _attempt(j)
-                                                               for j in queued[:5])
-                                              + (" …" if len(queued) > 5 else "") if queued else ""))
+    lines.append(
+        f"queued:  {len(queued)}"
+        + (
+            ": "
+            + ", ".join(label(j) + _attempt(j) for j in queued[:5])
+            + (" …" if len(queued) > 5 else "")
+            if queued
+            else ""
+        )
+    )
     eta_line = eta_words(status.get("eta"))
     if eta_line:
         lines.append(f"eta:     {eta_line}")
     if status["waiting"]:
-        lines.append(f"waiting: {len(status['waiting'])} file(s) held back until the queue has room")
+        lines.append(
+            f"waiting: {len(status['waiting'])} file(s) held back until the queue has room"
+        )
     if status.get("pending_moves"):
-        lines.append(f"pending: {len(status['pending_moves'])} input(s) of finished jobs are "
-                     f"moved out of the inbox when their share answers")
-    finished = [j for j in status["jobs"] if j["state"] in
-                (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value)]
+        lines.append(
+            f"pending: {len(status['pending_moves'])} input(s) of finished jobs are "
+            f"moved out of the inbox when their share answers"
+        )
+    finished = [
+        j
+        for j in status["jobs"]
+        if j["state"] in (JobState.DONE.value, JobState.FAILED.value, JobState.CANCELLED.value)
+    ]
     if finished:
         lines.append("recent:")
         for j in finished[:recent]:
-            when = _dt.datetime.fromtimestamp(j["finished_at"] or j["created_at"]).strftime("%m-%d %H:%M")
+            when = _dt.datetime.fromtimestamp(j["finished_at"] or j["created_at"]).strftime(
+                "%m-%d %H:%M"
+            )
             detail = j["output"] if j["state"] == JobState.DONE.value else (j["error"] or "")
             lines.append(f"  {when}  {j['state']:<9} {label(j)}  {_short(detail)}")
     older = len(finished) - min(len(finished), recent) + status.get("older_jobs", 0)
     if older:
-        lines.append(f"  … and {older} older job(s): `stemdeck-watch status --all` lists "
-                     f"every job")
+        lines.append(f"  … and {older} older job(s): `stemdeck-watch status --all` lists every job")
     return "\n".join(lines)
 
 
@@ -181,7 +217,7 @@ def label(job: dict[str, Any]) -> str:
 
 
 def _attempt(job: dict[str, Any]) -> str:
-    """" (attempt 2: <why the last one ended>)" for a song the machine cut off before (the
+    """ " (attempt 2: <why the last one ended>)" for a song the machine cut off before (the
     worker died, stalled, ran out of memory); "" for a first attempt."""
     faults = job.get("faults") or []
     if not faults:

@@ -14,6 +14,7 @@ song's settings are, from weakest to strongest: the config, the preset folder, t
 tags, the sidecar. A bad tag or sidecar fails that song with a reason naming the tag or key;
 the manifest records where each setting came from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from stemdeck_watch.core.config import (OutputSettings, SeparationSettings, Settings, check_overrides,
-                                   check_song_settings)
+from stemdeck_watch.core.config import (
+    OutputSettings,
+    SeparationSettings,
+    Settings,
+    check_overrides,
+    check_song_settings,
+)
 from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
 from stemdeck_watch.core.jobs import Job
 from stemdeck_watch.core.paths import move_file
@@ -72,7 +78,7 @@ def _tag_group(stem: str) -> tuple[str, list[str]] | None:
     words = [w for w in re.split(r"[\s,+]+", match.group(1).strip()) if w]
     if not words or not any(w in TAGS or _guess(w) for w in words):
         return None
-    return stem[:match.start()].rstrip() or stem, words
+    return stem[: match.start()].rstrip() or stem, words
 
 
 def _guess(word: str, cutoff: float = 0.75) -> str | None:
@@ -100,12 +106,16 @@ def name_choices(filename: str) -> dict[str, tuple[Any, str]]:
         if word not in TAGS:
             guess = _guess(word, cutoff=0.5)
             hint = f" (did you mean [{guess}]?)" if guess else ""
-            raise ChoiceError(f"unknown tag [{word}] in the name {filename!r}{hint}; tags: "
-                              f"{', '.join(f'[{t}]' for t in TAGS)} — rename the file")
+            raise ChoiceError(
+                f"unknown tag [{word}] in the name {filename!r}{hint}; tags: "
+                f"{', '.join(f'[{t}]' for t in TAGS)} — rename the file"
+            )
         for key, value in TAGS[word].items():
             if key in chosen:
-                raise ChoiceError(f"the tags {chosen[key][1].split()[-1]} and [{word}] in the "
-                                  f"name {filename!r} both choose {key}; keep one")
+                raise ChoiceError(
+                    f"the tags {chosen[key][1].split()[-1]} and [{word}] in the "
+                    f"name {filename!r} both choose {key}; keep one"
+                )
             chosen[key] = (value, f"name tag [{word}]")
     return chosen
 
@@ -155,18 +165,26 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         for key, value in checked.items():
             overrides[key], origins[key] = value, f"sidecar {name}"
     fields = {f.name for f in dataclasses.fields(SeparationSettings)}
-    sep = dataclasses.replace(settings.separation,
-                              **{k: v for k, v in overrides.items() if k in fields})
-    out = dataclasses.replace(settings.output,
-                              **{k: v for k, v in overrides.items() if k not in fields})
+    sep = dataclasses.replace(
+        settings.separation, **{k: v for k, v in overrides.items() if k in fields}
+    )
+    out = dataclasses.replace(
+        settings.output, **{k: v for k, v in overrides.items() if k not in fields}
+    )
     try:
         check_song_settings(sep, out, f"{source.name}: ")
     except ConfigError as exc:
         raise ChoiceError(str(exc)) from None
-    every = {f"separation.{f.name}": origins.get(f.name, "config")
-             for f in dataclasses.fields(SeparationSettings)}
-    every.update({f"output.{f.name}": origins.get(f.name, "config")
-                  for f in dataclasses.fields(OutputSettings)})
+    every = {
+        f"separation.{f.name}": origins.get(f.name, "config")
+        for f in dataclasses.fields(SeparationSettings)
+    }
+    every.update(
+        {
+            f"output.{f.name}": origins.get(f.name, "config")
+            for f in dataclasses.fields(OutputSettings)
+        }
+    )
     return Chosen(sep, out, every)
 
 

@@ -6,6 +6,7 @@ all come from these fields.
 Unknown keys and bad values are errors that name the key, the value and what is allowed: a
 typo in a config file must never be silently ignored.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,19 +25,57 @@ from typing import Any, Mapping
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.util.redact import redact_url
-from stemdeck_watch.util.validators import (MP3_RATES, Check, boolean, byte_size, choice,
-                                           choice_list, check_model_stems, count_or_auto,
-                                           extension_list,
-                                           layout_template, mix_table, number, number_list,
-                                           hub_url, ray_address, sample_rate, show, stem_name,
-                                           text, text_list, url_list)
+from stemdeck_watch.util.validators import (
+    MP3_RATES,
+    Check,
+    boolean,
+    byte_size,
+    choice,
+    choice_list,
+    check_model_stems,
+    count_or_auto,
+    extension_list,
+    layout_template,
+    mix_table,
+    number,
+    number_list,
+    hub_url,
+    ray_address,
+    sample_rate,
+    show,
+    stem_name,
+    text,
+    text_list,
+    url_list,
+)
 
 AUDIO_EXTENSIONS = (
-    "wav", "flac", "mp3", "m4a", "aac", "ogg", "oga", "opus", "aiff", "aif", "aifc",
-    "wma", "mp4", "mkv", "webm", "mov",
+    "wav",
+    "flac",
+    "mp3",
+    "m4a",
+    "aac",
+    "ogg",
+    "oga",
+    "opus",
+    "aiff",
+    "aif",
+    "aifc",
+    "wma",
+    "mp4",
+    "mkv",
+    "webm",
+    "mov",
 )
-NOTIFY_EVENTS = ("done", "failed", "queue_drained", "queue_full", "restored", "disk_low",
-                 "share_away")
+NOTIFY_EVENTS = (
+    "done",
+    "failed",
+    "queue_drained",
+    "queue_full",
+    "restored",
+    "disk_low",
+    "share_away",
+)
 
 
 def key(default: Any, check: Check, doc: str) -> Any:
@@ -50,97 +89,160 @@ def key(default: Any, check: Check, doc: str) -> Any:
 
 # ---------------------------------------------------------------- sections
 
+
 @dataclasses.dataclass(frozen=True)
 class FolderSettings:
-    inbox: str = key("~/StemDeck/inbox", text, "watched folder; songs and link files dropped here become jobs")
+    inbox: str = key(
+        "~/StemDeck/inbox", text, "watched folder; songs and link files dropped here become jobs"
+    )
     outbox: str = key("~/StemDeck/outbox", text, "one folder of stems per finished song")
-    processed: str = key("~/StemDeck/processed", text, "inputs move here once their stems are published")
+    processed: str = key(
+        "~/StemDeck/processed", text, "inputs move here once their stems are published"
+    )
     failed: str = key("~/StemDeck/failed", text, "inputs that failed, each with <file>.error.txt")
     state: str = key("", text, 'registry, logs and scratch files; "" = the platform state dir')
 
 
 @dataclasses.dataclass(frozen=True)
 class WatchSettings:
-    mode: str = key("auto", choice("auto", "native", "polling"),
-                    "auto: native events, polling on network filesystems or when native fails")
-    settle_seconds: float = key(3.0, number(0.1, unit="(seconds)"),
-                                "a file must stay unchanged this long before it is queued")
-    poll_interval: float = key(2.0, number(0.1, unit="(seconds)"),
-                               "seconds between polls in polling mode")
-    rescan_seconds: float = key(300.0, number(0, unit="(seconds)"),
-                                "full rescan of the inbox every N seconds; 0 = only at start "
-                                "and after watcher errors")
+    mode: str = key(
+        "auto",
+        choice("auto", "native", "polling"),
+        "auto: native events, polling on network filesystems or when native fails",
+    )
+    settle_seconds: float = key(
+        3.0,
+        number(0.1, unit="(seconds)"),
+        "a file must stay unchanged this long before it is queued",
+    )
+    poll_interval: float = key(
+        2.0, number(0.1, unit="(seconds)"), "seconds between polls in polling mode"
+    )
+    rescan_seconds: float = key(
+        300.0,
+        number(0, unit="(seconds)"),
+        "full rescan of the inbox every N seconds; 0 = only at start and after watcher errors",
+    )
     recursive: bool = key(True, boolean, "watch subfolders of the inbox too")
-    ignore: tuple[str, ...] = key([], text_list,
-                                  "extra glob patterns to ignore, added to the built-in ones")
-    extensions: tuple[str, ...] = key(list(AUDIO_EXTENSIONS), extension_list,
-                                      "file extensions that become jobs")
-    standby: bool = key(False, boolean, "another computer owns this (synced) inbox: wait and "
-                        "take over when its heartbeat goes stale instead of refusing to start")
+    ignore: tuple[str, ...] = key(
+        [], text_list, "extra glob patterns to ignore, added to the built-in ones"
+    )
+    extensions: tuple[str, ...] = key(
+        list(AUDIO_EXTENSIONS), extension_list, "file extensions that become jobs"
+    )
+    standby: bool = key(
+        False,
+        boolean,
+        "another computer owns this (synced) inbox: wait and "
+        "take over when its heartbeat goes stale instead of refusing to start",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class QueueSettings:
-    max_pending_files: int = key(20, number(1, integer=True),
-                                 "queued files beyond this wait in the inbox")
+    max_pending_files: int = key(
+        20, number(1, integer=True), "queued files beyond this wait in the inbox"
+    )
     max_pending_links: int = key(200, number(1, integer=True), "the same for links")
-    resume_attempts: int = key(1, number(0, integer=True),
-                               "how often a job cut off by a crash is resumed before it fails")
-    worker_retries: int = key(2, number(0, 20, integer=True),
-                              "attempts a song gets again after a machine fault (the worker "
-                              "process or actor died, its machine left, it stalled); each goes "
-                              "back to the head of the queue, on another worker where there is "
-                              "one; after that the song fails with every attempt's reason")
-    start_paused_after_restore: bool = key(True, boolean, "jobs restored after a restart "
-                                           "wait for Start (or a new file)")
-    on_duplicate: str = key("skip", choice("skip", "separate"),
-                            "a song whose content and settings match a done job whose outbox "
-                            "folder still holds them: skip (the input moves to processed/, the "
-                            "job names the existing folder) or separate it again")
-    work_beside: str = key("auto", choice("auto", "on", "off"),
-                           "publish the last song behind and decode the next one ahead while "
-                           "the worker separates; auto: where the worker leaves a core free or "
-                           "runs on a GPU, and on a CPU it fills for songs without a beat "
-                           "grid; on: always; off: never")
+    resume_attempts: int = key(
+        1, number(0, integer=True), "how often a job cut off by a crash is resumed before it fails"
+    )
+    worker_retries: int = key(
+        2,
+        number(0, 20, integer=True),
+        "attempts a song gets again after a machine fault (the worker "
+        "process or actor died, its machine left, it stalled); each goes "
+        "back to the head of the queue, on another worker where there is "
+        "one; after that the song fails with every attempt's reason",
+    )
+    start_paused_after_restore: bool = key(
+        True, boolean, "jobs restored after a restart wait for Start (or a new file)"
+    )
+    on_duplicate: str = key(
+        "skip",
+        choice("skip", "separate"),
+        "a song whose content and settings match a done job whose outbox "
+        "folder still holds them: skip (the input moves to processed/, the "
+        "job names the existing folder) or separate it again",
+    )
+    work_beside: str = key(
+        "auto",
+        choice("auto", "on", "off"),
+        "publish the last song behind and decode the next one ahead while "
+        "the worker separates; auto: where the worker leaves a core free or "
+        "runs on a GPU, and on a CPU it fills for songs without a beat "
+        "grid; on: always; off: never",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class SeparationSettings:
-    model: str = key("htdemucs", text, "Demucs model name (htdemucs, htdemucs_ft, "
-                     "htdemucs_6s, mdx_extra, …) or a name in model_repo")
-    model_repo: str = key("", text, 'a local folder of model files, fully offline; "" = the '
-                          'model hub')
-    model_hub: str = key("https://dl.fbaipublicfiles.com/demucs/", hub_url,
-                         "where models missing from the cache are downloaded from (the service "
-                         "on first use, `stemdeck-watch models pull`): demucs's own model "
-                         "mirror, or a mirror with the same file layout; set in the config "
-                         "file only, never by a preset, name tag or sidecar")
-    device: str = key("auto", choice("auto", "cpu", "cuda", "mps"),
-                      "where the model runs; auto: cuda, then mps, then cpu")
-    shifts: int = key(1, number(0, 20, integer=True),
-                      "random-shift passes averaged: better quality, proportionally slower")
+    model: str = key(
+        "htdemucs",
+        text,
+        "Demucs model name (htdemucs, htdemucs_ft, "
+        "htdemucs_6s, mdx_extra, …) or a name in model_repo",
+    )
+    model_repo: str = key(
+        "", text, 'a local folder of model files, fully offline; "" = the model hub'
+    )
+    model_hub: str = key(
+        "https://dl.fbaipublicfiles.com/demucs/",
+        hub_url,
+        "where models missing from the cache are downloaded from (the service "
+        "on first use, `stemdeck-watch models pull`): demucs's own model "
+        "mirror, or a mirror with the same file layout; set in the config "
+        "file only, never by a preset, name tag or sidecar",
+    )
+    device: str = key(
+        "auto",
+        choice("auto", "cpu", "cuda", "mps"),
+        "where the model runs; auto: cuda, then mps, then cpu",
+    )
+    shifts: int = key(
+        1,
+        number(0, 20, integer=True),
+        "random-shift passes averaged: better quality, proportionally slower",
+    )
     overlap: float = key(0.25, number(0, below=1), "overlap between segments")
-    segment: float = key(0.0, number(0, unit="(seconds)"),
-                         "segment length in seconds; 0 = the model's own")
-    two_stems: str = key("", stem_name, 'a stem name for STEM + no_STEM output, e.g. "vocals" '
-                         '→ vocals + no_vocals (the sum of the others); "" = every stem')
-    precision: str = key("auto", choice("auto", "float32", "bfloat16", "float16"),
-                         "auto: measured once per model load: bfloat16 (on CUDA also float16) "
-                         "autocast is kept only if ≥ 1.2× faster than float32 and every stem "
-                         "matches float32 to ≥ 35 dB SNR, else float32; float32, bfloat16 or "
-                         "float16 (CUDA only) force one")
-    threads: int = key(0, number(0, 1024, integer=True),
-                       "threads the worker separates with; 0 = one per physical core; set "
-                       "fewer to keep the computer responsive while you work on it")
-    fallback_device: str = key("cpu", choice("cpu", ""),
-                               'where a song goes when a GPU runs out of memory under it '
-                               'twice (after a try with half the window and segment): "cpu" '
-                               '(slower, but done) or "" (it fails)')
-    stall_seconds: float = key(0.0, number(0, unit="(seconds)"),
-                               "a worker that reports no progress for this long while it "
-                               "separates is stopped and the song tried again (a machine "
-                               "fault, queue.worker_retries); 0 = ten times the slowest "
-                               "segment measured on that worker, never under 60 s")
+    segment: float = key(
+        0.0, number(0, unit="(seconds)"), "segment length in seconds; 0 = the model's own"
+    )
+    two_stems: str = key(
+        "",
+        stem_name,
+        'a stem name for STEM + no_STEM output, e.g. "vocals" '
+        '→ vocals + no_vocals (the sum of the others); "" = every stem',
+    )
+    precision: str = key(
+        "auto",
+        choice("auto", "float32", "bfloat16", "float16"),
+        "auto: measured once per model load: bfloat16 (on CUDA also float16) "
+        "autocast is kept only if ≥ 1.2× faster than float32 and every stem "
+        "matches float32 to ≥ 35 dB SNR, else float32; float32, bfloat16 or "
+        "float16 (CUDA only) force one",
+    )
+    threads: int = key(
+        0,
+        number(0, 1024, integer=True),
+        "threads the worker separates with; 0 = one per physical core; set "
+        "fewer to keep the computer responsive while you work on it",
+    )
+    fallback_device: str = key(
+        "cpu",
+        choice("cpu", ""),
+        "where a song goes when a GPU runs out of memory under it "
+        'twice (after a try with half the window and segment): "cpu" '
+        '(slower, but done) or "" (it fails)',
+    )
+    stall_seconds: float = key(
+        0.0,
+        number(0, unit="(seconds)"),
+        "a worker that reports no progress for this long while it "
+        "separates is stopped and the song tried again (a machine "
+        "fault, queue.worker_retries); 0 = ten times the slowest "
+        "segment measured on that worker, never under 60 s",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,118 +250,199 @@ class OutputSettings:
     format: str = key("wav", choice("wav", "flac", "mp3"), "file format of the stems")
     bit_depth: int = key(16, choice(16, 24, 32), "16 or 24-bit integer; 32 = float (wav only)")
     mp3_bitrate: int = key(320, choice(96, 128, 160, 192, 224, 256, 320), "kbit/s for mp3")
-    clip: str = key("rescale", choice("rescale", "clamp"),
-                    "avoid clipping by turning the whole song down by one gain, every stem "
-                    "and mix alike (rescale), or by clamping samples")
-    layout: str = key("{stem}.{ext}", layout_template,
-                      "file name of each stem inside the song folder; fields {stem}, {name} "
-                      "(song), {ext}, {model}, {title}, {artist}, {album} (tags; the file name "
-                      "when missing), {preset}; may contain subfolders; .., absolute paths and "
-                      "anything that could leave the song folder are refused at load")
-    mixes: dict = key({}, mix_table, "extra mixes written beside the stems, e.g. instrumental = "
-                      '["drums", "bass", "other"], or a play-along mix without your instrument')
-    samplerate: str | int = key("model", sample_rate,
-                                '"model" (44100 for demucs), "input" (the input\'s rate and '
-                                'exact frame count) or a rate in Hz (mp3: the MPEG rates '
-                                '8000–48000 only)')
-    beat_grid: bool = key(True, boolean, "beats.json: tempo and beat times from the drums stem "
-                          "(or the mix), librosa")
+    clip: str = key(
+        "rescale",
+        choice("rescale", "clamp"),
+        "avoid clipping by turning the whole song down by one gain, every stem "
+        "and mix alike (rescale), or by clamping samples",
+    )
+    layout: str = key(
+        "{stem}.{ext}",
+        layout_template,
+        "file name of each stem inside the song folder; fields {stem}, {name} "
+        "(song), {ext}, {model}, {title}, {artist}, {album} (tags; the file name "
+        "when missing), {preset}; may contain subfolders; .., absolute paths and "
+        "anything that could leave the song folder are refused at load",
+    )
+    mixes: dict = key(
+        {},
+        mix_table,
+        "extra mixes written beside the stems, e.g. instrumental = "
+        '["drums", "bass", "other"], or a play-along mix without your instrument',
+    )
+    samplerate: str | int = key(
+        "model",
+        sample_rate,
+        '"model" (44100 for demucs), "input" (the input\'s rate and '
+        "exact frame count) or a rate in Hz (mp3: the MPEG rates "
+        "8000–48000 only)",
+    )
+    beat_grid: bool = key(
+        True, boolean, "beats.json: tempo and beat times from the drums stem (or the mix), librosa"
+    )
     preview: bool = key(True, boolean, "preview.png: the stems' waveforms with title and length")
-    tags: bool = key(True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album, '
-                     'track number (mutagen)')
-    session: tuple[str, ...] = key([], choice_list("dawproject", "reaper", what="projects"),
-                                   "DAW projects beside the stems (with the mix as a muted "
-                                   "track): dawproject, reaper")
-    stem_file: bool = key(False, boolean, "a .stem.mp4 named after the song: NI Stems (master "
-                          "+ drums, bass, other, vocals as AAC) for Traktor, Mixxx, djay")
-    practice: bool = key(False, boolean, "practice/: mp3s for a phone: a click track with a "
-                         "count-in, the song minus each stem with the click, slowed versions")
-    practice_speeds: tuple[float, ...] = key([75], number_list(25, 99, unit="(percent)"),
-                                             "slowed versions in practice/, in percent of "
-                                             "the song's speed (pitch kept); [] = none")
+    tags: bool = key(
+        True, boolean, 'flac/mp3 stems tagged "Title (stem)", artist, album, track number (mutagen)'
+    )
+    session: tuple[str, ...] = key(
+        [],
+        choice_list("dawproject", "reaper", what="projects"),
+        "DAW projects beside the stems (with the mix as a muted track): dawproject, reaper",
+    )
+    stem_file: bool = key(
+        False,
+        boolean,
+        "a .stem.mp4 named after the song: NI Stems (master "
+        "+ drums, bass, other, vocals as AAC) for Traktor, Mixxx, djay",
+    )
+    practice: bool = key(
+        False,
+        boolean,
+        "practice/: mp3s for a phone: a click track with a "
+        "count-in, the song minus each stem with the click, slowed versions",
+    )
+    practice_speeds: tuple[float, ...] = key(
+        [75],
+        number_list(25, 99, unit="(percent)"),
+        "slowed versions in practice/, in percent of the song's speed (pitch kept); [] = none",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class LinkSettings:
     enabled: bool = key(True, boolean, ".url / .webloc / .desktop link files become downloads")
-    max_duration: int = key(1800, number(0, integer=True, unit="(seconds)"),
-                            "longest download accepted; 0 = no limit")
+    max_duration: int = key(
+        1800, number(0, integer=True, unit="(seconds)"), "longest download accepted; 0 = no limit"
+    )
     max_filesize: int = key("500MB", byte_size, "largest download accepted")
-    playlists: bool = key(False, boolean, "a playlist link becomes one job per entry, in "
-                          "playlist order; false = its first item only")
-    max_entries: int = key(50, number(1, 1000, integer=True),
-                           "a playlist longer than this queues its first N entries only; the "
-                           "rest are named in its summary")
-    max_page_bytes: int = key("10MB", byte_size, "largest web page (or playlist) read while "
-                              "looking for a link's audio")
-    page_timeout: float = key(60.0, number(1, unit="(seconds)"),
-                              "how long a link's pages may keep it waiting for the site, "
-                              "before its download")
-    timeout: float = key(1800.0, number(0, unit="(seconds)"),
-                         "how long a link's whole fetch, pages and download, may keep it "
-                         "waiting for the site; 0 = no limit")
-    allow_private: bool = key(False, boolean, "fetch links that lead to this machine or the "
-                              "local network (loopback, private, link-local addresses)")
+    playlists: bool = key(
+        False,
+        boolean,
+        "a playlist link becomes one job per entry, in playlist order; false = its first item only",
+    )
+    max_entries: int = key(
+        50,
+        number(1, 1000, integer=True),
+        "a playlist longer than this queues its first N entries only; the "
+        "rest are named in its summary",
+    )
+    max_page_bytes: int = key(
+        "10MB", byte_size, "largest web page (or playlist) read while looking for a link's audio"
+    )
+    page_timeout: float = key(
+        60.0,
+        number(1, unit="(seconds)"),
+        "how long a link's pages may keep it waiting for the site, before its download",
+    )
+    timeout: float = key(
+        1800.0,
+        number(0, unit="(seconds)"),
+        "how long a link's whole fetch, pages and download, may keep it "
+        "waiting for the site; 0 = no limit",
+    )
+    allow_private: bool = key(
+        False,
+        boolean,
+        "fetch links that lead to this machine or the "
+        "local network (loopback, private, link-local addresses)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class NotifySettings:
-    urls: tuple[str, ...] = key(["desktop"], url_list,
-                                'where notifications go: any apprise URL (ntfy://…, mailto://…, '
-                                'json://host/…, …); "desktop" = the platform\'s desktop '
-                                "notifications; a URL apprise cannot use stops run with exit 2")
-    events: tuple[str, ...] = key(list(NOTIFY_EVENTS), choice_list(*NOTIFY_EVENTS, what="events"),
-                                  "which events notify")
+    urls: tuple[str, ...] = key(
+        ["desktop"],
+        url_list,
+        "where notifications go: any apprise URL (ntfy://…, mailto://…, "
+        'json://host/…, …); "desktop" = the platform\'s desktop '
+        "notifications; a URL apprise cannot use stops run with exit 2",
+    )
+    events: tuple[str, ...] = key(
+        list(NOTIFY_EVENTS), choice_list(*NOTIFY_EVENTS, what="events"), "which events notify"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ApiSettings:
     enabled: bool = key(True, boolean, "the local HTTP API and queue page, on loopback")
-    host: str = key("127.0.0.1", choice("127.0.0.1", "localhost", "::1"),
-                    "loopback only: any other address is a configuration error")
-    port: int = key(0, number(0, 65535, integer=True),
-                    "0 = pick a free port (the discovery file <state>/api.json names it)")
-    max_upload_mb: int = key(2048, number(1, 1 << 20, integer=True),
-                             "largest song the queue page may upload into the inbox, in MB "
-                             "(a larger one is refused with the reason; copy it into the "
-                             "inbox instead)")
+    host: str = key(
+        "127.0.0.1",
+        choice("127.0.0.1", "localhost", "::1"),
+        "loopback only: any other address is a configuration error",
+    )
+    port: int = key(
+        0,
+        number(0, 65535, integer=True),
+        "0 = pick a free port (the discovery file <state>/api.json names it)",
+    )
+    max_upload_mb: int = key(
+        2048,
+        number(1, 1 << 20, integer=True),
+        "largest song the queue page may upload into the inbox, in MB "
+        "(a larger one is refused with the reason; copy it into the "
+        "inbox instead)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class TraySettings:
-    enabled: bool | str = key("auto", choice(True, False, "auto"),
-                              "tray icon: auto (where a display and a tray backend with a menu "
-                              "exist, else headless; the log and doctor say why), true (no tray "
-                              "= exit 2, saying what to install), false")
+    enabled: bool | str = key(
+        "auto",
+        choice(True, False, "auto"),
+        "tray icon: auto (where a display and a tray backend with a menu "
+        "exist, else headless; the log and doctor say why), true (no tray "
+        "= exit 2, saying what to install), false",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorSettings:
-    kind: str = key("local", choice("local", "ray"), 'where separation runs: "local" (the one '
-                    "resident worker process on this machine; Ray is never imported) or "
-                    '"ray" (resident workers on a Ray cluster)')
-    address: str = key("auto", ray_address, 'the Ray cluster: "auto" (the cluster this machine '
-                       'joined with ray start), "local" (a private one started with the '
-                       'service), "ray://HOST:10001" (Ray Client) or "HOST:6379" (the head); an '
-                       "address where nothing listens is an error at start")
-    workers: int | str = key(1, count_or_auto(1, 256),
-                             'resident workers (Ray actors), one job in flight on each; above 1 '
-                             'needs kind = "ray"; "auto" (Ray) keeps one per GPU, or per '
-                             'cpus_per_worker cores on machines without one, of the machines '
-                             'the cluster has now: a machine that joins gets workers within '
-                             'seconds, one that leaves takes its workers (their songs go back '
-                             'to the queue), no restart')
-    gpus_per_worker: float = key(0.0, number(0, 64),
-                                 "GPUs each worker reserves: 1 on GPU machines, 0 for CPU")
-    cpus_per_worker: float = key(1.0, number(0.5, 1024),
-                                 "CPU cores each worker reserves; with separation.threads = 0 "
-                                 "it separates with that many threads")
+    kind: str = key(
+        "local",
+        choice("local", "ray"),
+        'where separation runs: "local" (the one '
+        "resident worker process on this machine; Ray is never imported) or "
+        '"ray" (resident workers on a Ray cluster)',
+    )
+    address: str = key(
+        "auto",
+        ray_address,
+        'the Ray cluster: "auto" (the cluster this machine '
+        'joined with ray start), "local" (a private one started with the '
+        'service), "ray://HOST:10001" (Ray Client) or "HOST:6379" (the head); an '
+        "address where nothing listens is an error at start",
+    )
+    workers: int | str = key(
+        1,
+        count_or_auto(1, 256),
+        "resident workers (Ray actors), one job in flight on each; above 1 "
+        'needs kind = "ray"; "auto" (Ray) keeps one per GPU, or per '
+        "cpus_per_worker cores on machines without one, of the machines "
+        "the cluster has now: a machine that joins gets workers within "
+        "seconds, one that leaves takes its workers (their songs go back "
+        "to the queue), no restart",
+    )
+    gpus_per_worker: float = key(
+        0.0, number(0, 64), "GPUs each worker reserves: 1 on GPU machines, 0 for CPU"
+    )
+    cpus_per_worker: float = key(
+        1.0,
+        number(0.5, 1024),
+        "CPU cores each worker reserves; with separation.threads = 0 "
+        "it separates with that many threads",
+    )
 
 
 SECTIONS: dict[str, type] = {
-    "folders": FolderSettings, "watch": WatchSettings, "queue": QueueSettings,
-    "separation": SeparationSettings, "output": OutputSettings, "links": LinkSettings,
-    "notify": NotifySettings, "api": ApiSettings, "tray": TraySettings,
+    "folders": FolderSettings,
+    "watch": WatchSettings,
+    "queue": QueueSettings,
+    "separation": SeparationSettings,
+    "output": OutputSettings,
+    "links": LinkSettings,
+    "notify": NotifySettings,
+    "api": ApiSettings,
+    "tray": TraySettings,
     "executor": ExecutorSettings,
 }
 PRESET_SECTIONS = ("separation", "output")
@@ -313,9 +496,18 @@ class Settings:
         """Resolved once: the pipeline and scheduler ask for it on every job."""
         base = self.source.parent if self.source else Path.cwd()
         state = self.folders.state or str(default_state_dir())
-        return Folders(*(resolve_path(v, base) for v in (
-            self.folders.inbox, self.folders.outbox, self.folders.processed,
-            self.folders.failed, state)))
+        return Folders(
+            *(
+                resolve_path(v, base)
+                for v in (
+                    self.folders.inbox,
+                    self.folders.outbox,
+                    self.folders.processed,
+                    self.folders.failed,
+                    state,
+                )
+            )
+        )
 
     @property
     def model_repo(self) -> Path | None:
@@ -324,15 +516,20 @@ class Settings:
     def resolve_model_repo(self, separation: SeparationSettings) -> Path | None:
         if not separation.model_repo:
             return None
-        return resolve_path(separation.model_repo, self.source.parent if self.source else Path.cwd())
+        return resolve_path(
+            separation.model_repo, self.source.parent if self.source else Path.cwd()
+        )
 
     def for_preset(self, preset: str | None) -> tuple[SeparationSettings, OutputSettings]:
         """The separation and output settings of a job, with its preset's overrides applied."""
         overrides = self.presets.get(preset or "", {})
-        sep = dataclasses.replace(self.separation, **{
-            k: v for k, v in overrides.items() if k in _field_names(SeparationSettings)})
-        out = dataclasses.replace(self.output, **{
-            k: v for k, v in overrides.items() if k in _field_names(OutputSettings)})
+        sep = dataclasses.replace(
+            self.separation,
+            **{k: v for k, v in overrides.items() if k in _field_names(SeparationSettings)},
+        )
+        out = dataclasses.replace(
+            self.output, **{k: v for k, v in overrides.items() if k in _field_names(OutputSettings)}
+        )
         return sep, out
 
 
@@ -358,16 +555,21 @@ def _build_section(cls: type, table: Any, where: str) -> Any:
     for name in table:
         if name not in fields:
             raise _unknown_key(where, name, list(fields))
-    return cls(**{name: _check(f, table.get(name, f.metadata["toml"]), where)
-                  for name, f in fields.items()})
+    return cls(
+        **{
+            name: _check(f, table.get(name, f.metadata["toml"]), where)
+            for name, f in fields.items()
+        }
+    )
 
 
 def _check(field: dataclasses.Field, value: Any, where: str) -> Any:
     try:
         return field.metadata["check"](value)
     except ValueError as exc:
-        raise ConfigError(f"{where}{field.name} = {_show_value(value)} is not allowed: "
-                          f"expected {exc}") from None
+        raise ConfigError(
+            f"{where}{field.name} = {_show_value(value)} is not allowed: expected {exc}"
+        ) from None
 
 
 def _show_value(value: Any) -> str:
@@ -384,27 +586,36 @@ def _build_presets(table: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(overrides, dict):
             raise ConfigError(f"presets.{name} must be a table, e.g. [presets.{name}]")
         if not name or name.startswith(".") or any(c in name for c in '/\\:*?"<>|'):
-            raise ConfigError(f"presets.{name}: the preset name is also a folder name in the inbox; "
-                              "use letters, digits, spaces, '-' or '_'")
+            raise ConfigError(
+                f"presets.{name}: the preset name is also a folder name in the inbox; "
+                "use letters, digits, spaces, '-' or '_'"
+            )
         presets[name] = check_overrides(overrides, where)
     return presets
 
 
-def check_overrides(overrides: Mapping[str, Any], where: str,
-                    dropped: bool = False) -> dict[str, Any]:
+def check_overrides(
+    overrides: Mapping[str, Any], where: str, dropped: bool = False
+) -> dict[str, Any]:
     """Keys a preset may set (any [separation] or [output] key), each checked as in the
     config file; `where` prefixes the key in an error ("presets.six.", "Song.mp3.stemdeck.toml: ").
     `dropped`: the keys come from a file in the inbox, which may not say where models load
     from."""
     barred = OWNER_ONLY if dropped else SERVICE_ONLY
-    allowed = {f.name: f for s in PRESET_SECTIONS for f in dataclasses.fields(SECTIONS[s])
-               if f.name not in barred}
+    allowed = {
+        f.name: f
+        for s in PRESET_SECTIONS
+        for f in dataclasses.fields(SECTIONS[s])
+        if f.name not in barred
+    }
     checked = {}
     for k, v in overrides.items():
         if dropped and k in OWNER_ONLY:
-            raise ConfigError(f"{where}{k} cannot be chosen by a file in the inbox: the model "
-                              f"files it names are loaded as code; set it in the config file "
-                              f"or a preset")
+            raise ConfigError(
+                f"{where}{k} cannot be chosen by a file in the inbox: the model "
+                f"files it names are loaded as code; set it in the config file "
+                f"or a preset"
+            )
         if k not in allowed:
             raise _unknown_key(where, k, list(allowed))
         checked[k] = _check(allowed[k], v, where)
@@ -424,8 +635,9 @@ def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> S
     for name in data:
         if name not in SECTIONS and name != "presets":
             raise _unknown_key("", name, [*SECTIONS, "presets"])
-    sections = {name: _build_section(cls, data.get(name, {}), f"{name}.")
-                for name, cls in SECTIONS.items()}
+    sections = {
+        name: _build_section(cls, data.get(name, {}), f"{name}.") for name, cls in SECTIONS.items()
+    }
     settings = Settings(**sections, presets=_build_presets(data.get("presets", {})), source=source)
     _check_folders(settings)
     for preset in (None, *settings.presets):
@@ -440,23 +652,33 @@ def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> S
 
 def _check_output(out: OutputSettings, where: str) -> None:
     if out.format == "flac" and out.bit_depth == 32:
-        raise ConfigError(f'{where}bit_depth = 32 is not allowed with format = "flac": flac holds '
-                          f'16 or 24-bit samples; use 24, or format = "wav" for float')
+        raise ConfigError(
+            f'{where}bit_depth = 32 is not allowed with format = "flac": flac holds '
+            f'16 or 24-bit samples; use 24, or format = "wav" for float'
+        )
     if out.format == "mp3" and isinstance(out.samplerate, int) and out.samplerate not in MP3_RATES:
-        raise ConfigError(f'{where}samplerate = {out.samplerate} is not allowed with format = '
-                          f'"mp3": mp3 holds {", ".join(map(str, MP3_RATES))} Hz; choose one '
-                          f'of those, or "wav"/"flac" for any rate')
+        raise ConfigError(
+            f"{where}samplerate = {out.samplerate} is not allowed with format = "
+            f'"mp3": mp3 holds {", ".join(map(str, MP3_RATES))} Hz; choose one '
+            f'of those, or "wav"/"flac" for any rate'
+        )
 
 
 def _check_folders(settings: Settings) -> None:
     """The inbox must not contain the other folders (their files would become jobs) nor they it."""
     paths = settings.paths
-    others = {"outbox": paths.outbox, "processed": paths.processed, "failed": paths.failed,
-              "state": paths.state}
+    others = {
+        "outbox": paths.outbox,
+        "processed": paths.processed,
+        "failed": paths.failed,
+        "state": paths.state,
+    }
     for name, path in others.items():
         if path == paths.inbox or paths.inbox in path.parents or path in paths.inbox.parents:
-            raise ConfigError(f"folders.{name} = {str(path)!r} overlaps folders.inbox = "
-                              f"{str(paths.inbox)!r}: choose folders outside each other")
+            raise ConfigError(
+                f"folders.{name} = {str(path)!r} overlaps folders.inbox = "
+                f"{str(paths.inbox)!r}: choose folders outside each other"
+            )
 
 
 def load_settings(path: Path | None = None) -> Settings:
@@ -474,8 +696,10 @@ def load_settings(path: Path | None = None) -> Settings:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
     except FileNotFoundError:
-        raise ConfigError(f"could not read config {path}: no such file "
-                          "(create one with `stemdeck-watch config init`)") from None
+        raise ConfigError(
+            f"could not read config {path}: no such file "
+            "(create one with `stemdeck-watch config init`)"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"could not read config {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -500,8 +724,11 @@ def _toml_value(value: Any) -> Any:
 
 def key_table() -> list[tuple[str, Any, str]]:
     """(key, default, meaning) for every key: the reference's key table is built from it."""
-    return [(f"{name}.{f.name}", f.metadata["toml"], f.metadata["doc"])
-            for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return [
+        (f"{name}.{f.name}", f.metadata["toml"], f.metadata["doc"])
+        for name, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+    ]
 
 
 def write_default_config(path: Path, force: bool = False) -> Path:

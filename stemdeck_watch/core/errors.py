@@ -3,6 +3,7 @@
 The message of every error here is written for the person reading a tray notification or a
 `<song>.error.txt`: a verb, the paths involved, the cause, and where possible a fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,7 @@ class WorkerDied(SeparationError):
 
     kind = "died"
 
-    def __init__(self, message: str, *, details: str = "", worker: str = "",
-                 device: str = ""):
+    def __init__(self, message: str, *, details: str = "", worker: str = "", device: str = ""):
         super().__init__(message, details=details)
         self.worker = worker
         self.device = device  # whose memory ran out ("cuda", "mps", "cpu"), where known

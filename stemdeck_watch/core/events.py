@@ -3,6 +3,7 @@
 Listeners (logging, the tray, notifications, the API stream, and tests) subscribe to
 event types; a listener that raises is logged and never disturbs the publisher.
 """
+
 from __future__ import annotations
 
 import dataclasses

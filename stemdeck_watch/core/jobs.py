@@ -3,6 +3,7 @@
 A Job is a plain value: the registry stores it, the queue orders its id, the pipeline moves it
 through the states below, and `status --json` prints it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,8 +74,13 @@ class PlaylistRef:
         return cls(**json.loads(text)) if text else None
 
     def to_status(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "entry": self.entry or None,
-                "entries": self.entries, "listed": self.listed or None}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "entry": self.entry or None,
+            "entries": self.entries,
+            "listed": self.listed or None,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +148,9 @@ class FileSignature:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FileSignature):
             return NotImplemented
-        return ((self.size, self.mtime_ns) == (other.size, other.mtime_ns)
-                and (not self.inode or not other.inode or self.inode == other.inode))
+        return (self.size, self.mtime_ns) == (other.size, other.mtime_ns) and (
+            not self.inode or not other.inode or self.inode == other.inode
+        )
 
     def __hash__(self) -> int:
         return hash((self.size, self.mtime_ns))

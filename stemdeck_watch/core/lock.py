@@ -3,6 +3,7 @@
 Two services on the same registry would both take jobs and separate every song twice. The
 lock file also records the pid, which is how `status` tells whether the service is running.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,8 @@ class ServiceLock:
             pid = running_pid(state_dir)
             raise AlreadyRunning(
                 f"could not start: another stemdeck-watch service{f' (pid {pid})' if pid else ''} "
-                f"already uses the state folder {state_dir}; stop it first") from None
+                f"already uses the state folder {state_dir}; stop it first"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         os.fsync(fd)

@@ -4,6 +4,7 @@ Everything that differs per platform about the filesystem sits here behind small
 the state and config dirs, the filesystem type of a folder, and a move that works across
 filesystems (inbox on a NAS, processed/ on the local disk).
 """
+
 from __future__ import annotations
 
 import errno
@@ -30,10 +31,27 @@ COPY_SUFFIX = ".stemdeck-tmp"  # a copy across filesystems, before it is renamed
 
 # Filesystems on which inotify/FSEvents/ReadDirectoryChangesW miss changes made by other
 # machines; the watcher polls there.
-NETWORK_FILESYSTEMS = frozenset({
-    "cifs", "smb", "smb2", "smb3", "smbfs", "nfs", "nfs4", "fuse.sshfs", "sshfs", "9p",
-    "drvfs", "fuse.rclone", "fuse.gvfsd-fuse", "afpfs", "webdav", "davfs", "fuse.davfs2",
-})
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "cifs",
+        "smb",
+        "smb2",
+        "smb3",
+        "smbfs",
+        "nfs",
+        "nfs4",
+        "fuse.sshfs",
+        "sshfs",
+        "9p",
+        "drvfs",
+        "fuse.rclone",
+        "fuse.gvfsd-fuse",
+        "afpfs",
+        "webdav",
+        "davfs",
+        "fuse.davfs2",
+    }
+)
 
 
 def default_state_dir() -> Path:
@@ -62,8 +80,11 @@ def private_file(path: Path) -> Path:
     """Make sure the file `path` exists and is for the user only (0600): created so, or
     tightened if it is ours and others could read it (a file from an older version)."""
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        os.close(
+            os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600
+            )
+        )
         return path
     except FileExistsError:
         pass
@@ -80,8 +101,11 @@ def tighten(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if (st.st_uid == os.geteuid() and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
-            and st.st_mode & 0o077):
+    if (
+        st.st_uid == os.geteuid()
+        and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+        and st.st_mode & 0o077
+    ):
         os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
 
 
@@ -116,8 +140,14 @@ def _rename_no_replace(src: Path, dst: Path) -> None:
         except FileExistsError:
             raise
         except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
-                                 errno.EMLINK, errno.ENOSYS):
+            if exc.errno not in (
+                errno.EPERM,
+                errno.ENOTSUP,
+                errno.EOPNOTSUPP,
+                errno.EXDEV,
+                errno.EMLINK,
+                errno.ENOSYS,
+            ):
                 raise
         else:
             try:
@@ -136,10 +166,25 @@ def _rename_no_replace(src: Path, dst: Path) -> None:
 
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
 # what a share that does not answer says (a full disk or a refused permission is no outage)
-UNREACHABLE_ERRNOS = frozenset(getattr(errno, name) for name in (
-    "EIO", "ENOTCONN", "ESTALE", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH",
-    "ENETRESET", "ETIMEDOUT", "ECONNABORTED", "ECONNRESET", "ECONNREFUSED", "EREMOTEIO")
-    if hasattr(errno, name))
+UNREACHABLE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "ENOTCONN",
+        "ESTALE",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENETRESET",
+        "ETIMEDOUT",
+        "ECONNABORTED",
+        "ECONNRESET",
+        "ECONNREFUSED",
+        "EREMOTEIO",
+    )
+    if hasattr(errno, name)
+)
 
 
 def exists_or_unreachable(path: Path | str) -> os.stat_result | None:
@@ -216,7 +261,8 @@ def _free_target(dst: Path, companion: Callable[[Path], Path] | None) -> Path:
     while True:
         candidate = numbered(dst, n)
         if not os.path.lexists(candidate) and (
-                companion is None or not os.path.lexists(companion(candidate))):
+            companion is None or not os.path.lexists(companion(candidate))
+        ):
             return candidate
         n += 1
 

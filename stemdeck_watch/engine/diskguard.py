@@ -15,6 +15,7 @@ its own length where that is known (a playlist's entry, the download once it is 
 before its download only the download's room is checked, and once the download is there the
 job is checked again (`admit_download`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -46,16 +47,21 @@ NO_ROOM = "waiting for room on disk"  # a Cancelled's reason: the job goes back 
 
 
 class DiskGuard:
-    def __init__(self, scheduler: Scheduler, settings: Settings,
-                 free: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        settings: Settings,
+        free: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free,
+    ):
         self.scheduler = scheduler
         self.settings = settings
         self._free = free
         # job id → (size, mtime_ns, seconds): probing a file's duration costs ~20 ms, which,
         # between two jobs, is worker idle time; the prefetcher probes the next job ahead.
         # A link's entry is its download's length, learned once it is downloaded.
-        self._durations: collections.OrderedDict[str, tuple[int, int, float]] = \
+        self._durations: collections.OrderedDict[str, tuple[int, int, float]] = (
             collections.OrderedDict()
+        )
         self._lock = threading.Lock()
         self._waiting: str | None = None  # the job last told to wait to be prepared ahead
 
@@ -71,8 +77,14 @@ class DiskGuard:
         if short is None:
             return False
         folder, need, free = short
-        log.warning("not starting %s: it needs about %s on %s, %s is free; the queue is paused "
-                    "until there is room", job.name, _mb(need), folder, _mb(free))
+        log.warning(
+            "not starting %s: it needs about %s on %s, %s is free; the queue is paused "
+            "until there is room",
+            job.name,
+            _mb(need),
+            folder,
+            _mb(free),
+        )
         self.scheduler.pause(PAUSE_DISK)
         self.scheduler.bus.publish(DiskLow(str(folder), free, need))
         return True
@@ -103,8 +115,14 @@ class DiskGuard:
         if self._waiting != job.id:  # said once per job, not at every look
             self._waiting = job.id
             folder, need, free = short
-            log.info("not preparing %s ahead: beside the songs in flight it needs about %s on "
-                     "%s, %s is free", job.name, _mb(need), folder, _mb(free))
+            log.info(
+                "not preparing %s ahead: beside the songs in flight it needs about %s on "
+                "%s, %s is free",
+                job.name,
+                _mb(need),
+                folder,
+                _mb(free),
+            )
         return False
 
     def room_again(self) -> bool:
@@ -161,8 +179,9 @@ class DiskGuard:
         folders hold already (a song prepared ahead, one half published)."""
         folders = self.settings.paths
         scratch, staging = folders.scratch / job.id, folders.staging / job.id
-        if job.state is JobState.PUBLISHING and not (os.path.lexists(scratch)
-                                                     or os.path.lexists(staging)):
+        if job.state is JobState.PUBLISHING and not (
+            os.path.lexists(scratch) or os.path.lexists(staging)
+        ):
             return {}  # published: nothing left to write
         download = scratch / "download"
         fetched = _size(download)
@@ -170,8 +189,7 @@ class DiskGuard:
         scratch_need = max(0, self._download_bytes(job, seconds) - fetched)
         outbox_need = 0
         if whole and seconds is not None:
-            scratch_need += max(0, self._scratch_bytes(job, seconds)
-                                - (_size(scratch) - fetched))
+            scratch_need += max(0, self._scratch_bytes(job, seconds) - (_size(scratch) - fetched))
             outbox_need = max(0, self._outbox_bytes(job, seconds) - _size(staging))
         if _same_filesystem(folders.scratch, folders.outbox):
             return {folders.outbox: scratch_need + outbox_need}
@@ -183,8 +201,7 @@ class DiskGuard:
         if job.kind is not JobKind.LINK:
             return 0
         links = self.settings.links
-        size = int((seconds or links.max_duration or UNKNOWN_SECONDS)
-                   * DOWNLOAD_BYTES_PER_SECOND)
+        size = int((seconds or links.max_duration or UNKNOWN_SECONDS) * DOWNLOAD_BYTES_PER_SECOND)
         return min(size, links.max_filesize) if links.max_filesize else size
 
     def _scratch_bytes(self, job: Job, seconds: float) -> int:
@@ -201,8 +218,11 @@ class DiskGuard:
         if out.format == "mp3":
             per_second = out.mp3_bitrate * 125
         else:
-            per_second = BYTES_PER_SECOND.get(out.format, {}).get(out.bit_depth, 0) \
-                if out.format == "wav" else BYTES_PER_SECOND["flac"]
+            per_second = (
+                BYTES_PER_SECOND.get(out.format, {}).get(out.bit_depth, 0)
+                if out.format == "wav"
+                else BYTES_PER_SECOND["flac"]
+            )
         return int(seconds * per_second * outputs) + extra_bytes(stems, out, seconds)
 
     def _seconds(self, job: Job) -> float | None:

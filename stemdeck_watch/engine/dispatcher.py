@@ -5,6 +5,7 @@ quarantined), cancelled, or back at the head of the queue (the service is stoppi
 is full, or the machine failed the song: engine/faults.py). The loop catches and logs
 everything and goes on: one bad song must never stop the queue.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,19 @@ log = logging.getLogger(__name__)
 
 DISK_RECHECK_SECONDS = 3.0
 
+
 class Dispatcher:
-    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, client: Separator,
-                 settings: Settings, prefetcher: Prefetcher | None = None,
-                 guard: DiskGuard | None = None, slot: int = 0,
-                 record: Callable[[int, str | None], None] | None = None):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pipeline: Pipeline,
+        client: Separator,
+        settings: Settings,
+        prefetcher: Prefetcher | None = None,
+        guard: DiskGuard | None = None,
+        slot: int = 0,
+        record: Callable[[int, str | None], None] | None = None,
+    ):
         self.scheduler = scheduler
         self.guard = guard
         self.pipeline = pipeline
@@ -65,8 +74,10 @@ class Dispatcher:
     def start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(
-            target=self._loop, name="dispatcher" if self.slot == 0 else f"dispatcher-{self.slot}",
-            daemon=True)
+            target=self._loop,
+            name="dispatcher" if self.slot == 0 else f"dispatcher-{self.slot}",
+            daemon=True,
+        )
         self._thread.start()
 
     def alive(self) -> bool:
@@ -108,8 +119,7 @@ class Dispatcher:
     def idle(self) -> bool:
         """No job is separating or publishing here (tests, benchmarks)."""
         behind = self._behind
-        return self.scheduler.queue.running() is None and (behind is None
-                                                            or not behind.is_alive())
+        return self.scheduler.queue.running() is None and (behind is None or not behind.is_alive())
 
     def _record_worker(self, job: str | None = None) -> None:
         """This worker's state and the song it holds (`job`, None: free) for `status`."""
@@ -151,8 +161,9 @@ class Dispatcher:
         sep = self.settings.separation
         repo = self.settings.resolve_model_repo(sep)
         try:
-            self.client.ensure_model(sep.model, str(repo) if repo else None,
-                                     precision=sep.precision)
+            self.client.ensure_model(
+                sep.model, str(repo) if repo else None, precision=sep.precision
+            )
             self._record_worker()
         except Cancelled:
             pass
@@ -202,13 +213,17 @@ class Dispatcher:
         # this one is written out (write → publish → file the input); the queue still holds
         # it, so a cancel reaches it
         queue.publish_behind(control, self.slot)
-        self._behind = threading.Thread(target=self._conclude,
-                                        args=(job, control, publishing.finish, True),
-                                        name=f"publish-{job.id}", daemon=True)
+        self._behind = threading.Thread(
+            target=self._conclude,
+            args=(job, control, publishing.finish, True),
+            name=f"publish-{job.id}",
+            daemon=True,
+        )
         self._behind.start()
 
-    def _conclude(self, job: Job, control: JobControl, work: Callable[[], object],
-                  final: bool) -> bool:
+    def _conclude(
+        self, job: Job, control: JobControl, work: Callable[[], object], final: bool
+    ) -> bool:
         """Run `work` for the running job; True if it succeeded and was not the `final`
         step. An error ends the job (cancelled or failed, as the error says); the job's place
         in the queue is freed after its final step or its error."""
@@ -222,8 +237,12 @@ class Dispatcher:
             self._failed(job, exc.stage, str(exc), exc.details)
         except Exception as exc:
             log.exception("job %s failed with an unexpected error", job.id)
-            self._failed(job, "internal", f"unexpected error: {type(exc).__name__}: {exc}",
-                         traceback.format_exc())
+            self._failed(
+                job,
+                "internal",
+                f"unexpected error: {type(exc).__name__}: {exc}",
+                traceback.format_exc(),
+            )
         else:
             if not final:
                 return True
@@ -232,22 +251,28 @@ class Dispatcher:
         return False
 
     def _cancelled(self, job: Job, reason: str, control: JobControl | None = None) -> None:
-        until_stored(lambda: self._record_cancel(job, reason, control),
-                     f"the end of {job.name}", self._stop)
+        until_stored(
+            lambda: self._record_cancel(job, reason, control), f"the end of {job.name}", self._stop
+        )
 
     def _record_cancel(self, job: Job, reason: str, control: JobControl | None) -> None:
         """End a cancelled job, or put it back at the head of the queue (stopping, or no room
         on disk yet: the queue is paused for disk and it runs first once there is room)."""
         if reason in (SHUTDOWN, NO_ROOM):
-            log.info("%s %s", job.name, "was cut off by shutdown; it goes back to the head of "
-                     "the queue" if reason == SHUTDOWN else "waits at the head of the queue "
-                     "for room on disk")
+            log.info(
+                "%s %s",
+                job.name,
+                "was cut off by shutdown; it goes back to the head of the queue"
+                if reason == SHUTDOWN
+                else "waits at the head of the queue for room on disk",
+            )
             self._back_to_head(job, control)
             return
         self._end_cancelled(job, reason)
 
-    def _back_to_head(self, job: Job, control: JobControl | None,
-                      avoid: int | None = None, **fields: object) -> None:
+    def _back_to_head(
+        self, job: Job, control: JobControl | None, avoid: int | None = None, **fields: object
+    ) -> None:
         """Put a taken job back at the head of the queue, recording `fields`.
 
         It goes back while the queue still has it taken, so a person's cancel finds it in
@@ -261,8 +286,14 @@ class Dispatcher:
 
     def _end_cancelled(self, job: Job, reason: str) -> None:
         log.info("cancelled %s: %s", job.name, reason)
-        self.scheduler.update(job.id, state=JobState.CANCELLED, error=reason, stage=None,
-                              progress=0.0, finished_at=time.time())
+        self.scheduler.update(
+            job.id,
+            state=JobState.CANCELLED,
+            error=reason,
+            stage=None,
+            progress=0.0,
+            finished_at=time.time(),
+        )
 
     def _machine_fault(self, job: Job, control: JobControl, exc: WorkerDied) -> None:
         """The worker failed under the song (died, stalled, out of memory): the song goes
@@ -277,11 +308,17 @@ class Dispatcher:
             log.error("%s failed on every attempt: %s", job.name, attempts.replace("\n", "; "))
             self._failed(job, exc.stage, message, exc.details, faults, attempts)
             return
-        log.warning("%s: %s on %s; it goes back to the head of the queue for attempt %d",
-                    job.name, exc, fault.worker, len(faults) + 1)
+        log.warning(
+            "%s: %s on %s; it goes back to the head of the queue for attempt %d",
+            job.name,
+            exc,
+            fault.worker,
+            len(faults) + 1,
+        )
 
         def retry() -> None:
             self._back_to_head(job, control, avoid=self.slot, faults=faults, error=None)
+
         until_stored(retry, f"{job.name} for another attempt", self._stop)
 
     def _worker_name(self) -> str:
@@ -292,25 +329,46 @@ class Dispatcher:
             return f"ray worker {info.get('index', self.slot)}" + (f" on {where}" if where else "")
         return f"the local worker (pid {self.client.pids[-1] if self.client.pids else '?'})"
 
-    def _failed(self, job: Job, stage: str, message: str, details: str,
-                faults: tuple[Fault, ...] | None = None, attempts: str = "") -> None:
+    def _failed(
+        self,
+        job: Job,
+        stage: str,
+        message: str,
+        details: str,
+        faults: tuple[Fault, ...] | None = None,
+        attempts: str = "",
+    ) -> None:
         published = find_published(self.settings.paths.outbox, job)
         if published is not None:
             # the song is out; only recording it failed (a registry write): record it again
-            log.error("%s was published to %s but recording it failed (%s); recording again",
-                      job.name, published, message)
+            log.error(
+                "%s was published to %s but recording it failed (%s); recording again",
+                job.name,
+                published,
+                message,
+            )
             # as recorded: the registry holds the signature of the version that was read
             recorded = self.scheduler.registry.get(job.id) or job
-            until_stored(lambda: self.pipeline.file_input(recorded, Path(job.source), published),
-                         f"{job.name} as done", self._stop)
+            until_stored(
+                lambda: self.pipeline.file_input(recorded, Path(job.source), published),
+                f"{job.name} as done",
+                self._stop,
+            )
             return
         if self.shares is not None and not self.shares.check("inbox"):
             # the share holding its input is away (the queue pauses): not the song's fault,
             # nor a song the user removed; it waits at the head of the queue for the share
-            log.warning("%s could not be read while %s: the inbox is away; it goes back to "
-                        "the head of the queue", job.source, stage)
-            until_stored(lambda: self.scheduler.requeue_front(job.id),
-                         f"{job.name} back at the head of the queue", self._stop)
+            log.warning(
+                "%s could not be read while %s: the inbox is away; it goes back to "
+                "the head of the queue",
+                job.source,
+                stage,
+            )
+            until_stored(
+                lambda: self.scheduler.requeue_front(job.id),
+                f"{job.name} back at the head of the queue",
+                self._stop,
+            )
             return
         if not os.path.lexists(job.source):
             # taken away while the step ran (its delete event may still be on the way): the
@@ -322,21 +380,44 @@ class Dispatcher:
         # the diagnosis is on record before the input moves: a crash in between still ends
         # with the input in failed/ and its report (recovery.find_quarantined)
         noted: dict[str, object] = {} if faults is None else {"faults": faults}
-        current = until_stored(lambda: self.scheduler.update(job.id, error=message, stage=stage,
-                                                             **noted),
-                               f"why {job.name} failed", self._stop)
+        current = until_stored(
+            lambda: self.scheduler.update(job.id, error=message, stage=stage, **noted),
+            f"why {job.name} failed",
+            self._stop,
+        )
         if current is None:
             return  # stopping: the input stays in the inbox and the restore retries it
         tail = self.client.stderr_tail() if stage in ("separating", "internal") else ""
         shares = self.shares
-        defer = None if shares is None else (
-            lambda source, target, why: shares.defer_move(job.id, "failed", source, target,
-                                                          job.signature, why))
-        where = quarantine(current, self.settings.paths.failed, stage=stage, message=message,
-                           details=details, worker_tail=tail,
-                           worker_versions=self.client.versions, defer=defer,
-                           attempts=attempts)
-        until_stored(lambda: self.scheduler.update(job.id, state=JobState.FAILED, error=message,
-                                                   stage=stage, source=str(where),
-                                                   finished_at=time.time()),
-                     f"{job.name} as failed", self._stop)
+        defer = (
+            None
+            if shares is None
+            else (
+                lambda source, target, why: shares.defer_move(
+                    job.id, "failed", source, target, job.signature, why
+                )
+            )
+        )
+        where = quarantine(
+            current,
+            self.settings.paths.failed,
+            stage=stage,
+            message=message,
+            details=details,
+            worker_tail=tail,
+            worker_versions=self.client.versions,
+            defer=defer,
+            attempts=attempts,
+        )
+        until_stored(
+            lambda: self.scheduler.update(
+                job.id,
+                state=JobState.FAILED,
+                error=message,
+                stage=stage,
+                source=str(where),
+                finished_at=time.time(),
+            ),
+            f"{job.name} as failed",
+            self._stop,
+        )

@@ -19,6 +19,7 @@ guess. A paused queue says how long its songs will take, not when they will be d
 The estimate is part of every snapshot (`GET /api/queue`, the page, the tray) and is written to
 the registry when it changes, for `status` (which reads the registry, not the service).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,13 +40,13 @@ from stemdeck_watch.core.jobs import Job, JobKind, JobState
 log = logging.getLogger(__name__)
 
 RATES_META = "eta_rates"  # registry meta: what was measured, per model and precision
-ETA_META = "eta"          # registry meta: the last estimate, for `status`
-WEIGHT = 0.1              # a new song's weight once EQUAL songs are measured
-EQUAL = 10                # songs that count equally at first
-SPREAD = 0.2              # lengths this varied (relative to their mean) allow fitting a fixed part
-MAX_TOOK = 200            # finished songs whose time is kept
+ETA_META = "eta"  # registry meta: the last estimate, for `status`
+WEIGHT = 0.1  # a new song's weight once EQUAL songs are measured
+EQUAL = 10  # songs that count equally at first
+SPREAD = 0.2  # lengths this varied (relative to their mean) allow fitting a fixed part
+MAX_TOOK = 200  # finished songs whose time is kept
 PROBES_PER_ESTIMATE = 16  # lengths read per estimate at most: a snapshot stays quick
-REFRESH_DEBOUNCE = 0.3    # seconds: a burst of changes makes one registry write
+REFRESH_DEBOUNCE = 0.3  # seconds: a burst of changes makes one registry write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +56,11 @@ class Rate:
     lane's time per song besides separation."""
 
     songs: int
-    w: float = 0.0    # sum of weights
-    x: float = 0.0    # of weight × length
-    xx: float = 0.0   # of weight × length²
-    y: float = 0.0    # of weight × separation seconds
-    xy: float = 0.0   # of weight × length × separation seconds
+    w: float = 0.0  # sum of weights
+    x: float = 0.0  # of weight × length
+    xx: float = 0.0  # of weight × length²
+    y: float = 0.0  # of weight × separation seconds
+    xy: float = 0.0  # of weight × length × separation seconds
     overhead: float = 0.0  # seconds per song besides separation (moving average)
 
     def fit(self) -> tuple[float, float]:
@@ -89,10 +90,15 @@ class Rate:
         weight, so the fit follows a machine that got busier without forgetting at once."""
         keep = 1.0 - WEIGHT if self.songs >= EQUAL else 1.0
         share = WEIGHT if self.songs >= EQUAL else 1.0 / (self.songs + 1)
-        return Rate(self.songs + 1, keep * self.w + 1.0, keep * self.x + length,
-                    keep * self.xx + length * length, keep * self.y + separate,
-                    keep * self.xy + length * separate,
-                    self.overhead + share * (overhead - self.overhead))
+        return Rate(
+            self.songs + 1,
+            keep * self.w + 1.0,
+            keep * self.x + length,
+            keep * self.xx + length * length,
+            keep * self.y + separate,
+            keep * self.xy + length * separate,
+            self.overhead + share * (overhead - self.overhead),
+        )
 
 
 def rate_key(model: str, precision: str | None) -> str:
@@ -102,9 +108,16 @@ def rate_key(model: str, precision: str | None) -> str:
 class Estimator:
     """Learns from finished songs (events) and estimates the queue (snapshots)."""
 
-    def __init__(self, registry: Any, settings: Settings, bus: EventBus, *, lanes: int = 1,
-                 clock: Callable[[], float] = time.time,
-                 probe: Callable[[Path], float | None] | None = None):
+    def __init__(
+        self,
+        registry: Any,
+        settings: Settings,
+        bus: EventBus,
+        *,
+        lanes: int = 1,
+        clock: Callable[[], float] = time.time,
+        probe: Callable[[Path], float | None] | None = None,
+    ):
         self.registry, self.settings, self.lanes = registry, settings, max(1, lanes)
         self._clock = clock
         self._probe = probe or _probe_duration
@@ -134,8 +147,11 @@ class Estimator:
                 raise ValueError("negative counts")
             self.took = {str(k): float(v) for k, v in stored.get("took", {}).items()}
         except (ValueError, TypeError, AttributeError) as exc:
-            log.warning("the measured separation rates in the registry are unreadable (%s); "
-                        "measuring again", exc)
+            log.warning(
+                "the measured separation rates in the registry are unreadable (%s); "
+                "measuring again",
+                exc,
+            )
             self.rates, self.took = {}, {}
 
     def _on_change(self, event: JobChanged) -> None:
@@ -184,14 +200,26 @@ class Estimator:
             while len(self.took) > MAX_TOOK:
                 del self.took[next(iter(self.took))]
             self._learnt = True
-        log.debug("%s: %.1f s of audio, separated in %.1f s, lane busy %.1f s -> %s", job.name,
-                  length, separate, busy, self.rates[key])
+        log.debug(
+            "%s: %.1f s of audio, separated in %.1f s, lane busy %.1f s -> %s",
+            job.name,
+            length,
+            separate,
+            busy,
+            self.rates[key],
+        )
 
     # ------------------------------------------------------------ estimating
 
-    def estimate(self, running: list[Job], queued: list[Job], shown: list[Job],
-                 worker: dict[str, Any] | None, paused: bool = False,
-                 probe: bool = True) -> dict[str, Any]:
+    def estimate(
+        self,
+        running: list[Job],
+        queued: list[Job],
+        shown: list[Job],
+        worker: dict[str, Any] | None,
+        paused: bool = False,
+        probe: bool = True,
+    ) -> dict[str, Any]:
         """The `eta` of a snapshot: its running jobs, its queued ones in order, and the time
         each of the `shown` finished ones took. A paused queue starts nothing: its songs say
         how long they will take, not when they will be done. `probe` False: no song's header
@@ -207,9 +235,13 @@ class Estimator:
         known, work = True, 0.0
         for index, job in enumerate(ordered + queued):
             length, guessed, rate = self._figures(job, worker, budget)
-            entry: dict[str, Any] = {"length": round(length, 3) if length is not None else None,
-                                     "guessed": guessed, "seconds": None, "start": None,
-                                     "finish": None}
+            entry: dict[str, Any] = {
+                "length": round(length, 3) if length is not None else None,
+                "guessed": guessed,
+                "seconds": None,
+                "start": None,
+                "finish": None,
+            }
             entries[job.id] = entry
             if rate is None or length is None:
                 known = False
@@ -239,8 +271,9 @@ class Estimator:
         done = max(finishes) if known and finishes and not (paused and queued) else None
         return {
             "songs": len(entries),
-            "seconds": (round(max(0.0, done - now), 1) if done
-                        else round(work, 1) if known else None),
+            "seconds": (
+                round(max(0.0, done - now), 1) if done else round(work, 1) if known else None
+            ),
             "finish": done,
             "paused": paused,
             "measured": known,
@@ -249,8 +282,9 @@ class Estimator:
             "took": took,
         }
 
-    def _figures(self, job: Job, worker: dict[str, Any] | None,
-                 budget: list[int]) -> tuple[float | None, bool, Rate | None]:
+    def _figures(
+        self, job: Job, worker: dict[str, Any] | None, budget: list[int]
+    ) -> tuple[float | None, bool, Rate | None]:
         """A job's length (and whether it is a guess) and the rate its model runs at."""
         sep = self._separation(job.preset)
         found = self._rate_for(sep.model, sep.precision, worker)
@@ -268,8 +302,9 @@ class Estimator:
             found = self._presets[preset] = self.settings.for_preset(preset)[0]
         return found
 
-    def _rate_for(self, model: str, precision: str | None, worker: dict[str, Any] | None
-                  ) -> tuple[str, Rate] | None:
+    def _rate_for(
+        self, model: str, precision: str | None, worker: dict[str, Any] | None
+    ) -> tuple[str, Rate] | None:
         """The measurement for `model`: at the precision the worker runs it in, else the one
         configured, else the one measured last."""
         with self._lock:
@@ -339,8 +374,10 @@ class Estimator:
         """Store what was learnt, and the snapshot's estimate if it changed."""
         with self._lock:
             learnt, self._learnt = self._learnt, False
-            rates = {"rates": {k: dataclasses.asdict(v) for k, v in self.rates.items()},
-                     "took": dict(self.took)}
+            rates = {
+                "rates": {k: dataclasses.asdict(v) for k, v in self.rates.items()},
+                "took": dict(self.took),
+            }
         if learnt:
             self.registry.set_meta(RATES_META, json.dumps(rates))
         eta = (snapshot or {}).get("eta")
@@ -354,9 +391,14 @@ class Estimator:
 def _rate_json(key: str, rate: Rate) -> dict[str, Any]:
     model, _, precision = key.partition("/")
     fixed, per_second = rate.fit()
-    return {"model": model, "precision": precision, "seconds_per_second": round(per_second, 4),
-            "per_song": round(fixed, 3), "overhead": round(rate.overhead, 3),
-            "songs": rate.songs}
+    return {
+        "model": model,
+        "precision": precision,
+        "seconds_per_second": round(per_second, 4),
+        "per_song": round(fixed, 3),
+        "overhead": round(rate.overhead, 3),
+        "songs": rate.songs,
+    }
 
 
 def _probe_duration(path: Path) -> float | None:
@@ -390,7 +432,7 @@ def stored(registry: Any, running: bool) -> dict[str, Any] | None:
 
 
 def eta_words(eta: dict[str, Any] | None, clock_format: str = "%H:%M") -> str:
-    """"3 songs, done around 14:20" (the tray and `status`); "" with nothing left."""
+    """ "3 songs, done around 14:20" (the tray and `status`); "" with nothing left."""
     if not eta or not eta.get("songs"):
         return ""
     songs = f"{eta['songs']} song{'s' if eta['songs'] != 1 else ''}"

@@ -14,6 +14,7 @@ song one step down the memory ladder (`plan_for`): half the window and segment; 
 a GPU's memory ran out, the CPU (`separation.fallback_device = "cpu"`), else a quarter of
 each; then the song fails.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,11 @@ class Plan:
         return self.shrink == 0 and self.device is None
 
     def describe(self) -> str:
-        parts = [] if not self.shrink else [
-            f"window and segment {'halved' if self.shrink == 1 else f'1/{2 ** self.shrink}'}"]
+        parts = (
+            []
+            if not self.shrink
+            else [f"window and segment {'halved' if self.shrink == 1 else f'1/{2**self.shrink}'}"]
+        )
         if self.device is not None:
             parts.append(f"on the {self.device.upper()} (separation.fallback_device)")
         return ", ".join(parts) or "as configured"
@@ -56,23 +60,31 @@ def plan_for(faults: tuple[Fault, ...], separation: SeparationSettings) -> Plan:
         return Plan()
     if len(memory) == 1:
         return Plan(shrink=1)
-    if (memory[-1].device in GPUS and separation.fallback_device == "cpu"
-            and separation.device != "cpu"):
+    if (
+        memory[-1].device in GPUS
+        and separation.fallback_device == "cpu"
+        and separation.device != "cpu"
+    ):
         return Plan(shrink=1, device="cpu")
     return Plan(shrink=len(memory))
 
 
 def fault_of(exc: WorkerDied, worker: str, at: float) -> Fault:
     """The record of one attempt cut off by `exc` on `worker`."""
-    return Fault(kind=exc.kind, reason=str(exc), worker=exc.worker or worker, at=at,
-                 plan=exc.plan, device=exc.device)
+    return Fault(
+        kind=exc.kind,
+        reason=str(exc),
+        worker=exc.worker or worker,
+        at=at,
+        plan=exc.plan,
+        device=exc.device,
+    )
 
 
 def may_retry(faults: tuple[Fault, ...], settings: Settings) -> bool:
     """Whether a song whose attempts ended in `faults` gets another attempt."""
     memory = sum(1 for fault in faults if fault.kind == "memory")
-    return (len(faults) - memory <= settings.queue.worker_retries
-            and memory <= MEMORY_STEPS)
+    return len(faults) - memory <= settings.queue.worker_retries and memory <= MEMORY_STEPS
 
 
 def failure(faults: tuple[Fault, ...]) -> tuple[str, str]:
@@ -80,9 +92,14 @@ def failure(faults: tuple[Fault, ...]) -> tuple[str, str]:
     message names each attempt's reason, the details each attempt's worker and time."""
     count = len(faults)
     reasons = "; ".join(f"{n}) {fault.reason}" for n, fault in enumerate(faults, 1))
-    message = (f"the worker failed on {'both' if count == 2 else 'all'} {count} attempts, "
-               f"never because of the song: {reasons}" if count > 1
-               else f"the worker failed: {faults[0].reason}" if faults else "the worker failed")
+    message = (
+        f"the worker failed on {'both' if count == 2 else 'all'} {count} attempts, "
+        f"never because of the song: {reasons}"
+        if count > 1
+        else f"the worker failed: {faults[0].reason}"
+        if faults
+        else "the worker failed"
+    )
     return message, attempts_text(faults)
 
 
@@ -90,10 +107,14 @@ def attempts_text(faults: tuple[Fault, ...]) -> str:
     """One line per attempt cut off, for `error.txt` and the log."""
     lines = []
     for n, fault in enumerate(faults, 1):
-        when = (_dt.datetime.fromtimestamp(fault.at).astimezone().isoformat(timespec="seconds")
-                if fault.at else "?")
+        when = (
+            _dt.datetime.fromtimestamp(fault.at).astimezone().isoformat(timespec="seconds")
+            if fault.at
+            else "?"
+        )
         plan = f" [{fault.plan}]" if fault.plan else ""
-        lines.append(f"attempt {n}, {when}, {fault.worker or 'a worker'}{plan} — "
-                     f"{fault.kind}: {fault.reason}")
+        lines.append(
+            f"attempt {n}, {when}, {fault.worker or 'a worker'}{plan} — "
+            f"{fault.kind}: {fault.reason}"
+        )
     return "\n".join(lines)
-

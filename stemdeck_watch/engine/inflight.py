@@ -8,6 +8,7 @@ failed or cancelled); a second job with the same song waits for it, then looks a
 duplicate of the folder just published, or, if the first ended without one, the song is its
 own to separate. Held in memory only: after a crash nothing is in flight.
 """
+
 from __future__ import annotations
 
 import threading

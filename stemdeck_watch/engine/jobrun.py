@@ -1,5 +1,6 @@
 """One job on its way through the pipeline: what each stage leaves for the next, its
 progress on record and its stage timings (for the manifest)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -22,6 +22,7 @@ A job is queued with its input's signature, but the file may be replaced before 
 reads it: the job takes the signature of the version it actually read, so the check after
 publishing ("changed while it was separated") compares against what was separated.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,13 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import MACHINE_KEYS, SERVICE_ONLY, Settings
-from stemdeck_watch.core.errors import (Cancelled, DecodeError, FilesystemError, StageError,
-                                        WorkerDied)
+from stemdeck_watch.core.errors import (
+    Cancelled,
+    DecodeError,
+    FilesystemError,
+    StageError,
+    WorkerDied,
+)
 from stemdeck_watch.core.events import EventBus, JobSeparated
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, settings_key_of
 from stemdeck_watch.core.paths import exists_or_unreachable, find_moved, is_unreachable, move_file
@@ -68,10 +74,15 @@ Claim = Callable[[Callable[[float], None]], Prepared | None]
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, client: Separator, bus: EventBus,
-                 update: Callable[..., Job],
-                 published: Callable[[str, str], list[str]] = lambda _sha, _key: [],
-                 songs: SongsInFlight | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        client: Separator,
+        bus: EventBus,
+        update: Callable[..., Job],
+        published: Callable[[str, str], list[str]] = lambda _sha, _key: [],
+        songs: SongsInFlight | None = None,
+    ):
         self.settings = settings
         self.client = client
         self.bus = bus
@@ -150,8 +161,10 @@ class Pipeline:
         prepared = claim(progress) if claim else None
         if prepared is not None and not prepared.made_from(run.source):
             if prepared.link is not None:
-                log.info("%s changed after its download was prepared; fetching what it says "
-                         "now", run.source.name)
+                log.info(
+                    "%s changed after its download was prepared; fetching what it says now",
+                    run.source.name,
+                )
             publish.remove_tree(run.scratch)  # none of it is this link's
             prepared = None
         if prepared is None:
@@ -194,29 +207,42 @@ class Pipeline:
             raise DecodeError(str(FilesystemError("read", source, reason=exc))) from exc
         # the song's settings: what a song can choose, not how this machine copes or where
         # models are downloaded from
-        song = {k: v for k, v in dataclasses.asdict(run.sep).items()
-                if k not in MACHINE_KEYS | SERVICE_ONLY}
-        run.settings = {"separation": song,
-                        "output": dataclasses.asdict(run.out)}
+        song = {
+            k: v
+            for k, v in dataclasses.asdict(run.sep).items()
+            if k not in MACHINE_KEYS | SERVICE_ONLY
+        }
+        run.settings = {"separation": song, "output": dataclasses.asdict(run.out)}
         run.key = settings_key_of(run.settings) or ""
         copy = self._duplicate_of(job, run.digest, run.key, control)
         if copy is not None:
-            log.info("%s was separated before with the same settings: the stems are in %s",
-                     Path(job.source).name, copy)
+            log.info(
+                "%s was separated before with the same settings: the stems are in %s",
+                Path(job.source).name,
+                copy,
+            )
             run.end(copy, f"already separated with the same settings: the stems are in {copy}")
             return
         started = time.monotonic()
-        run.model = model = self.client.ensure_model(run.sep.model, run.repo, control,
-                                                     precision=run.sep.precision,
-                                                     device=run.plan.device)
+        run.model = model = self.client.ensure_model(
+            run.sep.model, run.repo, control, precision=run.sep.precision, device=run.plan.device
+        )
         run.timer.measure("model", started)
         started = time.monotonic()
-        run.decoded = prepared.decoded_for(source, model.samplerate,
-                                           model.audio_channels) if prepared else None
+        run.decoded = (
+            prepared.decoded_for(source, model.samplerate, model.audio_channels)
+            if prepared
+            else None
+        )
         if run.decoded is None:
             run.decoded = decode_to_file(
-                source, run.scratch / "input.npy", model.samplerate, model.audio_channels,
-                control.check, lambda v: run.report.progress(run.start + DECODE_SHARE * v))
+                source,
+                run.scratch / "input.npy",
+                model.samplerate,
+                model.audio_channels,
+                control.check,
+                lambda v: run.report.progress(run.start + DECODE_SHARE * v),
+            )
         run.timer.measure("decode", started)
         control.check()
 
@@ -227,14 +253,30 @@ class Pipeline:
         base = run.start + DECODE_SHARE
         share = SEPARATE_SHARE - run.start
         # one registry write (a sync to disk) for both: between two jobs it is worker idle time
-        run.report.stage(JobState.SEPARATING, base, sha256=run.digest, settings_key=run.key,
-                         signature=job.signature)
+        run.report.stage(
+            JobState.SEPARATING,
+            base,
+            sha256=run.digest,
+            settings_key=run.key,
+            signature=job.signature,
+        )
         result = self.client.separate(
-            job.id, sep.model, run.repo, decoded.path, run.scratch / "stems",
-            shifts=sep.shifts, overlap=sep.overlap, segment=sep.segment or None,
-            control=control, stats=decoded.stats, precision=model.dtype,
-            stall_seconds=sep.stall_seconds, shrink=run.plan.shrink, device=run.plan.device,
-            on_progress=lambda v: run.report.progress(base + share * v))
+            job.id,
+            sep.model,
+            run.repo,
+            decoded.path,
+            run.scratch / "stems",
+            shifts=sep.shifts,
+            overlap=sep.overlap,
+            segment=sep.segment or None,
+            control=control,
+            stats=decoded.stats,
+            precision=model.dtype,
+            stall_seconds=sep.stall_seconds,
+            shrink=run.plan.shrink,
+            device=run.plan.device,
+            on_progress=lambda v: run.report.progress(base + share * v),
+        )
         run.timer.timings["separate"] = round(result.seconds, 3)
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
@@ -250,43 +292,70 @@ class Pipeline:
     def _write(self, run: JobRun) -> None:
         """The song folder in staging: stems at output.samplerate, tags, beats.json and
         preview.png (timed each), then the manifest."""
-        job, control, decoded, model, result = (run.job, run.control, run.decoded, run.model,
-                                                run.separation)
+        job, control, decoded, model, result = (
+            run.job,
+            run.control,
+            run.decoded,
+            run.model,
+            run.separation,
+        )
         assert decoded is not None and model is not None and result is not None
         control.check()
         info = songfolder.song_info(job.name, job.preset, decoded)
-        song = songfolder.make_song_folder(run.staging, result.stems, model.samplerate, info,
-                                           run.sep, run.out, check=control.check)
+        song = songfolder.make_song_folder(
+            run.staging, result.stems, model.samplerate, info, run.sep, run.out, check=control.check
+        )
         run.timer.timings.update(song.timings)
-        publish.write_manifest(run.staging, {
-            "job_id": job.id,
-            "input": {"name": Path(job.source).name, "rel_path": job.rel_path,
-                      "sha256": run.digest, "size": run.size,
-                      "codec": decoded.source_codec, "samplerate": decoded.source_samplerate,
-                      "channels": decoded.source_channels,
-                      "duration": round(decoded.seconds, 6)},
-            "model": {"name": run.sep.model, "repo": model.repo or None,
-                      "samplerate": model.samplerate, "sources": list(model.sources)},
-            "preset": job.preset,
-            **({"link": run.link.manifest()} if run.link else {}),
-            "settings": run.settings,
-            # where each setting came from: config, preset, a tag in the name, a sidecar
-            "settings_from": run.origins,
-            "stems": song.entries,
-            **song.manifest,
-            "timings": run.timer.timings,
-            "versions": self.client.versions,
-            # the precision the worker separated in, and the figures that chose it
-            "precision": dict(model.precision) or {"precision": model.dtype},
-            # this was attempt N: the ones before it were cut off by the machine (the worker
-            # died, stalled, ran out of memory), each recorded with its reason
-            "attempts": len(job.faults) + 1,
-            "faults": [fault.to_dict() for fault in job.faults],
-            # after running out of memory: what this attempt separated with instead (the
-            # window and segment in seconds, the device)
-            **({} if run.plan.as_configured else {"memory_plan": {
-                "plan": run.plan.describe(), "shrink": run.plan.shrink, **result.sizes()}}),
-        })
+        publish.write_manifest(
+            run.staging,
+            {
+                "job_id": job.id,
+                "input": {
+                    "name": Path(job.source).name,
+                    "rel_path": job.rel_path,
+                    "sha256": run.digest,
+                    "size": run.size,
+                    "codec": decoded.source_codec,
+                    "samplerate": decoded.source_samplerate,
+                    "channels": decoded.source_channels,
+                    "duration": round(decoded.seconds, 6),
+                },
+                "model": {
+                    "name": run.sep.model,
+                    "repo": model.repo or None,
+                    "samplerate": model.samplerate,
+                    "sources": list(model.sources),
+                },
+                "preset": job.preset,
+                **({"link": run.link.manifest()} if run.link else {}),
+                "settings": run.settings,
+                # where each setting came from: config, preset, a tag in the name, a sidecar
+                "settings_from": run.origins,
+                "stems": song.entries,
+                **song.manifest,
+                "timings": run.timer.timings,
+                "versions": self.client.versions,
+                # the precision the worker separated in, and the figures that chose it
+                "precision": dict(model.precision) or {"precision": model.dtype},
+                # this was attempt N: the ones before it were cut off by the machine (the worker
+                # died, stalled, ran out of memory), each recorded with its reason
+                "attempts": len(job.faults) + 1,
+                "faults": [fault.to_dict() for fault in job.faults],
+                # after running out of memory: what this attempt separated with instead (the
+                # window and segment in seconds, the device)
+                **(
+                    {}
+                    if run.plan.as_configured
+                    else {
+                        "memory_plan": {
+                            "plan": run.plan.describe(),
+                            "shrink": run.plan.shrink,
+                            **result.sizes(),
+                        }
+                    }
+                ),
+            },
+        )
 
     def _publish(self, run: JobRun) -> None:
         """Staging becomes the song's folder in the outbox, after the last chance to cancel."""
@@ -296,9 +365,14 @@ class Pipeline:
         rel = PurePosixPath(job.rel_path)
         target = self.settings.paths.outbox.joinpath(*rel.parent.parts, job.name)
         output = publish.publish_folder(run.staging, target)
-        log.info("published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
-                 run.source.name, output, timings["decode"], timings["separate"],
-                 timings["write"])
+        log.info(
+            "published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
+            run.source.name,
+            output,
+            timings["decode"],
+            timings["separate"],
+            timings["write"],
+        )
         run.end(output)
 
     def _write_and_publish(self, run: JobRun) -> None:
@@ -313,8 +387,7 @@ class Pipeline:
                 self._wait_for_outbox(run, shares)
             existing = find_published(self.settings.paths.outbox, job)
             if existing is not None:  # an attempt before the outbox went away got through
-                log.info("%s was published to %s before the outbox went away", job.name,
-                         existing)
+                log.info("%s was published to %s before the outbox went away", job.name, existing)
                 run.end(existing)
                 return
             try:
@@ -327,8 +400,11 @@ class Pipeline:
                 log.warning("could not publish %s: %s", job.name, exc)
 
     def _wait_for_outbox(self, run: JobRun, shares: ShareWatch) -> None:
-        log.warning("the outbox %s cannot be reached: the stems of %s wait in scratch until "
-                    "it answers", self.settings.paths.outbox, run.job.name)
+        log.warning(
+            "the outbox %s cannot be reached: the stems of %s wait in scratch until it answers",
+            self.settings.paths.outbox,
+            run.job.name,
+        )
         shares.wait_back("outbox", run.control)
         publish.remove_tree(run.staging)  # a half-written attempt
 
@@ -352,40 +428,66 @@ class Pipeline:
             sig = job.signature
             moved = find_moved(target, sig.size, sig.mtime_ns) if sig else None
             moved_to = moved or source
-            log.info("%s is no longer in the inbox; %s", source,
-                     f"it is at {moved}" if moved else "nothing to move")
+            log.info(
+                "%s is no longer in the inbox; %s",
+                source,
+                f"it is at {moved}" if moved else "nothing to move",
+            )
         elif job.signature is not None and current != job.signature:
-            error = (f"stems published, but {source} changed while it was separated, so it "
-                     f"stays in the inbox and will be separated again")
+            error = (
+                f"stems published, but {source} changed while it was separated, so it "
+                f"stays in the inbox and will be separated again"
+            )
             log.warning("%s", error)
         else:
             try:
                 moved_to = move_file(source, target)
             except FilesystemError as exc:
-                if shares is not None and (is_unreachable(exc) or not shares.check("inbox")
-                                           or not shares.check("processed")):
+                if shares is not None and (
+                    is_unreachable(exc)
+                    or not shares.check("inbox")
+                    or not shares.check("processed")
+                ):
                     return self._move_later(job, source, target, output, note, str(exc))
                 error = f"stems published, but {exc}; the input stays in the inbox"
                 log.error("%s", error)
             else:
                 choices.move_sidecar(source, moved_to)
-        return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
-                            source=str(moved_to), error=error, stage=None,
-                            finished_at=time.time())
+        return self._update(
+            job.id,
+            state=JobState.DONE,
+            progress=1.0,
+            output=str(output),
+            source=str(moved_to),
+            error=error,
+            stage=None,
+            finished_at=time.time(),
+        )
 
-    def _move_later(self, job: Job, source: Path, target: Path, output: Path,
-                    note: str | None, why: str) -> Job:
+    def _move_later(
+        self, job: Job, source: Path, target: Path, output: Path, note: str | None, why: str
+    ) -> Job:
         """The song is done; its input could not be reached to move it (its share is
         away). The move is kept in the registry and done when the share answers: the
         input's final place is pending, and it is never taken for a song deleted."""
         if self.shares is not None:
             self.shares.defer_move(job.id, "processed", source, target, job.signature, why)
         else:
-            note = (f"stems published, but {source} could not be reached to move it ({why}); "
-                    f"the input stays in the inbox")
+            note = (
+                f"stems published, but {source} could not be reached to move it ({why}); "
+                f"the input stays in the inbox"
+            )
             log.error("%s", note)
-        return self._update(job.id, state=JobState.DONE, progress=1.0, output=str(output),
-                            source=str(source), error=note, stage=None, finished_at=time.time())
+        return self._update(
+            job.id,
+            state=JobState.DONE,
+            progress=1.0,
+            output=str(output),
+            source=str(source),
+            error=note,
+            stage=None,
+            finished_at=time.time(),
+        )
 
     # ------------------------------------------------------------ work ahead of the worker
 
@@ -409,11 +511,17 @@ class Pipeline:
         on the network, not the CPU), or a file's decode when work beside the worker pays
         and the worker holds the job's model already (decoding needs the model's rate and
         channels, and the worker is busy: no loading ahead)."""
-        return job.kind is JobKind.LINK or (self.works_beside(job)
-                                            and self._loaded_format(job) is not None)
+        return job.kind is JobKind.LINK or (
+            self.works_beside(job) and self._loaded_format(job) is not None
+        )
 
-    def prepare(self, job: Job, control: JobControl,
-                on_progress: Callable[[float], None], decode: bool = True) -> Prepared:
+    def prepare(
+        self,
+        job: Job,
+        control: JobControl,
+        on_progress: Callable[[float], None],
+        decode: bool = True,
+    ) -> Prepared:
         """What a job needs before the worker, into the job's scratch folder: a link's
         download, then (`decode`, when the worker holds the job's model) the input's hash
         and decode. Safe to run ahead, off the pipeline lock, while another job holds the
@@ -427,12 +535,19 @@ class Pipeline:
             prepared.link = signature_of(link)  # before reading: a later edit shows as a change
             prepared.url = url = read_link(link)
             entry = job.playlist  # an entry of a playlist: its title and length are known
-            got = download(url, self.settings.paths.scratch / job.id / "download",
-                           self.settings.links, control=control, on_progress=on_progress,
-                           link_name=link.name, playlist=entry,
-                           title=job.name if entry else None,
-                           expand=(self.playlists is not None and entry is None
-                                   and self.settings.links.playlists))
+            got = download(
+                url,
+                self.settings.paths.scratch / job.id / "download",
+                self.settings.links,
+                control=control,
+                on_progress=on_progress,
+                link_name=link.name,
+                playlist=entry,
+                title=job.name if entry else None,
+                expand=(
+                    self.playlists is not None and entry is None and self.settings.links.playlists
+                ),
+            )
             if isinstance(got, Playlist):
                 prepared.playlist = got
                 return prepared
@@ -441,14 +556,20 @@ class Pipeline:
             if self.disk is not None:
                 self.disk.learn_download(job, got.path)
         form = self._loaded_format(job) if decode else None
-        if form is None or (job.kind is JobKind.LINK and self.disk is not None
-                            and not self.disk.fits_ahead(job)):
+        if form is None or (
+            job.kind is JobKind.LINK and self.disk is not None and not self.disk.fits_ahead(job)
+        ):
             return prepared
         version = version_of(source)
         try:
             digest = publish.sha256_of(source)
-            decoded = decode_to_file(source, self.settings.paths.scratch / job.id / "input.npy",
-                                     form[0], form[1], control.check)
+            decoded = decode_to_file(
+                source,
+                self.settings.paths.scratch / job.id / "input.npy",
+                form[0],
+                form[1],
+                control.check,
+            )
         except Cancelled:
             raise
         except Exception as exc:  # the job decodes again when it runs, and fails with the reason
@@ -476,12 +597,25 @@ class Pipeline:
         folders = self.settings.paths
         plan = machine.plan_for(job.faults, sep)  # after memory faults: smaller, the CPU
         if not plan.as_configured:
-            log.info("%s: attempt %d after running out of memory: %s", job.name,
-                     len(job.faults) + 1, plan.describe())
-        return JobRun(job, control, Progress(self._update, job.id), sep, out,
-                      str(repo) if repo else None, folders.scratch / job.id,
-                      folders.staging / job.id, Path(job.source), origins=chosen.origins,
-                      plan=plan)
+            log.info(
+                "%s: attempt %d after running out of memory: %s",
+                job.name,
+                len(job.faults) + 1,
+                plan.describe(),
+            )
+        return JobRun(
+            job,
+            control,
+            Progress(self._update, job.id),
+            sep,
+            out,
+            str(repo) if repo else None,
+            folders.scratch / job.id,
+            folders.staging / job.id,
+            Path(job.source),
+            origins=chosen.origins,
+            plan=plan,
+        )
 
     @contextlib.contextmanager
     def _discarded_on_error(self, run: JobRun) -> Iterator[None]:
@@ -498,8 +632,7 @@ class Pipeline:
         publish.remove_tree(run.staging)
         publish.remove_if_empty(self.settings.paths.staging)
 
-    def _duplicate_of(self, job: Job, digest: str, key: str,
-                      control: JobControl) -> Path | None:
+    def _duplicate_of(self, job: Job, digest: str, key: str, control: JobControl) -> Path | None:
         """A complete outbox folder holding this content separated with these settings, by
         its manifest, if duplicates are skipped (`queue.on_duplicate`). The folder a done
         job published may hold another song by now (moved away, another published there).
@@ -509,15 +642,21 @@ class Pipeline:
         if self.settings.queue.on_duplicate != "skip":
             return None
         while (ahead := self._songs.claim((digest, key), job.id)) is not None:
-            log.info("%s is the same song as job %s, in flight with the same settings: "
-                     "waiting for it", Path(job.source).name, ahead[0])
+            log.info(
+                "%s is the same song as job %s, in flight with the same settings: waiting for it",
+                Path(job.source).name,
+                ahead[0],
+            )
             while not ahead[1].wait(0.1):
                 control.check()
         for folder in map(Path, self._published(digest, key)):
             manifest = publish.read_manifest(folder) or {}
             source = manifest.get("input")
-            if (isinstance(source, dict) and source.get("sha256") == digest
-                    and settings_key_of(manifest.get("settings")) == key):
+            if (
+                isinstance(source, dict)
+                and source.get("sha256") == digest
+                and settings_key_of(manifest.get("settings")) == key
+            ):
                 self._songs.release(job.id)
                 return folder
         return None

@@ -14,6 +14,7 @@ report like any input and can be dropped into the inbox again on its own; a publ
 to `processed/<playlist>/`. The link file stays in the inbox until the playlist is finished:
 deleting or renaming it cancels the entries not yet done (published ones stay).
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,24 +68,42 @@ class Playlists:
         width = max(2, len(str(count)))
         entries = []
         for number, entry in enumerate(found.entries, 1):
-            name = cut_to_bytes(f"{number:0{width}d} - {entry.title}",
-                                MAX_NAME_BYTES).rstrip(". ") + ".url"
+            name = (
+                cut_to_bytes(f"{number:0{width}d} - {entry.title}", MAX_NAME_BYTES).rstrip(". ")
+                + ".url"
+            )
             path = folder / name
             path.write_bytes(f"[InternetShortcut]\r\nURL={entry.url}\r\n".encode())
-            entries.append(Job(
-                id=new_job_id(), name=entry.title, kind=JobKind.LINK, state=JobState.QUEUED,
-                source=str(path), rel_path=str(group / name), preset=job.preset,
-                signature=FileSignature.of(os.stat(path)),
-                playlist=PlaylistRef(job.id, job.name, number, count, entry.duration)))
+            entries.append(
+                Job(
+                    id=new_job_id(),
+                    name=entry.title,
+                    kind=JobKind.LINK,
+                    state=JobState.QUEUED,
+                    source=str(path),
+                    rel_path=str(group / name),
+                    preset=job.preset,
+                    signature=FileSignature.of(os.stat(path)),
+                    playlist=PlaylistRef(job.id, job.name, number, count, entry.duration),
+                )
+            )
         ref = PlaylistRef(job.id, job.name, 0, count, listed=found.total)
         if not self.scheduler.expand_playlist(job.id, ref, entries, control):
             shutil.rmtree(folder, ignore_errors=True)
             raise Cancelled(control.reason or "cancelled")
-        cut = (f"; it lists {found.total} entries, only the first {count} are queued "
-               f"(links.max_entries = {self.settings.links.max_entries})"
-               if found.total > count else "")
-        log.info("%s is a playlist (%s): %d entries queued in order%s", Path(job.source).name,
-                 found.title, count, cut)
+        cut = (
+            f"; it lists {found.total} entries, only the first {count} are queued "
+            f"(links.max_entries = {self.settings.links.max_entries})"
+            if found.total > count
+            else ""
+        )
+        log.info(
+            "%s is a playlist (%s): %d entries queued in order%s",
+            Path(job.source).name,
+            found.title,
+            count,
+            cut,
+        )
 
     def group(self, job: Job) -> PurePosixPath:
         """Where a playlist's entries go inside outbox/, processed/ and failed/: a folder named
@@ -112,8 +131,13 @@ class Playlists:
             # the last entry is still being published (behind the next job): wait for it
             control.wait(0.1)
         if pending:
-            log.error("entries %s of the playlist %s did not end within %.0f s; finishing the "
-                      "playlist without them", ", ".join(pending), job.name, FINISH_WAIT)
+            log.error(
+                "entries %s of the playlist %s did not end within %.0f s; finishing the "
+                "playlist without them",
+                ", ".join(pending),
+                job.name,
+                FINISH_WAIT,
+            )
         shutil.rmtree(self.folder(job.id), ignore_errors=True)
         done = [e for e in entries if e.state is JobState.DONE]
         failed = [e for e in entries if e.state is JobState.FAILED]
@@ -122,27 +146,38 @@ class Playlists:
             log.info("playlist %s finished: %s", job.name, summary)
             return self.settings.paths.outbox.joinpath(*self.group(job).parts), summary
         if failed:
-            raise PlaylistError(f"no entry of the playlist {job.name} could be separated: "
-                                f"{summary}", details="\n".join(
-                                    f"{e.name}: {e.error}" for e in failed))
+            raise PlaylistError(
+                f"no entry of the playlist {job.name} could be separated: {summary}",
+                details="\n".join(f"{e.name}: {e.error}" for e in failed),
+            )
         raise Cancelled(ALL_CANCELLED)
 
     def summary(self, job: Job, entries: list[Job]) -> str:
         """How a playlist's entries ended, for the link's job and its notification."""
-        count = {state: sum(1 for e in entries if e.state is state)
-                 for state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)}
+        count = {
+            state: sum(1 for e in entries if e.state is state)
+            for state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+        }
         parts = [f"{count[JobState.DONE]} of {len(entries)} entries published"]
         failed = [e for e in entries if e.state is JobState.FAILED]
         if failed:
-            parts.append(f"{len(failed)} failed (" + "; ".join(
-                f"{e.playlist.entry if e.playlist else '?'}. {e.name}: {e.error}"
-                for e in failed[:3]) + (" …" if len(failed) > 3 else "") + ")")
+            parts.append(
+                f"{len(failed)} failed ("
+                + "; ".join(
+                    f"{e.playlist.entry if e.playlist else '?'}. {e.name}: {e.error}"
+                    for e in failed[:3]
+                )
+                + (" …" if len(failed) > 3 else "")
+                + ")"
+            )
         if count[JobState.CANCELLED]:
             parts.append(f"{count[JobState.CANCELLED]} cancelled")
         ref = job.playlist
         if ref is not None and ref.listed > ref.entries:
-            parts.append(f"{ref.listed - ref.entries} more entries left out (links.max_entries "
-                         f"= {self.settings.links.max_entries})")
+            parts.append(
+                f"{ref.listed - ref.entries} more entries left out (links.max_entries "
+                f"= {self.settings.links.max_entries})"
+            )
         return ", ".join(parts)
 
     # ------------------------------------------------------------ start-up

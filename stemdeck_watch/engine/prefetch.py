@@ -20,6 +20,7 @@ API) waits for it — 1.4 s per GIL hand-over at SCHED_IDLE and 0.27 s at nice 1
 here; the ten-clip run with the output steps on took 3.2x as long. Where the work beside
 does not pay, `queue.work_beside = "auto"` keeps it off instead (Pipeline.works_beside).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,8 +78,10 @@ class Prefetcher:
         for unsubscribe in self._unsubscribe:  # a restart after the thread died
             unsubscribe()
         bus = self.scheduler.bus
-        self._unsubscribe = [bus.subscribe(JobChanged, self._on_job),
-                             bus.subscribe(QueueChanged, lambda _e: self._wake.set())]
+        self._unsubscribe = [
+            bus.subscribe(JobChanged, self._on_job),
+            bus.subscribe(QueueChanged, lambda _e: self._wake.set()),
+        ]
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="prefetch", daemon=True)
         self._thread.start()
@@ -103,8 +106,9 @@ class Prefetcher:
 
     # ------------------------------------------------------------ the dispatcher's side
 
-    def claim(self, job: Job, control: JobControl,
-              report: Callable[[float], None]) -> Prepared | None:
+    def claim(
+        self, job: Job, control: JobControl, report: Callable[[float], None]
+    ) -> Prepared | None:
         """What was prepared for `job` (None if nothing was): waits for work in flight,
         which the running job's cancel now stops. Work for any other job is dropped."""
         with self._lock:
@@ -181,8 +185,12 @@ class Prefetcher:
                     self._drop(ahead, PAUSED if queue.paused else NOT_AHEAD)
                 return
             current = registry.get(running.job_id) if running is not None else None
-            if (head is None or queue.paused or current is None
-                    or current.state is not JobState.SEPARATING):
+            if (
+                head is None
+                or queue.paused
+                or current is None
+                or current.state is not JobState.SEPARATING
+            ):
                 return
             job = registry.get(head)
             if job is None or job.state is not JobState.QUEUED:
@@ -190,17 +198,23 @@ class Prefetcher:
         # both look at the job's files (its choices, its length), which a share that stalls
         # holds up: off the lock, which a cancel's announcement waits for
         if not self.pipeline.can_prepare(job) or (
-                self.guard is not None
-                and not self.guard.fits_ahead(job, decode=job.kind is not JobKind.LINK)):
+            self.guard is not None
+            and not self.guard.fits_ahead(job, decode=job.kind is not JobKind.LINK)
+        ):
             return  # looked at again when the work in flight moves on
         with self._lock:
-            if (self._ahead is not None or queue.paused or queue.order()[:1] != [job.id]
-                    or registry.get(job.id) != job):
+            if (
+                self._ahead is not None
+                or queue.paused
+                or queue.order()[:1] != [job.id]
+                or registry.get(job.id) != job
+            ):
                 return  # changed meanwhile: looked at again at the next wake
             self._ahead = ahead = _Ahead(job, JobControl(job.id))
         log.info("preparing %s ahead while %s separates", job.name, current.name)
-        threading.Thread(target=self._prepare, args=(ahead,), name=f"prefetch-{job.id}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._prepare, args=(ahead,), name=f"prefetch-{job.id}", daemon=True
+        ).start()
 
     def _prepare(self, ahead: _Ahead) -> None:
         try:
@@ -211,7 +225,8 @@ class Prefetcher:
             with self._lock:
                 ahead.done.set()
                 if ahead.control.cancelled and ahead.report is None:
-                    log.info("dropped the work prepared for %s: %s", ahead.job.name,
-                             ahead.control.reason)
+                    log.info(
+                        "dropped the work prepared for %s: %s", ahead.job.name, ahead.control.reason
+                    )
                     self._drop(ahead, ahead.control.reason or "dropped")
             self._wake.set()

@@ -7,6 +7,7 @@ decoded audio only if it was decoded from the same file (size, mtime, inode and 
 unchanged: `cp -p` onto the file keeps the first three) for the same model rate and channels,
 a download only if the link file still holds the URL it was made from.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -10,6 +10,7 @@ A job cut off by a crash, a power cut or a kill is in one of three situations:
 Restored jobs wait in a paused queue: opening the computer must not start hours of separation
 on its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,20 @@ from typing import Callable, Container, Iterator
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.events import JobsRestored
-from stemdeck_watch.core.jobs import (RUNNING_STATES, Job, JobKind, JobState, new_job_id,
-                                 settings_key_of)
-from stemdeck_watch.core.paths import (exists_or_unreachable, find_moved, numbered_siblings,
-                                       report_path)
+from stemdeck_watch.core.jobs import (
+    RUNNING_STATES,
+    Job,
+    JobKind,
+    JobState,
+    new_job_id,
+    settings_key_of,
+)
+from stemdeck_watch.core.paths import (
+    exists_or_unreachable,
+    find_moved,
+    numbered_siblings,
+    report_path,
+)
 from stemdeck_watch.stages.publish import MANIFEST, read_manifest, remove_tree
 from stemdeck_watch.stages.quarantine import quarantine
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
@@ -50,13 +61,17 @@ def find_quarantined(failed: Path, job: Job) -> Path | None:
     """The input of a job that was moved into failed/ just before a crash."""
     if job.signature is None:
         return None
-    return find_moved(failed / PurePosixPath(job.rel_path), job.signature.size,
-                      job.signature.mtime_ns)
+    return find_moved(
+        failed / PurePosixPath(job.rel_path), job.signature.size, job.signature.mtime_ns
+    )
 
 
-def restore(scheduler: Scheduler, settings: Settings,
-            finish: Callable[[Job, Path, Path], Job],
-            unreachable: Callable[[str], bool] = lambda _source: False) -> int:
+def restore(
+    scheduler: Scheduler,
+    settings: Settings,
+    finish: Callable[[Job, Path, Path], Job],
+    unreachable: Callable[[str], bool] = lambda _source: False,
+) -> int:
     """Requeue what the last run left; returns how many jobs wait in the queue again.
     `unreachable(source)`: the input's share is away (not mounted yet), so a missing input
     says nothing about the song."""
@@ -66,8 +81,10 @@ def restore(scheduler: Scheduler, settings: Settings,
     front: list[str] = []
     # two jobs can be in flight (one publishing behind the next one's separation): the one
     # publishing was ahead in the queue, so it goes back first
-    in_flight = sorted(registry.jobs(RUNNING_STATES),
-                       key=lambda j: (j.state is not JobState.PUBLISHING, j.created_at))
+    in_flight = sorted(
+        registry.jobs(RUNNING_STATES),
+        key=lambda j: (j.state is not JobState.PUBLISHING, j.created_at),
+    )
     for job in in_flight:
         remove_tree(folders.staging / job.id)
         remove_tree(folders.scratch / job.id)
@@ -78,27 +95,43 @@ def restore(scheduler: Scheduler, settings: Settings,
         elif not (unreachable(job.source) or _may_be_there(job.source)):
             moved = find_quarantined(folders.failed, job)
             if moved is None:
-                scheduler.update(job.id, state=JobState.CANCELLED, error=INPUT_REMOVED,
-                                 finished_at=time.time())
+                scheduler.update(
+                    job.id, state=JobState.CANCELLED, error=INPUT_REMOVED, finished_at=time.time()
+                )
             else:
                 # it failed and was quarantined, then the crash hit before the registry write
                 message = job.error or "failed just before the service stopped"
                 if not report_path(moved).exists():
-                    quarantine(dataclasses.replace(job, source=str(moved)), folders.failed,
-                               stage=job.stage or "restart", message=message)
-                scheduler.update(job.id, state=JobState.FAILED, error=message,
-                                 source=str(moved), finished_at=time.time())
+                    quarantine(
+                        dataclasses.replace(job, source=str(moved)),
+                        folders.failed,
+                        stage=job.stage or "restart",
+                        message=message,
+                    )
+                scheduler.update(
+                    job.id,
+                    state=JobState.FAILED,
+                    error=message,
+                    source=str(moved),
+                    finished_at=time.time(),
+                )
         elif job.attempts >= limit:
             times = "twice" if limit == 1 else f"{limit + 1} times"
             message = f"interrupted by a restart {times} — drop the file again to retry"
             where = quarantine(job, folders.failed, stage=job.stage or "restart", message=message)
-            scheduler.update(job.id, state=JobState.FAILED, error=message, source=str(where),
-                             finished_at=time.time())
+            scheduler.update(
+                job.id,
+                state=JobState.FAILED,
+                error=message,
+                source=str(where),
+                finished_at=time.time(),
+            )
             log.error("%s: %s", job.name, message)
         else:
             # the attempt is counted before the job runs again
-            scheduler.update(job.id, state=JobState.QUEUED, attempts=job.attempts + 1,
-                             progress=0.0, stage=None)
+            scheduler.update(
+                job.id, state=JobState.QUEUED, attempts=job.attempts + 1, progress=0.0, stage=None
+            )
             front.append(job.id)
     queued = []
     for job_id in registry.queued_order():
@@ -106,8 +139,9 @@ def restore(scheduler: Scheduler, settings: Settings,
             continue
         job = registry.get(job_id)
         if job is not None and not (unreachable(job.source) or _may_be_there(job.source)):
-            scheduler.update(job_id, state=JobState.CANCELLED, error=INPUT_REMOVED,
-                             finished_at=time.time())
+            scheduler.update(
+                job_id, state=JobState.CANCELLED, error=INPUT_REMOVED, finished_at=time.time()
+            )
         else:
             queued.append(job_id)
     _remove_leftovers(folders.scratch)
@@ -124,8 +158,11 @@ def restore(scheduler: Scheduler, settings: Settings,
     elif previous_pause:
         scheduler.start()
     if order:
-        log.info("%d job(s) restored%s", len(order),
-                 " — the queue is paused: press Start, or drop a new file" if paused else "")
+        log.info(
+            "%d job(s) restored%s",
+            len(order),
+            " — the queue is paused: press Start, or drop a new file" if paused else "",
+        )
         scheduler.bus.publish(JobsRestored(len(order), paused))
     return len(order)
 
@@ -172,16 +209,25 @@ def adopt_orphans(scheduler: Scheduler, settings: Settings) -> int:
         source = source if isinstance(source, dict) else {}  # a manifest written by anyone
         rel_path = str(source.get("rel_path") or folder.name)
         processed = folders.processed / PurePosixPath(rel_path)
-        registry.add(Job(
-            id=job_id, name=folder.name, kind=JobKind.LINK if "link" in manifest else JobKind.FILE,
-            state=JobState.DONE, source=str(processed), rel_path=rel_path,
-            preset=manifest.get("preset"), progress=1.0, output=str(folder),
-            finished_at=folder.stat().st_mtime, sha256=source.get("sha256"),
-            settings_key=settings_key_of(manifest.get("settings"))))
+        registry.add(
+            Job(
+                id=job_id,
+                name=folder.name,
+                kind=JobKind.LINK if "link" in manifest else JobKind.FILE,
+                state=JobState.DONE,
+                source=str(processed),
+                rel_path=rel_path,
+                preset=manifest.get("preset"),
+                progress=1.0,
+                output=str(folder),
+                finished_at=folder.stat().st_mtime,
+                sha256=source.get("sha256"),
+                settings_key=settings_key_of(manifest.get("settings")),
+            )
+        )
         adopted += 1
     if adopted:
-        log.info("adopted %d song folder(s) in the outbox that the registry did not know",
-                 adopted)
+        log.info("adopted %d song folder(s) in the outbox that the registry did not know", adopted)
     return adopted
 
 
@@ -192,8 +238,7 @@ def _song_folders(outbox: Path, known: Container[str] = ()) -> Iterator[Path]:
     was most of the start-up time."""
     for root, dirs, files in os.walk(outbox):
         # staging and hidden folders, and song folders the registry already has
-        dirs[:] = [d for d in dirs
-                   if not d.startswith(".") and os.path.join(root, d) not in known]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and os.path.join(root, d) not in known]
         if MANIFEST in files:
             dirs[:] = []
             yield Path(root)

@@ -4,6 +4,7 @@ The CLI (through the API), the queue page and the tray reach these through the S
 which mixes them in; each refused request raises a ControlError and changes nothing. They live
 apart from the scheduler's intake and dispatcher sides only to keep each file readable.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,9 @@ class Requests:
             if len(candidates) == 1:
                 return candidates[0]
             if len(candidates) > 1:
-                ids = ", ".join(f"{job.id} ({job.name}, {job.state.value})"
-                                for job in candidates[:6])
+                ids = ", ".join(
+                    f"{job.id} ({job.name}, {job.state.value})" for job in candidates[:6]
+                )
                 raise AmbiguousJob(f"{ref!r} matches several jobs: {ids}; use the id")
         raise JobNotFound(f"no job {ref!r}")  # unreachable: matches is not empty
 
@@ -85,8 +87,11 @@ class Requests:
         deadline = time.monotonic() + CANCEL_RECORDED_WAIT
         while any(c.job_id == job.id for c in self.queue.in_flight()):
             if time.monotonic() > deadline:
-                log.warning("%s was cancelled but has not ended within %.0f s", job.name,
-                            CANCEL_RECORDED_WAIT)
+                log.warning(
+                    "%s was cancelled but has not ended within %.0f s",
+                    job.name,
+                    CANCEL_RECORDED_WAIT,
+                )
                 break
             time.sleep(0.02)
         return self.registry.get(job.id) or job
@@ -99,10 +104,11 @@ class Requests:
             where = self.cancel_and_close([job], CANCELLED_BY_USER)[job.id]
             if where is None:  # its stems are out (or going out): saying "cancelled" would lie
                 job = self._get(job.id)
-                raise Conflict(f"{job.name} is already {job.state.value}; nothing to cancel"
-                               if job.state.is_final else
-                               f"{job.name} can no longer be cancelled: its stems are being "
-                               f"published")
+                raise Conflict(
+                    f"{job.name} is already {job.state.value}; nothing to cancel"
+                    if job.state.is_final
+                    else f"{job.name} can no longer be cancelled: its stems are being published"
+                )
             if where == "queued":
                 job = self._get(job.id)
             if job.playlist is not None and job.playlist.is_link:
@@ -118,8 +124,9 @@ class Requests:
         with self._lock:
             job = self._get(job_id)
             if job.state is not JobState.QUEUED:
-                raise Conflict(f"{job.name} is {job.state.value}, not queued; only queued "
-                               f"jobs can be moved")
+                raise Conflict(
+                    f"{job.name} is {job.state.value}, not queued; only queued jobs can be moved"
+                )
             if after is not None and after == job.id:
                 raise Conflict(f"cannot move {job.name} after itself")
             order = self.queue.move(job.id, after=None if first else after)
@@ -127,8 +134,11 @@ class Requests:
                 raise Conflict(f"{job.name} has just left the queue")
             self._save_order()
         self._announce_queue()
-        log.info("moved %s %s", job.name, "first" if first else
-                 f"after {after}" if after in order else "to the end")
+        log.info(
+            "moved %s %s",
+            job.name,
+            "first" if first else f"after {after}" if after in order else "to the end",
+        )
         return order
 
     def retry(self, job_id: str) -> Job | None:
@@ -141,12 +151,15 @@ class Requests:
         with self._lock:
             job = self._get(job_id)
             if job.state not in (JobState.FAILED, JobState.CANCELLED):
-                raise Conflict(f"{job.name} is {job.state.value}; only failed or cancelled "
-                               f"jobs can be retried")
+                raise Conflict(
+                    f"{job.name} is {job.state.value}; only failed or cancelled jobs can be retried"
+                )
             source = Path(job.source)
             if not source.is_file():
-                raise Conflict(f"cannot retry {job.name}: its input {source} is gone; drop the "
-                               f"file into the inbox again")
+                raise Conflict(
+                    f"cannot retry {job.name}: its input {source} is gone; drop the "
+                    f"file into the inbox again"
+                )
             latest = self.registry.latest_for_source(job.source)
             if latest is not None and latest.id != job.id:
                 raise Conflict(f"{job.name} was queued again already (job {latest.id})")
@@ -177,6 +190,7 @@ class Requests:
                 raise Conflict(f"{job.name} is {job.state.value}; cancel it first, then remove it")
             left: list[str] = []
             own = self._published_by(job)
+
             def note(path: str, exc: BaseException) -> None:
                 left.append(f"{path} ({exc.strerror if isinstance(exc, OSError) else exc})")
 
@@ -193,16 +207,25 @@ class Requests:
             except OSError:
                 signature = job.signature
             tombstones: list[tuple[str, str, FileSignature | None]] = [
-                (job.source, "input", signature)]
+                (job.source, "input", signature)
+            ]
             if job.output and (Path(job.output) in own or not os.path.lexists(job.output)):
                 tombstones.append((job.output, "output", None))
             elif job.output:
-                log.info("%s is not a folder %s published (its manifest names another job, or "
-                         "none); it stays", job.output, job.name)
+                log.info(
+                    "%s is not a folder %s published (its manifest names another job, or "
+                    "none); it stays",
+                    job.output,
+                    job.name,
+                )
             self.registry.remove(job.id, tombstones)
             self._left.discard(job.source)
-        log.info("removed %s (job %s)%s", job.name, job.id,
-                 f"; could not delete {', '.join(left)}" if left else "")
+        log.info(
+            "removed %s (job %s)%s",
+            job.name,
+            job.id,
+            f"; could not delete {', '.join(left)}" if left else "",
+        )
         self.bus.publish(JobRemoved(job.id))
         self._announce_queue()
         return left
@@ -213,8 +236,11 @@ class Requests:
         jobs = [job]
         if job.playlist is not None and job.playlist.is_link:
             jobs = self.registry.entries_of(job.id)
-        return [Path(each.output) for each in jobs
-                if each.output and publish.publisher_of(Path(each.output)) == each.id]
+        return [
+            Path(each.output)
+            for each in jobs
+            if each.output and publish.publisher_of(Path(each.output)) == each.id
+        ]
 
     def _get(self, job_id: str) -> Job:
         job = self.registry.get(job_id)

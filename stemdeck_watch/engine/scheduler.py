@@ -5,6 +5,7 @@ later the CLI, API and tray pause, start and cancel here. Every change is writte
 registry first and then announced on the event bus, so what listeners see is what a restart
 would find.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,8 +23,15 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.links.linkfile import is_link_file
 from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged, QueueDrained, QueueFull
 from stemdeck_watch.store.jobqueue import JobControl, JobQueue
-from stemdeck_watch.core.jobs import (ACTIVE_STATES, FileSignature, Job, JobKind, JobState,
-                                 PlaylistRef, new_job_id)
+from stemdeck_watch.core.jobs import (
+    ACTIVE_STATES,
+    FileSignature,
+    Job,
+    JobKind,
+    JobState,
+    PlaylistRef,
+    new_job_id,
+)
 from stemdeck_watch.core.paths import exists_or_unreachable, is_network_filesystem
 from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
 from stemdeck_watch.store.registry import Registry
@@ -37,13 +45,19 @@ PAUSE_USER = "user"
 PAUSE_RESTORE = "restore"
 PAUSE_FOLDER = "folder"
 PAUSE_DISK = "disk"
-PAUSE_INBOX = "inbox"    # the inbox's share is away (shares.py)
+PAUSE_INBOX = "inbox"  # the inbox's share is away (shares.py)
 PAUSE_OUTBOX = "outbox"  # the outbox's share is away: stems wait in scratch
 
 
 class Scheduler(Requests):
-    def __init__(self, registry: Registry, queue: JobQueue, bus: EventBus, settings: Settings,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        registry: Registry,
+        queue: JobQueue,
+        bus: EventBus,
+        settings: Settings,
+        clock: Callable[[], float] = time.time,
+    ):
         self.registry = registry
         self.queue = queue
         self.bus = bus
@@ -51,8 +65,9 @@ class Scheduler(Requests):
         self._clock = clock
         self._lock = threading.RLock()
         # files held back by the capacity lane, in arrival order: source → (kind, since)
-        self._waiting: collections.OrderedDict[str, tuple[JobKind, float]] = \
+        self._waiting: collections.OrderedDict[str, tuple[JobKind, float]] = (
             collections.OrderedDict((s, (k, t)) for s, k, t in registry.waiting())
+        )
         # inputs seen leaving the inbox after their job ended: dropped again, they are new
         self._left: set[str] = set()
         self._full: set[JobKind] = set()  # lanes that announced "queue full" and are still full
@@ -80,9 +95,13 @@ class Scheduler(Requests):
                 return False
             twin = self._other_spelling(source, signature)
             if twin is not None:
-                log.info("%s is %s spelled another way (Unicode NFC/NFD), same size and time: "
-                         "not separated twice (job %s); delete one of them", source, twin.source,
-                         twin.id)
+                log.info(
+                    "%s is %s spelled another way (Unicode NFC/NFD), same size and time: "
+                    "not separated twice (job %s); delete one of them",
+                    source,
+                    twin.source,
+                    twin.id,
+                )
                 return False
             job = self.registry.latest_for_source(key)
             if job is not None and job.state.is_final and self.registry.has_pending_move(key):
@@ -117,15 +136,19 @@ class Scheduler(Requests):
         if rel.isascii():
             return None  # the common case: one spelling only, no lookup
         for job in self.registry.with_rel_path(_nfc(rel)):
-            if job.source != str(source) and job.state is not JobState.CANCELLED \
-                    and job.signature is not None \
-                    and (job.signature.size, job.signature.mtime_ns) == (signature.size,
-                                                                         signature.mtime_ns):
+            if (
+                job.source != str(source)
+                and job.state is not JobState.CANCELLED
+                and job.signature is not None
+                and (job.signature.size, job.signature.mtime_ns)
+                == (signature.size, signature.mtime_ns)
+            ):
                 return job
         return None
 
-    def submit_file(self, source: Path, rel_path: PurePosixPath,
-                    signature: FileSignature) -> Job | None:
+    def submit_file(
+        self, source: Path, rel_path: PurePosixPath, signature: FileSignature
+    ) -> Job | None:
         """Queue a stable file, or hold it back as waiting when the file lane is full.
 
         The file is looked at again first: a file deleted between the intake's decision and
@@ -158,8 +181,12 @@ class Scheduler(Requests):
                     self._unsaved.append((str(source), kind, since))
                     if not getattr(self._batch, "open", False):
                         self._flush_waiting()
-                    log.info("queue full (%d %ss pending): %s waits in the inbox",
-                             self._limit(kind), kind.value, source)
+                    log.info(
+                        "queue full (%d %ss pending): %s waits in the inbox",
+                        self._limit(kind),
+                        kind.value,
+                        source,
+                    )
                     self._announce_queue()
                 return None
             return self._create(source, rel_path, signature)
@@ -173,10 +200,18 @@ class Scheduler(Requests):
         # without its tag group: `Song [6s].mp3` is published as `Song`
         name = _nfc(song_name(source.stem if source.suffix else source.name))
         kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
-        job = self.registry.add(Job(
-            id=new_job_id(), name=name, kind=kind, state=JobState.QUEUED,
-            source=str(source), rel_path=_nfc(str(rel_path)), preset=preset,
-            signature=self._kept(signature)))
+        job = self.registry.add(
+            Job(
+                id=new_job_id(),
+                name=name,
+                kind=kind,
+                state=JobState.QUEUED,
+                source=str(source),
+                rel_path=_nfc(str(rel_path)),
+                preset=preset,
+                signature=self._kept(signature),
+            )
+        )
         self.queue.put(job.id)
         self._save_order()
         log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
@@ -195,10 +230,18 @@ class Scheduler(Requests):
     def refuse(self, source: Path, rel_path: PurePosixPath, reason: str) -> Job:
         """Record input that is never separated (a link out of the inbox) as a failed job,
         so `status`, the page and notifications say why; `source` is where it lies now."""
-        job = self.registry.add(Job(
-            id=new_job_id(), name=_nfc(source.stem if source.suffix else source.name),
-            kind=JobKind.FILE, state=JobState.FAILED, source=str(source),
-            rel_path=_nfc(str(rel_path)), error=reason, finished_at=self._clock()))
+        job = self.registry.add(
+            Job(
+                id=new_job_id(),
+                name=_nfc(source.stem if source.suffix else source.name),
+                kind=JobKind.FILE,
+                state=JobState.FAILED,
+                source=str(source),
+                rel_path=_nfc(str(rel_path)),
+                error=reason,
+                finished_at=self._clock(),
+            )
+        )
         log.warning("refused %s: %s", rel_path, reason)
         return job
 
@@ -244,8 +287,11 @@ class Scheduler(Requests):
         return full
 
     def _limit(self, kind: JobKind) -> int:
-        return (self.settings.queue.max_pending_files if kind is JobKind.FILE
-                else self.settings.queue.max_pending_links)
+        return (
+            self.settings.queue.max_pending_files
+            if kind is JobKind.FILE
+            else self.settings.queue.max_pending_links
+        )
 
     def admit_waiting(self) -> None:
         """Move files from waiting into the queue, in arrival order, while their lane has
@@ -264,8 +310,9 @@ class Scheduler(Requests):
                 try:
                     found = exists_or_unreachable(path)
                 except OSError as exc:  # its share is away: it keeps waiting, in its place
-                    log.info("%s cannot be reached (%s); it keeps waiting", source,
-                             exc.strerror or exc)
+                    log.info(
+                        "%s cannot be reached (%s); it keeps waiting", source, exc.strerror or exc
+                    )
                     break
                 del self._waiting[source]
                 admitted.append(source)
@@ -275,8 +322,7 @@ class Scheduler(Requests):
                 signature = FileSignature.of(found)
                 if self.wants(path, signature):
                     self._left.discard(source)
-                    self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()),
-                                 signature)
+                    self._create(path, PurePosixPath(path.relative_to(inbox).as_posix()), signature)
             if admitted:
                 self._flush_waiting()
                 self.registry.remove_waiting(admitted)
@@ -295,8 +341,11 @@ class Scheduler(Requests):
                 self._flush_waiting()
                 self.registry.remove_waiting(gone)
                 self._announce_queue()
-            jobs = [job for job in self.registry.jobs(ACTIVE_STATES)
-                    if job.source == str(source) or job.source.startswith(prefix)]
+            jobs = [
+                job
+                for job in self.registry.jobs(ACTIVE_STATES)
+                if job.source == str(source) or job.source.startswith(prefix)
+            ]
             self._note_left(source, prefix)
         cancelled = self.cancel_and_close(jobs, INPUT_REMOVED)
         for job in jobs:
@@ -305,8 +354,10 @@ class Scheduler(Requests):
         if "queued" in cancelled.values():
             self.admit_waiting()
         # a playlist link taken away takes its entries not yet done with it
-        self.cancel_entries([job.id for job in jobs if job.playlist is not None
-                             and job.playlist.is_link], INPUT_REMOVED)
+        self.cancel_entries(
+            [job.id for job in jobs if job.playlist is not None and job.playlist.is_link],
+            INPUT_REMOVED,
+        )
 
     def cancel_and_close(self, jobs: list[Job], reason: str) -> dict[str, str | None]:
         """Cancel each of `jobs` for `reason`; returns where each one was (JobQueue.cancel).
@@ -317,8 +368,7 @@ class Scheduler(Requests):
         where = {job.id: self.queue.cancel(job.id, reason) for job in jobs}
         closed = [job_id for job_id, place in where.items() if place == "queued"]
         for job_id in closed:
-            self.update(job_id, state=JobState.CANCELLED, error=reason,
-                        finished_at=self._clock())
+            self.update(job_id, state=JobState.CANCELLED, error=reason, finished_at=self._clock())
         if closed:
             self._save_order()
         return where
@@ -331,11 +381,16 @@ class Scheduler(Requests):
             cancelled = self.cancel_and_close(entries, reason)
             for entry in entries:
                 if cancelled[entry.id] is not None:
-                    log.info("cancelled entry %s of the playlist %s: %s", entry.name,
-                             entry.playlist.name if entry.playlist else link_id, reason)
+                    log.info(
+                        "cancelled entry %s of the playlist %s: %s",
+                        entry.name,
+                        entry.playlist.name if entry.playlist else link_id,
+                        reason,
+                    )
 
-    def expand_playlist(self, link_id: str, ref: PlaylistRef, entries: list[Job],
-                        control: JobControl) -> bool:
+    def expand_playlist(
+        self, link_id: str, ref: PlaylistRef, entries: list[Job], control: JobControl
+    ) -> bool:
         """Queue a playlist link's entries in playlist order at the head of the queue and the
         link's own job right behind them (it finishes the playlist). One registry transaction
         writes them all with the link's mark; False (nothing written) if the link was
@@ -346,11 +401,19 @@ class Scheduler(Requests):
                 return False
             # their places are saved in the same transaction: a crash right after must not
             # restore the entries behind jobs that were queued after the playlist
-            order = [entry.id for entry in entries] + [link_id] + \
-                [job_id for job_id in self.queue.order() if job_id != link_id]
-            self.registry.add_all(entries, then=(link_id, {
-                "playlist": ref, "state": JobState.QUEUED, "progress": 0.0, "stage": None}),
-                order=order)
+            order = (
+                [entry.id for entry in entries]
+                + [link_id]
+                + [job_id for job_id in self.queue.order() if job_id != link_id]
+            )
+            self.registry.add_all(
+                entries,
+                then=(
+                    link_id,
+                    {"playlist": ref, "state": JobState.QUEUED, "progress": 0.0, "stage": None},
+                ),
+                order=order,
+            )
             self.queue.put(link_id, front=True)
             for entry in reversed(entries):
                 self.queue.put(entry.id, front=True)
@@ -395,8 +458,9 @@ class Scheduler(Requests):
                 self._save_order()
                 self.admit_waiting()
             except Exception:
-                log.exception("could not record the queue after taking job %s; going on",
-                              control.job_id)
+                log.exception(
+                    "could not record the queue after taking job %s; going on", control.job_id
+                )
         return control
 
     def update(self, job_id: str, **fields: Any) -> Job:
@@ -456,21 +520,32 @@ class Scheduler(Requests):
         waiting = [(s, k, t) for s, (k, t) in _copy(self._waiting)]
         jobs, older = self.registry.recent(RECENT_JOBS)
         order = self.queue.order()
-        snap = build_snapshot(jobs, order, waiting,
-                              self.queue.pause_reason if self.queue.paused else None,
-                              self.settings.paths, {"running": True, "pid": os.getpid()},
-                              workers=workers_of(self.registry), older=older,
-                              pending=self.registry.pending_moves())
+        snap = build_snapshot(
+            jobs,
+            order,
+            waiting,
+            self.queue.pause_reason if self.queue.paused else None,
+            self.settings.paths,
+            {"running": True, "pid": os.getpid()},
+            workers=workers_of(self.registry),
+            older=older,
+            pending=self.registry.pending_moves(),
+        )
         if self.eta is not None:
             by_id = {job.id: job for job in jobs}
-            snap["eta"] = self.eta.estimate([job for job in jobs if job.state.is_running],
-                                            [by_id[i] for i in order if i in by_id], jobs,
-                                            snap["worker"], paused=snap["paused"],
-                                            probe=snap["pause_reason"] != PAUSE_INBOX)
+            snap["eta"] = self.eta.estimate(
+                [job for job in jobs if job.state.is_running],
+                [by_id[i] for i in order if i in by_id],
+                jobs,
+                snap["worker"],
+                paused=snap["paused"],
+                probe=snap["pause_reason"] != PAUSE_INBOX,
+            )
         return snap
 
-    def jobs_page(self, before: tuple[float, int] | None,
-                  limit: int) -> tuple[list[Job], tuple[float, int] | None]:
+    def jobs_page(
+        self, before: tuple[float, int] | None, limit: int
+    ) -> tuple[list[Job], tuple[float, int] | None]:
         """Every job, newest first, a page at a time (GET /api/jobs)."""
         return self.registry.page(before, limit)
 
@@ -490,16 +565,19 @@ class Scheduler(Requests):
             order = self.queue.order()
             for taken in reversed(self.queue.in_flight()):
                 job = self.registry.get(taken.job_id)
-                if (taken.job_id not in order and job is not None
-                        and job.state is JobState.QUEUED):
+                if taken.job_id not in order and job is not None and job.state is JobState.QUEUED:
                     order.insert(0, taken.job_id)
             self.registry.save_order(order)
 
     def _announce_queue(self) -> None:
-        self.bus.publish(QueueChanged(paused=self.queue.paused,
-                                      pause_reason=self.queue.pause_reason,
-                                      queued=tuple(self.queue.order()),
-                                      waiting=len(self._waiting)))
+        self.bus.publish(
+            QueueChanged(
+                paused=self.queue.paused,
+                pause_reason=self.queue.pause_reason,
+                queued=tuple(self.queue.order()),
+                waiting=len(self._waiting),
+            )
+        )
 
 
 def _signature_now(source: Path) -> FileSignature | None:
@@ -510,8 +588,9 @@ def _signature_now(source: Path) -> FileSignature | None:
         return None
 
 
-def _copy(items: collections.OrderedDict[str, tuple[JobKind, float]]
-          ) -> list[tuple[str, tuple[JobKind, float]]]:
+def _copy(
+    items: collections.OrderedDict[str, tuple[JobKind, float]],
+) -> list[tuple[str, tuple[JobKind, float]]]:
     for _ in range(10):
         try:
             return list(items.items())

@@ -16,6 +16,7 @@ published waits in scratch. When the share answers again the inbox is rescanned,
 move into processed/ or failed/ could not be done are moved (they were kept in the registry),
 and the queue goes on — unless someone paused it meanwhile: a pause the user chose stays.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, FilesystemError
 from stemdeck_watch.core.events import ShareAway, ShareBack
 from stemdeck_watch.core.jobs import FileSignature
-from stemdeck_watch.core.paths import (GONE_ERRNOS, exists_or_unreachable, find_moved,
-                                       is_unreachable, move_file, report_path)
+from stemdeck_watch.core.paths import (
+    GONE_ERRNOS,
+    exists_or_unreachable,
+    find_moved,
+    is_unreachable,
+    move_file,
+    report_path,
+)
 from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_USER, Scheduler
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
@@ -42,10 +49,10 @@ from stemdeck_watch.util.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
-PROBE_SECONDS = 1.0      # how often each folder is looked at
-GRACE_SECONDS = 60.0     # a share away this long is announced (notification)
-MOVES_SECONDS = 30.0     # pending moves are tried this often besides "the share is back"
-MARKER = ".stemdeck"     # kept in the inbox by the service (intake/ownership.py)
+PROBE_SECONDS = 1.0  # how often each folder is looked at
+GRACE_SECONDS = 60.0  # a share away this long is announced (notification)
+MOVES_SECONDS = 30.0  # pending moves are tried this often besides "the share is back"
+MARKER = ".stemdeck"  # kept in the inbox by the service (intake/ownership.py)
 MOUNTS_META = "share_mounts"  # registry meta: where each folder's filesystem was mounted
 ROLES = ("inbox", "outbox", "processed", "failed")
 PAUSES = {"inbox": PAUSE_INBOX, "outbox": PAUSE_OUTBOX}  # the folders the queue waits for
@@ -74,8 +81,10 @@ class FolderProbe:
         folder = self.folder
         try:
             if self.mount is not None and not is_mounted(self.mount):
-                return (f"the share mounted at {self.mount} is not mounted (what is there is "
-                        f"a local folder)")
+                return (
+                    f"the share mounted at {self.mount} is not mounted (what is there is "
+                    f"a local folder)"
+                )
             info = os.stat(folder)
         except OSError as exc:
             return _why(folder, exc)
@@ -94,8 +103,10 @@ class FolderProbe:
                     if exc.errno not in GONE_ERRNOS:
                         return _why(folder, exc)
                     if self._marker_seen:
-                        return (f"{folder / self.marker} is gone: the share is not mounted "
-                                f"there (if you removed that folder, restart the service)")
+                        return (
+                            f"{folder / self.marker} is gone: the share is not mounted "
+                            f"there (if you removed that folder, restart the service)"
+                        )
         except OSError as exc:
             return _why(folder, exc)
         return None
@@ -167,16 +178,28 @@ class ShareWatch(Ticker):
 
     name = "share-watch"
 
-    def __init__(self, scheduler: Scheduler, settings: Settings, *,
-                 interval: float = PROBE_SECONDS, grace: float = GRACE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        settings: Settings,
+        *,
+        interval: float = PROBE_SECONDS,
+        grace: float = GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__(interval)
         self.scheduler = scheduler
         folders = settings.paths
-        self.folders = {"inbox": folders.inbox, "outbox": folders.outbox,
-                        "processed": folders.processed, "failed": folders.failed}
-        self.probes = {role: FolderProbe(folder, MARKER if role == "inbox" else None)
-                       for role, folder in self.folders.items()}
+        self.folders = {
+            "inbox": folders.inbox,
+            "outbox": folders.outbox,
+            "processed": folders.processed,
+            "failed": folders.failed,
+        }
+        self.probes = {
+            role: FolderProbe(folder, MARKER if role == "inbox" else None)
+            for role, folder in self.folders.items()
+        }
         self.grace = grace
         self._clock = clock
         self._lock = threading.Lock()
@@ -241,14 +264,26 @@ class ShareWatch(Ticker):
         """Call `listener(role, away)` whenever a folder goes away or answers again."""
         self._listeners.append(listener)
 
-    def defer_move(self, job_id: str, kind: str, source: Path, target: Path,
-                   signature: FileSignature | None, why: str) -> None:
+    def defer_move(
+        self,
+        job_id: str,
+        kind: str,
+        source: Path,
+        target: Path,
+        signature: FileSignature | None,
+        why: str,
+    ) -> None:
         """Keep a move of a finished job's input (into processed/ or failed/) that could not
         reach the file: done when the share answers again, and at start-up."""
         self.scheduler.registry.add_pending_move(
-            PendingMove(job_id, kind, str(source), str(target), signature, time.time()))
-        log.warning("%s cannot be moved to %s/ now (%s); it is moved when the share answers",
-                    source, kind, why)
+            PendingMove(job_id, kind, str(source), str(target), signature, time.time())
+        )
+        log.warning(
+            "%s cannot be moved to %s/ now (%s); it is moved when the share answers",
+            source,
+            kind,
+            why,
+        )
         self._moves_due = True
 
     # ------------------------------------------------------------ the thread
@@ -259,12 +294,16 @@ class ShareWatch(Ticker):
         self._record_mounts()
         with self._lock:
             self._hold()  # someone started the queue while a folder it needs is away
-            due = [(role, since, why) for role, (since, why) in self._away.items()
-                   if role not in self._announced and self._clock() - since >= self.grace]
+            due = [
+                (role, since, why)
+                for role, (since, why) in self._away.items()
+                if role not in self._announced and self._clock() - since >= self.grace
+            ]
             self._announced.update(role for role, _since, _why in due)
         for role, since, why in due:
-            self.scheduler.bus.publish(ShareAway(role, str(self.folders[role]), why,
-                                                 self._clock() - since))
+            self.scheduler.bus.publish(
+                ShareAway(role, str(self.folders[role]), why, self._clock() - since)
+            )
         now = self._clock()
         if self._moves_due or now >= self._moves_at:
             self._moves_due = False
@@ -275,8 +314,11 @@ class ShareWatch(Ticker):
         """Keep where each folder's filesystem is mounted, for the next start: a service
         started while the NAS is not mounted yet must know that its inbox is away, not empty
         (and must not create it on the local disk)."""
-        mounts = {role: {"path": str(probe.folder), "mount": str(probe.mount)}
-                  for role, probe in self.probes.items() if probe.mount is not None}
+        mounts = {
+            role: {"path": str(probe.folder), "mount": str(probe.mount)}
+            for role, probe in self.probes.items()
+            if probe.mount is not None
+        }
         if mounts != self._recorded:
             self.scheduler.registry.set_meta(MOUNTS_META, json.dumps(mounts))
             self._recorded = mounts
@@ -290,17 +332,23 @@ class ShareWatch(Ticker):
             if problem is not None and was is None:
                 went = True
                 self._away[role] = (self._clock(), problem)
-                log.warning("the %s is away: %s; %s", role, problem,
-                            "the queue is paused until it answers" if role in PAUSES else
-                            "inputs are moved there when it answers")
+                log.warning(
+                    "the %s is away: %s; %s",
+                    role,
+                    problem,
+                    "the queue is paused until it answers"
+                    if role in PAUSES
+                    else "inputs are moved there when it answers",
+                )
                 self._hold()
             elif problem is None and was is not None:
                 del self._away[role]
                 back = self._clock() - was[0]
                 announced = role in self._announced
                 self._announced.discard(role)
-                log.info("the %s %s answers again after %.0f s away", role, self.folders[role],
-                         back)
+                log.info(
+                    "the %s %s answers again after %.0f s away", role, self.folders[role], back
+                )
                 self._moves_due = True
                 if role == "inbox":
                     self.scheduler.learn_inbox_filesystem()
@@ -313,8 +361,9 @@ class ShareWatch(Ticker):
             try:
                 listener(role, went)
             except Exception:
-                log.exception("acting on the %s %s failed", role,
-                              "going away" if went else "coming back")
+                log.exception(
+                    "acting on the %s %s failed", role, "going away" if went else "coming back"
+                )
 
     def _hold(self) -> None:
         """Pause for the folder the queue waits for (the inbox before the outbox), unless
@@ -374,11 +423,13 @@ class ShareWatch(Ticker):
         where: Path | None = None
         if found is None:
             where = find_moved(target, sig.size, sig.mtime_ns) if sig else None
-            log.info("%s is no longer in the inbox%s", source,
-                     f"; it is at {where}" if where else "")
+            log.info(
+                "%s is no longer in the inbox%s", source, f"; it is at {where}" if where else ""
+            )
         elif sig is not None and FileSignature.of(found) != sig:
-            log.warning("%s changed while its share was away: it stays in the inbox as a new "
-                        "song", source)
+            log.warning(
+                "%s changed while its share was away: it stays in the inbox as a new song", source
+            )
         else:
             try:
                 where = move_file(source, target)
@@ -388,8 +439,10 @@ class ShareWatch(Ticker):
                 registry.remove_pending_move(move.job_id)
                 log.error("%s; the input stays in the inbox", exc)
                 if move.kind == "processed" and registry.get(move.job_id) is not None:
-                    self.scheduler.update(move.job_id, error=f"stems published, but {exc}; "
-                                                           f"the input stays in the inbox")
+                    self.scheduler.update(
+                        move.job_id,
+                        error=f"stems published, but {exc}; the input stays in the inbox",
+                    )
                 return True
             move_sidecar(source, where)  # the song's choices go with it
             if move.kind == "failed":

@@ -4,6 +4,7 @@ Sync clients, NAS boxes, browsers and office suites leave temporary files, lock 
 metadata folders beside real files; none of them is ever a song. The built-in rules below are
 always on; the user's `watch.ignore` patterns are added to them, never replace them.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -11,15 +12,37 @@ from pathlib import PurePosixPath
 from typing import Iterable
 
 IGNORED_NAMES = (
-    ".*",                 # AppleDouble ._x, Syncthing/Nextcloud temps, .DS_Store, hidden files
-    "~$*", ".~lock.*",    # Office / LibreOffice locks
-    "*.part", "*.crdownload", "*.download", "*.tmp", "*.!sync", "*.partial", "*.icloud",
-    "*.rsls", "thumbs.db", "desktop.ini", "*.sync-conflict-*",
+    ".*",  # AppleDouble ._x, Syncthing/Nextcloud temps, .DS_Store, hidden files
+    "~$*",
+    ".~lock.*",  # Office / LibreOffice locks
+    "*.part",
+    "*.crdownload",
+    "*.download",
+    "*.tmp",
+    "*.!sync",
+    "*.partial",
+    "*.icloud",
+    "*.rsls",
+    "thumbs.db",
+    "desktop.ini",
+    "*.sync-conflict-*",
 )
-IGNORED_FOLDERS = frozenset(name.lower() for name in (
-    ".stfolder", ".stversions", ".dropbox.cache", ".tmp.drivedownload", ".tmp.driveupload",
-    "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", ".Trashes", "__MACOSX",
-))
+IGNORED_FOLDERS = frozenset(
+    name.lower()
+    for name in (
+        ".stfolder",
+        ".stversions",
+        ".dropbox.cache",
+        ".tmp.drivedownload",
+        ".tmp.driveupload",
+        "@eaDir",
+        "#recycle",
+        "#snapshot",
+        "$RECYCLE.BIN",
+        ".Trashes",
+        "__MACOSX",
+    )
+)
 # Safari downloads into a `NAME.download/` bundle holding the unfinished file under its final
 # name, and moves it out when done: nothing inside such a folder is ever complete
 IGNORED_FOLDER_PATTERNS = ("*.download",)
@@ -31,22 +54,27 @@ def is_pause_file(name: str) -> bool:
 
 
 class InboxFilter:
-    def __init__(self, extensions: Iterable[str], extra_patterns: Iterable[str] = (),
-                 recursive: bool = True):
+    def __init__(
+        self, extensions: Iterable[str], extra_patterns: Iterable[str] = (), recursive: bool = True
+    ):
         self.extensions = frozenset(e.lower() for e in extensions)
         self.extra = tuple(p.lower() for p in extra_patterns)
         self.recursive = recursive
 
     def folder_ignored(self, name: str) -> bool:
         lowered = name.lower()
-        return lowered in IGNORED_FOLDERS or lowered.startswith(".") \
-            or any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_FOLDER_PATTERNS) \
+        return (
+            lowered in IGNORED_FOLDERS
+            or lowered.startswith(".")
+            or any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_FOLDER_PATTERNS)
             or self._matches_extra(lowered)
+        )
 
     def name_ignored(self, name: str) -> bool:
         lowered = name.lower()
-        return any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_NAMES) \
-            or self._matches_extra(lowered)
+        return any(fnmatch.fnmatchcase(lowered, p) for p in IGNORED_NAMES) or self._matches_extra(
+            lowered
+        )
 
     def eligible(self, rel_path: PurePosixPath) -> bool:
         """True for an audio file the service should turn into a job."""

@@ -12,6 +12,7 @@ fast as the sync client carries it, so two services started within that delay of
 (or while one machine is offline) both see no owner. Clocks are compared across machines, so
 they must roughly agree (NTP); `STALE_AFTER` leaves minutes of slack for both.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,12 @@ from stemdeck_watch.util.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
-FOLDER = ".stemdeck"           # hidden: intake never treats it as songs; synced like the rest
+FOLDER = ".stemdeck"  # hidden: intake never treats it as songs; synced like the rest
 PREFIX = "owner-"
-BEAT_EVERY = 30.0              # seconds between heartbeats of the owner
-STALE_AFTER = 180.0            # a heartbeat older than this is an owner that is gone
-STANDBY_CHECK_EVERY = 1.0      # how often a standby service looks at the owner's heartbeat
-MAX_HEARTBEAT = 64 * 1024      # a heartbeat is ~150 bytes; a bigger file is not one
+BEAT_EVERY = 30.0  # seconds between heartbeats of the owner
+STALE_AFTER = 180.0  # a heartbeat older than this is an owner that is gone
+STANDBY_CHECK_EVERY = 1.0  # how often a standby service looks at the owner's heartbeat
+MAX_HEARTBEAT = 64 * 1024  # a heartbeat is ~150 bytes; a bigger file is not one
 
 
 class InboxOwned(StemdeckError):
@@ -54,8 +55,10 @@ class Heartbeat:
     path: Path
 
     def describe(self, now: float) -> str:
-        return (f"stemdeck-watch on host {self.host!r} (service {self.service_id}, pid "
-                f"{self.pid}, last heartbeat {max(0.0, now - self.updated):.0f} s ago)")
+        return (
+            f"stemdeck-watch on host {self.host!r} (service {self.service_id}, pid "
+            f"{self.pid}, last heartbeat {max(0.0, now - self.updated):.0f} s ago)"
+        )
 
 
 def read_heartbeats(folder: Path) -> list[Heartbeat]:
@@ -71,9 +74,16 @@ def read_heartbeats(folder: Path) -> list[Heartbeat]:
             continue
         try:
             data = read_json(Path(entry.path), MAX_HEARTBEAT)
-            beats.append(Heartbeat(str(data["host"]), str(data["service_id"]), int(data["pid"]),
-                                   float(data["started"]), float(data["updated"]),
-                                   Path(entry.path)))
+            beats.append(
+                Heartbeat(
+                    str(data["host"]),
+                    str(data["service_id"]),
+                    int(data["pid"]),
+                    float(data["started"]),
+                    float(data["updated"]),
+                    Path(entry.path),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             log.debug("skipping unreadable heartbeat %s", entry.path)
     return beats
@@ -84,10 +94,17 @@ class InboxOwnership(Ticker):
 
     name = "ownership"
 
-    def __init__(self, inbox: Path, *, standby: bool = False,
-                 clock: Callable[[], float] = time.time, host: str | None = None,
-                 service_id: str | None = None, beat_every: float = BEAT_EVERY,
-                 stale_after: float = STALE_AFTER):
+    def __init__(
+        self,
+        inbox: Path,
+        *,
+        standby: bool = False,
+        clock: Callable[[], float] = time.time,
+        host: str | None = None,
+        service_id: str | None = None,
+        beat_every: float = BEAT_EVERY,
+        stale_after: float = STALE_AFTER,
+    ):
         self.folder = inbox / FOLDER
         self.standby = standby
         self.host = host or socket.gethostname()
@@ -107,8 +124,11 @@ class InboxOwnership(Ticker):
     def live_owners(self) -> list[Heartbeat]:
         """Other services whose heartbeat is fresh (oldest claim first)."""
         now = self._clock()
-        owners = [beat for beat in read_heartbeats(self.folder)
-                  if beat.service_id != self.service_id and self._alive(beat, now)]
+        owners = [
+            beat
+            for beat in read_heartbeats(self.folder)
+            if beat.service_id != self.service_id and self._alive(beat, now)
+        ]
         return sorted(owners, key=lambda b: (b.started, b.service_id))
 
     def _alive(self, beat: Heartbeat, now: float) -> bool:
@@ -133,16 +153,23 @@ class InboxOwnership(Ticker):
                 raise InboxOwned(
                     f"could not start: the inbox {self.folder.parent} is owned by {owner}; "
                     f"stop that service first, or set watch.standby = true to take over "
-                    f"when it stops (its heartbeat is {owners[0].path})")
+                    f"when it stops (its heartbeat is {owners[0].path})"
+                )
             if not waited:
-                log.info("standby: the inbox %s is owned by %s; taking over when its heartbeat "
-                         "is older than %.0f s", self.folder.parent, owner, self.stale_after)
+                log.info(
+                    "standby: the inbox %s is owned by %s; taking over when its heartbeat "
+                    "is older than %.0f s",
+                    self.folder.parent,
+                    owner,
+                    self.stale_after,
+                )
                 waited = True
             if stop.wait(STANDBY_CHECK_EVERY):
                 return False
         if waited:
-            log.warning("the owner's heartbeat went stale: taking over the inbox %s",
-                        self.folder.parent)
+            log.warning(
+                "the owner's heartbeat went stale: taking over the inbox %s", self.folder.parent
+            )
         self._remove_crashed()
         if not self.away():
             self.beat()
@@ -152,8 +179,11 @@ class InboxOwnership(Ticker):
         """Heartbeats that crashed services on this computer left behind: nobody else
         removes them (other computers' old ones are theirs to clean up)."""
         for beat in read_heartbeats(self.folder):
-            if beat.host == self.host and beat.service_id != self.service_id \
-                    and not _pid_alive(beat.pid):
+            if (
+                beat.host == self.host
+                and beat.service_id != self.service_id
+                and not _pid_alive(beat.pid)
+            ):
                 try:
                     beat.path.unlink()
                 except OSError:
@@ -163,14 +193,22 @@ class InboxOwnership(Ticker):
 
     def beat(self) -> None:
         """Write this service's heartbeat atomically (a sync client never carries half)."""
-        data = {"host": self.host, "service_id": self.service_id, "pid": os.getpid(),
-                "started": self._started, "updated": self._clock()}
+        data = {
+            "host": self.host,
+            "service_id": self.service_id,
+            "pid": os.getpid(),
+            "started": self._started,
+            "updated": self._clock(),
+        }
         try:
             self.folder.mkdir(exist_ok=True)  # never the inbox itself: it may be a share away
             write_replacing(self.path, json.dumps(data))
         except OSError as exc:
-            log.warning("could not write the heartbeat %s: %s; check that the inbox is "
-                        "writable", self.path, exc.strerror or exc)
+            log.warning(
+                "could not write the heartbeat %s: %s; check that the inbox is writable",
+                self.path,
+                exc.strerror or exc,
+            )
 
     def tick(self) -> None:
         if self.away():
@@ -191,5 +229,8 @@ class InboxOwnership(Ticker):
         for owner in self.live_owners():
             if owner.service_id not in self._warned:
                 self._warned.add(owner.service_id)
-                log.error("another service watches this inbox too: %s; both may separate the "
-                          "same songs — stop one of them", owner.describe(self._clock()))
+                log.error(
+                    "another service watches this inbox too: %s; both may separate the "
+                    "same songs — stop one of them",
+                    owner.describe(self._clock()),
+                )

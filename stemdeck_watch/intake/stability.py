@@ -9,6 +9,7 @@ download lands): it waits as long as it takes.
 
 The clock is injected, so tests step time instead of sleeping.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,12 @@ class _Candidate:
 
 
 class StabilityTracker:
-    def __init__(self, settle_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 closed_settle_seconds: float = CLOSED_SETTLE_SECONDS):
+    def __init__(
+        self,
+        settle_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        closed_settle_seconds: float = CLOSED_SETTLE_SECONDS,
+    ):
         self.settle_seconds = settle_seconds
         self.closed_settle_seconds = min(closed_settle_seconds, settle_seconds)
         self._clock = clock
@@ -67,8 +72,11 @@ class StabilityTracker:
         looks then, instead of at its next tick: a song then waits `settle_seconds`, not up
         to a tick more."""
         with self._lock:
-            due = [c.quiet_since + self._quiet_needed(c) for c in self._candidates.values()
-                   if c.signature is not None and c.signature.size > 0]
+            due = [
+                c.quiet_since + self._quiet_needed(c)
+                for c in self._candidates.values()
+                if c.signature is not None and c.signature.size > 0
+            ]
         return min(due, default=None)
 
     def _quiet_needed(self, candidate: _Candidate) -> float:

@@ -7,6 +7,7 @@ in the inbox twice. So a link to a file is refused the way bad input is: it goes
 as a failed job. A file reached through a linked folder is left alone and logged: it is the
 user's own file elsewhere, and moving it would take it from where it lives.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -33,10 +34,14 @@ def link_refusal(path: Path, real_inbox: str) -> str | None:
         return None
     target = os.path.realpath(path)
     if _within(target, real_inbox):
-        return (f"{path.name} is a symbolic link to {target}, which is in the inbox and is "
-                f"separated itself; links are not followed")
-    return (f"{path.name} is a symbolic link to {target}, outside the inbox; links are not "
-            f"followed out of the inbox — copy or move the file itself into the inbox")
+        return (
+            f"{path.name} is a symbolic link to {target}, which is in the inbox and is "
+            f"separated itself; links are not followed"
+        )
+    return (
+        f"{path.name} is a symbolic link to {target}, outside the inbox; links are not "
+        f"followed out of the inbox — copy or move the file itself into the inbox"
+    )
 
 
 def outside_inbox(path: Path, real_inbox: str) -> bool:
@@ -57,8 +62,10 @@ def set_aside(link: Path, rel: PurePosixPath, failed: Path, reason: str) -> Path
         os.symlink(os.readlink(link), target)  # another filesystem: recreate the link
         os.unlink(link)
     shown = strip_controls  # names from someone else: no line of their own, no escapes
-    write_replacing(report_path(target),
-                    f"stemdeck-watch did not separate {shown(rel.name)}\n\n"
-                    f"Why: {shown(reason)}.\n\nLink:    {shown(link)}\nNow at:  {shown(target)}\n"
-                    f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n")
+    write_replacing(
+        report_path(target),
+        f"stemdeck-watch did not separate {shown(rel.name)}\n\n"
+        f"Why: {shown(reason)}.\n\nLink:    {shown(link)}\nNow at:  {shown(target)}\n"
+        f"Time:    {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n",
+    )
     return target

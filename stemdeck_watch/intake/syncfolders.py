@@ -5,6 +5,7 @@ in the same synced folder, so a phone sees its song move from inbox to processed
 stems appear. Detection is by the marks each client leaves at the top of the folder it syncs
 (or the well-known places it syncs to); a client that leaves none is simply not recognised.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -51,9 +52,11 @@ def nextcloud_roots(config_dirs: Iterable[Path] | None = None) -> list[Path]:
     """Local folders the Nextcloud desktop client syncs, from its own config file."""
     if config_dirs is None:
         home = Path.home()
-        config_dirs = [home / ".config" / "Nextcloud",
-                       home / "Library" / "Preferences" / "Nextcloud",
-                       Path(os.environ.get("APPDATA", home / "AppData" / "Roaming")) / "Nextcloud"]
+        config_dirs = [
+            home / ".config" / "Nextcloud",
+            home / "Library" / "Preferences" / "Nextcloud",
+            Path(os.environ.get("APPDATA", home / "AppData" / "Roaming")) / "Nextcloud",
+        ]
     roots = []
     for folder in config_dirs:
         config = configparser.ConfigParser(interpolation=None, strict=False)

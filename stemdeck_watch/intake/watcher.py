@@ -6,6 +6,7 @@ catches whatever events missed (inotify drops its overflow silently, network fil
 none). On network filesystems, or when the OS refuses more native watches, the inbox is
 polled instead, and the log and `doctor` say so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,15 +38,17 @@ MIN_WAIT_SECONDS = 0.005  # a quiet period that just ended: look almost at once
 RETRY_SECONDS = 5.0  # after a failure in the loop, the next rescan comes this soon
 
 
-def choose_mode(settings: WatchSettings, inbox: Path,
-                table: str | os.PathLike[str] = MOUNT_TABLE) -> tuple[str, str]:
+def choose_mode(
+    settings: WatchSettings, inbox: Path, table: str | os.PathLike[str] = MOUNT_TABLE
+) -> tuple[str, str]:
     """("native" | "polling", why) for the configured mode and the inbox's filesystem (found
     in the mount table `table`)."""
     if settings.mode != "auto":
         return settings.mode, f"watch.mode = {settings.mode!r}"
     if is_network_filesystem(inbox, table):
-        return "polling", (f"the inbox is on a network filesystem "
-                           f"({filesystem_type(inbox, table)})")
+        return "polling", (
+            f"the inbox is on a network filesystem ({filesystem_type(inbox, table)})"
+        )
     return "native", "native filesystem events"
 
 
@@ -66,9 +69,15 @@ class _Handler(FileSystemEventHandler):
 
 
 class InboxWatcher:
-    def __init__(self, settings: WatchSettings, inbox: Path, scheduler: Scheduler,
-                 clock: Callable[[], float] = time.monotonic, links: bool = False,
-                 mount_table: str | os.PathLike[str] = MOUNT_TABLE):
+    def __init__(
+        self,
+        settings: WatchSettings,
+        inbox: Path,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.monotonic,
+        links: bool = False,
+        mount_table: str | os.PathLike[str] = MOUNT_TABLE,
+    ):
         self.settings = settings
         self.inbox = inbox
         self.scheduler = scheduler
@@ -163,8 +172,11 @@ class InboxWatcher:
             native: BaseObserver | None = None
             try:
                 native = Observer()  # inotify: starts its reader thread here already
-                native.schedule(_Handler(self, self._generation), str(self.inbox),
-                                recursive=self.settings.recursive)
+                native.schedule(
+                    _Handler(self, self._generation),
+                    str(self.inbox),
+                    recursive=self.settings.recursive,
+                )
                 native.start()
                 self._observer = native
                 log.info("watching %s with %s", self.inbox, self.mode_reason)
@@ -173,15 +185,24 @@ class InboxWatcher:
                 if native is not None:  # or its reader thread and descriptor stay behind
                     native.stop()
                 self.mode, self.mode_reason = "polling", f"native watching failed ({exc})"
-                log.warning("could not watch %s natively (%s); polling every %.1f s instead",
-                            self.inbox, exc, self.settings.poll_interval)
+                log.warning(
+                    "could not watch %s natively (%s); polling every %.1f s instead",
+                    self.inbox,
+                    exc,
+                    self.settings.poll_interval,
+                )
         observer = PollingObserver(timeout=self.settings.poll_interval)
-        observer.schedule(_Handler(self, self._generation), str(self.inbox),
-                          recursive=self.settings.recursive)
+        observer.schedule(
+            _Handler(self, self._generation), str(self.inbox), recursive=self.settings.recursive
+        )
         observer.start()
         self._observer = observer
-        log.info("polling %s every %.1f s (%s)", self.inbox, self.settings.poll_interval,
-                 self.mode_reason)
+        log.info(
+            "polling %s every %.1f s (%s)",
+            self.inbox,
+            self.settings.poll_interval,
+            self.mode_reason,
+        )
 
     # ------------------------------------------------------------ events
 
@@ -240,8 +261,9 @@ class InboxWatcher:
     def _loop(self) -> None:
         next_rescan = self._clock() + self.settings.rescan_seconds
         retry_at: float | None = None
-        while not self._stop.wait(TICK_SECONDS if retry_at is not None
-                                  else self._until_next_look()):
+        while not self._stop.wait(
+            TICK_SECONDS if retry_at is not None else self._until_next_look()
+        ):
             try:
                 if self._away():
                     continue  # nothing to scan or admit until the share answers
@@ -251,8 +273,9 @@ class InboxWatcher:
                 if retry_at is not None and self._clock() >= retry_at:
                     retry_at = None
                     self._rescan.set()
-                if self._rescan.is_set() or (self.settings.rescan_seconds
-                                             and self._clock() >= next_rescan):
+                if self._rescan.is_set() or (
+                    self.settings.rescan_seconds and self._clock() >= next_rescan
+                ):
                     self._rescan.clear()
                     next_rescan = self._clock() + self.settings.rescan_seconds
                     self.scan(self.inbox)
@@ -287,8 +310,11 @@ class InboxWatcher:
         """Walk `folder` and start tracking every eligible file in it (a linked folder is
         not walked: links are never followed out of the inbox)."""
         if folder != self.inbox and os.path.islink(folder):
-            log.warning("not looking inside %s: it is a symbolic link to %s, and links are not "
-                        "followed", folder, os.path.realpath(folder))
+            log.warning(
+                "not looking inside %s: it is a symbolic link to %s, and links are not followed",
+                folder,
+                os.path.realpath(folder),
+            )
             return
         for root, dirs, files in os.walk(folder, onerror=lambda e: log.warning("scan: %s", e)):
             root_path = Path(root)
@@ -317,8 +343,11 @@ class InboxWatcher:
         if outside_inbox(path, real_inbox):
             if path not in self._outside:
                 self._outside.add(path)
-                log.warning("not separating %s: it is reached through a symbolic link to a "
-                            "folder outside the inbox", path)
+                log.warning(
+                    "not separating %s: it is reached through a symbolic link to a "
+                    "folder outside the inbox",
+                    path,
+                )
             return True
         reason = link_refusal(path, real_inbox)
         if reason is None:
@@ -326,8 +355,12 @@ class InboxWatcher:
         try:
             where = set_aside(path, rel, self.scheduler.settings.paths.failed, reason)
         except OSError as exc:
-            log.error("could not move the link %s to %s: %s; remove it from the inbox", path,
-                      self.scheduler.settings.paths.failed, exc.strerror or exc)
+            log.error(
+                "could not move the link %s to %s: %s; remove it from the inbox",
+                path,
+                self.scheduler.settings.paths.failed,
+                exc.strerror or exc,
+            )
             return True
         self.scheduler.refuse(where, rel, reason)
         return True

@@ -9,6 +9,7 @@ and during it where not. Every connection it makes goes through the link's guard
 (links/netguard.py): public addresses only, pages and time bounded, stopped by a cancel in
 whichever phase the fetch is.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,11 +60,18 @@ class Downloaded:
     playlist: PlaylistRef | None = None  # the playlist this download is an entry of
 
     def manifest(self) -> dict[str, Any]:
-        found = {"url": self.url, "extractor": self.extractor, "title": self.title,
-                 "duration": self.duration}
+        found = {
+            "url": self.url,
+            "extractor": self.extractor,
+            "title": self.title,
+            "duration": self.duration,
+        }
         if self.playlist is not None:
-            found["playlist"] = {"name": self.playlist.name, "entry": self.playlist.entry,
-                                 "entries": self.playlist.entries}
+            found["playlist"] = {
+                "name": self.playlist.name,
+                "entry": self.playlist.entry,
+                "entries": self.playlist.entries,
+            }
         return found
 
 
@@ -109,10 +117,19 @@ class _TooLarge(Exception):
     pass
 
 
-def download(url: str, folder: Path, links: LinkSettings, *, control: JobControl,
-             on_progress: Callable[[float], None], link_name: str, expand: bool = False,
-             title: str | None = None, playlist: PlaylistRef | None = None,
-             resolver: Resolver | None = None) -> Downloaded | Playlist:
+def download(
+    url: str,
+    folder: Path,
+    links: LinkSettings,
+    *,
+    control: JobControl,
+    on_progress: Callable[[float], None],
+    link_name: str,
+    expand: bool = False,
+    title: str | None = None,
+    playlist: PlaylistRef | None = None,
+    resolver: Resolver | None = None,
+) -> Downloaded | Playlist:
     """Download `url` into `folder`; DownloadError with a reason a person understands,
     Cancelled when `control` is cancelled (in any phase: reading the page or downloading).
 
@@ -125,10 +142,19 @@ def download(url: str, folder: Path, links: LinkSettings, *, control: JobControl
 
     folder.mkdir(parents=True, exist_ok=True)
     limit = links.max_filesize or None
-    if playlist is not None and playlist.duration and links.max_duration \
-            and playlist.duration > links.max_duration:
-        raise DownloadError(_too_long(f"{link_name} (entry {playlist.entry} of {playlist.name})",
-                                      playlist.duration, links.max_duration))
+    if (
+        playlist is not None
+        and playlist.duration
+        and links.max_duration
+        and playlist.duration > links.max_duration
+    ):
+        raise DownloadError(
+            _too_long(
+                f"{link_name} (entry {playlist.entry} of {playlist.name})",
+                playlist.duration,
+                links.max_duration,
+            )
+        )
 
     def hook(status: dict[str, Any]) -> None:
         control.check()  # raising here stops yt-dlp at once (it propagates unwrapped)
@@ -149,16 +175,27 @@ def download(url: str, folder: Path, links: LinkSettings, *, control: JobControl
         **({"extract_flat": "in_playlist"} if expand else {"playlist_items": "1"}),
         "progress_hooks": [hook],
         "logger": _Log(),
-        "quiet": True, "no_warnings": True, "noprogress": True,
+        "quiet": True,
+        "no_warnings": True,
+        "noprogress": True,
         "socket_timeout": STALL_TIMEOUT,
-        "retries": 1, "fragment_retries": 1, "extractor_retries": 0,
-        "continuedl": False, "overwrites": True, "cachedir": False,
+        "retries": 1,
+        "fragment_retries": 1,
+        "extractor_retries": 0,
+        "continuedl": False,
+        "overwrites": True,
+        "cachedir": False,
         "postprocessors": [],
         "enable_file_urls": False,
     }
-    guard = Guard(allow_private=links.allow_private, page_bytes=links.max_page_bytes,
-                  file_bytes=limit, page_timeout=links.page_timeout,
-                  timeout=links.timeout or None, resolver=resolver)
+    guard = Guard(
+        allow_private=links.allow_private,
+        page_bytes=links.max_page_bytes,
+        file_bytes=limit,
+        page_timeout=links.page_timeout,
+        timeout=links.timeout or None,
+        resolver=resolver,
+    )
     only: Entry | None = None
     try:
         with control.registered(guard.cancel), guard, _youtube_dl(options, guard) as ydl:
@@ -180,20 +217,34 @@ def download(url: str, folder: Path, links: LinkSettings, *, control: JobControl
             raise
         raise failure from None
     if only is not None:
-        return download(only.url, folder, links, control=control, on_progress=on_progress,
-                        link_name=link_name, title=only.title, resolver=resolver)
+        return download(
+            only.url,
+            folder,
+            links,
+            control=control,
+            on_progress=on_progress,
+            link_name=link_name,
+            title=only.title,
+            resolver=resolver,
+        )
     path = _downloaded_path(_single(result))
     if path is None or not path.is_file():
-        raise DownloadError(f"{link_name}: yt-dlp finished without a file (the page may offer "
-                            f"no downloadable audio)")
+        raise DownloadError(
+            f"{link_name}: yt-dlp finished without a file (the page may offer "
+            f"no downloadable audio)"
+        )
     duration = entry.get("duration") or probe_duration(path)
     if links.max_duration and duration and duration > links.max_duration:
         shutil.rmtree(folder, ignore_errors=True)
         raise DownloadError(_too_long(link_name, duration, links.max_duration))
-    return Downloaded(path=path, url=url,
-                      title=title or song_name(entry, fallback=Path(link_name).stem),
-                      extractor=str(entry.get("extractor_key") or entry.get("extractor") or ""),
-                      duration=float(duration) if duration else None, playlist=playlist)
+    return Downloaded(
+        path=path,
+        url=url,
+        title=title or song_name(entry, fallback=Path(link_name).stem),
+        extractor=str(entry.get("extractor_key") or entry.get("extractor") or ""),
+        duration=float(duration) if duration else None,
+        playlist=playlist,
+    )
 
 
 def _youtube_dl(options: dict[str, Any], guard: Guard) -> yt_dlp.YoutubeDL:
@@ -209,8 +260,9 @@ def _youtube_dl(options: dict[str, Any], guard: Guard) -> yt_dlp.YoutubeDL:
         def build_request_director(self, handlers: Any, preferences: Any = None) -> Any:
             return super().build_request_director([guard.handler])
 
-        def dl(self, name: str, info: dict[str, Any], subtitle: bool = False,
-               test: bool = False) -> Any:
+        def dl(
+            self, name: str, info: dict[str, Any], subtitle: bool = False, test: bool = False
+        ) -> Any:
             if issubclass(get_suitable_downloader(info, self.params) or ExternalFD, ExternalFD):
                 # a program of its own (ffmpeg) would connect past the guard
                 raise guard.stop(Stop.EXTERNAL, str(info.get("protocol") or "?"))
@@ -220,8 +272,9 @@ def _youtube_dl(options: dict[str, Any], guard: Guard) -> yt_dlp.YoutubeDL:
     return Guarded(options)
 
 
-def _failure(exc: BaseException, guard: Guard, control: JobControl, links: LinkSettings,
-             link_name: str) -> BaseException:
+def _failure(
+    exc: BaseException, guard: Guard, control: JobControl, links: LinkSettings, link_name: str
+) -> BaseException:
     """What a fetch that raised `exc` ended with, for the job: Cancelled, or a DownloadError
     with the reason (the guard's stop first: yt-dlp may have wrapped it)."""
     import yt_dlp
@@ -235,30 +288,37 @@ def _failure(exc: BaseException, guard: Guard, control: JobControl, links: LinkS
         return Cancelled(control.reason or str(exc) or "cancelled")
     could_not = f"could not download {link_name}:"
     if stopped is not None:
-        return DownloadError({
-            Stop.PAGE_TIMEOUT: f"{could_not} its page did not load within links.page_timeout "
-                               f"({_length(links.page_timeout)}); raise that limit to wait "
-                               f"longer",
-            Stop.TIMEOUT: f"{could_not} it did not finish within links.timeout "
-                          f"({_length(links.timeout)}); raise that limit to wait longer",
-            Stop.PAGE_SIZE: f"{could_not} its page is larger than links.max_page_bytes "
-                            f"({_mb(links.max_page_bytes)}); raise that limit to read it",
-            Stop.FILE_SIZE: f"the download of {link_name} is larger than links.max_filesize "
-                            f"({_mb(links.max_filesize)}); raise that limit to accept it",
-            Stop.REFUSED: f"{could_not} it leads to {stopped.detail}, and links to this "
-                          f"machine or the local network are refused; set links.allow_private "
-                          f"= true to allow them",
-            Stop.EXTERNAL: f"{could_not} its audio is streamed ({stopped.detail}) in a way "
-                           f"only an external program downloads, which links never use",
-            Stop.SCHEME: f"{could_not} " + (
-                "the link leads to a local file (file: URL), which is never fetched"
-                if stopped.detail == "file" else f"it redirects to a {stopped.detail}: "
-                f"address, which is not a web address (only http and https are fetched)"),
-            Stop.CANCELLED: f"{could_not} cancelled",
-        }[stopped.why])
+        return DownloadError(
+            {
+                Stop.PAGE_TIMEOUT: f"{could_not} its page did not load within links.page_timeout "
+                f"({_length(links.page_timeout)}); raise that limit to wait "
+                f"longer",
+                Stop.TIMEOUT: f"{could_not} it did not finish within links.timeout "
+                f"({_length(links.timeout)}); raise that limit to wait longer",
+                Stop.PAGE_SIZE: f"{could_not} its page is larger than links.max_page_bytes "
+                f"({_mb(links.max_page_bytes)}); raise that limit to read it",
+                Stop.FILE_SIZE: f"the download of {link_name} is larger than links.max_filesize "
+                f"({_mb(links.max_filesize)}); raise that limit to accept it",
+                Stop.REFUSED: f"{could_not} it leads to {stopped.detail}, and links to this "
+                f"machine or the local network are refused; set links.allow_private "
+                f"= true to allow them",
+                Stop.EXTERNAL: f"{could_not} its audio is streamed ({stopped.detail}) in a way "
+                f"only an external program downloads, which links never use",
+                Stop.SCHEME: f"{could_not} "
+                + (
+                    "the link leads to a local file (file: URL), which is never fetched"
+                    if stopped.detail == "file"
+                    else f"it redirects to a {stopped.detail}: "
+                    f"address, which is not a web address (only http and https are fetched)"
+                ),
+                Stop.CANCELLED: f"{could_not} cancelled",
+            }[stopped.why]
+        )
     if isinstance(exc, _TooLarge):
-        return DownloadError(f"the download of {link_name} is larger than links.max_filesize "
-                             f"({_mb(links.max_filesize)}); raise that limit to accept it")
+        return DownloadError(
+            f"the download of {link_name} is larger than links.max_filesize "
+            f"({_mb(links.max_filesize)}); raise that limit to accept it"
+        )
     if isinstance(exc, yt_dlp.utils.YoutubeDLError):  # DownloadError, network errors raised bare
         return DownloadError(explain(str(exc), link_name), details=str(exc))
     return exc
@@ -294,27 +354,44 @@ def playlist_of(info: dict[str, Any], url: str, max_entries: int, fallback: str)
         address = _entry_url(item, url)
         if address is None:
             skipped += 1
-            log.warning("entry %d of the playlist %s has no http(s) address; left out",
-                        number, title)
+            log.warning(
+                "entry %d of the playlist %s has no http(s) address; left out", number, title
+            )
             continue
         if len(entries) < max_entries:
             length = item.get("duration")
-            entries.append(Entry(address, song_name(item, fallback=f"{title} {number}"),
-                                 float(length) if isinstance(length, (int, float)) else None))
+            entries.append(
+                Entry(
+                    address,
+                    song_name(item, fallback=f"{title} {number}"),
+                    float(length) if isinstance(length, (int, float)) else None,
+                )
+            )
     if not entries:
-        raise DownloadError(f"no entry of the playlist {title} has an address that can be "
-                            f"downloaded")
-    return Playlist(url=url, title=title,
-                    extractor=str(info.get("extractor_key") or info.get("extractor") or ""),
-                    entries=tuple(entries), total=len(listed) - skipped, skipped=skipped)
+        raise DownloadError(
+            f"no entry of the playlist {title} has an address that can be downloaded"
+        )
+    return Playlist(
+        url=url,
+        title=title,
+        extractor=str(info.get("extractor_key") or info.get("extractor") or ""),
+        entries=tuple(entries),
+        total=len(listed) - skipped,
+        skipped=skipped,
+    )
 
 
 def _entry_url(item: dict[str, Any], page: str) -> str | None:
     candidates = [item.get("url"), item.get("webpage_url"), item.get("original_url")]
     candidates += [f.get("url") for f in reversed(item.get("formats") or [])]
     for candidate in candidates:
-        if isinstance(candidate, str) and candidate != page and not re.search(r"\s", candidate) \
-                and urlsplit(candidate).scheme in ("http", "https") and urlsplit(candidate).netloc:
+        if (
+            isinstance(candidate, str)
+            and candidate != page
+            and not re.search(r"\s", candidate)
+            and urlsplit(candidate).scheme in ("http", "https")
+            and urlsplit(candidate).netloc
+        ):
             return candidate
     return None
 
@@ -345,8 +422,10 @@ def _downloaded_path(entry: dict[str, Any]) -> Path | None:
 
 
 def _too_long(link_name: str, duration: float, limit: int) -> str:
-    return (f"{link_name} is {_length(duration)} long, longer than links.max_duration "
-            f"({_length(limit)}); raise that limit to accept it")
+    return (
+        f"{link_name} is {_length(duration)} long, longer than links.max_duration "
+        f"({_length(limit)}); raise that limit to accept it"
+    )
 
 
 def _length(seconds: float) -> str:
@@ -358,8 +437,10 @@ def _mb(size: int | None) -> str:
 
 
 HTTP_REASONS = {
-    404: "the page no longer exists (HTTP 404)", 410: "the page no longer exists (HTTP 410)",
-    401: "the site asks for a login (HTTP 401)", 403: "the site refused the download (HTTP 403)",
+    404: "the page no longer exists (HTTP 404)",
+    410: "the page no longer exists (HTTP 410)",
+    401: "the site asks for a login (HTTP 401)",
+    403: "the site refused the download (HTTP 403)",
     429: "the site refused: too many requests (HTTP 429); try again later",
 }
 
@@ -370,10 +451,15 @@ def explain(message: str, link_name: str) -> str:
     if found:
         code = int(found.group(1))
         reason = HTTP_REASONS.get(code) or (
-            f"the site had an error (HTTP {code}); try again later" if code >= 500
-            else f"the site answered HTTP {code}")
-    elif "Unsupported URL" in message or "no video formats" in message.lower() \
-            or "Requested format is not available" in message:
+            f"the site had an error (HTTP {code}); try again later"
+            if code >= 500
+            else f"the site answered HTTP {code}"
+        )
+    elif (
+        "Unsupported URL" in message
+        or "no video formats" in message.lower()
+        or "Requested format is not available" in message
+    ):
         reason = "the page has no audio or video that can be downloaded"
     elif re.search(r"timed? ?out", message, re.I):
         reason = f"the download stalled (no data for {STALL_TIMEOUT:.0f} s)"
@@ -385,7 +471,7 @@ def explain(message: str, link_name: str) -> str:
 
 
 def song_name(info: dict[str, Any], fallback: str) -> str:
-    """"Artist - Title" (or the title), safe as one folder name on every platform: no path
+    """ "Artist - Title" (or the title), safe as one folder name on every platform: no path
     separators, no leading dot (hidden), no reserved characters, bounded length."""
     title = str(info.get("track") or info.get("title") or "").strip()
     artist = str(info.get("artist") or info.get("creator") or "").strip()
@@ -404,5 +490,11 @@ def sanitise(name: str) -> str:
     return cut_to_bytes(name, MAX_NAME_BYTES).rstrip(". ")
 
 
-_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)),
-             *(f"LPT{i}" for i in range(1, 10))}
+_RESERVED = {
+    "CON",
+    "PRN",
+    "AUX",
+    "NUL",
+    *(f"COM{i}" for i in range(1, 10)),
+    *(f"LPT{i}" for i in range(1, 10)),
+}

@@ -4,6 +4,7 @@ People save a link from a browser or a phone into the synced inbox; each platfor
 own kind of file. Only `http` and `https` are accepted: a link file is untrusted input, and a
 `file:` or `javascript:` URL must never be fetched. Every refusal names the link file.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -32,16 +33,19 @@ def read_link(path: Path) -> str:
     try:
         data = read_regular(path, MAX_LINK_FILE)
     except FileTooLarge:
-        raise LinkError(f"{path.name} is not a link file: it holds more than "
-                        f"{MAX_LINK_FILE:,} bytes (a link file holds a few hundred); save the "
-                        f"link again") from None
+        raise LinkError(
+            f"{path.name} is not a link file: it holds more than "
+            f"{MAX_LINK_FILE:,} bytes (a link file holds a few hundred); save the "
+            f"link again"
+        ) from None
     except NotRegularFile:
         raise LinkError(f"{path.name} is not a link file: it is not a plain file") from None
     except OSError as exc:
         raise LinkError(f"could not read the link file {path}: {exc.strerror or exc}") from exc
     kind = path.suffix.lower().lstrip(".")
-    url = {"url": _from_url_file, "webloc": _from_webloc,
-           "desktop": _from_desktop}[kind](path, data)
+    url = {"url": _from_url_file, "webloc": _from_webloc, "desktop": _from_desktop}[kind](
+        path, data
+    )
     return check_url(url, path.name)
 
 
@@ -52,8 +56,10 @@ def check_url(url: str, where: str) -> str:
     scheme = urlsplit(url).scheme.lower()
     if scheme not in ("http", "https"):
         shown = url if len(url) <= 80 else url[:77] + "…"
-        raise LinkError(f"{where} points at {shown!r}, which is not a web address (only http "
-                        f"and https links are downloaded)")
+        raise LinkError(
+            f"{where} points at {shown!r}, which is not a web address (only http "
+            f"and https links are downloaded)"
+        )
     if not urlsplit(url).netloc:
         raise LinkError(f"{where} holds the malformed URL {url!r}")
     return url
@@ -79,8 +85,10 @@ def _from_url_file(path: Path, data: bytes) -> str:
 def _from_desktop(path: Path, data: bytes) -> str:
     entry = _ini(path, data, "Desktop Entry")
     if entry.get("Type", "") != "Link":
-        raise LinkError(f"{path.name} is a .desktop file of Type={entry.get('Type', '(none)')}, "
-                        f"not a link (Type=Link)")
+        raise LinkError(
+            f"{path.name} is a .desktop file of Type={entry.get('Type', '(none)')}, "
+            f"not a link (Type=Link)"
+        )
     return entry.get("URL", "")
 
 
@@ -88,7 +96,9 @@ def _from_webloc(path: Path, data: bytes) -> str:
     try:
         plist = plistlib.loads(data)  # XML and binary (bplist00) alike
     except Exception:
-        raise LinkError(f"{path.name} is not a readable .webloc file (neither an XML nor a "
-                        f"binary property list)") from None
+        raise LinkError(
+            f"{path.name} is not a readable .webloc file (neither an XML nor a "
+            f"binary property list)"
+        ) from None
     url = plist.get("URL", "") if isinstance(plist, dict) else ""
     return url if isinstance(url, str) else ""

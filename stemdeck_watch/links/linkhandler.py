@@ -6,6 +6,7 @@ errors) are read through a counter with the guard's cap, compressed ones decoded
 decoded size bounded too; a redirect to anything but http(s) ends the fetch. Only http and
 https are handled: yt-dlp's ftp, data and file handlers are not there.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,9 @@ class Bounded:
         self._raw.close()
 
 
-def _decoded(body: Bounded, encodings: list[str], cap: int | None, over: Stop,
-             guard: Guard) -> bytes:
+def _decoded(
+    body: Bounded, encodings: list[str], cap: int | None, over: Stop, guard: Guard
+) -> bytes:
     """A compressed body, decoded with the decoded size bounded by `cap` too."""
     data = body.read()
     for encoding in encodings:
@@ -96,18 +98,23 @@ class _GuardedHTTPHandler(HTTPHandler):
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         with self._guard.waiting():
-            return self.do_open(self._factory(http.client.HTTPSConnection, req), req,
-                                context=self._context)
+            return self.do_open(
+                self._factory(http.client.HTTPSConnection, req), req, context=self._context
+            )
 
     def _factory(self, base: type, req: urllib.request.Request) -> Callable[..., Any]:
         """Connections that go through the guard. Through a proxy the target's own name is
         checked here (the proxy connects to it), and the proxy itself is the user's."""
-        proxied = req.has_proxy() or getattr(req, "_tunnel_host", None) is not None \
+        proxied = (
+            req.has_proxy()
+            or getattr(req, "_tunnel_host", None) is not None
             or req.has_header("Ytdl-socks-proxy")
+        )
         if proxied:
             target = urlsplit(req.full_url)
-            self._guard.check_host(target.hostname or "",
-                                   target.port or (443 if target.scheme == "https" else 80))
+            self._guard.check_host(
+                target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+            )
         conn_class = self._make_conn_class(base, req)
         guard = self._guard
         connect = functools.partial(guard.connect, checked=not proxied)
@@ -129,12 +136,16 @@ class _GuardedHTTPHandler(HTTPHandler):
 
         return make
 
-    def http_response(self, req: urllib.request.Request,
-                      resp: http.client.HTTPResponse) -> urllib.response.addinfourl:
+    def http_response(
+        self, req: urllib.request.Request, resp: http.client.HTTPResponse
+    ) -> urllib.response.addinfourl:
         """Every response, also redirects and errors, is read through the guard."""
         body = Bounded(resp, self._guard)
-        encodings = [e.strip().lower() for e in
-                     reversed(resp.headers.get("Content-Encoding", "").split(",")) if e.strip()]
+        encodings = [
+            e.strip().lower()
+            for e in reversed(resp.headers.get("Content-Encoding", "").split(","))
+            if e.strip()
+        ]
         source: Any = body
         if encodings and all(e in ENCODINGS for e in encodings):
             cap, over = self._guard.cap
@@ -154,8 +165,9 @@ class _GuardedRedirectHandler(RedirectHandler):
         super().__init__()
         self._guard = guard
 
-    def http_error_302(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
-                       headers: Any) -> Any:
+    def http_error_302(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any
+    ) -> Any:
         target = headers.get("location") or headers.get("uri")
         if target:
             scheme = urlsplit(urllib.parse.urljoin(req.full_url, target)).scheme.lower()
@@ -181,20 +193,24 @@ class GuardedRH(UrllibRH):
     def _prepare_headers(self, _request: Any, headers: Any) -> None:
         add_accept_encoding_header(headers, list(ENCODINGS))
 
-    def _create_instance(self, proxies: Any, cookiejar: Any,
-                         legacy_ssl_support: Any = None) -> urllib.request.OpenerDirector:
+    def _create_instance(
+        self, proxies: Any, cookiejar: Any, legacy_ssl_support: Any = None
+    ) -> urllib.request.OpenerDirector:
         opener = urllib.request.OpenerDirector()
         for handler in (
-                ProxyHandler(proxies),
-                _GuardedHTTPHandler(self._guard, debuglevel=int(bool(self.verbose)),
-                                    context=self._make_sslcontext(
-                                        legacy_ssl_support=legacy_ssl_support),
-                                    source_address=self.source_address),
-                urllib.request.HTTPCookieProcessor(cookiejar),
-                urllib.request.UnknownHandler(),
-                urllib.request.HTTPDefaultErrorHandler(),
-                urllib.request.HTTPErrorProcessor(),
-                _GuardedRedirectHandler(self._guard)):
+            ProxyHandler(proxies),
+            _GuardedHTTPHandler(
+                self._guard,
+                debuglevel=int(bool(self.verbose)),
+                context=self._make_sslcontext(legacy_ssl_support=legacy_ssl_support),
+                source_address=self.source_address,
+            ),
+            urllib.request.HTTPCookieProcessor(cookiejar),
+            urllib.request.UnknownHandler(),
+            urllib.request.HTTPDefaultErrorHandler(),
+            urllib.request.HTTPErrorProcessor(),
+            _GuardedRedirectHandler(self._guard),
+        ):
             opener.add_handler(handler)
         opener.addheaders = []
         return opener

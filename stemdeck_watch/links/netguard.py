@@ -15,6 +15,7 @@ fetch once it has waited for the site longer than `links.page_timeout` while rea
 `links.timeout` in all; and a cancel or a deadline shuts every socket of the fetch down, which
 wakes a read blocked on a server that sends a byte now and then.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,12 +75,21 @@ def is_public_address(address: str) -> bool:
     except ValueError:
         return False
     if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour or (
-            ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None)
+        embedded = (
+            ip.ipv4_mapped
+            or ip.sixtofour
+            or (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None)
+        )
         if embedded is not None:
             return is_public_address(str(embedded))
-    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified
-                                 or ip.is_loopback or ip.is_link_local or ip.is_private)
+    return ip.is_global and not (
+        ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_private
+    )
 
 
 def kind_of(address: str) -> str:
@@ -90,11 +100,13 @@ def kind_of(address: str) -> str:
         return "not an address"
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
         ip = ip.ipv4_mapped
-    for test, words in (("is_loopback", "this machine (loopback)"),
-                        ("is_link_local", "a link-local address"),
-                        ("is_multicast", "a multicast address"),
-                        ("is_unspecified", "an unspecified address"),
-                        ("is_private", "a private address")):
+    for test, words in (
+        ("is_loopback", "this machine (loopback)"),
+        ("is_link_local", "a link-local address"),
+        ("is_multicast", "a multicast address"),
+        ("is_unspecified", "an unspecified address"),
+        ("is_private", "a private address"),
+    ):
         if getattr(ip, test):
             return words
     if ip in ipaddress.ip_network("100.64.0.0/10"):
@@ -110,8 +122,16 @@ def connect_socket(sock: socket.socket, address: tuple[Any, ...]) -> None:
 class Guard:
     """The limits of one link's fetch; a context manager around it (its watchdog thread)."""
 
-    def __init__(self, *, allow_private: bool, page_bytes: int, file_bytes: int | None,
-                 page_timeout: float, timeout: float | None, resolver: Resolver | None = None):
+    def __init__(
+        self,
+        *,
+        allow_private: bool,
+        page_bytes: int,
+        file_bytes: int | None,
+        page_timeout: float,
+        timeout: float | None,
+        resolver: Resolver | None = None,
+    ):
         self.allow_private = allow_private
         self.resolver = resolver or Resolver()
         self._page_bytes, self._file_bytes = page_bytes, file_bytes
@@ -270,19 +290,24 @@ class Guard:
         self.check()
         return addresses
 
-    def connect(self, address: tuple[str, int], timeout: float | None = None,
-                source_address: tuple[str, int] | None = None, *,
-                checked: bool = True) -> socket.socket:
+    def connect(
+        self,
+        address: tuple[str, int],
+        timeout: float | None = None,
+        source_address: tuple[str, int] | None = None,
+        *,
+        checked: bool = True,
+    ) -> socket.socket:
         """http.client's `_create_connection`: resolve once, check, connect to the checked
         address. `checked=False` for a connection to the user's own proxy (the target was
         checked by name before)."""
         host, port = address
-        addresses = self.check_host(host, port) if checked else \
-            self.resolver.addresses(host, port)
+        addresses = self.check_host(host, port) if checked else self.resolver.addresses(host, port)
         error: OSError | None = None
         for ip in addresses:
-            sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET,
-                                 socket.SOCK_STREAM)
+            sock = socket.socket(
+                socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM
+            )
             try:
                 self.track(sock)  # before connecting: a stop interrupts the connect too
                 if isinstance(timeout, (int, float)):  # else http.client's "default"

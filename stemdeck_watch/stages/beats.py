@@ -18,6 +18,7 @@ The tempo written is the slope of the beat times the tracker found (least square
 finer than the tempogram's own estimate (its lags are whole frames: at 120 BPM its neighbours
 are 117.5 and 123 BPM).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,26 +36,41 @@ N_FFT = 2048
 TOP_DB = 80.0
 AC_SECONDS = 8.0  # librosa's tempo window (ac_size)
 TEMPOGRAM_BLOCK = 2048  # envelope frames per block of the summed tempogram (~47 s of audio)
-NO_DOWNBEATS = ("librosa tracks beats, not bars: downbeats are not marked")
+NO_DOWNBEATS = "librosa tracks beats, not bars: downbeats are not marked"
 
 
-def beat_grid(readers: list[AudioReader], samplerate: int, source: str,
-              check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def beat_grid(
+    readers: list[AudioReader],
+    samplerate: int,
+    source: str,
+    check: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """`beats.json`'s content for the sum of `readers` (the drums stem, or every stem = the
     mix): tempo in BPM, beat times in seconds, downbeats (none: see NO_DOWNBEATS) and a note
     when no beat was found. A song without a beat gives an empty grid, never an error."""
     import librosa
 
     envelope = onset_envelope(readers, samplerate, check=check)
-    grid: dict[str, Any] = {"source": source, "tempo": None, "beats": [], "downbeats": [],
-                            "library": f"librosa {librosa.__version__}", "notes": [NO_DOWNBEATS]}
+    grid: dict[str, Any] = {
+        "source": source,
+        "tempo": None,
+        "beats": [],
+        "downbeats": [],
+        "library": f"librosa {librosa.__version__}",
+        "notes": [NO_DOWNBEATS],
+    }
     if envelope.size < 2 or not envelope.any():
         grid["notes"].insert(0, "no beat found: the source is silent or has no onsets")
         return grid
-    estimate = librosa.feature.tempo(tg=mean_tempogram(envelope, check), sr=RATE,
-                                     hop_length=HOP, aggregate=None)
-    tempo, frames = librosa.beat.beat_track(onset_envelope=envelope, sr=RATE, hop_length=HOP,
-                                            bpm=float(np.atleast_1d(estimate).ravel()[0]))
+    estimate = librosa.feature.tempo(
+        tg=mean_tempogram(envelope, check), sr=RATE, hop_length=HOP, aggregate=None
+    )
+    tempo, frames = librosa.beat.beat_track(
+        onset_envelope=envelope,
+        sr=RATE,
+        hop_length=HOP,
+        bpm=float(np.atleast_1d(estimate).ravel()[0]),
+    )
     times = librosa.frames_to_time(frames, sr=RATE, hop_length=HOP)
     if len(times) < 2:
         grid["notes"].insert(0, "no steady beat found")
@@ -64,8 +80,9 @@ def beat_grid(readers: list[AudioReader], samplerate: int, source: str,
     return grid
 
 
-def mean_tempogram(envelope: np.ndarray, check: Callable[[], None] = lambda: None,
-                   block: int = TEMPOGRAM_BLOCK) -> np.ndarray:
+def mean_tempogram(
+    envelope: np.ndarray, check: Callable[[], None] = lambda: None, block: int = TEMPOGRAM_BLOCK
+) -> np.ndarray:
     """The time average of librosa's tempogram of `envelope` (shape: lags x 1), as
     `librosa.feature.tempo` takes it, summed block by block: each column needs only the
     envelope around its frame, so no more than `block` columns exist at once."""
@@ -79,9 +96,13 @@ def mean_tempogram(envelope: np.ndarray, check: Callable[[], None] = lambda: Non
     for start in range(0, frames, block):
         check()
         stop = min(frames, start + block)
-        part = librosa.feature.tempogram(onset_envelope=padded[start:stop + window - 1],
-                                         sr=RATE, hop_length=HOP, win_length=window,
-                                         center=False)
+        part = librosa.feature.tempogram(
+            onset_envelope=padded[start : stop + window - 1],
+            sr=RATE,
+            hop_length=HOP,
+            win_length=window,
+            center=False,
+        )
         total += part.sum(axis=-1)
     return (total / max(frames, 1))[:, None]
 
@@ -94,9 +115,12 @@ def _tempo(times: np.ndarray, estimate: float) -> float:
     return 60.0 / slope if slope > 0 else estimate
 
 
-def onset_envelope(readers: list[AudioReader], samplerate: int,
-                   block_frames: int = 4 * BLOCK_FRAMES,
-                   check: Callable[[], None] = lambda: None) -> np.ndarray:
+def onset_envelope(
+    readers: list[AudioReader],
+    samplerate: int,
+    block_frames: int = 4 * BLOCK_FRAMES,
+    check: Callable[[], None] = lambda: None,
+) -> np.ndarray:
     """librosa's onset strength envelope of the summed, mono, 22.05 kHz signal, computed
     block by block: log-mel frames (not centred) of each block, floored at TOP_DB below the
     loudest frame so far, differenced against the previous frame (carried across blocks),
@@ -120,9 +144,14 @@ def onset_envelope(readers: list[AudioReader], samplerate: int,
         count = (len(pending) - N_FFT) // HOP + 1 if len(pending) >= N_FFT else 0
         if count <= 0:
             continue
-        mel = librosa.feature.melspectrogram(y=pending[:(count - 1) * HOP + N_FFT], sr=RATE,
-                                             n_fft=N_FFT, hop_length=HOP, center=False)
-        pending = pending[count * HOP:]
+        mel = librosa.feature.melspectrogram(
+            y=pending[: (count - 1) * HOP + N_FFT],
+            sr=RATE,
+            n_fft=N_FFT,
+            hop_length=HOP,
+            center=False,
+        )
+        pending = pending[count * HOP :]
         db = librosa.power_to_db(mel, top_db=None)
         loudest = max(loudest, float(db.max()))
         db = np.maximum(db, loudest - TOP_DB)
@@ -130,7 +159,6 @@ def onset_envelope(readers: list[AudioReader], samplerate: int,
             db = np.concatenate([previous, db], axis=1)
         previous = db[:, -1:]
         if db.shape[1] > 1:
-            strength = librosa.onset.onset_strength(S=db, sr=RATE, hop_length=HOP,
-                                                    center=False)
+            strength = librosa.onset.onset_strength(S=db, sr=RATE, hop_length=HOP, center=False)
             parts.append(strength[1:].astype(np.float32))  # librosa pads one frame: the lag
     return np.concatenate(parts) if len(parts) > 1 else np.zeros(0, np.float32)

@@ -9,6 +9,7 @@ Decoding streams: resampled blocks are appended to the scratch file as they come
 stages/scratch.py) and the normalisation statistics demucs needs are accumulated on the way,
 so the service never holds the whole song, however long it is.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,9 +98,14 @@ def probe_duration(path: Path) -> float | None:
     return None
 
 
-def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
-                   check_cancel: Callable[[], None] = lambda: None,
-                   on_progress: Callable[[float], None] = lambda _: None) -> DecodedAudio:
+def decode_to_file(
+    source: Path,
+    target: Path,
+    samplerate: int,
+    channels: int,
+    check_cancel: Callable[[], None] = lambda: None,
+    on_progress: Callable[[float], None] = lambda _: None,
+) -> DecodedAudio:
     """Decode `source` into `target` (.npy, shape (channels, frames), float32), streaming:
     frames go to disk in blocks as they are decoded (see stages/scratch.py), so memory does
     not grow with the song. On any failure or cancel `target` is removed."""
@@ -108,17 +114,21 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
     try:
         container = open_media(source)
     except av.error.InvalidDataError:
-        raise DecodeError(f"could not decode {source}: it is not an audio or video file that "
-                          f"can be read (the data is not a known format); check that it plays "
-                          f"in a media player, or {COPY_AGAIN}") from None
+        raise DecodeError(
+            f"could not decode {source}: it is not an audio or video file that "
+            f"can be read (the data is not a known format); check that it plays "
+            f"in a media player, or {COPY_AGAIN}"
+        ) from None
     except (av.error.FFmpegError, OSError) as exc:
         raise DecodeError(f"could not open {source}: {exc}") from None
     with container:
         streams = [s for s in container.streams if s.type == "audio"]
         if not streams:
             kinds = ", ".join(sorted({s.type for s in container.streams})) or "nothing"
-            raise DecodeError(f"could not decode {source}: it has no audio stream (it contains "
-                              f"{kinds}); drop a file with a sound track")
+            raise DecodeError(
+                f"could not decode {source}: it has no audio stream (it contains "
+                f"{kinds}); drop a file with a sound track"
+            )
         stream = streams[0]
         tags = tags_of(container)  # here, so that publishing need not open the file again
         stream.thread_type = "AUTO"
@@ -146,18 +156,32 @@ def decode_to_file(source: Path, target: Path, samplerate: int, channels: int,
                 sink.flush()
             except av.error.FFmpegError as exc:
                 done = source_frames / src_rate if src_rate else 0
-                raise DecodeError(f"could not decode {source}: the audio data is damaged after "
-                                  f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}") from None
+                raise DecodeError(
+                    f"could not decode {source}: the audio data is damaged after "
+                    f"{done:.1f} s ({exc.strerror or exc}); {COPY_AGAIN}"
+                ) from None
             _check_complete(source, source_frames, src_rate)
             if writer.frames < MIN_SECONDS * samplerate:
-                raise DecodeError(f"could not separate {source}: it holds only {writer.frames} "
-                                  f"samples ({writer.frames / samplerate:.2f} s) of audio; "
-                                  f"stemdeck-watch needs at least {MIN_SECONDS:g} s")
+                raise DecodeError(
+                    f"could not separate {source}: it holds only {writer.frames} "
+                    f"samples ({writer.frames / samplerate:.2f} s) of audio; "
+                    f"stemdeck-watch needs at least {MIN_SECONDS:g} s"
+                )
         frames = writer.frames
     on_progress(1.0)
-    return DecodedAudio(target, frames, samplerate, out_channels, codec, src_rate, src_channels,
-                        mean=sink.stats.mean, std=sink.stats.std, source_frames=source_frames,
-                        tags=tags)
+    return DecodedAudio(
+        target,
+        frames,
+        samplerate,
+        out_channels,
+        codec,
+        src_rate,
+        src_channels,
+        mean=sink.stats.mean,
+        std=sink.stats.std,
+        source_frames=source_frames,
+        tags=tags,
+    )
 
 
 class _Sink:
@@ -172,7 +196,7 @@ class _Sink:
         self._pending_frames = 0
 
     def add(self, planar: np.ndarray) -> None:
-        self._pending.append(planar[:self.writer.channels])
+        self._pending.append(planar[: self.writer.channels])
         self._pending_frames += planar.shape[1]
         if self._pending_frames >= BLOCK_FRAMES:
             self.flush()
@@ -180,13 +204,16 @@ class _Sink:
     def flush(self) -> None:
         if not self._pending:
             return
-        block = (self._pending[0] if len(self._pending) == 1
-                 else np.concatenate(self._pending, axis=1))
+        block = (
+            self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending, axis=1)
+        )
         self._pending, self._pending_frames = [], 0
         block = np.asarray(block, dtype=np.float32)
         if not np.isfinite(block).all():
-            raise DecodeError(f"could not decode {self.source}: the decoded audio contains "
-                              f"invalid (NaN or infinite) samples; {COPY_AGAIN}")
+            raise DecodeError(
+                f"could not decode {self.source}: the decoded audio contains "
+                f"invalid (NaN or infinite) samples; {COPY_AGAIN}"
+            )
         self.stats.add_audio(block)
         self.writer.write(block)
 
@@ -200,7 +227,8 @@ def _check_complete(source: Path, decoded: int, rate: int) -> None:
         raise DecodeError(
             f"could not decode {source}: the file is truncated — its header promises "
             f"{expected / rate:.2f} s of audio but only {decoded / rate:.2f} s is there; "
-            f"{COPY_AGAIN}")
+            f"{COPY_AGAIN}"
+        )
 
 
 def _declared_frames(source: Path) -> int | None:

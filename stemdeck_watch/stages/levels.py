@@ -13,6 +13,7 @@ only one mean square per 100 ms step is kept (36,000 numbers for an hour), from 
 400 ms gating blocks with 75 % overlap are formed at the end, as pyloudnorm does for a
 whole signal at once.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,12 +45,16 @@ class LoudnessMeter:
 
         self._lfilter = signal.lfilter
         meter = pyloudnorm.Meter(samplerate)  # K-weighting: high shelf, then high pass
-        self._stages = [(np.asarray(f.b, np.float64), np.asarray(f.a, np.float64),
-                         float(f.passband_gain)) for f in meter._filters.values()]
-        self._state = [[np.zeros(max(len(b), len(a)) - 1) for b, a, _ in self._stages]
-                       for _ in range(channels)]
-        self._weights = np.array([CHANNEL_WEIGHTS[min(c, len(CHANNEL_WEIGHTS) - 1)]
-                                  for c in range(channels)])
+        self._stages = [
+            (np.asarray(f.b, np.float64), np.asarray(f.a, np.float64), float(f.passband_gain))
+            for f in meter._filters.values()
+        ]
+        self._state = [
+            [np.zeros(max(len(b), len(a)) - 1) for b, a, _ in self._stages] for _ in range(channels)
+        ]
+        self._weights = np.array(
+            [CHANNEL_WEIGHTS[min(c, len(CHANNEL_WEIGHTS) - 1)] for c in range(channels)]
+        )
         self.samplerate = samplerate
         self.step = round(samplerate * 0.1)
         self._pending = np.zeros(0)  # weighted squares of a step not yet complete
@@ -63,7 +68,8 @@ class LoudnessMeter:
             filtered = samples.astype(np.float64)
             for stage, (b, a, gain) in enumerate(self._stages):
                 filtered, self._state[channel][stage] = self._lfilter(
-                    b, a, filtered, zi=self._state[channel][stage])
+                    b, a, filtered, zi=self._state[channel][stage]
+                )
                 filtered *= gain
             squares += self._weights[channel] * np.square(filtered)
         pending = np.concatenate([self._pending, squares])
@@ -115,16 +121,20 @@ class Residual:
         return -200.0 if db is None else max(-200.0, db)
 
 
-def song_gain(outputs: list[list[str]], readers: dict[str, AudioReader], frames: int,
-              block_frames: int, rescale: bool,
-              source: Path | None) -> tuple[float, Residual | None]:
+def song_gain(
+    outputs: list[list[str]],
+    readers: dict[str, AudioReader],
+    frames: int,
+    block_frames: int,
+    rescale: bool,
+    source: Path | None,
+) -> tuple[float, Residual | None]:
     """The one factor every output is divided by — 1 unless `rescale` must bring the loudest
     output's peak (each output: the stems summed into it) below full scale — and the
     residual of the stems' sum against `source` (the decoded input), both from one pass that
     reads every stem once, block by block."""
     input_reader = AudioReader(source) if source is not None else None
-    if input_reader is not None and input_reader.channels != next(
-            iter(readers.values())).channels:
+    if input_reader is not None and input_reader.channels != next(iter(readers.values())).channels:
         input_reader = None  # not the input these stems were separated from
     if not rescale and input_reader is None:
         return 1.0, None
@@ -132,8 +142,9 @@ def song_gain(outputs: list[list[str]], readers: dict[str, AudioReader], frames:
     peak = 0.0
     for start in range(0, frames, block_frames):
         stop = min(frames, start + block_frames)
-        blocks = {stem: reader.read(start, stop, interleaved=True)
-                  for stem, reader in readers.items()}
+        blocks = {
+            stem: reader.read(start, stop, interleaved=True) for stem, reader in readers.items()
+        }
         if rescale:
             for members in outputs:
                 audio = blocks[members[0]] if len(members) == 1 else _summed(blocks, members)

@@ -6,6 +6,7 @@ is checked at config load (validators.layout_template); the values put into it a
 here, so that no tag can add a folder level, climb out of the song folder, hide a file (a
 leading dot) or exceed what a filesystem or a sync client accepts in one name.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,14 @@ MAX_VALUE_CHARS = 80  # one field of a name
 MAX_COMPONENT_BYTES = 240  # one file or folder name (ext4, APFS, NTFS allow 255)
 _UNSAFE = re.compile(r'[\x00-\x1f\x7f<>:"|?*]')
 _SEPARATORS = re.compile(r"[/\\]+")
-_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)),
-             *(f"lpt{i}" for i in range(1, 10))}  # Windows device names
+_RESERVED = {
+    "con",
+    "prn",
+    "aux",
+    "nul",
+    *(f"com{i}" for i in range(1, 10)),
+    *(f"lpt{i}" for i in range(1, 10)),
+}  # Windows device names
 
 
 def clean_text(value: object, limit: int = 1000) -> str:
@@ -47,16 +54,21 @@ def safe_name(value: object, fallback: str) -> str:
     return text
 
 
-def layout_values(name: str, tags: Mapping[str, object], preset: str | None, model: str,
-                  ext: str) -> dict[str, str]:
+def layout_values(
+    name: str, tags: Mapping[str, object], preset: str | None, model: str, ext: str
+) -> dict[str, str]:
     """The values of the layout fields except {stem}: a missing tag falls back to the file
     name (`name`), a missing preset to "default"."""
     song = safe_name(name, "song")
-    return {"name": song, "ext": ext, "model": safe_name(model, "model"),
-            "title": safe_name(tags.get("title") or "", song),
-            "artist": safe_name(tags.get("artist") or "", song),
-            "album": safe_name(tags.get("album") or "", song),
-            "preset": safe_name(preset or "", "default")}
+    return {
+        "name": song,
+        "ext": ext,
+        "model": safe_name(model, "model"),
+        "title": safe_name(tags.get("title") or "", song),
+        "artist": safe_name(tags.get("artist") or "", song),
+        "album": safe_name(tags.get("album") or "", song),
+        "preset": safe_name(preset or "", "default"),
+    }
 
 
 def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -> str:
@@ -67,8 +79,10 @@ def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -
     rel = PurePosixPath(*parts)
     target = (folder / rel).resolve()
     if rel.is_absolute() or ".." in parts or folder.resolve() not in target.parents:
-        raise PublishError(f"could not name a stem: output.layout = {layout!r} gives {rel}, "
-                           f"which is outside the song folder {folder}; fix output.layout")
+        raise PublishError(
+            f"could not name a stem: output.layout = {layout!r} gives {rel}, "
+            f"which is outside the song folder {folder}; fix output.layout"
+        )
     return rel.as_posix()
 
 

@@ -17,6 +17,7 @@ stems, the clicks are rendered per block, and the time-stretcher works on chunks
 CHUNK_SECONDS with context on both sides, the seams crossfaded (both sides of a seam are
 renderings of the same audio on the same time line, so they agree).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,12 +58,11 @@ class Clicks:
         length = round(CLICK_SECONDS * self.samplerate)
         first = np.searchsorted(self.onsets, start - length, side="left")
         last = np.searchsorted(self.onsets, stop, side="left")
-        for onset, accent in zip(self.onsets[first:last], self.accents[first:last],
-                                 strict=True):
+        for onset, accent in zip(self.onsets[first:last], self.accents[first:last], strict=True):
             wave = _click(self.samplerate, bool(accent))
             lo, hi = max(start, onset), min(stop, onset + length)
             if hi > lo:
-                out[lo - start:hi - start] += wave[lo - onset:hi - onset]
+                out[lo - start : hi - start] += wave[lo - onset : hi - onset]
         return np.broadcast_to(out, (channels, out.size))
 
 
@@ -72,8 +72,9 @@ def _click(samplerate: int, accent: bool) -> np.ndarray:
     return (np.sin(2 * np.pi * pitch * t) * np.exp(-t * 150)).astype(np.float32)
 
 
-def click_plan(grid: Mapping[str, Any] | None, speed: float,
-               samplerate: int) -> tuple[Clicks, int] | None:
+def click_plan(
+    grid: Mapping[str, Any] | None, speed: float, samplerate: int
+) -> tuple[Clicks, int] | None:
     """The clicks of a file at `speed` (1 = the song's own) and its count-in in frames, or
     None without a beat grid: one bar of BEATS_PER_BAR clicks at the first beat's place,
     then the song (shifted by that bar) with a click on every beat, every 4th accented."""
@@ -92,8 +93,9 @@ def click_plan(grid: Mapping[str, Any] | None, speed: float,
     return Clicks(onsets, np.array(accents), samplerate), round(count_in * samplerate)
 
 
-def with_clicks(music: Iterator[np.ndarray], clicks: Clicks | None, count_in: int,
-                channels: int) -> Iterator[np.ndarray]:
+def with_clicks(
+    music: Iterator[np.ndarray], clicks: Clicks | None, count_in: int, channels: int
+) -> Iterator[np.ndarray]:
     """The count-in, then the music, the clicks on top."""
     position = 0
     for start in range(0, count_in, BLOCK_FRAMES):
@@ -108,12 +110,18 @@ def with_clicks(music: Iterator[np.ndarray], clicks: Clicks | None, count_in: in
 def _mixed(block: np.ndarray, clicks: Clicks | None, start: int) -> np.ndarray:
     if clicks is None:
         return block
-    return MUSIC_LEVEL * block + CLICK_LEVEL * clicks.block(start, start + block.shape[1],
-                                                           block.shape[0])
+    return MUSIC_LEVEL * block + CLICK_LEVEL * clicks.block(
+        start, start + block.shape[1], block.shape[0]
+    )
 
 
-def stretched(read: Callable[[int, int], np.ndarray], frames: int, samplerate: int,
-              speed: float, check: Callable[[], None] = lambda: None) -> Iterator[np.ndarray]:
+def stretched(
+    read: Callable[[int, int], np.ndarray],
+    frames: int,
+    samplerate: int,
+    speed: float,
+    check: Callable[[], None] = lambda: None,
+) -> Iterator[np.ndarray]:
     """frames [0, frames) of `read` played at `speed` (0.75 = 75 %), pitch kept, as blocks
     that add up to round(frames / speed) frames.
 
@@ -135,8 +143,9 @@ def stretched(read: Callable[[int, int], np.ndarray], frames: int, samplerate: i
         stop = min(frames, start + chunk)
         keep_to = min(frames, stop + fade)  # this chunk's output overlaps the next one's
         lo, hi = max(0, start - context), min(frames, keep_to + context)
-        out = time_stretch(np.ascontiguousarray(read(lo, hi), np.float32), samplerate,
-                           stretch_factor=speed)
+        out = time_stretch(
+            np.ascontiguousarray(read(lo, hi), np.float32), samplerate, stretch_factor=speed
+        )
         first = round(start / speed)
         last = total if keep_to >= frames else round(keep_to / speed)
         end = round((start - lo) / speed) + last - first  # where the kept part ends in `out`
@@ -144,8 +153,9 @@ def stretched(read: Callable[[int, int], np.ndarray], frames: int, samplerate: i
             out = np.pad(out, ((0, 0), (0, end + slip - out.shape[1])))
         begin = round((start - lo) / speed) + (emitted - drift - first)
         if tail is not None:
-            lag = _best_lag(tail, out, begin, range(max(-slip, drift - slip),
-                                                    min(slip, drift + slip) + 1))
+            lag = _best_lag(
+                tail, out, begin, range(max(-slip, drift - slip), min(slip, drift + slip) + 1)
+            )
             begin += lag
             drift -= lag
         piece = out[:, begin:end].copy()
@@ -158,7 +168,7 @@ def stretched(read: Callable[[int, int], np.ndarray], frames: int, samplerate: i
             tail, piece = piece[:, -overlap:], piece[:, :-overlap]
         else:  # the end: the shifts made it `drift` frames longer (or shorter)
             tail = None
-            piece = piece[:, :max(0, piece.shape[1] - drift)]
+            piece = piece[:, : max(0, piece.shape[1] - drift)]
             if drift < 0:
                 piece = np.pad(piece, ((0, 0), (0, -drift)))
         emitted += piece.shape[1]
@@ -171,35 +181,49 @@ def _best_lag(tail: np.ndarray, out: np.ndarray, begin: int, lags: range) -> int
     cross-correlation of the mono signals)."""
     n = tail.shape[1]
     lo = max(0, begin + lags.start)
-    region = out[:, lo:begin + lags.stop - 1 + n].mean(axis=0).astype(np.float64)
+    region = out[:, lo : begin + lags.stop - 1 + n].mean(axis=0).astype(np.float64)
     target = tail.mean(axis=0).astype(np.float64)
     if region.size < n or not target.any():
         return 0
     scores = np.correlate(region, target, mode="valid")
-    energy = np.convolve(region ** 2, np.ones(n), mode="valid")
+    energy = np.convolve(region**2, np.ones(n), mode="valid")
     scores = scores / np.sqrt(np.maximum(energy, 1e-12))
     best = int(np.argmax(scores))
     lag = lo - begin + best
     return lag if lag in lags else 0
 
 
-def _mix_blocks(readers: dict[str, AudioReader], members: list[str], frames: int,
-                gain: float, check: Callable[[], None]) -> Iterator[np.ndarray]:
+def _mix_blocks(
+    readers: dict[str, AudioReader],
+    members: list[str],
+    frames: int,
+    gain: float,
+    check: Callable[[], None],
+) -> Iterator[np.ndarray]:
     for start in range(0, frames, BLOCK_FRAMES):
         check()
         yield _mix(readers, members, gain, start, min(frames, start + BLOCK_FRAMES))
 
 
-def _mix(readers: dict[str, AudioReader], members: list[str], gain: float, start: int,
-         stop: int) -> np.ndarray:
+def _mix(
+    readers: dict[str, AudioReader], members: list[str], gain: float, start: int, stop: int
+) -> np.ndarray:
     audio = np.sum([readers[m].read(start, stop) for m in members], axis=0)
     return (gain * audio).astype(np.float32)
 
 
-def write_practice(staging: Path, stems: dict[str, Path], samplerate: int, gain: float,
-                   grid: Mapping[str, Any] | None, speeds: tuple[float, ...], name: str,
-                   tags: Mapping[str, Any], out: OutputSettings,
-                   check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def write_practice(
+    staging: Path,
+    stems: dict[str, Path],
+    samplerate: int,
+    gain: float,
+    grid: Mapping[str, Any] | None,
+    speeds: tuple[float, ...],
+    name: str,
+    tags: Mapping[str, Any],
+    out: OutputSettings,
+    check: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Write the practice files into `staging/practice/`; returns the manifest's
     "practice": the files in order (name, what, speed) and notes."""
     folder = staging / FOLDER
@@ -217,11 +241,23 @@ def write_practice(staging: Path, stems: dict[str, Path], samplerate: int, gain:
     else:
         renders.append(("click", 1.0, functools.partial(_silence, channels, frames)))
     for stem in sources:
-        renders.append((f"minus {stem}", 1.0, functools.partial(
-            _mix_blocks, readers, [s for s in sources if s != stem], frames, gain, check)))
+        renders.append(
+            (
+                f"minus {stem}",
+                1.0,
+                functools.partial(
+                    _mix_blocks, readers, [s for s in sources if s != stem], frames, gain, check
+                ),
+            )
+        )
     for percent in speeds:
-        renders.append((f"{percent:g}% speed", percent / 100, functools.partial(
-            stretched, whole, frames, samplerate, percent / 100, check)))
+        renders.append(
+            (
+                f"{percent:g}% speed",
+                percent / 100,
+                functools.partial(stretched, whole, frames, samplerate, percent / 100, check),
+            )
+        )
     mp3 = dataclasses.replace(out, format="mp3", mp3_bitrate=BITRATE)
     files = []
     for number, (what, speed, music) in enumerate(renders, start=1):
@@ -231,17 +267,28 @@ def write_practice(staging: Path, stems: dict[str, Path], samplerate: int, gain:
         plan = click_plan(grid, speed, samplerate)
         clicks, count_in = plan if plan else (None, 0)
         try:
-            publish._write_audio(path, with_clicks(music(), clicks, count_in, channels),
-                                 channels, samplerate, mp3, sync=False)
+            publish._write_audio(
+                path,
+                with_clicks(music(), clicks, count_in, channels),
+                channels,
+                samplerate,
+                mp3,
+                sync=False,
+            )
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
         song_tags = tagging.stem_tags(tags, name, what)
         song_tags.update(album=f"{title} (practice)", tracknumber=f"{number}/{len(renders)}")
         tagging.write_tags(path, "mp3", song_tags)  # flushes it to disk
-        files.append({"file": f"{FOLDER}/{filename}", "what": what, "speed": speed,
-                      "count_in": round(count_in / samplerate, 4),
-                      "tempo": None if plan is None else round(
-                          float((grid or {})["tempo"]) * speed, 2)})
+        files.append(
+            {
+                "file": f"{FOLDER}/{filename}",
+                "what": what,
+                "speed": speed,
+                "count_in": round(count_in / samplerate, 4),
+                "tempo": None if plan is None else round(float((grid or {})["tempo"]) * speed, 2),
+            }
+        )
     return {"folder": FOLDER, "files": files, "notes": notes}
 
 

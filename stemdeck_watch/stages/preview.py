@@ -5,6 +5,7 @@ where the vocals come in. Drawn with Pillow (a dependency already, for the tray 
 peaks gathered while the stems are written — one (min, max) pair per pixel column — so the
 picture costs no second pass over the audio and no memory that grows with the song.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ WIDTH = 1200
 HEADER = 64
 ROW = 96
 LABEL = 110  # left margin holding the stem names
-COLOURS = {"vocals": (233, 84, 106), "drums": (242, 166, 59), "bass": (90, 120, 230),
-           "other": (70, 180, 140), "guitar": (180, 110, 220), "piano": (60, 180, 220)}
+COLOURS = {
+    "vocals": (233, 84, 106),
+    "drums": (242, 166, 59),
+    "bass": (90, 120, 230),
+    "other": (70, 180, 140),
+    "guitar": (180, 110, 220),
+    "piano": (60, 180, 220),
+}
 FALLBACK = (150, 150, 160)
 BACKGROUND, TEXT, GRID = (22, 24, 30), (235, 235, 240), (48, 52, 62)
 
@@ -66,8 +73,15 @@ def draw_preview(path: Path, peaks: dict[str, Peaks], title: str, seconds: float
     draw.text((16, 40), f"{minutes}:{rest:02d}  ·  {len(peaks)} stems", fill=TEXT, font=small)
     # one scale for every row, from the loudest stem: rows stay comparable, a quiet stem
     # looks quiet, and silence is a flat line
-    loudest = max([0.05, *(max(float(np.abs(p.high).max(initial=0)),
-                               float(np.abs(p.low).max(initial=0))) for p in peaks.values())])
+    loudest = max(
+        [
+            0.05,
+            *(
+                max(float(np.abs(p.high).max(initial=0)), float(np.abs(p.low).max(initial=0)))
+                for p in peaks.values()
+            ),
+        ]
+    )
     scale = (ROW // 2 - 6) / loudest
     for row, (name, peak) in enumerate(peaks.items()):
         top = HEADER + row * ROW

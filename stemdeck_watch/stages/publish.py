@@ -13,6 +13,7 @@ names come from the layout template filled with sanitised tags (stages/naming.py
 stems are tagged (stages/tags.py). The manifest lists every file of the folder with its size
 and sha256.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
-                 out: OutputSettings) -> dict[str, tuple[str, list[str]]]:
+def plan_outputs(
+    stems: dict[str, Path], sep: SeparationSettings, out: OutputSettings
+) -> dict[str, tuple[str, list[str]]]:
     """Which files to write: output name → (kind, stems summed into it). A DAW project
     (`output.session`) gets the whole song as a mix for its reference track, unless one of
     `output.mixes` is that already."""
@@ -81,9 +83,12 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
         if sep.two_stems not in sources:
             raise PublishError(
                 f"could not make two stems: separation.two_stems = {sep.two_stems!r}, but the "
-                f"model {sep.model!r} separates {', '.join(sources)}; choose one of those")
-        outputs = {sep.two_stems: ("stem", [sep.two_stems]),
-                   f"no_{sep.two_stems}": ("stem", [s for s in sources if s != sep.two_stems])}
+                f"model {sep.model!r} separates {', '.join(sources)}; choose one of those"
+            )
+        outputs = {
+            sep.two_stems: ("stem", [sep.two_stems]),
+            f"no_{sep.two_stems}": ("stem", [s for s in sources if s != sep.two_stems]),
+        }
     else:
         outputs = {s: ("stem", [s]) for s in sources}
     for mix, members in out.mixes.items():
@@ -91,22 +96,31 @@ def plan_outputs(stems: dict[str, Path], sep: SeparationSettings,
         if missing:
             raise PublishError(
                 f"could not make mix {mix!r}: output.mixes.{mix} names {', '.join(missing)}, but "
-                f"the model {sep.model!r} separates {', '.join(sources)}")
+                f"the model {sep.model!r} separates {', '.join(sources)}"
+            )
         outputs[mix] = ("mix", list(members))
-    if out.session and not any(sorted(members) == sorted(sources)
-                               for kind, members in outputs.values() if kind == "mix"):
+    if out.session and not any(
+        sorted(members) == sorted(sources) for kind, members in outputs.values() if kind == "mix"
+    ):
         name = next(n for n in ("mix", "song_mix", "full_mix", "whole_mix") if n not in outputs)
         outputs[name] = ("mix", sources)
     return outputs
 
 
-def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str,
-               sep: SeparationSettings, out: OutputSettings,
-               block_frames: int = PUBLISH_BLOCK, info: SongInfo | None = None,
-               peaks: dict[str, Peaks] | None = None,
-               timings: dict[str, float] | None = None,
-               levels: dict[str, Any] | None = None,
-               also: list[list[str]] | None = None) -> list[dict[str, Any]]:
+def write_song(
+    staging: Path,
+    stems: dict[str, Path],
+    samplerate: int,
+    name: str,
+    sep: SeparationSettings,
+    out: OutputSettings,
+    block_frames: int = PUBLISH_BLOCK,
+    info: SongInfo | None = None,
+    peaks: dict[str, Peaks] | None = None,
+    timings: dict[str, float] | None = None,
+    levels: dict[str, Any] | None = None,
+    also: list[list[str]] | None = None,
+) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries, each
     with its integrated loudness (LUFS, None for silence).
 
@@ -125,16 +139,27 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
     readers = {stem: AudioReader(path) for stem, path in stems.items()}
     frames = min((r.frames for r in readers.values()), default=0)
     rate = resample.target_rate(out.samplerate, samplerate, info.input_samplerate, out.format)
-    length = resample.target_frames(out.samplerate, rate, samplerate, frames,
-                                    info.input_samplerate, info.input_frames)
+    length = resample.target_frames(
+        out.samplerate, rate, samplerate, frames, info.input_samplerate, info.input_frames
+    )
     rescale = out.clip == "rescale" and not (out.format == "wav" and out.bit_depth == 32)
-    gain, residual = song_gain([m for _kind, m in plan.values()] + (also or []), readers,
-                               frames, block_frames, rescale, info.source)
+    gain, residual = song_gain(
+        [m for _kind, m in plan.values()] + (also or []),
+        readers,
+        frames,
+        block_frames,
+        rescale,
+        info.source,
+    )
     if levels is not None:
-        levels.update({"gain": round(1.0 / gain, 6), "gain_db": to_db(1.0 / gain ** 2),
-                       "residual_db": residual.db if residual else None})
-    values = naming.layout_values(name, info.tags, info.preset, sep.model,
-                                  EXTENSIONS[out.format])
+        levels.update(
+            {
+                "gain": round(1.0 / gain, 6),
+                "gain_db": to_db(1.0 / gain**2),
+                "residual_db": residual.db if residual else None,
+            }
+        )
+    values = naming.layout_values(name, info.tags, info.preset, sep.model, EXTENSIONS[out.format])
     resampling, tagging_time = resample.Timed(), resample.Timed()
     entries = []
     for output, (kind, members) in plan.items():
@@ -145,14 +170,14 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
         collector = None
         if peaks is not None and kind == "stem":
             collector = peaks[output] = Peaks(frames)
-        blocks = _output_blocks(readers, members, frames, block_frames, out, gain,
-                                collector)
+        blocks = _output_blocks(readers, members, frames, block_frames, out, gain, collector)
         # resampled to `length` frames, the manifest's (at the model's own rate: cut or
         # padded to the input's frame count, unchanged otherwise); a resampler's ringing
         # may overshoot full scale by a hair, which the integer conversion (`pcm`) clips
         meter = LoudnessMeter(rate, channels)
-        blocks = _metered(resample.resampled(blocks, samplerate, rate, channels, length,
-                                             resampling), meter)
+        blocks = _metered(
+            resample.resampled(blocks, samplerate, rate, channels, length, resampling), meter
+        )
         tagged = out.tags and out.format in tagging.TAGGED_FORMATS
         try:  # a stem about to be tagged is flushed to disk once, after its tags
             _write_audio(path, blocks, channels, rate, out, sync=not tagged)
@@ -160,13 +185,24 @@ def write_song(staging: Path, stems: dict[str, Path], samplerate: int, name: str
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
         if tagged:
             with tagging_time:
-                tagging.write_tags(path, out.format, tagging.stem_tags(info.tags, info.name,
-                                                                       output))
+                tagging.write_tags(
+                    path, out.format, tagging.stem_tags(info.tags, info.name, output)
+                )
         if path.parent != staging:
             fsync_dir(path.parent)  # a song subfolder made by output.layout
-        entries.append({"name": output, "kind": kind, "file": filename, "sources": members,
-                        "samplerate": rate, "channels": channels, "frames": length,
-                        "duration": round(length / rate, 6), "loudness": meter.integrated()})
+        entries.append(
+            {
+                "name": output,
+                "kind": kind,
+                "file": filename,
+                "sources": members,
+                "samplerate": rate,
+                "channels": channels,
+                "frames": length,
+                "duration": round(length / rate, 6),
+                "loudness": meter.integrated(),
+            }
+        )
     if timings is not None:
         timings["resample"] = round(resampling.seconds, 3)
         timings["tags"] = round(tagging_time.seconds, 3)
@@ -180,9 +216,15 @@ def _metered(blocks: Iterable[np.ndarray], meter: LoudnessMeter) -> Iterator[np.
         yield block
 
 
-def _output_blocks(readers: dict[str, AudioReader], members: list[str], frames: int,
-                   block_frames: int, out: OutputSettings, gain: float,
-                   peaks: Peaks | None) -> Iterator[np.ndarray]:
+def _output_blocks(
+    readers: dict[str, AudioReader],
+    members: list[str],
+    frames: int,
+    block_frames: int,
+    out: OutputSettings,
+    gain: float,
+    peaks: Peaks | None,
+) -> Iterator[np.ndarray]:
     """One output's blocks at the model's rate, clipping handled; the preview sees them."""
     for start, stop in _spans(frames, block_frames):
         block = _prevent_clip(_sum_block(readers, members, start, stop), out, gain)
@@ -195,8 +237,9 @@ def _spans(frames: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(frames, start + size)) for start in range(0, frames, size)]
 
 
-def _sum_block(readers: dict[str, AudioReader], members: list[str], start: int,
-               stop: int) -> np.ndarray:
+def _sum_block(
+    readers: dict[str, AudioReader], members: list[str], start: int, stop: int
+) -> np.ndarray:
     """One block of an output: its first member plus the others, in order (float32)."""
     audio = readers[members[0]].read(start, stop, interleaved=True)
     for member in members[1:]:
@@ -229,8 +272,14 @@ def pcm(audio: np.ndarray, bits: int) -> np.ndarray:
     return scaled.astype(np.int32) << 8
 
 
-def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, samplerate: int,
-                 out: OutputSettings, sync: bool = True) -> None:
+def _write_audio(
+    path: Path,
+    blocks: Iterable[np.ndarray],
+    channels: int,
+    samplerate: int,
+    out: OutputSettings,
+    sync: bool = True,
+) -> None:
     """Write (channels, n) float blocks to `path` in the configured format, as they come;
     `sync` flushes the file to disk."""
     if out.format == "mp3":
@@ -256,8 +305,9 @@ def _write_audio(path: Path, blocks: Iterable[np.ndarray], channels: int, sample
     with open_new(path, buffering=0) as handle:
         guarded = _GuardedFile(handle)
         try:
-            with soundfile.SoundFile(guarded, "w", samplerate, channels, subtype=subtype,
-                                     format=out.format.upper()) as sound:
+            with soundfile.SoundFile(
+                guarded, "w", samplerate, channels, subtype=subtype, format=out.format.upper()
+            ) as sound:
                 for audio in blocks:
                     sound.write(audio.T if out.bit_depth == 32 else pcm(audio, out.bit_depth))
         except Exception:
@@ -304,9 +354,12 @@ class _GuardedFile:
 def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
     """Write `stemdeck.json` last: it lists every file already in the folder with its size
     and sha256, so a person (and restore) can tell a complete folder from a damaged one."""
-    manifest = {"stemdeck_watch": __version__,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                **manifest, "files": list_files(staging)}
+    manifest = {
+        "stemdeck_watch": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **manifest,
+        "files": list_files(staging),
+    }
     path = staging / MANIFEST
     with open_new(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, ensure_ascii=False)
@@ -354,23 +407,31 @@ def publisher_of(folder: Path) -> str | None:
 def list_files(folder: Path) -> list[dict[str, Any]]:
     """Every file under `folder` but the manifest: relative name, bytes, sha256."""
     paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    return [{"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
-             "sha256": sha256_of(p)} for p in paths]
+    return [
+        {
+            "file": p.relative_to(folder).as_posix(),
+            "bytes": p.stat().st_size,
+            "sha256": sha256_of(p),
+        }
+        for p in paths
+    ]
 
 
 def verify_folder(folder: Path) -> list[str]:
     """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
     changed or unlisted files; an empty list for a complete, undamaged folder."""
     try:
-        listed = {e["file"]: e for e in read_json(folder / MANIFEST, MAX_MANIFEST).get(
-            "files", [])}
+        listed = {e["file"]: e for e in read_json(folder / MANIFEST, MAX_MANIFEST).get("files", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"could not read {folder / MANIFEST}: {exc}"]
     present = {e["file"]: e for e in list_files(folder)}
     problems = [f"{name} is missing" for name in listed if name not in present]
     problems += [f"{name} is not in the manifest" for name in present if name not in listed]
-    problems += [f"{name} has changed (sha256 differs)" for name, e in present.items()
-                 if name in listed and listed[name].get("sha256") != e["sha256"]]
+    problems += [
+        f"{name} has changed (sha256 differs)"
+        for name, e in present.items()
+        if name in listed and listed[name].get("sha256") != e["sha256"]
+    ]
     return problems
 
 

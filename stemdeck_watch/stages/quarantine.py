@@ -5,6 +5,7 @@ what to do) and whoever debugs it (stage, traceback, the worker's last words, ve
 The input is moved, never deleted; if even that fails it stays where it is and the diagnosis
 says so.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -18,8 +19,13 @@ from stemdeck_watch import __version__
 from stemdeck_watch.core.choices import move_sidecar
 from stemdeck_watch.core.errors import FilesystemError
 from stemdeck_watch.core.jobs import FileSignature, Job
-from stemdeck_watch.core.paths import (exists_or_unreachable, is_unreachable, move_file,
-                                       report_path, unique_path)
+from stemdeck_watch.core.paths import (
+    exists_or_unreachable,
+    is_unreachable,
+    move_file,
+    report_path,
+    unique_path,
+)
 from stemdeck_watch.util.safefile import write_replacing
 from stemdeck_watch.util.safetext import strip_controls
 
@@ -27,8 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
-    found = {"stemdeck-watch": __version__, "python": sys.version.split()[0],
-             "platform": platform.platform()}
+    found = {
+        "stemdeck-watch": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
     for module in ("av", "numpy", "soundfile", "watchdog"):
         mod = sys.modules.get(module)
         if mod is not None and hasattr(mod, "__version__"):
@@ -37,10 +46,18 @@ def versions(worker_versions: dict[str, str] | None = None) -> dict[str, str]:
     return found
 
 
-def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details: str = "",
-               worker_tail: str = "", worker_versions: dict[str, str] | None = None,
-               defer: Callable[[Path, Path, str], None] | None = None,
-               attempts: str = "") -> Path:
+def quarantine(
+    job: Job,
+    failed_dir: Path,
+    *,
+    stage: str,
+    message: str,
+    details: str = "",
+    worker_tail: str = "",
+    worker_versions: dict[str, str] | None = None,
+    defer: Callable[[Path, Path, str], None] | None = None,
+    attempts: str = "",
+) -> Path:
     """Move the job's input into `failed_dir` and write the diagnosis; returns where the input
     is now (its old place if it could not be moved).
 
@@ -68,9 +85,11 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     elif current is None:
         move_note = f"The input {source} was no longer there to move."
     elif job.signature is not None and current != job.signature:
-        move_note = (f"The input {source} was replaced by a new version after this job took "
-                     f"it. The new version stays in the inbox and is separated as a new job; "
-                     f"this report is about the old version.")
+        move_note = (
+            f"The input {source} was replaced by a new version after this job took "
+            f"it. The new version stays in the inbox and is separated as a new job; "
+            f"this report is about the old version."
+        )
         log.info("%s changed while its job ran; the new version stays in the inbox", source)
     else:
         try:
@@ -84,9 +103,17 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
         else:
             move_sidecar(source, where)  # the song's choices go with it
     report = report_path(where) if where != source else unique_path(report_path(target))
-    text = _diagnosis(job, stage=stage, message=message, details=details,
-                      worker_tail=worker_tail, versions=versions(worker_versions),
-                      where=where, move_note=move_note, attempts=attempts)
+    text = _diagnosis(
+        job,
+        stage=stage,
+        message=message,
+        details=details,
+        worker_tail=worker_tail,
+        versions=versions(worker_versions),
+        where=where,
+        move_note=move_note,
+        attempts=attempts,
+    )
     try:
         report.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(report, text)
@@ -95,17 +122,29 @@ def quarantine(job: Job, failed_dir: Path, *, stage: str, message: str, details:
     return where
 
 
-def _deferred(source: Path, target: Path, why: str,
-              defer: Callable[[Path, Path, str], None] | None) -> str:
+def _deferred(
+    source: Path, target: Path, why: str, defer: Callable[[Path, Path, str], None] | None
+) -> str:
     if defer is None:
         return f"The input stays at {source}: it could not be reached ({why})."
     defer(source, target, why)
-    return (f"The input {source} could not be reached ({why}); it is moved here when its "
-            f"share answers.")
+    return (
+        f"The input {source} could not be reached ({why}); it is moved here when its share answers."
+    )
 
 
-def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail: str,
-               versions: dict[str, str], where: Path, move_note: str, attempts: str = "") -> str:
+def _diagnosis(
+    job: Job,
+    *,
+    stage: str,
+    message: str,
+    details: str,
+    worker_tail: str,
+    versions: dict[str, str],
+    where: Path,
+    move_note: str,
+    attempts: str = "",
+) -> str:
     """The report. Names, paths and messages come from whoever named the file: their control
     characters are shown as `?`, so none adds a line of its own or reaches a terminal that
     shows the report (the worker's lines and details keep their line breaks)."""
@@ -126,12 +165,18 @@ def _diagnosis(job: Job, *, stage: str, message: str, details: str, worker_tail:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
     ]
     if attempts.strip():
-        lines += ["", "Every attempt failed because of the machine, not the song (the worker "
-                  "died, stalled or ran out of memory), and the song was tried again each time:",
-                  shown(attempts.rstrip(), keep="\n\t")]
+        lines += [
+            "",
+            "Every attempt failed because of the machine, not the song (the worker "
+            "died, stalled or ran out of memory), and the song was tried again each time:",
+            shown(attempts.rstrip(), keep="\n\t"),
+        ]
     if worker_tail.strip():
-        lines += ["", "Last lines from the separation worker:",
-                  shown(worker_tail.rstrip(), keep="\n\t")]
+        lines += [
+            "",
+            "Last lines from the separation worker:",
+            shown(worker_tail.rstrip(), keep="\n\t"),
+        ]
     if details.strip():
         lines += ["", "Details:", shown(details.rstrip(), keep="\n\t")]
     return "\n".join(lines) + "\n"

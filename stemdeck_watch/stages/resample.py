@@ -6,6 +6,7 @@ with its delay compensated, so the stems start where the input starts; the last 
 are padded or cut so that the length equals the input's frame count exactly (the decode and
 this resample each round the length once).
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,9 @@ import numpy as np
 from stemdeck_watch.util.validators import MP3_RATES
 
 
-def target_rate(setting: str | int, model_rate: int, input_rate: int | None,
-                fmt: str = "wav") -> int:
+def target_rate(
+    setting: str | int, model_rate: int, input_rate: int | None, fmt: str = "wav"
+) -> int:
     """The rate the stems are written at for `output.samplerate`. mp3 holds only the MPEG
     rates: an input rate it cannot hold (96 kHz) becomes the next MPEG rate up, at most
     48 kHz (a fixed rate is checked at config load)."""
@@ -32,8 +34,14 @@ def target_rate(setting: str | int, model_rate: int, input_rate: int | None,
     return rate
 
 
-def target_frames(setting: str | int, rate: int, model_rate: int, model_frames: int,
-                  input_rate: int | None, input_frames: int | None) -> int:
+def target_frames(
+    setting: str | int,
+    rate: int,
+    model_rate: int,
+    model_frames: int,
+    input_rate: int | None,
+    input_frames: int | None,
+) -> int:
     """How many frames the stems have at `rate`: the input's own count for "input" (when
     known and kept), else the model's frames scaled to the rate."""
     if setting == "input" and input_frames and rate == input_rate:
@@ -56,8 +64,14 @@ class Timed:
         self.seconds += time.perf_counter() - self._started
 
 
-def resampled(blocks: Iterable[np.ndarray], in_rate: int, out_rate: int, channels: int,
-              frames: int, timer: Timed | None = None) -> Iterator[np.ndarray]:
+def resampled(
+    blocks: Iterable[np.ndarray],
+    in_rate: int,
+    out_rate: int,
+    channels: int,
+    frames: int,
+    timer: Timed | None = None,
+) -> Iterator[np.ndarray]:
     """Resample (channels, n) float32 blocks from `in_rate` to `out_rate`; yields blocks
     whose lengths add up to exactly `frames`. Memory: one block plus soxr's filter state."""
     timer = timer or Timed()
@@ -78,8 +92,11 @@ def resampled(blocks: Iterable[np.ndarray], in_rate: int, out_rate: int, channel
                 yield chunk
         pending = block
     with timer:
-        last = (np.zeros((0, channels), np.float32) if pending is None
-                else np.ascontiguousarray(pending.T))
+        last = (
+            np.zeros((0, channels), np.float32)
+            if pending is None
+            else np.ascontiguousarray(pending.T)
+        )
         out = stream.resample_chunk(last, last=True)
     done, chunk = _take(out.T, done, frames)
     if done < frames:  # soxr rounded the length down: pad the last few samples
@@ -90,7 +107,7 @@ def resampled(blocks: Iterable[np.ndarray], in_rate: int, out_rate: int, channel
 
 def _take(out: np.ndarray, done: int, frames: int) -> tuple[int, np.ndarray]:
     # in the block's own memory order: the writer wants frame-major (`chunk.T` contiguous)
-    chunk = out[:, :max(0, frames - done)].astype(np.float32, copy=False)
+    chunk = out[:, : max(0, frames - done)].astype(np.float32, copy=False)
     return done + chunk.shape[1], chunk
 
 

@@ -16,6 +16,7 @@ disk-space check before a job starts can use it.
 
 No torch here: the service imports this module.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,9 @@ HEADER_BYTES = 128  # numpy pads a v1.0 header to a multiple of 64; (C, frames) 
 BLOCK_FRAMES = 1 << 16  # ~1.5 s at 44.1 kHz: the unit decode and publish work in
 
 
-def estimate_scratch_bytes(seconds: float, stems: int = 4, samplerate: int = 44100,
-                           channels: int = 2) -> int:
+def estimate_scratch_bytes(
+    seconds: float, stems: int = 4, samplerate: int = 44100, channels: int = 2
+) -> int:
     """Bytes of scratch disk one job needs at its peak: the decoded input plus every stem, as
     float32 at the model's rate (about 10x the song as 16-bit wav for four stems; 14x for six).
     `seconds` is the song's duration; the published files are extra and go to the outbox."""
@@ -43,7 +45,8 @@ def estimate_scratch_bytes(seconds: float, stems: int = 4, samplerate: int = 441
 def _header(channels: int, frames: int) -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": DTYPE.str, "fortran_order": True, "shape": (channels, frames)})
+        buf, {"descr": DTYPE.str, "fortran_order": True, "shape": (channels, frames)}
+    )
     header = buf.getvalue()
     if len(header) != HEADER_BYTES:  # pragma: no cover - only for absurd shapes
         raise ValueError(f"npy header for {(channels, frames)} is {len(header)} bytes")
@@ -97,8 +100,9 @@ class AudioWriter:
     def __enter__(self) -> AudioWriter:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if kind is None:
             self.close()
         else:
@@ -112,13 +116,15 @@ class AudioReader:
         self.path = Path(path)
         with open(self.path, "rb") as handle:
             version = np.lib.format.read_magic(handle)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
             shape, fortran, dtype = read_header(handle)
             self._offset = handle.tell()
         if len(shape) != 2 or dtype.kind != "f":
-            raise ValueError(f"{self.path} is not (channels, frames) float audio: "
-                             f"{shape} {dtype}")
+            raise ValueError(f"{self.path} is not (channels, frames) float audio: {shape} {dtype}")
         self.channels, self.frames = int(shape[0]), int(shape[1])
         self._dtype = dtype
         self._order = "F" if fortran else "C"
@@ -158,8 +164,9 @@ class AudioReader:
                 while done < end:  # one read returns at most ~2 GiB
                     got = handle.readinto(view[done:end])
                     if not got:
-                        raise ValueError(f"{self.path} holds fewer frames than its header "
-                                         f"says ({self.frames})")
+                        raise ValueError(
+                            f"{self.path} holds fewer frames than its header says ({self.frames})"
+                        )
                     done += got
         return items
 

@@ -14,6 +14,7 @@ folder, where the project files lie, so the folder can move or sync to another c
 
 Both are small text files written from the manifest's entries; no audio is read here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,10 +65,18 @@ def tracks_of(entries: list[dict[str, Any]]) -> list[Track]:
     """Every stem as a track, then every mix (the whole song, extra mixes) muted."""
     stems = [e for e in entries if e["kind"] == "stem"]
     mixes = [e for e in entries if e["kind"] != "stem"]
-    return [Track(e["name"], e["file"], MIX_COLOUR if e["kind"] != "stem"
-                  else COLOURS.get(e["name"], FALLBACK), e["kind"] != "stem",
-                  int(e["samplerate"]), int(e["channels"]), float(e["duration"]))
-            for e in stems + mixes]
+    return [
+        Track(
+            e["name"],
+            e["file"],
+            MIX_COLOUR if e["kind"] != "stem" else COLOURS.get(e["name"], FALLBACK),
+            e["kind"] != "stem",
+            int(e["samplerate"]),
+            int(e["channels"]),
+            float(e["duration"]),
+        )
+        for e in stems + mixes
+    ]
 
 
 def tempo_of(grid: Mapping[str, Any] | None) -> tuple[float, float | None]:
@@ -79,9 +88,14 @@ def tempo_of(grid: Mapping[str, Any] | None) -> tuple[float, float | None]:
     return float(grid["tempo"]), (float(beats[0]) if beats else None)
 
 
-def write_sessions(staging: Path, kinds: tuple[str, ...], entries: list[dict[str, Any]],
-                   grid: Mapping[str, Any] | None, name: str,
-                   tags: Mapping[str, Any]) -> dict[str, Any]:
+def write_sessions(
+    staging: Path,
+    kinds: tuple[str, ...],
+    entries: list[dict[str, Any]],
+    grid: Mapping[str, Any] | None,
+    name: str,
+    tags: Mapping[str, Any],
+) -> dict[str, Any]:
     """Write the project files `kinds` into the song folder `staging`, named after the song;
     returns the manifest's "session": file per kind, tempo and first beat."""
     tracks = tracks_of(entries)
@@ -99,12 +113,16 @@ def write_sessions(staging: Path, kinds: tuple[str, ...], entries: list[dict[str
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
         written[kind] = path.name
-    return {"files": written, "tempo": round(tempo, 2),
-            "first_beat": None if first is None else round(first, 4),
-            "tracks": [t.name for t in tracks]}
+    return {
+        "files": written,
+        "tempo": round(tempo, 2),
+        "first_beat": None if first is None else round(first, 4),
+        "tracks": [t.name for t in tracks],
+    }
 
 
 # ------------------------------------------------------------------ .dawproject
+
 
 def dawproject_xml(tracks: list[Track], tempo: float, first: float | None) -> bytes:
     """project.xml: a master track, one audio track per file routed to it, and the
@@ -113,33 +131,66 @@ def dawproject_xml(tracks: list[Track], tempo: float, first: float | None) -> by
     project = ET.Element("Project", version="1.0")
     ET.SubElement(project, "Application", name="stemdeck-watch", version=__version__)
     transport = ET.SubElement(project, "Transport")
-    ET.SubElement(transport, "Tempo", id=next(ids), name="Tempo", unit="bpm",
-                  value=_number(tempo), min="20", max="666")
+    ET.SubElement(
+        transport,
+        "Tempo",
+        id=next(ids),
+        name="Tempo",
+        unit="bpm",
+        value=_number(tempo),
+        min="20",
+        max="666",
+    )
     ET.SubElement(transport, "TimeSignature", id=next(ids), numerator="4", denominator="4")
     structure = ET.SubElement(project, "Structure")
     master = ET.SubElement(structure, "Track", id=next(ids), name="Master", loaded="true")
-    master_channel = ET.SubElement(master, "Channel", id=next(ids), role="master",
-                                   audioChannels="2")
+    master_channel = ET.SubElement(
+        master, "Channel", id=next(ids), role="master", audioChannels="2"
+    )
     _mixer(master_channel, ids, muted=False)
     track_ids = []
     for track in tracks:
-        element = ET.SubElement(structure, "Track", id=next(ids), name=track.name,
-                                color=track.hex_colour, contentType="audio", loaded="true")
-        channel = ET.SubElement(element, "Channel", id=next(ids), role="regular",
-                                audioChannels=str(track.channels),
-                                destination=master_channel.get("id", ""))
+        element = ET.SubElement(
+            structure,
+            "Track",
+            id=next(ids),
+            name=track.name,
+            color=track.hex_colour,
+            contentType="audio",
+            loaded="true",
+        )
+        channel = ET.SubElement(
+            element,
+            "Channel",
+            id=next(ids),
+            role="regular",
+            audioChannels=str(track.channels),
+            destination=master_channel.get("id", ""),
+        )
         _mixer(channel, ids, muted=track.muted)
         track_ids.append(element.get("id", ""))
     arrangement = ET.SubElement(project, "Arrangement", id=next(ids))
     lanes = ET.SubElement(arrangement, "Lanes", id=next(ids), timeUnit="seconds")
     for track, track_id in zip(tracks, track_ids, strict=True):
         clips = ET.SubElement(lanes, "Clips", id=next(ids), track=track_id)
-        clip = ET.SubElement(clips, "Clip", name=track.name, time="0.0",
-                             duration=_number(track.seconds), contentTimeUnit="seconds",
-                             playStart="0.0", playStop=_number(track.seconds))
-        audio = ET.SubElement(clip, "Audio", id=next(ids), channels=str(track.channels),
-                              sampleRate=str(track.samplerate),
-                              duration=_number(track.seconds))
+        clip = ET.SubElement(
+            clips,
+            "Clip",
+            name=track.name,
+            time="0.0",
+            duration=_number(track.seconds),
+            contentTimeUnit="seconds",
+            playStart="0.0",
+            playStop=_number(track.seconds),
+        )
+        audio = ET.SubElement(
+            clip,
+            "Audio",
+            id=next(ids),
+            channels=str(track.channels),
+            sampleRate=str(track.samplerate),
+            duration=_number(track.seconds),
+        )
         ET.SubElement(audio, "File", path=track.file, external="true")
     if first is not None:
         markers = ET.SubElement(arrangement, "Markers", id=next(ids), timeUnit="seconds")
@@ -149,10 +200,26 @@ def dawproject_xml(tracks: list[Track], tempo: float, first: float | None) -> by
 
 def _mixer(channel: ET.Element, ids: Any, muted: bool) -> None:
     ET.SubElement(channel, "Mute", id=next(ids), name="Mute", value=str(muted).lower())
-    ET.SubElement(channel, "Pan", id=next(ids), name="Pan", unit="normalized", value="0.5",
-                  min="0.0", max="1.0")
-    ET.SubElement(channel, "Volume", id=next(ids), name="Volume", unit="linear", value="1.0",
-                  min="0.0", max="2.0")
+    ET.SubElement(
+        channel,
+        "Pan",
+        id=next(ids),
+        name="Pan",
+        unit="normalized",
+        value="0.5",
+        min="0.0",
+        max="1.0",
+    )
+    ET.SubElement(
+        channel,
+        "Volume",
+        id=next(ids),
+        name="Volume",
+        unit="linear",
+        value="1.0",
+        min="0.0",
+        max="2.0",
+    )
 
 
 def metadata_xml(title: str, tags: Mapping[str, Any]) -> bytes:
@@ -164,15 +231,23 @@ def metadata_xml(title: str, tags: Mapping[str, Any]) -> bytes:
     return _xml(metadata)
 
 
-def write_dawproject(path: Path, tracks: list[Track], tempo: float, first: float | None,
-                     title: str, tags: Mapping[str, Any]) -> None:
+def write_dawproject(
+    path: Path,
+    tracks: list[Track],
+    tempo: float,
+    first: float | None,
+    title: str,
+    tags: Mapping[str, Any],
+) -> None:
     """The zip container: metadata.xml and project.xml, as DAWproject's own writer orders
     them; compressed, stamped with the time of writing."""
     stamp = _dt.datetime.now().timetuple()[:6]
     with open_new(path) as handle:  # new in the staging folder: never through a link
         with zipfile.ZipFile(handle, "w", zipfile.ZIP_DEFLATED) as archive:
-            for member, data in (("metadata.xml", metadata_xml(title, tags)),
-                                 ("project.xml", dawproject_xml(tracks, tempo, first))):
+            for member, data in (
+                ("metadata.xml", metadata_xml(title, tags)),
+                ("project.xml", dawproject_xml(tracks, tempo, first)),
+            ):
                 info = zipfile.ZipInfo(member, date_time=stamp)
                 info.compress_type = zipfile.ZIP_DEFLATED
                 archive.writestr(info, data)
@@ -191,33 +266,38 @@ def _number(value: float) -> str:
 
 # ------------------------------------------------------------------ .rpp
 
+
 def reaper_text(tracks: list[Track], tempo: float, first: float | None) -> str:
     """A REAPER project: tempo 4/4, a marker at the first beat, one track per file with its
     item at 0 s (muted for the mix), colours as REAPER stores them (0x01BBGGRR)."""
     rate = tracks[0].samplerate if tracks else 44100
-    lines = [f'<REAPER_PROJECT 0.1 "7.0/stemdeck-watch {__version__}" '
-             f"{int(_dt.datetime.now().timestamp())}",
-             f"  TEMPO {_number(tempo)} 4 4",
-             f"  SAMPLERATE {rate} 0 0"]
+    lines = [
+        f'<REAPER_PROJECT 0.1 "7.0/stemdeck-watch {__version__}" '
+        f"{int(_dt.datetime.now().timestamp())}",
+        f"  TEMPO {_number(tempo)} 4 4",
+        f"  SAMPLERATE {rate} 0 0",
+    ]
     if first is not None:
         lines.append(f"  MARKER 1 {_number(first)} {_quote(FIRST_BEAT)} 0")
     for track in tracks:
         red, green, blue = track.colour
-        lines += [f"  <TRACK {{{str(uuid.uuid4()).upper()}}}",
-                  f"    NAME {_quote(track.name)}",
-                  f"    PEAKCOL {0x1000000 | blue << 16 | green << 8 | red}",
-                  f"    MUTESOLO {int(track.muted)} 0 0",
-                  f"    NCHAN {max(2, track.channels)}",
-                  "    <ITEM",
-                  "      POSITION 0",
-                  f"      LENGTH {_number(track.seconds)}",
-                  f"      NAME {_quote(track.name)}",
-                  "      SOFFS 0",
-                  f"      <SOURCE {REAPER_SOURCES.get(track.format, 'WAVE')}",
-                  f"        FILE {_quote(track.file)}",
-                  "      >",
-                  "    >",
-                  "  >"]
+        lines += [
+            f"  <TRACK {{{str(uuid.uuid4()).upper()}}}",
+            f"    NAME {_quote(track.name)}",
+            f"    PEAKCOL {0x1000000 | blue << 16 | green << 8 | red}",
+            f"    MUTESOLO {int(track.muted)} 0 0",
+            f"    NCHAN {max(2, track.channels)}",
+            "    <ITEM",
+            "      POSITION 0",
+            f"      LENGTH {_number(track.seconds)}",
+            f"      NAME {_quote(track.name)}",
+            "      SOFFS 0",
+            f"      <SOURCE {REAPER_SOURCES.get(track.format, 'WAVE')}",
+            f"        FILE {_quote(track.file)}",
+            "      >",
+            "    >",
+            "  >",
+        ]
     lines.append(">")
     return "\n".join(lines) + "\n"
 

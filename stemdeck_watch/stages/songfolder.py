@@ -5,6 +5,7 @@ each optional step timed.
 The runner calls `make_song_folder` with the staging folder and the worker's stems; the
 returned entries, manifest fields and timings go into `stemdeck.json`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,14 +65,25 @@ def extra_bytes(stems: int, out: OutputSettings, seconds: float) -> int:
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
     """The input's tags (read while decoding), its own rate and length, and the decoded
     input the stems' sum is compared with."""
-    return publish.SongInfo(name=name, tags=decoded.tags, preset=preset,
-                            input_samplerate=decoded.source_samplerate,
-                            input_frames=decoded.source_frames, source=decoded.path)
+    return publish.SongInfo(
+        name=name,
+        tags=decoded.tags,
+        preset=preset,
+        input_samplerate=decoded.source_samplerate,
+        input_frames=decoded.source_frames,
+        source=decoded.path,
+    )
 
 
-def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
-                     info: publish.SongInfo, sep: SeparationSettings, out: OutputSettings,
-                     check: Callable[[], None] = lambda: None) -> SongFolder:
+def make_song_folder(
+    staging: Path,
+    stems: dict[str, Path],
+    samplerate: int,
+    info: publish.SongInfo,
+    sep: SeparationSettings,
+    out: OutputSettings,
+    check: Callable[[], None] = lambda: None,
+) -> SongFolder:
     """Write the stems, mixes, beat grid and preview of one song into `staging`. `check`
     raises to cancel; it is called between steps and inside the beat grid (an hour of audio
     takes it tens of seconds)."""
@@ -80,17 +92,27 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
     levels: dict[str, Any] = {}
     slots = stemfile.slot_members(list(stems)) if out.stem_file else None
     started = time.perf_counter()
-    entries = publish.write_song(staging, stems, samplerate, info.name, sep, out, info=info,
-                                 peaks=peaks, timings=timings, levels=levels,
-                                 also=[list(stems), *slots.values()] if slots else None)
+    entries = publish.write_song(
+        staging,
+        stems,
+        samplerate,
+        info.name,
+        sep,
+        out,
+        info=info,
+        peaks=peaks,
+        timings=timings,
+        levels=levels,
+        also=[list(stems), *slots.values()] if slots else None,
+    )
     timings["write"] = round(time.perf_counter() - started, 3)
     manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
     if out.stem_file:
         check()
         started = time.perf_counter()
-        manifest["stem_file"] = stemfile.write_stem_file(staging, stems, samplerate,
-                                                         levels["gain"], info.name, info.tags,
-                                                         check)
+        manifest["stem_file"] = stemfile.write_stem_file(
+            staging, stems, samplerate, levels["gain"], info.name, info.tags, check
+        )
         timings["stem_file"] = round(time.perf_counter() - started, 3)
     check()
     grid: dict[str, Any] | None = None
@@ -106,45 +128,66 @@ def make_song_folder(staging: Path, stems: dict[str, Path], samplerate: int,
         try:
             draw_preview(staging / PREVIEW, peaks, info.title, seconds)
         except OSError as exc:
-            raise PublishError(str(FilesystemError("write", staging / PREVIEW,
-                                                   reason=exc))) from exc
+            raise PublishError(
+                str(FilesystemError("write", staging / PREVIEW, reason=exc))
+            ) from exc
         manifest["preview"] = PREVIEW
         timings["preview"] = round(time.perf_counter() - started, 3)
     if out.practice:
         check()
         started = time.perf_counter()
-        manifest["practice"] = write_practice(staging, stems, samplerate, levels["gain"], grid,
-                                              out.practice_speeds, info.name, info.tags, out,
-                                              check)
+        manifest["practice"] = write_practice(
+            staging,
+            stems,
+            samplerate,
+            levels["gain"],
+            grid,
+            out.practice_speeds,
+            info.name,
+            info.tags,
+            out,
+            check,
+        )
         timings["practice"] = round(time.perf_counter() - started, 3)
     if out.session:
         started = time.perf_counter()
-        manifest["session"] = write_sessions(staging, out.session, entries, grid, info.name,
-                                             info.tags)
+        manifest["session"] = write_sessions(
+            staging, out.session, entries, grid, info.name, info.tags
+        )
         timings["session"] = round(time.perf_counter() - started, 3)
     return SongFolder(entries, manifest, timings)
 
 
-def find_beat_grid(stems: dict[str, Path], samplerate: int,
-                   check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def find_beat_grid(
+    stems: dict[str, Path], samplerate: int, check: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
     """The beat grid from the drums stem when the model has one, else from the mix (every
     stem summed). Never fails the song: without librosa the grid is empty and says why."""
     source = "drums" if "drums" in stems else "mix"
-    readers = [AudioReader(stems["drums"])] if source == "drums" else [
-        AudioReader(p) for p in stems.values()]
+    readers = (
+        [AudioReader(stems["drums"])]
+        if source == "drums"
+        else [AudioReader(p) for p in stems.values()]
+    )
     try:
         from stemdeck_watch.stages.beats import beat_grid
 
         grid = beat_grid(readers, samplerate, source, check)
     except ImportError as exc:
         log.warning("no beat grid: %s (install librosa)", exc)
-        grid = {"source": source, "tempo": None, "beats": [], "downbeats": [],
-                "notes": [f"no beat grid: {exc}; install librosa"]}
+        grid = {
+            "source": source,
+            "tempo": None,
+            "beats": [],
+            "downbeats": [],
+            "notes": [f"no beat grid: {exc}; install librosa"],
+        }
     return grid
 
 
-def write_beat_grid(path: Path, stems: dict[str, Path], samplerate: int,
-                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def write_beat_grid(
+    path: Path, stems: dict[str, Path], samplerate: int, check: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
     """`beats.json` from the stems (see find_beat_grid); returns the manifest's summary."""
     return save_beat_grid(path, find_beat_grid(stems, samplerate, check))
 
@@ -159,5 +202,10 @@ def save_beat_grid(path: Path, grid: dict[str, Any]) -> dict[str, Any]:
             os.fsync(handle.fileno())
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-    return {"file": path.name, "source": grid["source"], "tempo": grid["tempo"],
-            "beats": len(grid["beats"]), "notes": grid["notes"]}
+    return {
+        "file": path.name,
+        "source": grid["source"],
+        "tempo": grid["tempo"],
+        "beats": len(grid["beats"]),
+        "notes": grid["notes"],
+    }

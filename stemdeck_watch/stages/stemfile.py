@@ -15,6 +15,7 @@ A model whose stems are not drums, bass, other and vocals (plus extras such as g
 piano, mixed into "other") gets no stem file and a note saying why: the format has exactly
 those four slots.
 """
+
 from __future__ import annotations
 
 import fractions
@@ -37,9 +38,17 @@ SUFFIX = ".stem.mp4"
 BITRATE = 256_000  # per stream: what NI's own Stem Creator writes
 # the "mastering_dsp" block every stem manifest carries; off: the stems are played as they are
 MASTERING_DSP = {
-    "compressor": {"enabled": False, "input_gain": 0.5, "output_gain": 0.5, "threshold": 0,
-                   "dry_wet": 50, "attack": 0.003, "release": 0.3, "ratio": 3,
-                   "hp_cutoff": 300},
+    "compressor": {
+        "enabled": False,
+        "input_gain": 0.5,
+        "output_gain": 0.5,
+        "threshold": 0,
+        "dry_wet": 50,
+        "attack": 0.003,
+        "release": 0.3,
+        "ratio": 3,
+        "hp_cutoff": 300,
+    },
     "limiter": {"enabled": False, "threshold": 0, "ceiling": 0, "release": 0.05},
 }
 
@@ -55,21 +64,35 @@ def slot_members(sources: list[str]) -> dict[str, list[str]] | None:
 
 def stem_manifest() -> dict[str, Any]:
     """The JSON of the `stem` box: names and colours (as in preview.png) of the four slots."""
-    return {"version": 1, "mastering_dsp": MASTERING_DSP,
-            "stems": [{"name": slot.capitalize(),
-                       "color": "#{:02X}{:02X}{:02X}".format(*COLOURS[slot])}
-                      for slot in SLOTS]}
+    return {
+        "version": 1,
+        "mastering_dsp": MASTERING_DSP,
+        "stems": [
+            {"name": slot.capitalize(), "color": "#{:02X}{:02X}{:02X}".format(*COLOURS[slot])}
+            for slot in SLOTS
+        ],
+    }
 
 
-def write_stem_file(staging: Path, stems: dict[str, Path], samplerate: int, gain: float,
-                    name: str, tags: Mapping[str, Any],
-                    check: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def write_stem_file(
+    staging: Path,
+    stems: dict[str, Path],
+    samplerate: int,
+    gain: float,
+    name: str,
+    tags: Mapping[str, Any],
+    check: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Write `<song>.stem.mp4` into `staging`; returns the manifest's "stem_file"."""
     slots = slot_members(list(stems))
     if slots is None:
-        return {"file": None, "notes": [
-            f"no stem file: NI Stems holds drums, bass, other and vocals, and the model "
-            f"separates {', '.join(stems)}"]}
+        return {
+            "file": None,
+            "notes": [
+                f"no stem file: NI Stems holds drums, bass, other and vocals, and the model "
+                f"separates {', '.join(stems)}"
+            ],
+        }
     path = staging / f"{safe_name(name, 'song')}{SUFFIX}"
     try:
         with open_new(path, "w+b") as handle:
@@ -79,14 +102,26 @@ def write_stem_file(staging: Path, stems: dict[str, Path], samplerate: int, gain
             os.fsync(handle.fileno())
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-    return {"file": path.name, "streams": ["master", *SLOTS], "codec": "aac",
-            "bitrate": BITRATE, "samplerate": samplerate, "frames": frames,
-            "slots": slots}
+    return {
+        "file": path.name,
+        "streams": ["master", *SLOTS],
+        "codec": "aac",
+        "bitrate": BITRATE,
+        "samplerate": samplerate,
+        "frames": frames,
+        "slots": slots,
+    }
 
 
-def _encode(handle: IO[bytes], stems: dict[str, Path], slots: dict[str, list[str]],
-            samplerate: int, gain: float, tags: Mapping[str, Any],
-            check: Callable[[], None]) -> int:
+def _encode(
+    handle: IO[bytes],
+    stems: dict[str, Path],
+    slots: dict[str, list[str]],
+    samplerate: int,
+    gain: float,
+    tags: Mapping[str, Any],
+    check: Callable[[], None],
+) -> int:
     """Five AAC streams, written a block of every stream at a time (the muxer interleaves
     them as they come); returns the frames of each."""
     import av
@@ -112,8 +147,14 @@ def _encode(handle: IO[bytes], stems: dict[str, Path], slots: dict[str, list[str
             blocks = {stem: reader.read(start, stop) for stem, reader in readers.items()}
             parts = [gain * sum(blocks[m] for m in slots[slot]) for slot in SLOTS]
             for stream, audio in zip(streams, [sum(parts), *parts], strict=True):
-                _mux(container, stream, np.ascontiguousarray(audio, np.float32), start,
-                     samplerate, layout)
+                _mux(
+                    container,
+                    stream,
+                    np.ascontiguousarray(audio, np.float32),
+                    start,
+                    samplerate,
+                    layout,
+                )
         for stream in streams:
             for packet in stream.encode(None):
                 container.mux(packet)
@@ -122,8 +163,9 @@ def _encode(handle: IO[bytes], stems: dict[str, Path], slots: dict[str, list[str
     return frames
 
 
-def _mux(container: Any, stream: Any, audio: np.ndarray, start: int, samplerate: int,
-         layout: str) -> None:
+def _mux(
+    container: Any, stream: Any, audio: np.ndarray, start: int, samplerate: int, layout: str
+) -> None:
     import av
 
     frame = av.AudioFrame.from_ndarray(audio, format="fltp", layout=layout)

@@ -7,6 +7,7 @@ into the manifest and into every flac or mp3 stem. PyAV reads every input format
 anyway; mutagen is the well-kept library for writing them (wav has no tag standard that
 players agree on, so wav stems carry none).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,11 @@ def tags_of(container: Any) -> dict[str, Any]:
                 if field in FIELDS and field not in found:
                     found[field] = value
     except UnicodeError as exc:
-        log.info("could not read the tags of %s: %s; names fall back to the file name",
-                 container.name, exc)
+        log.info(
+            "could not read the tags of %s: %s; names fall back to the file name",
+            container.name,
+            exc,
+        )
         return {}
     tags: dict[str, Any] = {}
     for field in ("title", "artist", "album"):
@@ -53,7 +57,7 @@ def tags_of(container: Any) -> dict[str, Any]:
 
 
 def _track_number(value: object) -> int | None:
-    """"3", "03/12" → 3; anything else → None."""
+    """ "3", "03/12" → 3; anything else → None."""
     match = re.match(r"\s*(\d{1,4})", str(value or ""))
     return int(match.group(1)) if match else None
 

@@ -17,6 +17,7 @@ A job whose publish step runs behind the worker leaves its slot to the next job 
 flight until it finishes: a cancel must still reach its own `JobControl`, which decides (until
 its `commit()`) whether there is anything left to cancel.
 """
+
 from __future__ import annotations
 
 import collections
@@ -160,8 +161,11 @@ class JobQueue:
                 return
             taken = next((c.taken for c in self._controls() if c.job_id == job_id), 0)
             at = 0
-            while (at < len(self._order) and self._order[at] in self._returned
-                   and self._returned[self._order[at]] < taken):
+            while (
+                at < len(self._order)
+                and self._order[at] in self._returned
+                and self._returned[self._order[at]] < taken
+            ):
                 at += 1
             self._order.insert(at, job_id)
             self._returned[job_id] = taken
@@ -200,10 +204,16 @@ class JobQueue:
             if job_id in self._order:
                 self._order.remove(job_id)
                 return "queued"
-            found = [(c, where) for table, where in ((self._running.values(), "running"),
-                                                     (self._claimed.values(), "claimed"),
-                                                     (self._behind, "publishing"))
-                     for c in table if c.job_id == job_id]
+            found = [
+                (c, where)
+                for table, where in (
+                    (self._running.values(), "running"),
+                    (self._claimed.values(), "claimed"),
+                    (self._behind, "publishing"),
+                )
+                for c in table
+                if c.job_id == job_id
+            ]
             if not found:
                 return None
             control, where = found[0]
@@ -226,7 +236,8 @@ class JobQueue:
             self._idle.add(slot)
             try:
                 ready = self._changed.wait_for(
-                    lambda: self._closed or self._ready_for(slot), timeout)
+                    lambda: self._closed or self._ready_for(slot), timeout
+                )
             finally:
                 self._idle.discard(slot)
             if not ready or self._closed:
@@ -310,9 +321,11 @@ class JobQueue:
         """The first worker's job (running, else taken, else publishing behind); None when
         no job is in flight."""
         with self._lock:
-            return (next(iter(self._running.values()), None)
-                    or next(iter(self._claimed.values()), None)
-                    or next(iter(self._behind), None))
+            return (
+                next(iter(self._running.values()), None)
+                or next(iter(self._claimed.values()), None)
+                or next(iter(self._behind), None)
+            )
 
     def in_flight(self) -> list[JobControl]:
         """Every job taken, running or publishing behind, on every worker, in the order they

@@ -5,6 +5,7 @@ pause state and the files held back by the capacity lanes. It is written in WAL 
 sync, so a state the service has reported is a state that is on disk. `status` opens the same
 file read-only, which is why it works while the service is stopped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,24 +73,44 @@ CREATE TABLE IF NOT EXISTS pending_moves (
 )"""
 SCHEMA += PENDING_MOVES + ";\n"
 # Columns and tables added after the first release: an older registry file gains them on open.
-MIGRATIONS = {2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT",
-                  "ALTER TABLE jobs ADD COLUMN settings_key TEXT"),
-              3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",),
-              4: (PENDING_MOVES,),
-              5: ("ALTER TABLE jobs ADD COLUMN faults TEXT",)}
+MIGRATIONS = {
+    2: ("ALTER TABLE jobs ADD COLUMN sha256 TEXT", "ALTER TABLE jobs ADD COLUMN settings_key TEXT"),
+    3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",),
+    4: (PENDING_MOVES,),
+    5: ("ALTER TABLE jobs ADD COLUMN faults TEXT",),
+}
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
     "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
     "settings_key, playlist, faults"
 )
-_UPDATABLE = {"name", "state", "source", "rel_path", "preset", "progress", "output", "error",
-              "stage", "signature", "attempts", "finished_at", "sha256", "settings_key",
-              "playlist", "faults"}
+_UPDATABLE = {
+    "name",
+    "state",
+    "source",
+    "rel_path",
+    "preset",
+    "progress",
+    "output",
+    "error",
+    "stage",
+    "signature",
+    "attempts",
+    "finished_at",
+    "sha256",
+    "settings_key",
+    "playlist",
+    "faults",
+}
 
 
 class Registry:
-    def __init__(self, connection: sqlite3.Connection, clock: Callable[[], float] = time.time,
-                 path: Path | None = None):
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        clock: Callable[[], float] = time.time,
+        path: Path | None = None,
+    ):
         self._db = connection
         self._lock = threading.RLock()
         self._clock = clock
@@ -137,8 +158,13 @@ class Registry:
                 part = Path(str(path) + suffix)
                 if part.exists():
                     os.replace(part, Path(str(aside) + suffix))
-            log.error("the job registry %s is damaged (%s); moved it to %s and started a new "
-                      "one from the outbox and the inbox", path, exc, aside)
+            log.error(
+                "the job registry %s is damaged (%s); moved it to %s and started a new "
+                "one from the outbox and the inbox",
+                path,
+                exc,
+                aside,
+            )
             registry = cls.open(path, clock)
             registry.set_meta("rebuilt_from", f"{aside} ({exc})")
             return registry
@@ -148,8 +174,13 @@ class Registry:
         """For `status`: never creates or changes anything; None if there is no registry yet."""
         if not path.is_file():
             return None
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
-                             isolation_level=None, timeout=10)
+        db = sqlite3.connect(
+            f"file:{path}?mode=ro",
+            uri=True,
+            check_same_thread=False,
+            isolation_level=None,
+            timeout=10,
+        )
         return cls(db, path=path)
 
     def close(self) -> None:
@@ -162,8 +193,12 @@ class Registry:
         with self._lock:
             return self._insert(job)
 
-    def add_all(self, jobs: list[Job], then: tuple[str, dict[str, Any]] | None = None,
-                order: list[str] | None = None) -> list[Job]:
+    def add_all(
+        self,
+        jobs: list[Job],
+        then: tuple[str, dict[str, Any]] | None = None,
+        order: list[str] | None = None,
+    ) -> list[Job]:
         """Add several jobs, (`then`) change one more and (`order`) save the queue order, all
         in one transaction: a playlist's entries exist all together with the mark on its
         link's job and their places in the queue, or not at all."""
@@ -182,18 +217,39 @@ class Registry:
         self._db.execute(
             f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
             "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.name, job.kind.value, job.state.value, job.source, job.rel_path,
-             job.preset, job.progress, job.output, job.error, job.stage,
-             sig.size if sig else None, sig.mtime_ns if sig else None,
-             sig.inode if sig else None, job.attempts, job.created_at, job.updated_at,
-             job.finished_at, job.version, job.sha256, job.settings_key,
-             job.playlist.to_json() if job.playlist else None, Fault.to_json(job.faults)))
+            (
+                job.id,
+                job.name,
+                job.kind.value,
+                job.state.value,
+                job.source,
+                job.rel_path,
+                job.preset,
+                job.progress,
+                job.output,
+                job.error,
+                job.stage,
+                sig.size if sig else None,
+                sig.mtime_ns if sig else None,
+                sig.inode if sig else None,
+                job.attempts,
+                job.created_at,
+                job.updated_at,
+                job.finished_at,
+                job.version,
+                job.sha256,
+                job.settings_key,
+                job.playlist.to_json() if job.playlist else None,
+                Fault.to_json(job.faults),
+            ),
+        )
         return job
 
     def get(self, job_id: str) -> Job | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?",
-                                   (job_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
         return _job(row) if row else None
 
     def update(self, job_id: str, **fields: Any) -> Job:
@@ -211,9 +267,11 @@ class Registry:
         columns: dict[str, Any] = {}
         for name, value in fields.items():
             if name == "signature":
-                columns.update(size=value.size if value else None,
-                               mtime_ns=value.mtime_ns if value else None,
-                               inode=value.inode if value else None)
+                columns.update(
+                    size=value.size if value else None,
+                    mtime_ns=value.mtime_ns if value else None,
+                    inode=value.inode if value else None,
+                )
             elif isinstance(value, (JobState, JobKind)):
                 columns[name] = value.value
             elif isinstance(value, PlaylistRef):
@@ -226,7 +284,8 @@ class Registry:
         assignments = ", ".join(f"{name} = ?" for name in columns)
         cursor = self._db.execute(
             f"UPDATE jobs SET {assignments}, version = version + 1 WHERE id = ?",
-            (*columns.values(), job_id))
+            (*columns.values(), job_id),
+        )
         if cursor.rowcount != 1:
             raise KeyError(job_id)
 
@@ -262,14 +321,18 @@ class Registry:
                 f"(SELECT rowid FROM jobs WHERE state IN ({marks(active)}) UNION ALL "
                 f"SELECT rowid FROM (SELECT rowid FROM jobs WHERE +state IN ({marks(final)}) "
                 "ORDER BY finished_at DESC, rowid DESC LIMIT ?)) "
-                "ORDER BY created_at DESC, rowid DESC", (*active, *final, finished)).fetchall()
+                "ORDER BY created_at DESC, rowid DESC",
+                (*active, *final, finished),
+            ).fetchall()
             total = self._db.execute(
-                f"SELECT count(*) FROM jobs WHERE state IN ({marks(final)})", final).fetchone()[0]
+                f"SELECT count(*) FROM jobs WHERE state IN ({marks(final)})", final
+            ).fetchone()[0]
         jobs = [_job(row) for row in rows]
         return jobs, max(0, total - sum(1 for job in jobs if job.state.is_final))
 
-    def page(self, before: tuple[float, int] | None,
-             limit: int) -> tuple[list[Job], tuple[float, int] | None]:
+    def page(
+        self, before: tuple[float, int] | None, limit: int
+    ) -> tuple[list[Job], tuple[float, int] | None]:
         """Up to `limit` jobs older than the cursor `before` (created_at, rowid), newest
         first, and the cursor of the next page (None after the last): every job, a page at a
         time, however long the history."""
@@ -290,15 +353,20 @@ class Registry:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE playlist IS NOT NULL AND id != ? "
-                "AND json_extract(playlist, '$.id') = ?", (playlist_id, playlist_id)).fetchall()
-        return sorted((_job(row) for row in rows),
-                      key=lambda job: job.playlist.entry if job.playlist else 0)
+                "AND json_extract(playlist, '$.id') = ?",
+                (playlist_id, playlist_id),
+            ).fetchall()
+        return sorted(
+            (_job(row) for row in rows), key=lambda job: job.playlist.entry if job.playlist else 0
+        )
 
     def latest_for_source(self, source: str) -> Job | None:
         with self._lock:
             row = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE source = ? "
-                "ORDER BY created_at DESC, rowid DESC LIMIT 1", (source,)).fetchone()
+                "ORDER BY created_at DESC, rowid DESC LIMIT 1",
+                (source,),
+            ).fetchone()
         return _job(row) if row else None
 
     def with_rel_path(self, rel_path: str, limit: int = 20) -> list[Job]:
@@ -307,7 +375,9 @@ class Registry:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE rel_path = ? "
-                "ORDER BY created_at DESC, rowid DESC LIMIT ?", (rel_path, limit)).fetchall()
+                "ORDER BY created_at DESC, rowid DESC LIMIT ?",
+                (rel_path, limit),
+            ).fetchall()
         return [_job(row) for row in rows]
 
     def find(self, ref: str, limit: int = 20) -> list[Job]:
@@ -316,14 +386,17 @@ class Registry:
             rows = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE substr(id, 1, ?) = ? OR name = ? "
                 "ORDER BY created_at DESC, rowid DESC LIMIT ?",
-                (len(ref), ref, ref, limit)).fetchall()
+                (len(ref), ref, ref, limit),
+            ).fetchall()
         return [_job(row) for row in rows]
 
     def sources_under(self, prefix: str) -> list[str]:
         """Every job source inside the folder `prefix` (which ends with a separator)."""
         with self._lock:
-            rows = self._db.execute("SELECT DISTINCT source FROM jobs WHERE substr(source, 1, ?) = ?",
-                                    (len(prefix), prefix)).fetchall()
+            rows = self._db.execute(
+                "SELECT DISTINCT source FROM jobs WHERE substr(source, 1, ?) = ?",
+                (len(prefix), prefix),
+            ).fetchall()
         return [r[0] for r in rows]
 
     def done_with(self, sha256: str, settings_key: str) -> list[Job]:
@@ -332,7 +405,8 @@ class Registry:
             rows = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE sha256 = ? AND settings_key = ? "
                 "AND state = ? ORDER BY created_at DESC, rowid DESC",
-                (sha256, settings_key, JobState.DONE.value)).fetchall()
+                (sha256, settings_key, JobState.DONE.value),
+            ).fetchall()
         return [_job(row) for row in rows]
 
     def outputs(self) -> set[str]:
@@ -348,15 +422,28 @@ class Registry:
             self._db.executemany(
                 "INSERT OR REPLACE INTO tombstones (path, kind, size, mtime_ns, inode, job_id, "
                 "removed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(path, kind, sig.size if sig else None, sig.mtime_ns if sig else None,
-                  sig.inode if sig else None, job_id, now) for path, kind, sig in tombstones])
+                [
+                    (
+                        path,
+                        kind,
+                        sig.size if sig else None,
+                        sig.mtime_ns if sig else None,
+                        sig.inode if sig else None,
+                        job_id,
+                        now,
+                    )
+                    for path, kind, sig in tombstones
+                ],
+            )
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     def tombstone(self, path: str, kind: str) -> FileSignature | None | bool:
         """False if `path` has no tombstone of `kind`; else its signature (None if none)."""
         with self._lock:
-            row = self._db.execute("SELECT size, mtime_ns, inode FROM tombstones "
-                                   "WHERE path = ? AND kind = ?", (path, kind)).fetchone()
+            row = self._db.execute(
+                "SELECT size, mtime_ns, inode FROM tombstones WHERE path = ? AND kind = ?",
+                (path, kind),
+            ).fetchone()
         if row is None:
             return False
         return FileSignature(*row) if row[0] is not None else None
@@ -369,8 +456,10 @@ class Registry:
 
     def _write_order(self, job_ids: list[str]) -> None:
         self._db.execute("UPDATE jobs SET position = NULL WHERE position IS NOT NULL")
-        self._db.executemany("UPDATE jobs SET position = ? WHERE id = ?",
-                             [(i, job_id) for i, job_id in enumerate(job_ids)])
+        self._db.executemany(
+            "UPDATE jobs SET position = ? WHERE id = ?",
+            [(i, job_id) for i, job_id in enumerate(job_ids)],
+        )
 
     def queued_order(self) -> list[str]:
         """Ids of queued jobs in their saved order (jobs without a position last, oldest first)."""
@@ -378,13 +467,17 @@ class Registry:
             rows = self._db.execute(
                 "SELECT id FROM jobs WHERE state = ? "
                 "ORDER BY position IS NULL, position, created_at, rowid",
-                (JobState.QUEUED.value,)).fetchall()
+                (JobState.QUEUED.value,),
+            ).fetchall()
         return [r[0] for r in rows]
 
     def set_meta(self, key: str, value: str | None) -> None:
         with self._lock:
-            self._db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
-                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
 
     def get_meta(self, key: str) -> str | None:
         with self._lock:
@@ -397,23 +490,27 @@ class Registry:
         once costs 10,000 small writes, not 10,000 rewrites of a growing list."""
         with self._lock, self._transaction():
             self._db.execute("DELETE FROM waiting")
-            self._db.executemany("INSERT INTO waiting (source, kind, since) VALUES (?, ?, ?)",
-                                 [(s, k.value, t) for s, k, t in entries])
+            self._db.executemany(
+                "INSERT INTO waiting (source, kind, since) VALUES (?, ?, ?)",
+                [(s, k.value, t) for s, k, t in entries],
+            )
 
     def add_waiting(self, entries: list[tuple[str, JobKind, float]]) -> None:
         with self._lock, self._transaction():
-            self._db.executemany("INSERT OR REPLACE INTO waiting (source, kind, since) "
-                                 "VALUES (?, ?, ?)", [(s, k.value, t) for s, k, t in entries])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO waiting (source, kind, since) VALUES (?, ?, ?)",
+                [(s, k.value, t) for s, k, t in entries],
+            )
 
     def remove_waiting(self, sources: list[str]) -> None:
         with self._lock, self._transaction():
-            self._db.executemany("DELETE FROM waiting WHERE source = ?",
-                                 [(s,) for s in sources])
+            self._db.executemany("DELETE FROM waiting WHERE source = ?", [(s,) for s in sources])
 
     def waiting(self) -> list[tuple[str, JobKind, float]]:
         with self._lock:
-            rows = self._db.execute("SELECT source, kind, since FROM waiting "
-                                    "ORDER BY since, source").fetchall()
+            rows = self._db.execute(
+                "SELECT source, kind, since FROM waiting ORDER BY since, source"
+            ).fetchall()
         return [(s, JobKind(k), t) for s, k, t in rows]
 
     # ------------------------------------------------------------ moves waiting for a share
@@ -424,25 +521,45 @@ class Registry:
             self._db.execute(
                 "INSERT OR REPLACE INTO pending_moves (job_id, kind, source, target, size, "
                 "mtime_ns, inode, since) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (move.job_id, move.kind, move.source, move.target, sig.size if sig else None,
-                 sig.mtime_ns if sig else None, sig.inode if sig else None,
-                 move.since or self._clock()))
+                (
+                    move.job_id,
+                    move.kind,
+                    move.source,
+                    move.target,
+                    sig.size if sig else None,
+                    sig.mtime_ns if sig else None,
+                    sig.inode if sig else None,
+                    move.since or self._clock(),
+                ),
+            )
 
     def pending_moves(self) -> list[PendingMove]:
         """Oldest first."""
         with self._lock:
-            rows = self._db.execute("SELECT job_id, kind, source, target, size, mtime_ns, "
-                                    "inode, since FROM pending_moves ORDER BY since, job_id"
-                                    ).fetchall()
-        return [PendingMove(job_id, kind, source, target,
-                            FileSignature(size, mtime_ns, inode) if size is not None else None,
-                            since)
-                for job_id, kind, source, target, size, mtime_ns, inode, since in rows]
+            rows = self._db.execute(
+                "SELECT job_id, kind, source, target, size, mtime_ns, "
+                "inode, since FROM pending_moves ORDER BY since, job_id"
+            ).fetchall()
+        return [
+            PendingMove(
+                job_id,
+                kind,
+                source,
+                target,
+                FileSignature(size, mtime_ns, inode) if size is not None else None,
+                since,
+            )
+            for job_id, kind, source, target, size, mtime_ns, inode, since in rows
+        ]
 
     def has_pending_move(self, source: str) -> bool:
         with self._lock:
-            return self._db.execute("SELECT 1 FROM pending_moves WHERE source = ? LIMIT 1",
-                                    (source,)).fetchone() is not None
+            return (
+                self._db.execute(
+                    "SELECT 1 FROM pending_moves WHERE source = ? LIMIT 1", (source,)
+                ).fetchone()
+                is not None
+            )
 
     def remove_pending_move(self, job_id: str) -> None:
         with self._lock:
@@ -476,13 +593,52 @@ class _Transaction:
 
 
 def _job(row: tuple[Any, ...]) -> Job:
-    (job_id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size,
-     mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256,
-     settings_key, playlist, faults) = row
+    (
+        job_id,
+        name,
+        kind,
+        state,
+        source,
+        rel_path,
+        preset,
+        progress,
+        output,
+        error,
+        stage,
+        size,
+        mtime_ns,
+        inode,
+        attempts,
+        created_at,
+        updated_at,
+        finished_at,
+        version,
+        sha256,
+        settings_key,
+        playlist,
+        faults,
+    ) = row
     signature = FileSignature(size, mtime_ns, inode) if size is not None else None
-    return Job(id=job_id, name=name, kind=JobKind(kind), state=JobState(state), source=source,
-               rel_path=rel_path, preset=preset, progress=progress, output=output, error=error,
-               stage=stage, signature=signature, attempts=attempts, created_at=created_at,
-               updated_at=updated_at, finished_at=finished_at, version=version, sha256=sha256,
-               settings_key=settings_key, playlist=PlaylistRef.from_json(playlist),
-               faults=Fault.from_json(faults))
+    return Job(
+        id=job_id,
+        name=name,
+        kind=JobKind(kind),
+        state=JobState(state),
+        source=source,
+        rel_path=rel_path,
+        preset=preset,
+        progress=progress,
+        output=output,
+        error=error,
+        stage=stage,
+        signature=signature,
+        attempts=attempts,
+        created_at=created_at,
+        updated_at=updated_at,
+        finished_at=finished_at,
+        version=version,
+        sha256=sha256,
+        settings_key=settings_key,
+        playlist=PlaylistRef.from_json(playlist),
+        faults=Fault.from_json(faults),
+    )

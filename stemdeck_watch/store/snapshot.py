@@ -4,6 +4,7 @@
 own scheduler, so the CLI, the page and scripts see the same shape. The worker sections are
 what the service last recorded in the registry's meta table.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,20 @@ from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 RECENT_JOBS = 50  # finished jobs a snapshot lists; older ones are paged (GET /api/jobs)
 
 
-def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, JobKind, float]],
-          pause_reason: str | None, folders: Folders,
-          service: dict[str, Any], notes: list[str] | None = None,
-          worker: dict[str, Any] | None = None,
-          workers: list[dict[str, Any]] | None = None, older: int = 0,
-          eta: dict[str, Any] | None = None,
-          pending: list[PendingMove] | None = None) -> dict[str, Any]:
+def build_snapshot(
+    jobs: list[Job],
+    order: list[str],
+    waiting: list[tuple[str, JobKind, float]],
+    pause_reason: str | None,
+    folders: Folders,
+    service: dict[str, Any],
+    notes: list[str] | None = None,
+    worker: dict[str, Any] | None = None,
+    workers: list[dict[str, Any]] | None = None,
+    older: int = 0,
+    eta: dict[str, Any] | None = None,
+    pending: list[PendingMove] | None = None,
+) -> dict[str, Any]:
     """The `status --json` object: the queue, the service, its folders, and every worker
     (`workers`; `worker` is the first of them: its device, threads, model and precision with
     the figures that chose it).
@@ -37,8 +45,11 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
     running = next((job for job in jobs if job.state.is_running), None)
     every = workers if workers is not None else ([worker] if worker else [])
     # a download recorded by a service that is not running any more is not going on
-    download = next((w["download"] for w in every if w.get("download")),
-                    None) if service.get("running") else None
+    download = (
+        next((w["download"] for w in every if w.get("download")), None)
+        if service.get("running")
+        else None
+    )
     return {
         "service": service,
         "paused": pause_reason is not None,
@@ -48,8 +59,10 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
         "jobs": [job.to_status() for job in jobs],
         "older_jobs": older,
-        "folders": {name: str(getattr(folders, name))
-                    for name in ("inbox", "outbox", "processed", "failed", "state")},
+        "folders": {
+            name: str(getattr(folders, name))
+            for name in ("inbox", "outbox", "processed", "failed", "state")
+        },
         "notes": notes or [],
         "worker": worker if worker is not None else (workers[0] if workers else None),
         # every worker (several with executor.kind = "ray"): where it runs, its device, the
@@ -63,13 +76,15 @@ def build_snapshot(jobs: list[Job], order: list[str], waiting: list[tuple[str, J
         "eta": eta,
         # done or failed jobs whose input waits for its share to answer, to be moved into
         # processed/ (failed/): the input's final place is pending
-        "pending_moves": [{"job": move.job_id, "source": move.source, "to": move.kind,
-                           "since": move.since} for move in pending or []],
+        "pending_moves": [
+            {"job": move.job_id, "source": move.source, "to": move.kind, "since": move.since}
+            for move in pending or []
+        ],
     }
 
 
 def download_text(download: dict[str, Any]) -> str:
-    """"downloading htdemucs 34 / 80 MB": the one wording of status, the page and the tray."""
+    """ "downloading htdemucs 34 / 80 MB": the one wording of status, the page and the tray."""
     done, total = download.get("done") or 0, download.get("total")
     amount = f"{_mb(done)} / {_mb(total)} MB" if total else f"{_mb(done)} MB"
     return f"downloading {download.get('model')} {amount}"

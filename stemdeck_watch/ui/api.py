@@ -16,6 +16,7 @@ reaches a server, and the code is useless once traded or after a minute). The on
 `/api/` requests without a token are that trade and the API's own description
 (`openapi.py`). The stream itself is `stream.py`.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 PAGE_DIR = Path(__file__).resolve().parent / "page"
 JOB = r"/api/jobs/(?P<ref>[^/]+)"
 ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
-    (re.compile(pattern), methods) for pattern, methods in (
+    (re.compile(pattern), methods)
+    for pattern, methods in (
         (r"/api/queue", {"GET": "queue"}),
         (r"/api/jobs", {"GET": "jobs"}),
         (r"/api/openapi\.json", {"GET": "openapi"}),
@@ -76,16 +78,26 @@ CURSOR = re.compile(openapi.CURSOR)  # its `before`: a job's created_at and rowi
 class ApiServer:
     """The server, its broadcaster and the discovery file, started and stopped together."""
 
-    def __init__(self, scheduler: Any, bus: EventBus, settings: ApiSettings, state_dir: Path, *,
-                 keepalive: float = KEEPALIVE, progress_interval: float = PROGRESS_INTERVAL):
+    def __init__(
+        self,
+        scheduler: Any,
+        bus: EventBus,
+        settings: ApiSettings,
+        state_dir: Path,
+        *,
+        keepalive: float = KEEPALIVE,
+        progress_interval: float = PROGRESS_INTERVAL,
+    ):
         host = "127.0.0.1" if settings.host == "localhost" else settings.host
         try:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = False
         if not loopback:
-            raise ConfigError(f"api.host = {settings.host!r} is not a loopback address; the "
-                              f"API may only listen on 127.0.0.1, localhost or ::1")
+            raise ConfigError(
+                f"api.host = {settings.host!r} is not a loopback address; the "
+                f"API may only listen on 127.0.0.1, localhost or ::1"
+            )
         self.scheduler, self.host, self.state_dir = scheduler, host, state_dir
         self.keepalive = keepalive
         self._wanted_port = settings.port
@@ -106,17 +118,23 @@ class ApiServer:
         self.token = discovery.new_token()
         self._httpd = LoopbackServer((self.host, self._wanted_port), self, _Handler)
         self.port = self._httpd.server_address[1]
-        self._allowed_hosts = {f"{name}:{self.port}" for name in ("127.0.0.1", "localhost",
-                                                                  "[::1]")}
+        self._allowed_hosts = {
+            f"{name}:{self.port}" for name in ("127.0.0.1", "localhost", "[::1]")
+        }
         self._allowed_origins = {f"http://{host}" for host in self._allowed_hosts}
         self.broadcaster.start()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.2,),
-                                        name="stemdeck-api", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.2,), name="stemdeck-api", daemon=True
+        )
         self._thread.start()
-        self._published = discovery.publish(self.state_dir, self.host, self.port, os.getpid(),
-                                            self.token)
-        log.info("local API and queue page on %s (token in %s)", self.url,
-                 self.state_dir / discovery.TOKEN_FILE)
+        self._published = discovery.publish(
+            self.state_dir, self.host, self.port, os.getpid(), self.token
+        )
+        log.info(
+            "local API and queue page on %s (token in %s)",
+            self.url,
+            self.state_dir / discovery.TOKEN_FILE,
+        )
 
     def stop(self) -> None:
         """Withdraw the discovery file, stop accepting, end every stream and connection, and
@@ -177,8 +195,7 @@ class _Handler(JsonHandler):
                 self._authorize(api)
             name, params = _route(method, path)
             if name not in QUERIED and urlsplit(self.path).query:
-                raise HttpError(400, f"unexpected query string: {path[:200]} takes no "
-                                     f"parameters")
+                raise HttpError(400, f"unexpected query string: {path[:200]} takes no parameters")
             if name == "events":
                 return self._stream(api)
             if name in FILES:
@@ -200,23 +217,37 @@ class _Handler(JsonHandler):
         hosts = self.headers.get_all("Host") or []
         if len(hosts) != 1 or not api.host_allowed(hosts[0]):
             shown = hosts[0][:100] if hosts else "(none)"
-            raise HttpError(403, f"refused: Host {shown!r} is not this service's loopback "
-                                 f"address (127.0.0.1:{api.port}, localhost:{api.port})")
+            raise HttpError(
+                403,
+                f"refused: Host {shown!r} is not this service's loopback "
+                f"address (127.0.0.1:{api.port}, localhost:{api.port})",
+            )
         origins = self.headers.get_all("Origin") or []
         if len(origins) > 1 or (origins and not api.origin_allowed(origins[0])):
-            raise HttpError(403, f"refused: requests from {origins[0][:100]!r} are not allowed; "
-                                 f"only the queue page served here may call the API")
+            raise HttpError(
+                403,
+                f"refused: requests from {origins[0][:100]!r} are not allowed; "
+                f"only the queue page served here may call the API",
+            )
 
     def _authorize(self, api: ApiServer) -> None:
         challenge = {"WWW-Authenticate": 'Bearer realm="stemdeck-watch"'}
         header = self.headers.get("Authorization")
         if not header:
-            raise HttpError(401, "missing token: send 'Authorization: Bearer <token>' with the "
-                                 "token from api.token in the service's state folder", challenge)
+            raise HttpError(
+                401,
+                "missing token: send 'Authorization: Bearer <token>' with the "
+                "token from api.token in the service's state folder",
+                challenge,
+            )
         scheme, _, token = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not api.token_ok(token.strip()):
-            raise HttpError(401, "wrong token: the service makes a new one at every start; read "
-                                 "api.token in its state folder again", challenge)
+            raise HttpError(
+                401,
+                "wrong token: the service makes a new one at every start; read "
+                "api.token in its state folder again",
+                challenge,
+            )
 
     # ------------------------------------------------------------ actions
 
@@ -228,13 +259,16 @@ class _Handler(JsonHandler):
         limit = _integer(query.get("limit", str(PAGE_LIMIT)), "limit", 1, MAX_PAGE_LIMIT)
         before = _cursor(query["before"]) if "before" in query else None
         jobs, after = scheduler.jobs_page(before, limit)
-        return {"jobs": [job.to_status() for job in jobs],
-                "next": f"{after[0]!r}_{after[1]}" if after else None}
+        return {
+            "jobs": [job.to_status() for job in jobs],
+            "next": f"{after[0]!r}_{after[1]}" if after else None,
+        }
 
     def _api_openapi(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         settings = scheduler.settings
-        return openapi.document(self.server.api.url, settings.watch.extensions,
-                                sorted(settings.presets))
+        return openapi.document(
+            self.server.api.url, settings.watch.extensions, sorted(settings.presets)
+        )
 
     def _api_page_code(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         _only(body)
@@ -248,8 +282,11 @@ class _Handler(JsonHandler):
             raise HttpError(400, 'send the one-time code from the page\'s address: {"code": CODE}')
         api = self.server.api
         if not api.codes.redeem(code):
-            raise HttpError(403, "this page link was already used or has expired; open the "
-                                 "page again with `stemdeck-watch open` or the tray")
+            raise HttpError(
+                403,
+                "this page link was already used or has expired; open the "
+                "page again with `stemdeck-watch open` or the tray",
+            )
         log.info("the queue page traded a one-time code for the token")
         return {"token": api.token}
 
@@ -290,8 +327,9 @@ class _Handler(JsonHandler):
     def _api_reorder(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         ref = body.get("job")
         if not isinstance(ref, str) or not ref:
-            raise HttpError(400, 'say which job to move: {"job": ID, "after": ID} or '
-                                 '{"job": ID, "first": true}')
+            raise HttpError(
+                400, 'say which job to move: {"job": ID, "after": ID} or {"job": ID, "first": true}'
+            )
         return self._move(scheduler, ref, *_move_target(body, "job"))
 
     def _move(self, scheduler: Any, ref: str, after: str | None, first: bool) -> dict[str, Any]:
@@ -304,8 +342,11 @@ class _Handler(JsonHandler):
                 anchor = after  # it left (or never was): the job goes to the end
         order = scheduler.move(job.id, after=anchor, first=first)
         names = {j["id"]: j["name"] for j in self.server.api.snapshot().get("jobs", [])}
-        reply: dict[str, Any] = {"job": job.id, "order": order,
-                                 "queued": [{"id": i, "name": names.get(i, i)} for i in order]}
+        reply: dict[str, Any] = {
+            "job": job.id,
+            "order": order,
+            "queued": [{"id": i, "name": names.get(i, i)} for i in order],
+        }
         if anchor is not None and anchor not in order:
             reply["note"] = f"{after} is not queued any more, so {job.name} went to the end"
         return reply
@@ -327,14 +368,18 @@ class _Handler(JsonHandler):
         name = song.stem(stem)["file"]
         handle, size = media.open_file(song, name)
         with handle:
-            self._send_file(handle, size, media.AUDIO_TYPES.get(Path(name).suffix.lower(),
-                                                                "application/octet-stream"))
+            self._send_file(
+                handle,
+                size,
+                media.AUDIO_TYPES.get(Path(name).suffix.lower(), "application/octet-stream"),
+            )
 
     def _file_preview(self, api: ApiServer, ref: str) -> None:
         song = self._song(ref)
         if media.player(song)["preview"] is None:
-            raise media.NoSuchFile(f"{song.job.name} has no preview picture (output.preview "
-                                   f"was off)")
+            raise media.NoSuchFile(
+                f"{song.job.name} has no preview picture (output.preview was off)"
+            )
         handle, size = media.open_file(song, media.PREVIEW)
         with handle:
             self._send_file(handle, size, "image/png")
@@ -351,16 +396,18 @@ class _Handler(JsonHandler):
             raise HttpError(411, "send the file with a Content-Length (its size in bytes)")
         kind = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if kind != "application/octet-stream":
-            raise HttpError(415, "send the file's bytes as Content-Type: "
-                                 "application/octet-stream")
+            raise HttpError(415, "send the file's bytes as Content-Type: application/octet-stream")
         query = self._query("name", "preset")
         name, preset = query.get("name", ""), query.get("preset") or None
         if not name:
             raise HttpError(400, "say the file's name: POST /api/uploads?name=NAME")
         settings = api.scheduler.settings
         path = upload.receive(CountedBody(self), self._unread, settings, name, preset)
-        return {"file": path.relative_to(settings.paths.inbox).as_posix(),
-                "bytes": path.stat().st_size, "preset": preset}
+        return {
+            "file": path.relative_to(settings.paths.inbox).as_posix(),
+            "bytes": path.stat().st_size,
+            "preset": preset,
+        }
 
     def _api_link(self, scheduler: Any, body: dict[str, Any]) -> dict[str, Any]:
         _only(body, "url", "name", "preset")
@@ -371,8 +418,11 @@ class _Handler(JsonHandler):
             raise HttpError(400, '"name" and "preset" must be strings')
         settings = scheduler.settings
         path = upload.write_link(settings, url, name or None, preset or None)
-        return {"file": path.relative_to(settings.paths.inbox).as_posix(), "url": url.strip(),
-                "preset": preset or None}
+        return {
+            "file": path.relative_to(settings.paths.inbox).as_posix(),
+            "url": url.strip(),
+            "preset": preset or None,
+        }
 
     # ------------------------------------------------------------ the page and the stream
 
@@ -400,14 +450,16 @@ class _Handler(JsonHandler):
         finally:
             api.broadcaster.detach(client)
 
+
 def _route(method: str, path: str) -> tuple[str, dict[str, str]]:
     for pattern, methods in ROUTES:
         match = pattern.fullmatch(path)
         if match:
             if method not in methods:
                 allowed = ", ".join(methods)
-                raise HttpError(405, f"{method} is not allowed on {path}; use {allowed}",
-                                {"Allow": allowed})
+                raise HttpError(
+                    405, f"{method} is not allowed on {path}; use {allowed}", {"Allow": allowed}
+                )
             return methods[method], {k: unquote(v) for k, v in match.groupdict().items()}
     raise HttpError(404, f"no such endpoint: {path[:200]}")
 

@@ -12,6 +12,7 @@ written here and is never overwritten or removed. The command line inside names 
 installation's executable and the config file it will use (absolute paths), so the service
 started at login uses exactly what `stemdeck-watch` uses now.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ class NotOurs(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    kind: str        # xdg | systemd | launchagent | startup
+    kind: str  # xdg | systemd | launchagent | startup
     path: Path
     text: str
     after: str = ""  # what to do next (the systemctl command), printed after writing
@@ -62,13 +63,14 @@ def command(config: Path | None, headless: bool, exe: list[str] | None = None) -
 
 # ---------------------------------------------------------------- quoting per format
 
+
 def desktop_exec(argv: list[str]) -> str:
     """The Exec= value of a desktop entry (Desktop Entry Specification: reserved characters
     in double quotes, with `"`, backquote, `$` and `\\` escaped; `%` doubled)."""
     out = []
     for arg in argv:
         arg = arg.replace("%", "%%")
-        if arg and not any(c in arg for c in ' \t\n"\'\\><~|&;$*?#()`'):
+        if arg and not any(c in arg for c in " \t\n\"'\\><~|&;$*?#()`"):
             out.append(arg)
         else:
             escaped = "".join("\\" + c if c in '"`$\\' else c for c in arg)
@@ -80,13 +82,15 @@ def desktop_exec(argv: list[str]) -> str:
 def systemd_exec(argv: list[str]) -> str:
     """An ExecStart= line: each argument in double quotes with `\\` and `"` escaped; `%`
     doubled (systemd specifiers); `$` doubled (no variable expansion)."""
+
     def one(arg: str) -> str:
         arg = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
         return f'"{arg}"' if (not arg or any(c.isspace() for c in arg) or "'" in arg) else arg
+
     return " ".join(one(a) for a in argv)
 
 
-CMD_SPECIAL = frozenset(' \t&|<>^(),;=!%')  # what cmd.exe reads as more than a character
+CMD_SPECIAL = frozenset(" \t&|<>^(),;=!%")  # what cmd.exe reads as more than a character
 
 
 def windows_cmdline(argv: list[str]) -> str:
@@ -99,8 +103,10 @@ def windows_cmdline(argv: list[str]) -> str:
     out = []
     for arg in argv:
         if '"' in arg or any(ord(c) < 32 for c in arg):
-            raise ValueError(f"{arg!r} cannot be written into a .cmd file: it holds a double "
-                             f"quote or a control character")
+            raise ValueError(
+                f"{arg!r} cannot be written into a .cmd file: it holds a double "
+                f"quote or a control character"
+            )
         if arg and not CMD_SPECIAL.intersection(arg):
             out.append(arg)
         else:
@@ -110,66 +116,95 @@ def windows_cmdline(argv: list[str]) -> str:
 
 # ---------------------------------------------------------------- the files
 
-def entry_for(platform: str, home: Path, argv: list[str], config: Path | None,
-              headless: bool, env: dict[str, str] | None = None) -> Entry:
+
+def entry_for(
+    platform: str,
+    home: Path,
+    argv: list[str],
+    config: Path | None,
+    headless: bool,
+    env: dict[str, str] | None = None,
+) -> Entry:
     env = dict(os.environ if env is None else env)
     uses = f"config: {config}" if config else "config: the default search (no --config)"
     if platform == "darwin":
         path = home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
-        data = {"Label": LABEL, "ProgramArguments": argv, "RunAtLoad": True,
-                "ProcessType": "Interactive" if not headless else "Background",
-                "KeepAlive": {"SuccessfulExit": False}}
+        data = {
+            "Label": LABEL,
+            "ProgramArguments": argv,
+            "RunAtLoad": True,
+            "ProcessType": "Interactive" if not headless else "Background",
+            "KeepAlive": {"SuccessfulExit": False},
+        }
         xml = plistlib.dumps(data, sort_keys=False).decode()
         head, sep, rest = xml.partition("<plist")
         text = f"{head}<!-- {MARKER}; {uses} -->\n{sep}{rest}"
-        return Entry("launchagent", path, text,
-                     f"it starts at your next login; to start it now: launchctl load {path}")
+        return Entry(
+            "launchagent",
+            path,
+            text,
+            f"it starts at your next login; to start it now: launchctl load {path}",
+        )
     if platform.startswith("win"):
         appdata = Path(env.get("APPDATA") or home / "AppData" / "Roaming")
-        path = appdata / "Microsoft" / "Windows" / "Start Menu" / "Programs" / "Startup" \
-            / WINDOWS_FILE
+        path = (
+            appdata / "Microsoft" / "Windows" / "Start Menu" / "Programs" / "Startup" / WINDOWS_FILE
+        )
         # `setlocal`: `!` stays literal even where delayed expansion is on by default
-        text = (f"@echo off\r\nrem {MARKER}; {uses.replace('%', '%%')}\r\n"
-                "setlocal DisableDelayedExpansion\r\n"
-                f"start \"stemdeck-watch\" /min {windows_cmdline(argv)}\r\n")
+        text = (
+            f"@echo off\r\nrem {MARKER}; {uses.replace('%', '%%')}\r\n"
+            "setlocal DisableDelayedExpansion\r\n"
+            f'start "stemdeck-watch" /min {windows_cmdline(argv)}\r\n'
+        )
         return Entry("startup", path, text, "it starts at your next login")
     config_home = Path(env.get("XDG_CONFIG_HOME") or home / ".config")
     if headless:
         path = config_home / "systemd" / "user" / UNIT
-        text = (f"# {MARKER}; {uses}\n"
-                f"# Enable: systemctl --user daemon-reload && systemctl --user enable --now {UNIT}\n"
-                "[Unit]\n"
-                f"Description={DESCRIPTION}\n"
-                "\n"
-                "[Service]\n"
-                "Type=exec\n"
-                f"ExecStart={systemd_exec(argv)}\n"
-                "Restart=on-failure\n"
-                "TimeoutStopSec=60\n"
-                "\n"
-                "[Install]\n"
-                "WantedBy=default.target\n")
-        return Entry("systemd", path, text,
-                     f"enable and start it now with:\n"
-                     f"  systemctl --user daemon-reload && systemctl --user enable --now {UNIT}\n"
-                     f"(to keep it running while you are logged out: loginctl enable-linger)")
-    path = config_home / "autostart" / DESKTOP_FILE
-    text = ("[Desktop Entry]\n"
+        text = (
             f"# {MARKER}; {uses}\n"
-            "Type=Application\n"
-            "Name=stemdeck-watch\n"
-            "Comment=Songs dropped into the inbox become stems (tray icon)\n"
-            f"Exec={desktop_exec(argv)}\n"
-            "Terminal=false\n"
-            "X-GNOME-Autostart-enabled=true\n")
+            f"# Enable: systemctl --user daemon-reload && systemctl --user enable --now {UNIT}\n"
+            "[Unit]\n"
+            f"Description={DESCRIPTION}\n"
+            "\n"
+            "[Service]\n"
+            "Type=exec\n"
+            f"ExecStart={systemd_exec(argv)}\n"
+            "Restart=on-failure\n"
+            "TimeoutStopSec=60\n"
+            "\n"
+            "[Install]\n"
+            "WantedBy=default.target\n"
+        )
+        return Entry(
+            "systemd",
+            path,
+            text,
+            f"enable and start it now with:\n"
+            f"  systemctl --user daemon-reload && systemctl --user enable --now {UNIT}\n"
+            f"(to keep it running while you are logged out: loginctl enable-linger)",
+        )
+    path = config_home / "autostart" / DESKTOP_FILE
+    text = (
+        "[Desktop Entry]\n"
+        f"# {MARKER}; {uses}\n"
+        "Type=Application\n"
+        "Name=stemdeck-watch\n"
+        "Comment=Songs dropped into the inbox become stems (tray icon)\n"
+        f"Exec={desktop_exec(argv)}\n"
+        "Terminal=false\n"
+        "X-GNOME-Autostart-enabled=true\n"
+    )
     return Entry("xdg", path, text, "it starts with your next desktop session")
 
 
 def all_places(platform: str, home: Path, env: dict[str, str] | None = None) -> list[Path]:
     """Every place `autostart` may have written to on this platform."""
     probe = ["x"]
-    return list(dict.fromkeys(entry_for(platform, home, probe, None, headless, env).path
-                              for headless in (False, True)))
+    return list(
+        dict.fromkeys(
+            entry_for(platform, home, probe, None, headless, env).path for headless in (False, True)
+        )
+    )
 
 
 def is_ours(path: Path) -> bool:
@@ -184,8 +219,10 @@ def install(entry: Entry) -> str:
     is in the way."""
     existed = entry.path.exists()
     if existed and not is_ours(entry.path):
-        raise NotOurs(f"{entry.path} exists and was not written by `stemdeck-watch autostart`; "
-                      f"leaving it alone (remove or rename it, then run this again)")
+        raise NotOurs(
+            f"{entry.path} exists and was not written by `stemdeck-watch autostart`; "
+            f"leaving it alone (remove or rename it, then run this again)"
+        )
     entry.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.path.with_name(f".{entry.path.name}.tmp")
     newline = "" if entry.kind == "startup" else None

@@ -4,6 +4,7 @@ Standard library only (urllib) and nothing heavy: `stemdeck-watch pause` must an
 fraction of a second, so this module never imports torch, numpy or PyAV. Proxies from the
 environment are ignored: a request for 127.0.0.1 must never leave the machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ class ApiError(StemdeckError):
 
 
 def not_running(state_dir: Path) -> ServiceNotRunning:
-    return ServiceNotRunning(f"the service is not running (state folder {state_dir}); start it "
-                             f"with `stemdeck-watch run`")
+    return ServiceNotRunning(
+        f"the service is not running (state folder {state_dir}); start it with `stemdeck-watch run`"
+    )
 
 
 class Client:
@@ -56,7 +58,8 @@ class Client:
             raise ServiceNotRunning(
                 f"the service (pid {pid}) is running but its local API is not (state folder "
                 f"{state_dir}): api.enabled is false, or the API could not start — its log says "
-                f"why")
+                f"why"
+            )
         return cls(found, state_dir)
 
     def page_link(self) -> tuple[str, float]:
@@ -75,10 +78,15 @@ class Client:
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.found.url.rstrip("/") + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self.found.token}",
-                     "Accept": "application/json",
-                     **({"Content-Type": "application/json"} if data is not None else {})})
+            self.found.url.rstrip("/") + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.found.token}",
+                "Accept": "application/json",
+                **({"Content-Type": "application/json"} if data is not None else {}),
+            },
+        )
         try:
             with self._opener.open(request, timeout=TIMEOUT) as response:
                 return json.loads(response.read() or b"null")
@@ -93,8 +101,9 @@ class Client:
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, ConnectionRefusedError):
                 raise not_running(self.state_dir) from None
-            raise ApiError(f"could not reach the service at {self.found.url}: {exc.reason}",
-                           0) from None
+            raise ApiError(
+                f"could not reach the service at {self.found.url}: {exc.reason}", 0
+            ) from None
         except (TimeoutError, ConnectionError) as exc:
             raise ApiError(f"the service at {self.found.url} did not answer: {exc}", 0) from None
 

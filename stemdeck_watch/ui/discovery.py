@@ -10,6 +10,7 @@ that took over the state dir must not lose its discovery file to the first one's
 
 Kept free of heavy imports: the CLI imports this.
 """
+
 from __future__ import annotations
 
 import dataclasses

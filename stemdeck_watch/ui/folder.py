@@ -8,6 +8,7 @@ few seconds (each rewrite is an upload).
 
 Like every control surface this talks only to the scheduler and the event bus.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -35,18 +36,26 @@ PAUSE_CHECK_EVERY = 1.0
 PAUSE_FULL_CHECK_EVERY = 30.0
 RECENT_FAILURES = 5
 QUEUE_LINES = 30
-REASONS = {"user": "paused by you", "restore": "jobs restored after a restart wait for Start",
-           "folder": "paused by the PAUSE file in the inbox — delete it to start",
-           "disk": "paused: the disk is almost full",
-           "inbox": "paused: the inbox's share cannot be reached — it starts again when the "
-                    "share answers; no song is lost",
-           "outbox": "paused: the outbox's share cannot be reached — separated songs wait and "
-                     "are published when it answers"}
+REASONS = {
+    "user": "paused by you",
+    "restore": "jobs restored after a restart wait for Start",
+    "folder": "paused by the PAUSE file in the inbox — delete it to start",
+    "disk": "paused: the disk is almost full",
+    "inbox": "paused: the inbox's share cannot be reached — it starts again when the "
+    "share answers; no song is lost",
+    "outbox": "paused: the outbox's share cannot be reached — separated songs wait and "
+    "are published when it answers",
+}
 
 
 class FolderRemote:
-    def __init__(self, scheduler: Scheduler, inbox: Path, outbox: Path,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        inbox: Path,
+        outbox: Path,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.scheduler = scheduler
         self.inbox = inbox
         self.status_path = outbox / STATUS_FILE
@@ -56,7 +65,7 @@ class FolderRemote:
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._last_written = float("-inf")
-        self._listed_stamp: int | None = None   # the inbox's mtime when last listed
+        self._listed_stamp: int | None = None  # the inbox's mtime when last listed
         self._list_again_at = float("-inf")
         self._pause_path: Path | None = None
         self._unreadable: str | None = None  # why the inbox could not be listed (logged once)
@@ -98,8 +107,11 @@ class FolderRemote:
                 if now >= next_check and not self.away("inbox"):
                     self.check_pause_file()
                     next_check = now + PAUSE_CHECK_EVERY
-                if (self._dirty.is_set() and now - self._last_written >= STATUS_EVERY
-                        and not self.away("outbox")):
+                if (
+                    self._dirty.is_set()
+                    and now - self._last_written >= STATUS_EVERY
+                    and not self.away("outbox")
+                ):
                     self._dirty.clear()
                     self.write_status()
             except Exception:
@@ -125,7 +137,7 @@ class FolderRemote:
         now = self._clock()
         try:
             stamp: int | None = os.stat(self.inbox).st_mtime_ns  # before listing: a change
-        except OSError:                                      # meanwhile lists again
+        except OSError:  # meanwhile lists again
             stamp = None
         if stamp is not None and stamp == self._listed_stamp and now < self._list_again_at:
             return self._pause_path
@@ -140,8 +152,12 @@ class FolderRemote:
             # the inbox's share is away: what was there is still there (a PAUSE file does
             # not vanish because the share did), said once, not every second
             if self._unreadable is None:
-                log.warning("could not look for a PAUSE file in %s: %s; looking again "
-                            "every %.0f s", self.inbox, exc.strerror or exc, PAUSE_CHECK_EVERY)
+                log.warning(
+                    "could not look for a PAUSE file in %s: %s; looking again every %.0f s",
+                    self.inbox,
+                    exc.strerror or exc,
+                    PAUSE_CHECK_EVERY,
+                )
             self._unreadable = str(exc.strerror or exc)
             self._listed_stamp = None
             return self._pause_path
@@ -187,8 +203,11 @@ def render_status_text(status: dict[str, Any], running: bool = True) -> str:
     lines.append("")
     # names and messages come from other people: a control character in one (a newline that
     # would add a line of its own, an escape sequence) is shown as `?`
-    lines.append(f"Now: {strip_controls(job['name'])} — {job['state']} "
-                 f"{job['progress'] * 100:.0f}%" if job else "Now: nothing is being separated.")
+    lines.append(
+        f"Now: {strip_controls(job['name'])} — {job['state']} {job['progress'] * 100:.0f}%"
+        if job
+        else "Now: nothing is being separated."
+    )
     queued = status["queued"]
     lines += ["", f"Queued ({len(queued)}):"]
     lines += [f"  {i}. {strip_controls(j['name'])}" for i, j in enumerate(queued[:QUEUE_LINES], 1)]
@@ -196,12 +215,16 @@ def render_status_text(status: dict[str, Any], running: bool = True) -> str:
         lines.append(f"  … and {len(queued) - QUEUE_LINES} more")
     if status["waiting"]:
         lines += ["", f"Waiting for room in the queue ({len(status['waiting'])}):"]
-        lines += [f"  {strip_controls(Path(w['source']).name)}"
-                  for w in status["waiting"][:QUEUE_LINES]]
+        lines += [
+            f"  {strip_controls(Path(w['source']).name)}" for w in status["waiting"][:QUEUE_LINES]
+        ]
     failures = [j for j in status["jobs"] if j["state"] == "failed"][:RECENT_FAILURES]
     if failures:
         lines += ["", "Recent failures:"]
         lines += [f"  {strip_controls(j['name'])}: {strip_controls(j['error'])}" for j in failures]
-    lines += ["", "Pause from here: put a file named PAUSE at the top of the inbox; delete it "
-              "to start again."]
+    lines += [
+        "",
+        "Pause from here: put a file named PAUSE at the top of the inbox; delete it "
+        "to start again.",
+    ]
     return "\n".join(lines) + "\n"

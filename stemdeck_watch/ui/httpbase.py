@@ -6,6 +6,7 @@ One connection, one request: every answer closes the connection (HTTP/1.0 semant
 idle keep-alive connection holds a thread. The API's routes and security checks are in
 `api.py`; this module knows nothing of the queue.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,20 @@ from stemdeck_watch.ui import media
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024
-MAX_DRAIN = 1024 * 1024      # an unread body up to this size is read away before closing
-IO_TIMEOUT = 10.0            # a client that neither sends nor reads for this long is dropped
+MAX_DRAIN = 1024 * 1024  # an unread body up to this size is read away before closing
+IO_TIMEOUT = 10.0  # a client that neither sends nor reads for this long is dropped
 CSP = "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 CONTENT_TYPES = {
-    ".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-    ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-    ".json": "application/json", ".svg": "image/svg+xml", ".png": "image/png",
-    ".ico": "image/x-icon", ".webmanifest": "application/manifest+json", ".woff2": "font/woff2",
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+    ".webmanifest": "application/manifest+json",
+    ".woff2": "font/woff2",
     ".txt": "text/plain; charset=utf-8",
 }
 STATIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -51,8 +58,7 @@ class LoopbackServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], api: Any,
-                 handler: type[BaseHTTPRequestHandler]):
+    def __init__(self, address: tuple[str, int], api: Any, handler: type[BaseHTTPRequestHandler]):
         self.api = api  # what the handlers serve
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._open: set[socket.socket] = set()
@@ -135,8 +141,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         if length < 0:
             raise HttpError(400, "the Content-Length header is not a number")
         if length > MAX_BODY:
-            raise HttpError(413, f"the request body has {length} bytes; at most {MAX_BODY} "
-                                 f"are accepted")
+            raise HttpError(
+                413, f"the request body has {length} bytes; at most {MAX_BODY} are accepted"
+            )
         try:
             raw = self.rfile.read(length) if length else b""
         except OSError:
@@ -175,8 +182,12 @@ class JsonHandler(BaseHTTPRequestHandler):
         name = "index.html" if path == "/" else unquote(path[1:])
         file = self.static_dir / name
         content_type = CONTENT_TYPES.get(file.suffix.lower())
-        if (not STATIC_NAME.fullmatch(name) or content_type is None or not file.is_file()
-                or file.resolve().parent != self.static_dir):
+        if (
+            not STATIC_NAME.fullmatch(name)
+            or content_type is None
+            or not file.is_file()
+            or file.resolve().parent != self.static_dir
+        ):
             raise HttpError(404, f"not found: {path[:200]}")
         self._send(200, file.read_bytes(), content_type)
 
@@ -207,8 +218,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(reply).encode(), "application/json")
 
     def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        log.info("refused %s %s: %d %s", self.command, urlsplit(self.path).path[:200], status,
-                 message)
+        log.info(
+            "refused %s %s: %d %s", self.command, urlsplit(self.path).path[:200], status, message
+        )
         self._send(status, json.dumps({"error": message}).encode(), "application/json", headers)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
@@ -221,8 +233,9 @@ class JsonHandler(BaseHTTPRequestHandler):
             phrase = "error"
         self._send(code, json.dumps({"error": message or phrase}).encode(), "application/json")
 
-    def _send(self, status: int, body: bytes, content_type: str,
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self._drain()
         try:
             self.send_response(status)
@@ -238,11 +251,15 @@ class JsonHandler(BaseHTTPRequestHandler):
             log.debug("could not answer %s: %s", self.address_string(), exc)
 
     def _common_headers(self) -> None:
-        for name, value in (("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
-                            ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),
-                            ("Content-Security-Policy", CSP),
-                            ("Cross-Origin-Resource-Policy", "same-origin"),
-                            ("Connection", "close")):
+        for name, value in (
+            ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Referrer-Policy", "no-referrer"),
+            ("X-Frame-Options", "DENY"),
+            ("Content-Security-Policy", CSP),
+            ("Cross-Origin-Resource-Policy", "same-origin"),
+            ("Connection", "close"),
+        ):
             self.send_header(name, value)
 
     def _drain(self) -> None:
@@ -258,8 +275,13 @@ class JsonHandler(BaseHTTPRequestHandler):
             pass
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        log.debug('%s "%s %s" %s', self.address_string(), self.command,
-                  urlsplit(self.path).path[:200], code)
+        log.debug(
+            '%s "%s %s" %s',
+            self.address_string(),
+            self.command,
+            urlsplit(self.path).path[:200],
+            code,
+        )
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)

@@ -10,6 +10,7 @@ rather than followed, and checked to be a regular file on the open descriptor.
 Files are sent in pieces (HTTP Range, one range per request), so the player starts a song of
 any length after its first second has arrived and never holds more than it plays.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,10 +36,18 @@ FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3"}
 PIECE = 64 * 1024  # bytes written to the socket at a time
 MAX_BEATS = 8 << 20  # beats.json of a long song is well under a megabyte
 RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})")
-_OPEN_DIR = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-             | getattr(os, "O_CLOEXEC", 0))
-_OPEN_FILE = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-              | getattr(os, "O_CLOEXEC", 0))
+_OPEN_DIR = (
+    os.O_RDONLY
+    | getattr(os, "O_DIRECTORY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+_OPEN_FILE = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 class Refused(ControlError):
@@ -72,22 +81,30 @@ class Song:
 
     def stems(self) -> list[dict[str, Any]]:
         """The manifest's stems (not its mixes: those are sums of stems and would play twice)."""
-        return [entry for entry in self.manifest.get("stems", [])
-                if isinstance(entry, dict) and entry.get("kind", "stem") == "stem"
-                and isinstance(entry.get("name"), str) and isinstance(entry.get("file"), str)]
+        return [
+            entry
+            for entry in self.manifest.get("stems", [])
+            if isinstance(entry, dict)
+            and entry.get("kind", "stem") == "stem"
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("file"), str)
+        ]
 
     def stem(self, name: str) -> dict[str, Any]:
         for entry in self.stems():
             if entry["name"] == name:
                 return entry
-        raise NoSuchFile(f"{self.job.name} has no stem {name[:100]!r}; it has "
-                         f"{', '.join(e['name'] for e in self.stems())}")
+        raise NoSuchFile(
+            f"{self.job.name} has no stem {name[:100]!r}; it has "
+            f"{', '.join(e['name'] for e in self.stems())}"
+        )
 
     def listed(self, name: str) -> bool:
         """Whether the manifest lists `name` among the folder's files."""
         files = self.manifest.get("files", [])
         return isinstance(files, list) and any(
-            isinstance(entry, dict) and entry.get("file") == name for entry in files)
+            isinstance(entry, dict) and entry.get("file") == name for entry in files
+        )
 
 
 def published_song(job: Job, outbox: Path) -> Song:
@@ -106,11 +123,15 @@ def published_song(job: Job, outbox: Path) -> Song:
         raise Refused(f"refused: the song folder of {job.name} is outside the outbox {root}")
     manifest = read_manifest(real)
     if manifest is None:
-        raise Conflict(f"{real} is not a complete published song folder (its stemdeck.json "
-                        f"is missing, damaged or lists files that are gone)")
+        raise Conflict(
+            f"{real} is not a complete published song folder (its stemdeck.json "
+            f"is missing, damaged or lists files that are gone)"
+        )
     if not _names(manifest, job):
-        raise Refused(f"refused: {real} holds another song's stems (its stemdeck.json names "
-                      f"job {str(manifest.get('job_id'))[:40]!r}, not {job.id})")
+        raise Refused(
+            f"refused: {real} holds another song's stems (its stemdeck.json names "
+            f"job {str(manifest.get('job_id'))[:40]!r}, not {job.id})"
+        )
     return Song(job, root, real, manifest)
 
 
@@ -120,9 +141,12 @@ def _names(manifest: dict[str, Any], job: Job) -> bool:
     if manifest.get("job_id") == job.id:
         return True
     source = manifest.get("input")
-    return (job.sha256 is not None and isinstance(source, dict)
-            and source.get("sha256") == job.sha256
-            and settings_key_of(manifest.get("settings")) == job.settings_key)
+    return (
+        job.sha256 is not None
+        and isinstance(source, dict)
+        and source.get("sha256") == job.sha256
+        and settings_key_of(manifest.get("settings")) == job.settings_key
+    )
 
 
 def open_file(song: Song, name: str) -> tuple[IO[bytes], int]:
@@ -130,8 +154,13 @@ def open_file(song: Song, name: str) -> tuple[IO[bytes], int]:
     file and its size. Every component below the outbox is opened without following a link,
     so a link swapped in after `published_song` looked is refused too."""
     rel = PurePosixPath(name)
-    if (rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") for p in rel.parts)
-            or "\\" in name or "\0" in name):
+    if (
+        rel.is_absolute()
+        or not rel.parts
+        or any(p in ("", ".", "..") for p in rel.parts)
+        or "\\" in name
+        or "\0" in name
+    ):
         raise Refused(f"refused: {name[:100]!r} is not a file inside the song folder")
     fd = os.open(song.root, _OPEN_DIR & ~getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -181,8 +210,7 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     if match[2] and last < first:
         return None  # not a valid range: ignored, as RFC 9110 allows
     if first >= size:
-        raise NotSatisfiable(f"the range starts at byte {first}, past the end ({size} bytes)",
-                             size)
+        raise NotSatisfiable(f"the range starts at byte {first}, past the end ({size} bytes)", size)
     return first, min(last, size - 1)
 
 
@@ -205,20 +233,37 @@ def player(song: Song) -> dict[str, Any]:
     stems = []
     for entry in song.stems():
         suffix = PurePosixPath(entry["file"]).suffix.lower()
-        stems.append({"name": entry["name"], "url": f"{base}/stems/{entry['name']}",
-                      "format": FORMATS.get(suffix, suffix.lstrip(".")),
-                      "samplerate": _int(entry.get("samplerate")),
-                      "channels": _int(entry.get("channels")),
-                      "frames": _int(entry.get("frames"))})
+        stems.append(
+            {
+                "name": entry["name"],
+                "url": f"{base}/stems/{entry['name']}",
+                "format": FORMATS.get(suffix, suffix.lstrip(".")),
+                "samplerate": _int(entry.get("samplerate")),
+                "channels": _int(entry.get("channels")),
+                "frames": _int(entry.get("frames")),
+            }
+        )
     rate = max((s["samplerate"] for s in stems), default=0)
     frames = min((s["frames"] for s in stems), default=0)
-    reply: dict[str, Any] = {"job": song.job.id, "name": song.job.name, "samplerate": rate,
-                             "frames": frames, "duration": round(frames / rate, 6) if rate else 0,
-                             "stems": stems, "preview": None, "beats": None}
+    reply: dict[str, Any] = {
+        "job": song.job.id,
+        "name": song.job.name,
+        "samplerate": rate,
+        "frames": frames,
+        "duration": round(frames / rate, 6) if rate else 0,
+        "stems": stems,
+        "preview": None,
+        "beats": None,
+    }
     if song.manifest.get("preview") == PREVIEW and song.listed(PREVIEW):
         width, height = picture.size_for(len(stems))
-        reply["preview"] = {"url": f"{base}/preview", "width": width, "height": height,
-                            "left": picture.LABEL, "top": picture.HEADER}
+        reply["preview"] = {
+            "url": f"{base}/preview",
+            "width": width,
+            "height": height,
+            "left": picture.LABEL,
+            "top": picture.HEADER,
+        }
     if isinstance(song.manifest.get("beat_grid"), dict) and song.listed(BEATS):
         reply["beats"] = f"{base}/beats"
     return reply
@@ -238,9 +283,12 @@ def beats(song: Song) -> dict[str, Any]:
             raise Conflict(f"{BEATS} of {song.job.name} is not valid JSON") from None
     times = grid.get("beats") if isinstance(grid, dict) else None
     tempo = grid.get("tempo") if isinstance(grid, dict) else None
-    return {"tempo": tempo if isinstance(tempo, (int, float)) else None,
-            "beats": [float(t) for t in times if isinstance(t, (int, float))]
-            if isinstance(times, list) else []}
+    return {
+        "tempo": tempo if isinstance(tempo, (int, float)) else None,
+        "beats": [float(t) for t in times if isinstance(t, (int, float))]
+        if isinstance(times, list)
+        else [],
+    }
 
 
 def _int(value: Any) -> int:

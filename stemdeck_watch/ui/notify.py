@@ -18,6 +18,7 @@ songs are done: …"). `queue_drained` sends whatever is held first, so the summ
 "the queue is empty". `queue_drained` itself is only sent after a batch of two or more songs —
 for a single song its own done/failed message says everything.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,8 +33,17 @@ from typing import Any, Callable, Iterable
 
 from stemdeck_watch.core.config import NOTIFY_EVENTS, Folders, NotifySettings, Settings
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.core.events import (DiskLow, Event, EventBus, JobChanged, JobsRestored,
-                                   QueueDrained, QueueFull, ShareAway, ShareBack)
+from stemdeck_watch.core.events import (
+    DiskLow,
+    Event,
+    EventBus,
+    JobChanged,
+    JobsRestored,
+    QueueDrained,
+    QueueFull,
+    ShareAway,
+    ShareBack,
+)
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.core.paths import report_path
 from stemdeck_watch.util.safetext import escape_controls, escape_markup
@@ -43,10 +53,10 @@ log = logging.getLogger(__name__)
 
 APP_ID = "stemdeck-watch"
 DESKTOP = "desktop"
-WINDOW = 60.0            # seconds: more notes of one kind within this are coalesced
-STOP_GRACE = 3.0         # seconds a channel may take to send what is held when stopping
-NAMES_SHOWN = 5          # song names listed in a coalesced message
-SEEN_LIMIT = 10_000      # job ids remembered to never announce one ending twice
+WINDOW = 60.0  # seconds: more notes of one kind within this are coalesced
+STOP_GRACE = 3.0  # seconds a channel may take to send what is held when stopping
+NAMES_SHOWN = 5  # song names listed in a coalesced message
+SEEN_LIMIT = 10_000  # job ids remembered to never announce one ending twice
 # desktop notification servers (freedesktop) read the body as markup: `<b>`, `<a href>`
 MARKUP_SCHEMES = frozenset({"dbus", "kde", "qt", "glib", "gnome"})
 
@@ -55,17 +65,18 @@ MARKUP_SCHEMES = frozenset({"dbus", "kde", "qt", "glib", "gnome"})
 class Note:
     """One notification before it is sent: what happened, in words, and how bad it is."""
 
-    kind: str            # one of NOTIFY_EVENTS
+    kind: str  # one of NOTIFY_EVENTS
     title: str
     body: str
     level: str = "info"  # info | success | warning | failure (apprise's NotifyType values)
-    subject: str = ""    # the song (for coalesced messages)
-    detail: str = ""     # the folder or the reason (for coalesced messages)
-    folder: str = ""     # outbox or failed folder (for coalesced messages)
+    subject: str = ""  # the song (for coalesced messages)
+    detail: str = ""  # the folder or the reason (for coalesced messages)
+    folder: str = ""  # outbox or failed folder (for coalesced messages)
     created: float = dataclasses.field(default_factory=time.monotonic)
 
 
 # ---------------------------------------------------------------- events → notes
+
 
 def describe_size(size: int) -> str:
     value = float(size)
@@ -101,8 +112,11 @@ class Composer:
             while len(self._seen) > SEEN_LIMIT:
                 self._seen.popitem(last=False)
             self._batch[job.state.value] += 1
-            return [self.done(job.name, job.output) if job.state is JobState.DONE
-                    else self.failed(job.name, job.error, job.source)]
+            return [
+                self.done(job.name, job.output)
+                if job.state is JobState.DONE
+                else self.failed(job.name, job.error, job.source)
+            ]
         if isinstance(event, QueueDrained):
             batch, self._batch = self._batch, collections.Counter()
             if sum(batch.values()) < 2:
@@ -110,35 +124,68 @@ class Composer:
             return [self.drained(batch["done"], batch["failed"])]
         if isinstance(event, QueueFull):
             what = "links" if event.kind == "link" else "songs"
-            return [Note("queue_full", "Queue full",
-                         f"{event.limit} {what} are queued; new ones wait in the inbox until "
-                         f"there is room.", "warning")]
+            return [
+                Note(
+                    "queue_full",
+                    "Queue full",
+                    f"{event.limit} {what} are queued; new ones wait in the inbox until "
+                    f"there is room.",
+                    "warning",
+                )
+            ]
         if isinstance(event, JobsRestored):
             if event.paused:
-                body = (f"{event.count} job(s) from before the restart wait for Start (tray "
-                        f"menu, queue page or `stemdeck-watch start`).")
+                body = (
+                    f"{event.count} job(s) from before the restart wait for Start (tray "
+                    f"menu, queue page or `stemdeck-watch start`)."
+                )
             else:
                 body = f"{event.count} job(s) from before the restart go on now."
             return [Note("restored", "Jobs restored", body, "info")]
         if isinstance(event, ShareAway):
-            return [Note("share_away", f"Share unreachable: {event.role}",
-                         f"The {event.role} {event.path} has not answered for "
-                         f"{event.seconds:.0f} s ({event.why}). The queue waits for it; no "
-                         f"song is lost.", "warning")]
+            return [
+                Note(
+                    "share_away",
+                    f"Share unreachable: {event.role}",
+                    f"The {event.role} {event.path} has not answered for "
+                    f"{event.seconds:.0f} s ({event.why}). The queue waits for it; no "
+                    f"song is lost.",
+                    "warning",
+                )
+            ]
         if isinstance(event, ShareBack):
-            return [Note("share_away", f"Share back: {event.role}",
-                         f"The {event.role} {event.path} answers again after "
-                         f"{event.seconds:.0f} s; the queue goes on.", "success")]
+            return [
+                Note(
+                    "share_away",
+                    f"Share back: {event.role}",
+                    f"The {event.role} {event.path} answers again after "
+                    f"{event.seconds:.0f} s; the queue goes on.",
+                    "success",
+                )
+            ]
         if isinstance(event, DiskLow):
-            return [Note("disk_low", "Disk almost full",
-                         f"Only {describe_size(event.free_bytes)} left on the disk of "
-                         f"{event.path}; the queue is paused until there is room.", "warning")]
+            return [
+                Note(
+                    "disk_low",
+                    "Disk almost full",
+                    f"Only {describe_size(event.free_bytes)} left on the disk of "
+                    f"{event.path}; the queue is paused until there is room.",
+                    "warning",
+                )
+            ]
         return []
 
     def done(self, name: str, output: str | None) -> Note:
         folder = output or str(self.folders.outbox)
-        return Note("done", f"Stems ready: {name}", f"{name} is separated. Stems: {folder}",
-                    "success", subject=name, detail=folder, folder=str(self.folders.outbox))
+        return Note(
+            "done",
+            f"Stems ready: {name}",
+            f"{name} is separated. Stems: {folder}",
+            "success",
+            subject=name,
+            detail=folder,
+            folder=str(self.folders.outbox),
+        )
 
     def failed(self, name: str, error: str | None, source: str) -> Note:
         reason = (error or "it failed").rstrip(".")
@@ -148,16 +195,26 @@ class Composer:
             report = f"Report: {report_path(where)}"
         else:
             report = f"The report is in {failed_dir}"
-        return Note("failed", f"Failed: {name}", f"{reason}. {report}", "failure",
-                    subject=name, detail=reason, folder=str(failed_dir))
+        return Note(
+            "failed",
+            f"Failed: {name}",
+            f"{reason}. {report}",
+            "failure",
+            subject=name,
+            detail=reason,
+            folder=str(failed_dir),
+        )
 
     def drained(self, done: int, failed: int) -> Note:
         parts = [f"{done} song{'s' if done != 1 else ''} separated"]
         if failed:
             parts.append(f"{failed} failed (see {self.folders.failed})")
-        return Note("queue_drained", "Queue finished",
-                    f"{', '.join(parts)}; nothing is left in the queue.",
-                    "success" if not failed else "warning" if done else "failure")
+        return Note(
+            "queue_drained",
+            "Queue finished",
+            f"{', '.join(parts)}; nothing is left in the queue.",
+            "success" if not failed else "warning" if done else "failure",
+        )
 
 
 def coalesce(kind: str, notes: list[Note], count: int) -> Note:
@@ -168,20 +225,29 @@ def coalesce(kind: str, notes: list[Note], count: int) -> Note:
     more = count - len(names)
     listed = ", ".join(names) + (f" and {more} more" if more > 0 and names else "")
     if kind == "done":
-        return Note(kind, f"Stems ready: {count} more songs",
-                    f"{count} more songs are separated: {listed}. Stems: {notes[0].folder}",
-                    "success", folder=notes[0].folder)
+        return Note(
+            kind,
+            f"Stems ready: {count} more songs",
+            f"{count} more songs are separated: {listed}. Stems: {notes[0].folder}",
+            "success",
+            folder=notes[0].folder,
+        )
     if kind == "failed":
         reasons = "; ".join(f"{n.subject}: {n.detail}" for n in notes[:NAMES_SHOWN])
         extra = f"; and {count - min(count, NAMES_SHOWN)} more" if count > NAMES_SHOWN else ""
-        return Note(kind, f"Failed: {count} more songs",
-                    f"{count} more songs failed — {reasons}{extra}. Reports: {notes[0].folder}",
-                    "failure", folder=notes[0].folder)
+        return Note(
+            kind,
+            f"Failed: {count} more songs",
+            f"{count} more songs failed — {reasons}{extra}. Reports: {notes[0].folder}",
+            "failure",
+            folder=notes[0].folder,
+        )
     last = notes[-1]
     return dataclasses.replace(last, title=f"{last.title} ({count} times)")
 
 
 # ---------------------------------------------------------------- targets
+
 
 class Target:
     """One apprise URL. `send` returns (ok, why not); it blocks for as long as the service
@@ -201,25 +267,32 @@ class Target:
         service = self._apprise[0]
         self.markup = url.split("://", 1)[0].lower() in MARKUP_SCHEMES
         self.label = label or service.url(privacy=True).split("?", 1)[0]
-        self._types = {"info": apprise.NotifyType.INFO, "success": apprise.NotifyType.SUCCESS,
-                       "warning": apprise.NotifyType.WARNING,
-                       "failure": apprise.NotifyType.FAILURE}
+        self._types = {
+            "info": apprise.NotifyType.INFO,
+            "success": apprise.NotifyType.SUCCESS,
+            "warning": apprise.NotifyType.WARNING,
+            "failure": apprise.NotifyType.FAILURE,
+        }
 
     def send(self, note: Note) -> tuple[bool, str]:
         title, body = escape_controls(note.title), escape_controls(note.body)
         if self.markup:
             body = escape_markup(body)
         try:
-            result = self._apprise.notify(body=body, title=title,
-                                          notify_type=self._types.get(note.level, "info"))
+            result = self._apprise.notify(
+                body=body, title=title, notify_type=self._types.get(note.level, "info")
+            )
         except Exception as exc:  # a plugin that raises instead of reporting
             return False, f"{type(exc).__name__}: {exc}"
         if result:
             return True, ""
         try:
-            lines = [entry.message for entry in result.logs()
-                     if getattr(entry, "level", "") in ("WARNING", "ERROR", "CRITICAL",
-                                                         logging.WARNING, logging.ERROR)]
+            lines = [
+                entry.message
+                for entry in result.logs()
+                if getattr(entry, "level", "")
+                in ("WARNING", "ERROR", "CRITICAL", logging.WARNING, logging.ERROR)
+            ]
         except Exception:
             lines = []
         return False, lines[-1] if lines else "the service reported a failure"
@@ -249,8 +322,9 @@ def _asset() -> Any:
 
     # async_mode off and no service timeout: apprise sends on the calling thread (our
     # channel's), starting no thread pool of its own; memory storage: no files in $HOME.
-    return apprise.AppriseAsset(app_id=APP_ID, app_desc=APP_ID, async_mode=False,
-                                service_timeout=0, storage_mode="memory")
+    return apprise.AppriseAsset(
+        app_id=APP_ID, app_desc=APP_ID, async_mode=False, service_timeout=0, storage_mode="memory"
+    )
 
 
 _quiet_lock = threading.Lock()
@@ -273,8 +347,10 @@ def desktop_candidates(platform: str = sys.platform) -> list[tuple[str, str]]:
         return [("macosx://", "terminal-notifier (brew install terminal-notifier)")]
     if platform.startswith("win"):
         return [("windows://", "pywin32 (pip install pywin32)")]
-    return [("dbus://", "dbus-python (pip install 'stemdeck-watch[dbus]')"),
-            ("glib://", "PyGObject (pip install 'stemdeck-watch[tray]')")]
+    return [
+        ("dbus://", "dbus-python (pip install 'stemdeck-watch[dbus]')"),
+        ("glib://", "PyGObject (pip install 'stemdeck-watch[tray]')"),
+    ]
 
 
 def session_bus_present(env: dict[str, str] | None = None) -> bool:
@@ -287,8 +363,7 @@ def session_bus_present(env: dict[str, str] | None = None) -> bool:
 
 def resolve_desktop(platform: str = sys.platform) -> tuple[str | None, str]:
     """The apprise URL that reaches this desktop's notifications, or (None, why not)."""
-    if platform not in ("darwin",) and not platform.startswith("win") \
-            and not session_bus_present():
+    if platform not in ("darwin",) and not platform.startswith("win") and not session_bus_present():
         return None, "no D-Bus session bus (not in a desktop session)"
     apprise = _load_apprise()
 
@@ -313,19 +388,23 @@ def check_urls(settings: NotifySettings) -> None:
     _quiet_apprise_logger()
     for url in urls:
         if not apprise.Apprise(asset=_asset()).add(url):
-            raise ConfigError(f"notify.urls: {redact_url(repr(url))} is not a URL apprise can "
-                              f"use (unknown service, or a part it needs is missing); see the "
-                              f"apprise URL list at github.com/caronc/apprise/wiki")
+            raise ConfigError(
+                f"notify.urls: {redact_url(repr(url))} is not a URL apprise can "
+                f"use (unknown service, or a part it needs is missing); see the "
+                f"apprise URL list at github.com/caronc/apprise/wiki"
+            )
 
 
 # ---------------------------------------------------------------- one thread per target
+
 
 class Channel:
     """Sends the notes for one target, in order, coalescing bursts; logs a failing target
     once per streak."""
 
-    def __init__(self, target: Any, window: float = WINDOW,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, target: Any, window: float = WINDOW, clock: Callable[[], float] = time.monotonic
+    ):
         self.target = target
         self.window = window
         self._clock = clock
@@ -357,8 +436,11 @@ class Channel:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("notifications to %s are still being sent after %.0f s; not "
-                            "waiting for them", self.target.label, timeout)
+                log.warning(
+                    "notifications to %s are still being sent after %.0f s; not waiting for them",
+                    self.target.label,
+                    timeout,
+                )
             self._thread = None
 
     def alive(self) -> bool:
@@ -414,25 +496,40 @@ class Channel:
         if ok:
             self.sent += 1
             if self._failing:
-                log.info("notifications to %s work again (%d failed meanwhile)",
-                         self.target.label, self._failed_in_streak)
+                log.info(
+                    "notifications to %s work again (%d failed meanwhile)",
+                    self.target.label,
+                    self._failed_in_streak,
+                )
             self._failing, self._failed_in_streak = False, 0
             return
         self.failed += 1
         self._failed_in_streak += 1
         if not self._failing:
             self._failing = True
-            log.warning("could not send a notification to %s: %s; further failures of this "
-                        "target are not logged until it works again", self.target.label, why)
+            log.warning(
+                "could not send a notification to %s: %s; further failures of this "
+                "target are not logged until it works again",
+                self.target.label,
+                why,
+            )
 
 
 # ---------------------------------------------------------------- the service's notifier
 
+
 class Notifier:
     """Listens on the bus and feeds one channel per target; see the module docstring."""
 
-    def __init__(self, bus: EventBus, settings: Settings, *, window: float = WINDOW,
-                 targets: list[Any] | None = None, platform: str = sys.platform):
+    def __init__(
+        self,
+        bus: EventBus,
+        settings: Settings,
+        *,
+        window: float = WINDOW,
+        targets: list[Any] | None = None,
+        platform: str = sys.platform,
+    ):
         self.bus = bus
         self.settings = settings.notify
         self.composer = Composer(settings.paths, self.settings.events)
@@ -450,8 +547,11 @@ class Notifier:
         for channel in self.channels:
             channel.start()
         self._unsubscribe = self.bus.subscribe(Event, self._on_event)
-        log.info("notifications (%s) go to %s", ", ".join(self.settings.events) or "none",
-                 ", ".join(c.target.label for c in self.channels))
+        log.info(
+            "notifications (%s) go to %s",
+            ", ".join(self.settings.events) or "none",
+            ", ".join(c.target.label for c in self.channels),
+        )
 
     def _targets(self) -> list[Target]:
         targets: list[Target] = []
@@ -484,8 +584,9 @@ class Notifier:
     def restart_dead(self) -> None:
         for channel in self.channels:
             if not channel.alive():
-                log.error("the notification thread for %s died; restarting it",
-                          channel.target.label)
+                log.error(
+                    "the notification thread for %s died; restarting it", channel.target.label
+                )
                 channel.start()
 
     def _on_event(self, event: Event) -> None:
@@ -495,5 +596,13 @@ class Notifier:
                 channel.offer(note)
 
 
-__all__ = ["Notifier", "Note", "Channel", "Target", "Composer", "check_urls", "resolve_desktop",
-           "NOTIFY_EVENTS"]
+__all__ = [
+    "Notifier",
+    "Note",
+    "Channel",
+    "Target",
+    "Composer",
+    "check_urls",
+    "resolve_desktop",
+    "NOTIFY_EVENTS",
+]

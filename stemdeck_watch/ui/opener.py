@@ -6,6 +6,7 @@ left alone: it is the desktop's job (a file manager, a browser) and may outlive 
 exit status is collected by a short-lived reaper thread so that no zombie stays behind. A
 missing opener is an OSError whose message says what to install.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,12 @@ def opener_command(platform: str = sys.platform) -> list[str] | None:
     return ["xdg-open"]
 
 
-def open_target(target: str | Path, *, platform: str = sys.platform,
-                spawn: Callable[[list[str]], subprocess.Popen] | None = None) -> None:
+def open_target(
+    target: str | Path,
+    *,
+    platform: str = sys.platform,
+    spawn: Callable[[list[str]], subprocess.Popen] | None = None,
+) -> None:
     """Open `target` (a folder or an http URL) with the platform's opener; OSError if that
     cannot be started. Returns at once: the opener runs on its own."""
     text = str(target)
@@ -42,19 +47,28 @@ def open_target(target: str | Path, *, platform: str = sys.platform,
         hint = "the xdg-utils package" if command[0] == "xdg-open" else command[0]
         raise OSError(f"cannot open {text}: {command[0]} is not installed (install {hint})")
     proc = (spawn or _spawn)([*command, text])
-    reaper = threading.Thread(target=_reap, args=(proc, text), name="stemdeck-opener",
-                              daemon=True)
+    reaper = threading.Thread(target=_reap, args=(proc, text), name="stemdeck-opener", daemon=True)
     reaper.start()
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _reap(proc: subprocess.Popen, target: str) -> None:
     _out, err = proc.communicate()
     if proc.returncode:
         detail = (err or b"").decode(errors="replace").strip().splitlines()
-        log.warning("could not open %s: %s exited with %s%s", target, proc.args[0],
-                    proc.returncode, f" ({detail[-1]})" if detail else "")
+        log.warning(
+            "could not open %s: %s exited with %s%s",
+            target,
+            proc.args[0],
+            proc.returncode,
+            f" ({detail[-1]})" if detail else "",
+        )

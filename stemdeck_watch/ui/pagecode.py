@@ -6,6 +6,7 @@ valid for one exchange only (`POST /api/token`) and for a short time, useless af
 trades it for the token and keeps that in its tab. The CLI's `open` asks the running service
 for a code (with the token it reads from the 0600 token file); the tray asks in-process.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -13,8 +14,8 @@ import threading
 import time
 from typing import Callable
 
-CODE_TTL = 60.0   # seconds a code stays valid: long enough for a cold browser start
-MAX_CODES = 16    # codes not used yet that are kept; a new one beyond this drops the oldest
+CODE_TTL = 60.0  # seconds a code stays valid: long enough for a cold browser start
+MAX_CODES = 16  # codes not used yet that are kept; a new one beyond this drops the oldest
 
 
 class OneTimeCodes:

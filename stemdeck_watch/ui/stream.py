@@ -7,6 +7,7 @@ changes go out at most every PROGRESS_INTERVAL, with the latest state. Each clie
 by its own connection thread from a latest-only slot, with a socket timeout: a slow client
 skips frames, a vanished one is dropped, and neither ever holds up the service or anyone else.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,22 +16,33 @@ import threading
 import time
 from typing import Any, Callable
 
-from stemdeck_watch.core.events import (EventBus, JobChanged, JobsRestored, ModelDownloading,
-                                        QueueChanged, QueueDrained)
+from stemdeck_watch.core.events import (
+    EventBus,
+    JobChanged,
+    JobsRestored,
+    ModelDownloading,
+    QueueChanged,
+    QueueDrained,
+)
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE = 15.0             # seconds of silence on a stream before a comment line
-PROGRESS_INTERVAL = 0.25     # progress-only frames at most ~4 per second
-SETTLE = 0.03                # events of one change (a cancel: queue + job) make one frame
-RECENT = 20                  # finished jobs that count in the fingerprint
+KEEPALIVE = 15.0  # seconds of silence on a stream before a comment line
+PROGRESS_INTERVAL = 0.25  # progress-only frames at most ~4 per second
+SETTLE = 0.03  # events of one change (a cancel: queue + job) make one frame
+RECENT = 20  # finished jobs that count in the fingerprint
 
 
 class Broadcaster:
     """Turns bus events into stream frames; see the module docstring."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], bus: EventBus,
-                 progress_interval: float = PROGRESS_INTERVAL, settle: float = SETTLE):
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        bus: EventBus,
+        progress_interval: float = PROGRESS_INTERVAL,
+        settle: float = SETTLE,
+    ):
         self._snapshot, self._bus = snapshot, bus
         self._interval, self._settle = progress_interval, settle
         self._wake, self._stopping = threading.Event(), threading.Event()
@@ -48,8 +60,7 @@ class Broadcaster:
     def start(self) -> None:
         for kind in (JobChanged, QueueChanged, QueueDrained, JobsRestored, ModelDownloading):
             self._unsubscribe.append(self._bus.subscribe(kind, self._poke))
-        self._thread = threading.Thread(target=self._run, name="stemdeck-api-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="stemdeck-api-events", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -133,15 +144,30 @@ def fingerprints(snap: dict[str, Any]) -> tuple[Any, Any]:
     """(everything a client shows, the same without progress): the running job, the queue in
     order, the most recent jobs, the pause state, the waiting files and a model's download
     (whose bytes count as progress)."""
-    jobs = [snap.get("running")] + list(snap.get("queued", [])) + list(snap.get("jobs", []))[:RECENT]
-    head = (snap.get("paused"), snap.get("pause_reason"),
-            json.dumps(snap.get("waiting", []), sort_keys=True))
+    jobs = (
+        [snap.get("running")] + list(snap.get("queued", [])) + list(snap.get("jobs", []))[:RECENT]
+    )
+    head = (
+        snap.get("paused"),
+        snap.get("pause_reason"),
+        json.dumps(snap.get("waiting", []), sort_keys=True),
+    )
     download = snap.get("download") or {}
-    full = head + (json.dumps(download, sort_keys=True),) + tuple(
-        json.dumps(job, sort_keys=True) for job in jobs)
-    shape = head + (download.get("model"),) + tuple(
-        json.dumps({k: v for k, v in job.items() if k != "progress"}, sort_keys=True)
-        if job else "null" for job in jobs)
+    full = (
+        head
+        + (json.dumps(download, sort_keys=True),)
+        + tuple(json.dumps(job, sort_keys=True) for job in jobs)
+    )
+    shape = (
+        head
+        + (download.get("model"),)
+        + tuple(
+            json.dumps({k: v for k, v in job.items() if k != "progress"}, sort_keys=True)
+            if job
+            else "null"
+            for job in jobs
+        )
+    )
     return full, shape
 
 

@@ -21,6 +21,7 @@ backend shows no menu and gets no clicks, so it is never used). `tray.enabled = 
 headless where that is missing and says why (log and `doctor`); `true` makes it an error that
 says what to install.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,10 +47,10 @@ from stemdeck_watch.util.safetext import escape_controls
 log = logging.getLogger(__name__)
 
 NAME = "stemdeck-watch"
-UPDATE_INTERVAL = 0.5        # seconds between two icon/title/menu updates at most
-TITLE_LIMIT = 120            # tooltips are short (Windows cuts at 128 characters)
+UPDATE_INTERVAL = 0.5  # seconds between two icon/title/menu updates at most
+TITLE_LIMIT = 120  # tooltips are short (Windows cuts at 128 characters)
 ICON_SIZE = 64
-COLOURS = {                  # exact colours: the end-to-end test looks for them on screen
+COLOURS = {  # exact colours: the end-to-end test looks for them on screen
     "idle": (120, 130, 140),
     "separating": (30, 136, 229),
     "paused": (251, 140, 0),
@@ -57,20 +58,28 @@ COLOURS = {                  # exact colours: the end-to-end test looks for them
 }
 WHITE = (255, 255, 255, 255)
 LINUX_BACKENDS = ("appindicator", "gtk")  # with a menu; pystray's xorg backend has none
-INSTALL_GTK = ("on Debian/Ubuntu: `sudo apt install gir1.2-gtk-3.0 libgirepository1.0-dev "
-               "libcairo2-dev pkg-config`, then `pip install 'stemdeck-watch[tray]'` "
-               "(PyGObject); or run with `--no-tray`")
-PAUSE_WORDS = {"user": "by you", "restore": "restored jobs wait for Start",
-               "folder": "PAUSE file in the inbox", "disk": "disk almost full",
-               "inbox": "inbox share unreachable", "outbox": "outbox share unreachable"}
+INSTALL_GTK = (
+    "on Debian/Ubuntu: `sudo apt install gir1.2-gtk-3.0 libgirepository1.0-dev "
+    "libcairo2-dev pkg-config`, then `pip install 'stemdeck-watch[tray]'` "
+    "(PyGObject); or run with `--no-tray`"
+)
+PAUSE_WORDS = {
+    "user": "by you",
+    "restore": "restored jobs wait for Start",
+    "folder": "PAUSE file in the inbox",
+    "disk": "disk almost full",
+    "inbox": "inbox share unreachable",
+    "outbox": "outbox share unreachable",
+}
 
 
 # ---------------------------------------------------------------- where a tray can run
 
+
 @dataclasses.dataclass(frozen=True)
 class TrayChoice:
-    backend: str | None      # pystray backend to use, or None: headless
-    reason: str              # why headless (or which backend and why)
+    backend: str | None  # pystray backend to use, or None: headless
+    reason: str  # why headless (or which backend and why)
 
 
 PROBE = r"""
@@ -102,17 +111,32 @@ def probe_gtk(env: dict[str, str], timeout: float = 20.0) -> dict[str, Any]:
     AppIndicator library are there: a broken GTK must not take the service down with it."""
     child_env = dict(env, NO_AT_BRIDGE="1")
     try:
-        result = subprocess.run([sys.executable, "-c", PROBE], env=child_env, timeout=timeout,
-                                capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            [sys.executable, "-c", PROBE],
+            env=child_env,
+            timeout=timeout,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return {"gi": False, "gtk": False, "appindicator": False,
-                "error": f"the GTK probe failed: {exc}"}
+        return {
+            "gi": False,
+            "gtk": False,
+            "appindicator": False,
+            "error": f"the GTK probe failed: {exc}",
+        }
 
 
-def detect(enabled: bool | str, *, no_tray: bool = False, env: dict[str, str] | None = None,
-           platform: str = sys.platform,
-           probe: Callable[[dict[str, str]], dict[str, Any]] = probe_gtk) -> TrayChoice:
+def detect(
+    enabled: bool | str,
+    *,
+    no_tray: bool = False,
+    env: dict[str, str] | None = None,
+    platform: str = sys.platform,
+    probe: Callable[[dict[str, str]], dict[str, Any]] = probe_gtk,
+) -> TrayChoice:
     """Which pystray backend to run here, or why none."""
     env = dict(os.environ if env is None else env)
     if no_tray:
@@ -127,32 +151,43 @@ def detect(enabled: bool | str, *, no_tray: bool = False, env: dict[str, str] | 
         return TrayChoice(None, "no display (neither DISPLAY nor WAYLAND_DISPLAY is set)")
     forced = env.get("PYSTRAY_BACKEND", "")
     if forced and forced not in LINUX_BACKENDS:
-        return TrayChoice(None, f"PYSTRAY_BACKEND={forced} has no working menu; use gtk or "
-                                f"appindicator, or unset it")
+        return TrayChoice(
+            None,
+            f"PYSTRAY_BACKEND={forced} has no working menu; use gtk or appindicator, or unset it",
+        )
     found = probe(env)
     if not found.get("gi"):
         return TrayChoice(None, f"PyGObject is not installed ({INSTALL_GTK})")
     if not found.get("gtk"):
-        return TrayChoice(None, f"GTK 3 is not usable here: {found.get('error') or 'unknown'} "
-                                f"({INSTALL_GTK})")
+        return TrayChoice(
+            None, f"GTK 3 is not usable here: {found.get('error') or 'unknown'} ({INSTALL_GTK})"
+        )
     if forced == "appindicator" and not found.get("appindicator"):
-        return TrayChoice(None, "PYSTRAY_BACKEND=appindicator, but no AppIndicator library "
-                                "is installed (`sudo apt install gir1.2-ayatanaappindicator3-0.1`)")
+        return TrayChoice(
+            None,
+            "PYSTRAY_BACKEND=appindicator, but no AppIndicator library "
+            "is installed (`sudo apt install gir1.2-ayatanaappindicator3-0.1`)",
+        )
     backend = forced or ("appindicator" if found.get("appindicator") else "gtk")
-    return TrayChoice(backend, f"{backend} backend on {env.get('DISPLAY') or env.get('WAYLAND_DISPLAY')}")
+    return TrayChoice(
+        backend, f"{backend} backend on {env.get('DISPLAY') or env.get('WAYLAND_DISPLAY')}"
+    )
 
 
 def choose(enabled: bool | str, *, no_tray: bool = False, **kwargs: Any) -> TrayChoice:
     """`detect`, with `tray.enabled = true` turning a missing tray into a ConfigError (exit 2)."""
     choice = detect(enabled, no_tray=no_tray, **kwargs)
     if choice.backend is None and enabled is True and not no_tray:
-        raise ConfigError(f"tray.enabled = true, but no tray icon can be shown: {choice.reason}"
-                          f" — or set tray.enabled = \"auto\" to run without one where it "
-                          f"cannot be shown")
+        raise ConfigError(
+            f"tray.enabled = true, but no tray icon can be shown: {choice.reason}"
+            f' — or set tray.enabled = "auto" to run without one where it '
+            f"cannot be shown"
+        )
     return choice
 
 
 # ---------------------------------------------------------------- the picture
+
 
 def draw_icon(state: str, error: bool = False, size: int = ICON_SIZE) -> Any:
     """The tray picture: a rounded square in the state's colour with a white glyph (three
@@ -163,8 +198,9 @@ def draw_icon(state: str, error: bool = False, size: int = ICON_SIZE) -> Any:
     image = Image.new("RGBA", (size, size), (0, 0, 0, 0))
     draw = ImageDraw.Draw(image)
     unit = size / 16
-    draw.rounded_rectangle((0, 0, size - 1, size - 1), radius=int(3 * unit),
-                           fill=COLOURS[state] + (255,))
+    draw.rounded_rectangle(
+        (0, 0, size - 1, size - 1), radius=int(3 * unit), fill=COLOURS[state] + (255,)
+    )
     if state == "paused":
         for x in (5, 9):
             draw.rectangle((x * unit, 4 * unit, (x + 2) * unit - 1, 12 * unit - 1), fill=WHITE)
@@ -176,24 +212,31 @@ def draw_icon(state: str, error: bool = False, size: int = ICON_SIZE) -> Any:
     if error:
         r = 3.5 * unit
         cx, cy = size - r - 1, r + 1
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["error"] + (255,),
-                     outline=WHITE, width=max(1, int(unit / 2)))
-        draw.rectangle((cx - unit / 2, cy - 2 * unit, cx + unit / 2 - 1, cy + 0.5 * unit),
-                       fill=WHITE)
-        draw.rectangle((cx - unit / 2, cy + 1.2 * unit, cx + unit / 2 - 1, cy + 2 * unit),
-                       fill=WHITE)
+        draw.ellipse(
+            (cx - r, cy - r, cx + r, cy + r),
+            fill=COLOURS["error"] + (255,),
+            outline=WHITE,
+            width=max(1, int(unit / 2)),
+        )
+        draw.rectangle(
+            (cx - unit / 2, cy - 2 * unit, cx + unit / 2 - 1, cy + 0.5 * unit), fill=WHITE
+        )
+        draw.rectangle(
+            (cx - unit / 2, cy + 1.2 * unit, cx + unit / 2 - 1, cy + 2 * unit), fill=WHITE
+        )
     return image
 
 
 # ---------------------------------------------------------------- what the tray shows
 
+
 @dataclasses.dataclass(frozen=True)
 class View:
-    state: str               # idle | separating | paused
-    error: bool              # a failure not looked at yet
+    state: str  # idle | separating | paused
+    error: bool  # a failure not looked at yet
     paused: bool
     title: str
-    status: str              # the menu's first line
+    status: str  # the menu's first line
 
     @property
     def shown_state(self) -> str:
@@ -236,7 +279,7 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
     if failure:
         title += f" · failed: {escape_controls(failure[0])}"
     if len(title) > TITLE_LIMIT:
-        title = title[:TITLE_LIMIT - 1] + "…"
+        title = title[: TITLE_LIMIT - 1] + "…"
     return View(state, failure is not None, paused, title, status)
 
 
@@ -262,9 +305,14 @@ def load_pystray(backend: str | None = None) -> Any:
 class Tray:
     """The icon, its menu and its updater; talks only to the scheduler and the event bus."""
 
-    def __init__(self, service: Any, stop: threading.Event, *,
-                 open_target: Callable[[str], None] = opener.open_target,
-                 interval: float = UPDATE_INTERVAL):
+    def __init__(
+        self,
+        service: Any,
+        stop: threading.Event,
+        *,
+        open_target: Callable[[str], None] = opener.open_target,
+        interval: float = UPDATE_INTERVAL,
+    ):
         self.service = service
         self.scheduler = service.scheduler
         self.folders = service.folders
@@ -292,8 +340,12 @@ class Tray:
         if icon_class is None:
             icon_class = _signal_keeping(pystray.Icon)
         self.view = self._build_view()
-        self.icon = icon_class(NAME, icon=draw_icon(self.view.state, self.view.error),
-                               title=self.view.title, menu=self.menu(pystray))
+        self.icon = icon_class(
+            NAME,
+            icon=draw_icon(self.view.state, self.view.error),
+            title=self.view.title,
+            menu=self.menu(pystray),
+        )
         return self.icon
 
     def menu(self, pystray: Any) -> Any:
@@ -302,8 +354,9 @@ class Tray:
         return Menu(
             Item(lambda _item: self.view.status if self.view else NAME, None, enabled=False),
             Menu.SEPARATOR,
-            Item(lambda _item: "Start" if self.scheduler.queue.paused else "Pause",
-                 self.toggle_pause),
+            Item(
+                lambda _item: "Start" if self.scheduler.queue.paused else "Pause", self.toggle_pause
+            ),
             Menu.SEPARATOR,
             Item("Open queue page", self.open_page, visible=api_on),
             Item("Open inbox", lambda: self.open_folder("inbox")),
@@ -461,8 +514,15 @@ def _stop_signals() -> list[int]:
 
 # ---------------------------------------------------------------- run with the tray
 
-def run_with_tray(service: Any, stop: threading.Event, backend: str | None, *,
-                  icon_class: type | None = None, tray_factory: Callable[..., Tray] = Tray) -> None:
+
+def run_with_tray(
+    service: Any,
+    stop: threading.Event,
+    backend: str | None,
+    *,
+    icon_class: type | None = None,
+    tray_factory: Callable[..., Tray] = Tray,
+) -> None:
     """Start the service, show the icon on this (the main) thread until `stop` is set, then
     shut down. If the icon cannot be shown, the service runs on without it."""
     service.start(stop)
@@ -475,8 +535,9 @@ def run_with_tray(service: Any, stop: threading.Event, backend: str | None, *,
             tray = tray_factory(service, stop)
             icon = tray.create_icon(icon_class, backend)
         except Exception as exc:
-            log.error("could not show the tray icon (%s: %s); running without it",
-                      type(exc).__name__, exc)
+            log.error(
+                "could not show the tray icon (%s: %s); running without it", type(exc).__name__, exc
+            )
             tray = None
             service.supervise_until(stop)
             return
@@ -493,8 +554,7 @@ def run_with_tray(service: Any, stop: threading.Event, backend: str | None, *,
             icon.run()
         except Exception:
             if stop.is_set():  # e.g. pystray's GTK cleanup without a notification service
-                log.debug("the tray icon's loop ended with an error while stopping",
-                          exc_info=True)
+                log.debug("the tray icon's loop ended with an error while stopping", exc_info=True)
             else:
                 log.exception("the tray icon failed; running without it")
         if not stop.is_set():

@@ -9,6 +9,7 @@ reach the API with the token: it is cut to one clean path component (no separato
 no control characters, no leading dot) that keeps its audio extension. A link is written as a
 Windows `.url` file, the kind the link intake reads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,10 @@ from stemdeck_watch.util.safefile import new_temp
 
 log = logging.getLogger(__name__)
 
-PIECE = 1 << 20           # bytes read from the socket and written at a time
-SPARE = 64 << 20          # room left on the inbox's disk after an upload
+PIECE = 1 << 20  # bytes read from the socket and written at a time
+SPARE = 64 << 20  # room left on the inbox's disk after an upload
 MAX_URL = 4096
-MAX_NAME = 120            # characters of a name, before its extension
+MAX_NAME = 120  # characters of a name, before its extension
 
 
 class Refused(ControlError):
@@ -50,9 +51,12 @@ class NoRoom(ControlError):
 
 def limits(settings: Settings) -> dict[str, Any]:
     """What the page needs to know before it sends anything (`GET /api/intake`)."""
-    return {"presets": sorted(settings.presets), "extensions": list(settings.watch.extensions),
-            "max_upload_bytes": settings.api.max_upload_mb << 20,
-            "links": settings.links.enabled}
+    return {
+        "presets": sorted(settings.presets),
+        "extensions": list(settings.watch.extensions),
+        "max_upload_bytes": settings.api.max_upload_mb << 20,
+        "links": settings.links.enabled,
+    }
 
 
 def clean_file_name(name: str, extensions: tuple[str, ...] | list[str]) -> str:
@@ -64,8 +68,10 @@ def clean_file_name(name: str, extensions: tuple[str, ...] | list[str]) -> str:
     allowed = [e.lower() for e in extensions]
     if not suffix or suffix not in allowed:
         shown = safe_name(suffix, "")[:20] if suffix else "(no extension)"
-        raise NotAudio(f"{safe_name(name, 'the file')[:80]!r} is not a song the inbox takes: "
-                       f"{shown} is not one of {', '.join(allowed)} (watch.extensions)")
+        raise NotAudio(
+            f"{safe_name(name, 'the file')[:80]!r} is not a song the inbox takes: "
+            f"{shown} is not one of {', '.join(allowed)} (watch.extensions)"
+        )
     stem = safe_name(stem, "upload")[:MAX_NAME].rstrip(". ")
     return f"{stem or 'upload'}.{suffix}"
 
@@ -80,21 +86,23 @@ def folder_for(settings: Settings, preset: str | None) -> Path:
     return inbox / preset
 
 
-def receive(stream: IO[bytes], length: int, settings: Settings, name: str,
-            preset: str | None) -> Path:
+def receive(
+    stream: IO[bytes], length: int, settings: Settings, name: str, preset: str | None
+) -> Path:
     """Write `length` bytes from `stream` into the inbox as `name`; the path it got."""
     cap = settings.api.max_upload_mb << 20
     if length > cap:
-        raise TooLarge(f"{safe_name(name, 'the file')[:80]} has {_mb(length)}; uploads are "
-                       f"limited to {settings.api.max_upload_mb} MB (api.max_upload_mb) — "
-                       f"copy it into the inbox folder instead")
+        raise TooLarge(
+            f"{safe_name(name, 'the file')[:80]} has {_mb(length)}; uploads are "
+            f"limited to {settings.api.max_upload_mb} MB (api.max_upload_mb) — "
+            f"copy it into the inbox folder instead"
+        )
     clean = clean_file_name(name, settings.watch.extensions)
     folder = folder_for(settings, preset)
     folder.mkdir(exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < length + SPARE:
-        raise NoRoom(f"not enough room for {clean} ({_mb(length)}): {_mb(free)} free in "
-                     f"{folder}")
+        raise NoRoom(f"not enough room for {clean} ({_mb(length)}): {_mb(free)} free in {folder}")
     target = folder / clean
     with new_temp(target) as (tmp, handle):
         left = length
@@ -104,8 +112,10 @@ def receive(stream: IO[bytes], length: int, settings: Settings, name: str,
             except OSError:
                 piece = b""
             if not piece:
-                raise Refused(f"the upload of {clean} ended after {_mb(length - left)} of "
-                              f"{_mb(length)}; nothing was added")
+                raise Refused(
+                    f"the upload of {clean} ended after {_mb(length - left)} of "
+                    f"{_mb(length)}; nothing was added"
+                )
             handle.write(piece)
             left -= len(piece)
     try:
@@ -122,8 +132,10 @@ def write_link(settings: Settings, url: str, name: str | None, preset: str | Non
     if not settings.links.enabled:
         raise Conflict("links are turned off (links.enabled = false)")
     if not isinstance(url, str) or len(url) > MAX_URL or re.search(r"[\x00-\x20\x7f]", url):
-        raise Refused(f"send one web address of at most {MAX_URL} characters, without spaces "
-                      f"or control characters")
+        raise Refused(
+            f"send one web address of at most {MAX_URL} characters, without spaces "
+            f"or control characters"
+        )
     try:
         url = check_url(url, "the link")
     except LinkError as exc:

@@ -6,6 +6,7 @@ queue holds it, stuck until the next restart. The dispatcher retries such writes
 with growing pauses, until they land or the service stops (then the restore at the next start
 ends the job, as it does after a crash).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,12 @@ def until_stored(action: Callable[[], T], what: str, stop: threading.Event) -> T
             return action()
         except (sqlite3.Error, OSError) as exc:
             if stop.is_set():
-                log.error("could not record %s (%s); the service is stopping, so the restore "
-                          "at the next start will end it", what, exc)
+                log.error(
+                    "could not record %s (%s); the service is stopping, so the restore "
+                    "at the next start will end it",
+                    what,
+                    exc,
+                )
                 return None
             log.error("could not record %s: %s; trying again in %.2g s", what, exc, pause)
         if stop.wait(pause):
@@ -39,7 +44,8 @@ def until_stored(action: Callable[[], T], what: str, stop: threading.Event) -> T
             try:
                 return action()
             except (sqlite3.Error, OSError) as exc:
-                log.error("could not record %s (%s); the restore at the next start will "
-                          "end it", what, exc)
+                log.error(
+                    "could not record %s (%s); the restore at the next start will end it", what, exc
+                )
                 return None
         pause = min(pause * 2, LAST_PAUSE)

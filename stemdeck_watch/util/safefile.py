@@ -12,6 +12,7 @@ ends it). So, everywhere the service touches such a folder:
 - a file is read only if it is a regular file reached without a link at its last component,
   opened without blocking, and no longer than the caller expects.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,23 @@ from typing import IO, Any, Iterator
 
 TEMP_SUFFIX = ".tmp"
 # a fresh file, never a link or anything that was there before; not inherited by the worker
-_CREATE = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-           | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-         | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_CREATE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+_READ = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
 
-_in_flight: set[str] = set()    # temporary files this process is writing now
+_in_flight: set[str] = set()  # temporary files this process is writing now
 _tidied: set[tuple[str, str, str]] = set()  # (folder, name, suffix) cleared of leftovers
 _lock = threading.Lock()
 
@@ -44,8 +56,10 @@ def temp_name(name: str, suffix: str = TEMP_SUFFIX) -> str:
 
 def is_temp_name(candidate: str, name: str, suffix: str = TEMP_SUFFIX) -> bool:
     """Whether `candidate` is a temporary name that `temp_name(name, suffix)` gives."""
-    return re.fullmatch(rf"\.{re.escape(name)}\.[0-9a-f]{{16}}{re.escape(suffix)}",
-                        candidate) is not None
+    return (
+        re.fullmatch(rf"\.{re.escape(name)}\.[0-9a-f]{{16}}{re.escape(suffix)}", candidate)
+        is not None
+    )
 
 
 def _create(path: str, flags: int) -> int:
@@ -53,16 +67,21 @@ def _create(path: str, flags: int) -> int:
     return os.open(path, (_CREATE & ~os.O_WRONLY) | access, 0o666)
 
 
-def open_new(path: Path, mode: str = "wb", *, encoding: str | None = None,
-             newline: str | None = None, buffering: int = -1) -> IO[Any]:
+def open_new(
+    path: Path,
+    mode: str = "wb",
+    *,
+    encoding: str | None = None,
+    newline: str | None = None,
+    buffering: int = -1,
+) -> IO[Any]:
     """Open `path` for writing as a new file: FileExistsError if anything — a file, a link,
     a FIFO — has that name already. For files in a folder the service made itself (a song's
     staging folder) and for temporary names from `temp_name`. "w+b" also reads it back (a
     container whose boxes are patched after writing)."""
     if mode not in ("w", "wb", "w+b"):
         raise ValueError(f"open_new writes new files only, not mode {mode!r}")
-    return open(path, mode, buffering=buffering, encoding=encoding, newline=newline,
-                opener=_create)
+    return open(path, mode, buffering=buffering, encoding=encoding, newline=newline, opener=_create)
 
 
 def discard(path: Path) -> None:
@@ -74,9 +93,14 @@ def discard(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def new_temp(path: Path, mode: str = "wb", *, suffix: str = TEMP_SUFFIX,
-             encoding: str | None = None, newline: str | None = None
-             ) -> Iterator[tuple[Path, IO[Any]]]:
+def new_temp(
+    path: Path,
+    mode: str = "wb",
+    *,
+    suffix: str = TEMP_SUFFIX,
+    encoding: str | None = None,
+    newline: str | None = None,
+) -> Iterator[tuple[Path, IO[Any]]]:
     """A new file under a random hidden name beside `path`, open for writing; yields its path
     and the handle. Leaving normally flushes it to disk and closes it; an error removes it.
     The caller renames it into place. Leftovers of an earlier run that was killed while
@@ -100,8 +124,14 @@ def new_temp(path: Path, mode: str = "wb", *, suffix: str = TEMP_SUFFIX,
 
 
 @contextlib.contextmanager
-def replacing(path: Path, mode: str = "wb", *, encoding: str | None = None,
-              newline: str | None = None, suffix: str = TEMP_SUFFIX) -> Iterator[IO[Any]]:
+def replacing(
+    path: Path,
+    mode: str = "wb",
+    *,
+    encoding: str | None = None,
+    newline: str | None = None,
+    suffix: str = TEMP_SUFFIX,
+) -> Iterator[IO[Any]]:
     """Write `path` whole or not at all: what is written to the yielded handle goes to a new
     temporary file (see `new_temp`) that replaces `path` when the block ends without error.
     A sync client sees the old file or the new one, never half; a link planted at `path`

@@ -9,6 +9,7 @@ should see that something odd is there (terminal, log, notifications), replaced 
 text files people read on a phone (as `ls` shows such names), and markup-escaped where a
 notification body is read as markup.
 """
+
 from __future__ import annotations
 
 import re

@@ -3,6 +3,7 @@
 A bass line, a chord pad, a vibrato "voice" and noise-burst drums: enough texture that every
 stem of a model has something to do, made from numpy alone, written in any input format.
 """
+
 from __future__ import annotations
 
 import fractions
@@ -23,10 +24,14 @@ def song(seconds: float, samplerate: int = SAMPLERATE, seed: int = 0) -> np.ndar
     bar = (t // (4 * beat)).astype(int) % 4
     progression = np.array([0, 5, 7, 3])[bar]
     bass = 0.25 * np.sin(2 * np.pi * root * 2 ** (progression / 12) * t)
-    pad = sum(0.08 * np.sin(2 * np.pi * root * 4 * 2 ** ((progression + i) / 12) * t)
-              for i in (0, 4, 7))
-    voice = 0.15 * np.sin(2 * np.pi * (root * 8 + 6 * np.sin(2 * np.pi * 5 * t)) * t) \
+    pad = sum(
+        0.08 * np.sin(2 * np.pi * root * 4 * 2 ** ((progression + i) / 12) * t) for i in (0, 4, 7)
+    )
+    voice = (
+        0.15
+        * np.sin(2 * np.pi * (root * 8 + 6 * np.sin(2 * np.pi * 5 * t)) * t)
         * (0.5 + 0.5 * np.sin(2 * np.pi * 0.25 * t))
+    )
     phase = (t % beat) / beat
     drums = 0.3 * rng.standard_normal(n) * np.exp(-phase * 30)
     left = bass + pad + voice * 0.8 + drums
@@ -35,8 +40,9 @@ def song(seconds: float, samplerate: int = SAMPLERATE, seed: int = 0) -> np.ndar
     return (0.8 * audio / max(1e-9, np.abs(audio).max())).astype(np.float32)
 
 
-def write_song(path: Path, seconds: float, samplerate: int = SAMPLERATE, seed: int = 0,
-               channels: int = 2) -> Path:
+def write_song(
+    path: Path, seconds: float, samplerate: int = SAMPLERATE, seed: int = 0, channels: int = 2
+) -> Path:
     """Write a synthetic song; the format follows the extension (wav, flac, ogg, mp3, m4a)."""
     audio = song(seconds, samplerate, seed)
     if channels == 1:
@@ -48,8 +54,13 @@ def write_song(path: Path, seconds: float, samplerate: int = SAMPLERATE, seed: i
         return path
     import soundfile
 
-    formats = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS"),
-               ".mp3": ("MP3", "MPEG_LAYER_III"), ".aiff": ("AIFF", "PCM_16")}
+    formats = {
+        ".wav": ("WAV", "PCM_16"),
+        ".flac": ("FLAC", "PCM_16"),
+        ".ogg": ("OGG", "VORBIS"),
+        ".mp3": ("MP3", "MPEG_LAYER_III"),
+        ".aiff": ("AIFF", "PCM_16"),
+    }
     fmt, subtype = formats[suffix]
     soundfile.write(path, audio, samplerate, format=fmt, subtype=subtype)
     return path
@@ -63,16 +74,19 @@ def _write_with_av(path: Path, audio: np.ndarray, samplerate: int) -> None:
     if rate != samplerate:  # opus only takes 48 kHz: resample by linear interpolation
         n = int(len(audio) * rate / samplerate)
         x = np.linspace(0, len(audio) - 1, n)
-        audio = np.stack([np.interp(x, np.arange(len(audio)), audio[:, c])
-                          for c in range(audio.shape[1])], axis=1).astype(np.float32)
+        audio = np.stack(
+            [np.interp(x, np.arange(len(audio)), audio[:, c]) for c in range(audio.shape[1])],
+            axis=1,
+        ).astype(np.float32)
     layout = "stereo" if audio.shape[1] == 2 else "mono"
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=rate, layout=layout)
         planar = np.ascontiguousarray(audio.T)
         size = 1024
         for start in range(0, planar.shape[1], size):
-            frame = av.AudioFrame.from_ndarray(planar[:, start:start + size], format="fltp",
-                                               layout=layout)
+            frame = av.AudioFrame.from_ndarray(
+                planar[:, start : start + size], format="fltp", layout=layout
+            )
             frame.sample_rate = rate
             frame.pts = start  # timestamps let the muxer write the encoder delay (edit list)
             frame.time_base = fractions.Fraction(1, rate)

@@ -3,6 +3,7 @@
 Each long-lived loop catches, logs with the traceback and goes on: one failed tick never
 ends it. A supervisor that finds it dead (`alive`) starts it again.
 """
+
 from __future__ import annotations
 
 import abc

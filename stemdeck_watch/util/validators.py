@@ -2,6 +2,7 @@
 whose text says what is allowed; `config` turns that into "KEY = VALUE is not allowed:
 expected …".
 """
+
 from __future__ import annotations
 
 import string
@@ -17,15 +18,33 @@ MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MP
 # models): a mix or `two_stems` naming another stem is a config-time error for these.
 FOUR = ("drums", "bass", "other", "vocals")
 MODEL_STEMS: dict[str, tuple[str, ...]] = {
-    **{name: FOUR for name in ("htdemucs", "htdemucs_ft", "hdemucs_mmi", "mdx", "mdx_extra",
-                               "mdx_q", "mdx_extra_q", "repro_mdx_a", "repro_mdx_a_time_only",
-                               "repro_mdx_a_hybrid_only")},
+    **{
+        name: FOUR
+        for name in (
+            "htdemucs",
+            "htdemucs_ft",
+            "hdemucs_mmi",
+            "mdx",
+            "mdx_extra",
+            "mdx_q",
+            "mdx_extra_q",
+            "repro_mdx_a",
+            "repro_mdx_a_time_only",
+            "repro_mdx_a_hybrid_only",
+        )
+    },
     "htdemucs_6s": FOUR + ("guitar", "piano"),
 }
 
 
-def number(minimum: float | None = None, maximum: float | None = None, *,
-           integer: bool = False, below: float | None = None, unit: str = "") -> Check:
+def number(
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    integer: bool = False,
+    below: float | None = None,
+    unit: str = "",
+) -> Check:
     kind = "a whole number" if integer else "a number"
     bounds = []
     if minimum is not None:
@@ -40,8 +59,11 @@ def number(minimum: float | None = None, maximum: float | None = None, *,
         ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok_type:
             raise ValueError(allowed)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) \
-                or (below is not None and value >= below):
+        if (
+            (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+            or (below is not None and value >= below)
+        ):
             raise ValueError(allowed)
         return value if integer else float(value)
 
@@ -63,8 +85,7 @@ def count_or_auto(minimum: int, maximum: int) -> Check:
     return check
 
 
-def number_list(minimum: float, maximum: float, *, integer: bool = False,
-                unit: str = "") -> Check:
+def number_list(minimum: float, maximum: float, *, integer: bool = False, unit: str = "") -> Check:
     """A list of numbers, each checked as `number` checks one; duplicates dropped."""
     one = number(minimum, maximum, integer=integer, unit=unit)
 
@@ -83,8 +104,7 @@ def _plural(check: Check) -> str:
     try:
         check(None)
     except ValueError as exc:
-        return str(exc).replace("a whole number", "whole numbers").replace("a number",
-                                                                           "numbers")
+        return str(exc).replace("a whole number", "whole numbers").replace("a number", "numbers")
     return "numbers"  # pragma: no cover - a number check refuses None
 
 
@@ -127,8 +147,9 @@ def choice_list(*allowed: str, what: str = "names") -> Check:
             raise ValueError(f"a list of {what} from {valid}") from None
         unknown = [v for v in items if v not in allowed]
         if unknown:
-            raise ValueError(f"a list of {what} from {valid} (unknown: "
-                             f"{', '.join(show(v) for v in unknown)})")
+            raise ValueError(
+                f"a list of {what} from {valid} (unknown: {', '.join(show(v) for v in unknown)})"
+            )
         return tuple(dict.fromkeys(items))
 
     return check
@@ -140,8 +161,10 @@ def url_list(value: Any) -> tuple[str, ...]:
     items = text_list(value)
     bad = [v for v in items if v.strip() != "desktop" and "://" not in v]
     if bad:
-        raise ValueError('a list of apprise URLs such as "json://host/" or "mailto://…", or '
-                         f'"desktop" (not a URL: {", ".join(redact_url(show(v)) for v in bad)})')
+        raise ValueError(
+            'a list of apprise URLs such as "json://host/" or "mailto://…", or '
+            f'"desktop" (not a URL: {", ".join(redact_url(show(v)) for v in bad)})'
+        )
     return tuple(v.strip() for v in items)
 
 
@@ -150,10 +173,15 @@ def hub_url(value: Any) -> str:
     relative to it)."""
     url = value.strip() if isinstance(value, str) else ""
     scheme, _, rest = url.partition("://")
-    if scheme.lower() not in ("http", "https") or not rest.strip("/") or any(
-            c.isspace() or ord(c) < 32 for c in url):
-        raise ValueError("an http:// or https:// URL of the folder holding the model files, "
-                         "e.g. \"https://dl.fbaipublicfiles.com/demucs/\"")
+    if (
+        scheme.lower() not in ("http", "https")
+        or not rest.strip("/")
+        or any(c.isspace() or ord(c) < 32 for c in url)
+    ):
+        raise ValueError(
+            "an http:// or https:// URL of the folder holding the model files, "
+            'e.g. "https://dl.fbaipublicfiles.com/demucs/"'
+        )
     return url if url.endswith("/") else url + "/"
 
 
@@ -178,21 +206,32 @@ def layout_template(value: Any) -> str:
     backslash, or a field that is not a plain name (`{stem.__class__}`, `{name[0]}`). The
     values filled in later are sanitised too (stages/naming.py), so a tag cannot escape."""
     value = text(value)
-    allowed = 'a relative file name template with {stem}, e.g. "{stem}.{ext}" or ' \
-              f'"{{artist}}/{{title}} - {{stem}}.{{ext}}" (fields: ' \
-              f"{', '.join('{' + f + '}' for f in LAYOUT_FIELDS)}; no '..', no absolute path)"
+    allowed = (
+        'a relative file name template with {stem}, e.g. "{stem}.{ext}" or '
+        f'"{{artist}}/{{title}} - {{stem}}.{{ext}}" (fields: '
+        f"{', '.join('{' + f + '}' for f in LAYOUT_FIELDS)}; no '..', no absolute path)"
+    )
     try:
-        fields = [(f, spec, conv) for _lit, f, spec, conv in string.Formatter().parse(value)
-                  if f is not None]
+        fields = [
+            (f, spec, conv)
+            for _lit, f, spec, conv in string.Formatter().parse(value)
+            if f is not None
+        ]
         sample = value.format(**{f: "x" for f in LAYOUT_FIELDS})
     except (KeyError, IndexError, ValueError, AttributeError):
         raise ValueError(allowed) from None
     if any(f not in LAYOUT_FIELDS or conv or spec for f, spec, conv in fields):
         raise ValueError(allowed)
     parts = PurePosixPath(sample).parts
-    if ("stem" not in [f for f, _s, _c in fields] or not parts or sample.startswith("/")
-            or "\\" in value or ":" in sample or any(p in ("..", ".") for p in parts)
-            or any(ord(c) < 32 for c in sample)):
+    if (
+        "stem" not in [f for f, _s, _c in fields]
+        or not parts
+        or sample.startswith("/")
+        or "\\" in value
+        or ":" in sample
+        or any(p in ("..", ".") for p in parts)
+        or any(ord(c) < 32 for c in sample)
+    ):
         raise ValueError(allowed)
     return value
 
@@ -215,14 +254,18 @@ def check_model_stems(model: str, two_stems: str, mixes: dict[str, tuple[str, ..
         return  # a local or custom model: checked when its stems are known, at publish
     stems = ", ".join(known)
     if two_stems and two_stems not in known:
-        raise ValueError(f"separation.two_stems = {show(two_stems)} is not a stem of the model "
-                         f"{show(model)}; its stems are {stems}")
+        raise ValueError(
+            f"separation.two_stems = {show(two_stems)} is not a stem of the model "
+            f"{show(model)}; its stems are {stems}"
+        )
     for mix, members in mixes.items():
         unknown = [m for m in members if m not in known]
         if unknown:
-            raise ValueError(f"output.mixes.{mix} names {', '.join(show(m) for m in unknown)}, "
-                             f"which the model {show(model)} does not separate; its stems are "
-                             f"{stems}")
+            raise ValueError(
+                f"output.mixes.{mix} names {', '.join(show(m) for m in unknown)}, "
+                f"which the model {show(model)} does not separate; its stems are "
+                f"{stems}"
+            )
 
 
 def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
@@ -249,15 +292,23 @@ def byte_size(value: Any) -> int:
         return value
     if not isinstance(value, str):
         raise ValueError(allowed)
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "G": 1 << 30, "GB": 1 << 30}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 1 << 10,
+        "KB": 1 << 10,
+        "M": 1 << 20,
+        "MB": 1 << 20,
+        "G": 1 << 30,
+        "GB": 1 << 30,
+    }
     stripped = value.strip().upper()
     digits = stripped.rstrip("KMGB")
     try:
         amount = float(digits)
     except ValueError:
         raise ValueError(allowed) from None
-    unit = stripped[len(digits):].strip()
+    unit = stripped[len(digits) :].strip()
     if unit not in units or amount <= 0:
         raise ValueError(allowed)
     return int(amount * units[unit])
@@ -280,9 +331,11 @@ def ray_address(value: object) -> str:
     text = value.strip()
     if text in ("auto", "local"):
         return text
-    rest = text[len("ray://"):] if text.startswith("ray://") else text
+    rest = text[len("ray://") :] if text.startswith("ray://") else text
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError('"auto", "local", "ray://HOST:PORT" (Ray Client, usually '
-                         'port 10001) or "HOST:PORT" (the head node, usually port 6379)')
+        raise ValueError(
+            '"auto", "local", "ray://HOST:PORT" (Ray Client, usually '
+            'port 10001) or "HOST:PORT" (the head node, usually port 6379)'
+        )
     return text

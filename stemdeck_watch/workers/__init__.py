@@ -9,6 +9,7 @@ the workers the configuration asks for.
 Nothing in this package's `__init__` imports Ray: with `kind = "local"` Ray is never imported,
 and without the `ray` extra installed everything but the Ray executor works.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -22,6 +22,7 @@ the window and the segment, never on the song.
 The random shifts are drawn from Python's `random` in the order `apply_model` draws them (per
 model of a bag, per shift), so `random.seed(n)` before either gives the same shifts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,24 +53,37 @@ class _Pass:
     Time lines: the pass sees the song shifted so that its index 0 is song frame `origin`
     (origin <= 0; demucs pads with zeros before the song and drops that part of the output)."""
 
-    def __init__(self, model: Any, segment: float | None, overlap: float,
-                 transition_power: float, origin: int, song_frames: int, device: torch.device):
+    def __init__(
+        self,
+        model: Any,
+        segment: float | None,
+        overlap: float,
+        transition_power: float,
+        origin: int,
+        song_frames: int,
+        device: torch.device,
+    ):
         self.model = model
         self.segment = segment  # as given to apply_model (None: the model's own)
         seconds = segment if segment is not None else model.segment
-        assert seconds is not None and seconds > 0.
+        assert seconds is not None and seconds > 0.0
         self.segment_length = int(model.samplerate * seconds)
         self.stride = int((1 - overlap) * self.segment_length)
         if self.stride <= 0:
-            raise ValueError(f"overlap {overlap} leaves no stride for a segment of "
-                             f"{self.segment_length} frames")
+            raise ValueError(
+                f"overlap {overlap} leaves no stride for a segment of {self.segment_length} frames"
+            )
         self.origin = origin
         self.length = song_frames - origin  # frames of the shifted time line
         self.device = device
         seg = self.segment_length
         # the triangle of demucs.apply.apply_model, built the same way on the same device
-        weight = torch.cat([torch.arange(1, seg // 2 + 1, device=device),
-                            torch.arange(seg - seg // 2, 0, -1, device=device)])
+        weight = torch.cat(
+            [
+                torch.arange(1, seg // 2 + 1, device=device),
+                torch.arange(seg - seg // 2, 0, -1, device=device),
+            ]
+        )
         self.weight = (weight / weight.max()) ** transition_power
         self.total = len(range(0, self.length, self.stride))
         self.next = 0  # index of the next segment to compute
@@ -96,8 +110,13 @@ class _Pass:
         last = -(-end // self.stride) if end > 0 else 0  # segments with offset < end
         return [self.segment_at(k) for k in range(self.next, max(self.next, last))]
 
-    def run(self, segments: list[_Segment], source: torch.Tensor, source_start: int,
-            on_segment: Callable[[], None]) -> None:
+    def run(
+        self,
+        segments: list[_Segment],
+        source: torch.Tensor,
+        source_start: int,
+        on_segment: Callable[[], None],
+    ) -> None:
         """Compute `segments` (inputs read from `source`, which starts at song frame
         `source_start`) and overlap-add them."""
         if not segments:
@@ -108,12 +127,20 @@ class _Pass:
         for seg in segments:
             position = seg.start + (seg.size - seg.length) // 2 - source_start
             chunk = TensorChunk(source, position, seg.length)
-            out = apply_model(self.model, chunk, shifts=0, split=False, progress=False,
-                              device=self.device, segment=self.segment)
+            out = apply_model(
+                self.model,
+                chunk,
+                shifts=0,
+                split=False,
+                progress=False,
+                device=self.device,
+                segment=self.segment,
+            )
             lo = seg.offset - self.base
-            self.acc[..., lo:lo + seg.length] += (
-                self.weight[:seg.length] * out).to(source.device)
-            self.weights[lo:lo + seg.length] += self.weight[:seg.length].to(source.device)
+            self.acc[..., lo : lo + seg.length] += (self.weight[: seg.length] * out).to(
+                source.device
+            )
+            self.weights[lo : lo + seg.length] += self.weight[: seg.length].to(source.device)
             self.next += 1
             on_segment()
 
@@ -143,8 +170,9 @@ class _Pass:
         self.acc, self.weights = acc, weights
 
 
-def _song_stats(reader: AudioReader, stats: tuple[float, float] | None,
-                whole: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _song_stats(
+    reader: AudioReader, stats: tuple[float, float] | None, whole: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """demucs's normalisation (`ref = mix.mean(0)`; its mean and std), as float32 tensors.
     A song that is one window long is in memory anyway: computed from it exactly as a
     whole-song pass does. Longer songs use the statistics decode accumulated, or a streamed
@@ -164,13 +192,20 @@ def _song_stats(reader: AudioReader, stats: tuple[float, float] | None,
     return mean, std
 
 
-def separate_to_files(model: Any, input_path: Path, output_dir: Path, *, shifts: int = 1,
-                      overlap: float = 0.25, segment: float | None = None,
-                      device: str | torch.device = "cpu",
-                      stats: tuple[float, float] | None = None,
-                      window: float = WINDOW_SECONDS, transition_power: float = 1.0,
-                      on_progress: Callable[[float], None] = lambda _: None,
-                      ) -> dict[str, Path]:
+def separate_to_files(
+    model: Any,
+    input_path: Path,
+    output_dir: Path,
+    *,
+    shifts: int = 1,
+    overlap: float = 0.25,
+    segment: float | None = None,
+    device: str | torch.device = "cpu",
+    stats: tuple[float, float] | None = None,
+    window: float = WINDOW_SECONDS,
+    transition_power: float = 1.0,
+    on_progress: Callable[[float], None] = lambda _: None,
+) -> dict[str, Path]:
     """Separate the (channels, frames) float32 `.npy` at `input_path` into
     `output_dir/<stem>.npy` (same layout), `window` seconds of output at a time; returns the
     stem files. The result equals `apply_model(model, normalised_mix, shifts=shifts,
@@ -192,8 +227,7 @@ def separate_to_files(model: Any, input_path: Path, output_dir: Path, *, shifts:
             if shifts:
                 max_shift = int(0.5 * member.samplerate)
                 origin = random.randint(0, max_shift) - max_shift
-            runs.append(_Pass(member, segment, overlap, transition_power, origin, frames,
-                              device))
+            runs.append(_Pass(member, segment, overlap, transition_power, origin, frames, device))
         passes.append(runs)
     total = sum(p.total for runs in passes for p in runs)
     done = [0]
@@ -212,13 +246,15 @@ def separate_to_files(model: Any, input_path: Path, output_dir: Path, *, shifts:
             for start in range(0, frames, window_frames):
                 stop = min(frames, start + window_frames)
                 todo = [[p.pending(stop) for p in runs] for runs in passes]
-                spans = [(s.start, s.start + s.size) for runs in todo for segs in runs
-                         for s in segs]
+                spans = [
+                    (s.start, s.start + s.size) for runs in todo for segs in runs for s in segs
+                ]
                 lo = min((a for a, _ in spans), default=start)
                 hi = max((b for _, b in spans), default=start)
                 source = _normalised(reader, whole, lo, hi, mean, std)
-                estimates = _window(model, passes, todo, source, lo, start, stop, shifts,
-                                    segment_done)
+                estimates = _window(
+                    model, passes, todo, source, lo, start, stop, shifts, segment_done
+                )
                 result = (estimates[0] * std + mean).cpu().numpy()
                 for writer, audio in zip(writers, result):
                     writer.write(audio)
@@ -231,8 +267,14 @@ def separate_to_files(model: Any, input_path: Path, output_dir: Path, *, shifts:
     return paths
 
 
-def _normalised(reader: AudioReader, whole: torch.Tensor | None, lo: int, hi: int,
-                mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def _normalised(
+    reader: AudioReader,
+    whole: torch.Tensor | None,
+    lo: int,
+    hi: int,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+) -> torch.Tensor:
     """Song frames [lo, hi), normalised, as (1, channels, n); zeros outside the song (the
     padding demucs gives the song's edges)."""
     frames = reader.frames
@@ -240,23 +282,31 @@ def _normalised(reader: AudioReader, whole: torch.Tensor | None, lo: int, hi: in
     a, b = max(lo, 0), min(hi, frames)
     if b > a:
         audio = whole[:, a:b] if whole is not None else torch.from_numpy(reader.read(a, b))
-        out[0, :, a - lo:b - lo] = (audio - mean) / std
+        out[0, :, a - lo : b - lo] = (audio - mean) / std
     return out
 
 
-def _window(model: Any, passes: list[list[_Pass]], todo: list[list[list[_Segment]]],
-            source: torch.Tensor, source_start: int, start: int, stop: int, shifts: int,
-            segment_done: Callable[[], None]) -> torch.Tensor:
+def _window(
+    model: Any,
+    passes: list[list[_Pass]],
+    todo: list[list[list[_Segment]]],
+    source: torch.Tensor,
+    source_start: int,
+    start: int,
+    stop: int,
+    shifts: int,
+    segment_done: Callable[[], None],
+) -> torch.Tensor:
     """Song frames [start, stop) of every stem, combined as apply_model combines them."""
     bag = isinstance(model, BagOfModels)
-    estimates: float | torch.Tensor = 0.
-    totals = [0.] * len(model.sources)
+    estimates: float | torch.Tensor = 0.0
+    totals = [0.0] * len(model.sources)
     for m, runs in enumerate(passes):
         # each pass is run and its window taken before the next starts: one pass's
         # accumulator at a time, however many shifts
         out: float | torch.Tensor
         if shifts:
-            out = 0.
+            out = 0.0
             for run, segments in zip(runs, todo[m]):
                 run.run(segments, source, source_start, segment_done)
                 out += run.take(start, stop)

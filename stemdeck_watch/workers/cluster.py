@@ -11,6 +11,7 @@ seconds, pauses the queue with `pause_reason = "cluster"` when the probe fails o
 is left, and starts it again when the cluster answers — unless somebody paused it for
 another reason meanwhile.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,7 +42,7 @@ class Connection:
         self.owned = owned
         self.endpoint: str | None = None
         if address.startswith("ray://"):
-            self.endpoint = address[len("ray://"):]
+            self.endpoint = address[len("ray://") :]
         else:
             import ray
 
@@ -58,8 +59,10 @@ class Connection:
 def connect(address: str) -> Connection:
     """Connect to the cluster named by `executor.address`; a clear error if it cannot."""
     if not ray_installed():
-        raise ConfigError(f"executor.kind = \"ray\" needs Ray, which is not installed; "
-                          f"{INSTALL_HINT}, or set executor.kind = \"local\"")
+        raise ConfigError(
+            f'executor.kind = "ray" needs Ray, which is not installed; '
+            f'{INSTALL_HINT}, or set executor.kind = "local"'
+        )
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address != "local":
         # Ray ends a driver whose head has been unreachable for this long (default 60 s);
@@ -80,7 +83,8 @@ def connect(address: str) -> Connection:
         raise ConfigError(
             f"could not connect to the Ray cluster at executor.address = {address!r}: {exc}; "
             f"start the head with `ray start --head` (see docs/guide/scaling-out.md), check the "
-            f"address and the auth token, or use address = \"local\"") from None
+            f'address and the auth token, or use address = "local"'
+        ) from None
     log.info("connected to the Ray cluster at %s", address)
     return Connection(address, owned=True)
 
@@ -97,13 +101,13 @@ def _listening(endpoint: str, timeout: float) -> str | None:
 
 def _reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
     """Fail fast, and clearly, when nothing listens at the head's address."""
-    why = _listening(address[len("ray://"):] if address.startswith("ray://") else address,
-                     timeout)
+    why = _listening(address[len("ray://") :] if address.startswith("ray://") else address, timeout)
     if why is not None:
         raise ConfigError(
             f"could not connect to the Ray cluster at executor.address = {address!r}: "
             f"{why}; is the head running (`ray start --head`, see "
-            f"docs/guide/scaling-out.md) and is the port open from this machine?") from None
+            f"docs/guide/scaling-out.md) and is the port open from this machine?"
+        ) from None
 
 
 def probe(endpoint: str | None = None) -> str | None:
@@ -131,13 +135,21 @@ def nodes() -> list[dict[str, Any]]:
     """The live machines: address, hostname and resources (doctor)."""
     import ray
 
-    return [{"node_ip": n.get("NodeManagerAddress"), "hostname": n.get("NodeManagerHostname"),
-             "node_id": n.get("NodeID"), "resources": n.get("Resources", {})}
-            for n in ray.nodes() if n.get("Alive")]
+    return [
+        {
+            "node_ip": n.get("NodeManagerAddress"),
+            "hostname": n.get("NodeManagerHostname"),
+            "node_id": n.get("NodeID"),
+            "resources": n.get("Resources", {}),
+        }
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
-def workers_for(resources: dict[str, Any], gpus_per_worker: float,
-                cpus_per_worker: float) -> tuple[int, float]:
+def workers_for(
+    resources: dict[str, Any], gpus_per_worker: float, cpus_per_worker: float
+) -> tuple[int, float]:
     """How many workers a machine with `resources` holds under `executor.workers = "auto"`,
     and the GPUs each reserves: one per GPU (`gpus_per_worker` each, 1 when that is 0) on a
     machine with GPUs, else one per `cpus_per_worker` cores; never more than its cores hold."""
@@ -153,8 +165,9 @@ def machines() -> dict[str, dict[str, Any]]:
     """The live machines of the cluster: node id → its resources (totals)."""
     import ray
 
-    return {str(n.get("NodeID")): dict(n.get("Resources") or {}) for n in ray.nodes()
-            if n.get("Alive")}
+    return {
+        str(n.get("NodeID")): dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")
+    }
 
 
 class ClusterWatch(Ticker):
@@ -162,8 +175,12 @@ class ClusterWatch(Ticker):
 
     name = "cluster-watch"
 
-    def __init__(self, scheduler: Any, check: Callable[[], str | None] = probe,
-                 interval: float = PROBE_SECONDS):
+    def __init__(
+        self,
+        scheduler: Any,
+        check: Callable[[], str | None] = probe,
+        interval: float = PROBE_SECONDS,
+    ):
         super().__init__(interval)
         self.scheduler = scheduler
         self._check = check
@@ -174,8 +191,9 @@ class ClusterWatch(Ticker):
         problem = self._check()
         queue = self.scheduler.queue
         if problem is not None and self.problem is None:
-            log.error("the Ray cluster is unavailable: %s; the queue is paused until it is "
-                      "back", problem)
+            log.error(
+                "the Ray cluster is unavailable: %s; the queue is paused until it is back", problem
+            )
             if not queue.paused:
                 self.scheduler.pause(PAUSE_CLUSTER)
         elif problem is None and self.problem is not None:

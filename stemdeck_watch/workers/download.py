@@ -14,6 +14,7 @@ reports that download's progress.
 
 Only the standard library: the CLI imports this without torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,9 @@ log = logging.getLogger(__name__)
 PARTIAL = ".partial"
 CHUNK = 1 << 16
 TIMEOUT = 30.0  # seconds without a byte before a download counts as cut off
-ASK_TIMEOUT = 10.0  # seconds for a question to the hub (a size, a list): an unreachable hub fails fast
+ASK_TIMEOUT = (
+    10.0  # seconds for a question to the hub (a size, a list): an unreachable hub fails fast
+)
 RESUMES = 3  # a download cut off is resumed at once this many times, while it gets further
 WAIT_POLL = 0.25  # seconds between two looks at another process's download
 USER_AGENT = f"stemdeck-watch/{__version__}"
@@ -94,8 +97,7 @@ def partial_bytes(dest: Path) -> int:
     return _size(found[0]) if found else 0
 
 
-def fetch(url: str, dest: Path, on_bytes: Progress | None = None,
-          timeout: float = TIMEOUT) -> Path:
+def fetch(url: str, dest: Path, on_bytes: Progress | None = None, timeout: float = TIMEOUT) -> Path:
     """Download `url` to `dest` (see the module docstring): resumed from a partial download,
     verified against the checksum in `dest`'s name, renamed into place. Raises Interrupted
     (what arrived is kept), ChecksumMismatch or DownloadError."""
@@ -118,11 +120,17 @@ def fetch(url: str, dest: Path, on_bytes: Progress | None = None,
             discard(partial)
             if not resumed or attempt == 2:
                 break
-            log.warning("%s: the resumed download of %s did not verify; downloading it again "
-                        "from the start", dest.name, url)
-    raise ChecksumMismatch(f"{dest.name} from {_where(url)} is not the file its name promises "
-                           f"(its sha256 does not start with {checksum}); nothing was kept. "
-                           f"The mirror may serve a damaged copy")
+            log.warning(
+                "%s: the resumed download of %s did not verify; downloading it again "
+                "from the start",
+                dest.name,
+                url,
+            )
+    raise ChecksumMismatch(
+        f"{dest.name} from {_where(url)} is not the file its name promises "
+        f"(its sha256 does not start with {checksum}); nothing was kept. "
+        f"The mirror may serve a damaged copy"
+    )
 
 
 def _transfer_resuming(url: str, partial: Path, report: Progress, timeout: float) -> None:
@@ -145,14 +153,16 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
     if have:
         headers["Range"] = f"bytes={have}-"
     try:
-        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                          timeout=timeout)
+        response = urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=timeout
+        )
     except urllib.error.HTTPError as exc:
         exc.close()
         if exc.code == 416 and have:  # nothing after what we have: the checksum decides
             return
-        raise DownloadError(f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for "
-                            f"{redact_url(url)}") from None
+        raise DownloadError(
+            f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for {redact_url(url)}"
+        ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
@@ -161,8 +171,13 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
         if response.status != 206:  # a whole file: start again
             have = 0
         report(have)
-        fd = os.open(partial, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+        fd = os.open(
+            partial,
+            os.O_WRONLY
+            | getattr(os, "O_NOFOLLOW", 0)
+            | getattr(os, "O_CLOEXEC", 0)
+            | getattr(os, "O_BINARY", 0),
+        )
         with open(fd, "wb", closefd=True) as out:
             out.seek(have)
             out.truncate()
@@ -176,14 +191,17 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
                     report(have)
             except (http.client.HTTPException, OSError) as exc:
                 out.flush()
-                raise Interrupted(f"the download from {_where(url)} stopped after "
-                                  f"{have:,} bytes ({exc or type(exc).__name__})") from None
+                raise Interrupted(
+                    f"the download from {_where(url)} stopped after "
+                    f"{have:,} bytes ({exc or type(exc).__name__})"
+                ) from None
             finally:
                 out.flush()
                 os.fsync(out.fileno())
     if total is not None and have < total:
-        raise Interrupted(f"the download from {_where(url)} stopped after {have:,} of "
-                          f"{total:,} bytes")
+        raise Interrupted(
+            f"the download from {_where(url)} stopped after {have:,} of {total:,} bytes"
+        )
 
 
 def _total(response: http.client.HTTPResponse, have: int) -> int | None:
@@ -191,8 +209,10 @@ def _total(response: http.client.HTTPResponse, have: int) -> int | None:
     if response.status == 206:
         match = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", response.headers.get("Content-Range", ""))
         if match is None or int(match.group(1)) != have:
-            raise DownloadError(f"{_where(response.geturl())} answered a resumed download with "
-                                f"the wrong range ({response.headers.get('Content-Range')!r})")
+            raise DownloadError(
+                f"{_where(response.geturl())} answered a resumed download with "
+                f"the wrong range ({response.headers.get('Content-Range')!r})"
+            )
         return int(match.group(2))
     length = response.headers.get("Content-Length")
     return int(length) if length and length.isdigit() else None
@@ -207,8 +227,10 @@ def remote_size(url: str, timeout: float = ASK_TIMEOUT) -> int | None:
     except urllib.error.HTTPError as exc:
         exc.close()
         if exc.code == 404:
-            raise DownloadError(f"{_where(url)} has no {url.rsplit('/', 1)[-1]} (HTTP 404): "
-                                f"is separation.model_hub a mirror of the model files?") from None
+            raise DownloadError(
+                f"{_where(url)} has no {url.rsplit('/', 1)[-1]} (HTTP 404): "
+                f"is separation.model_hub a mirror of the model files?"
+            ) from None
         return None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
@@ -226,8 +248,9 @@ def fetch_text(url: str, limit: int = 1 << 20, timeout: float = ASK_TIMEOUT) -> 
         exc.close()
         if exc.code in (403, 404):
             return None
-        raise DownloadError(f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for "
-                            f"{redact_url(url)}") from None
+        raise DownloadError(
+            f"{_where(url)} answered HTTP {exc.code} ({exc.reason}) for {redact_url(url)}"
+        ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DownloadError(f"could not reach {_where(url)}: {reason}") from None
@@ -258,8 +281,11 @@ def _new_partial(dest: Path) -> Path:
 def _locked(dest: Path, report: Progress) -> Iterator[None]:
     """Hold `dest`'s lock file; while another process holds it, report its progress."""
     lock = dest.with_name(f".{dest.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(
+        lock,
+        os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+        0o644,
+    )
     try:
         waited = False
         while not _try_lock(fd):

@@ -12,6 +12,7 @@ that left. Whoever wired the workers (the service) hears of each change (`on_cha
 starts or retires a dispatcher for each; the song a leaving worker held ends in a machine
 fault and goes back to the queue.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,8 +49,14 @@ def slot_of(client: Separator) -> int:
 class Executor:
     """The clients (one per worker) and, for Ray, the connection and its watch."""
 
-    def __init__(self, kind: str, clients: list[Separator], connection: Any = None,
-                 make: MakeWorker | None = None, sizes: tuple[float, float] = (0.0, 1.0)):
+    def __init__(
+        self,
+        kind: str,
+        clients: list[Separator],
+        connection: Any = None,
+        make: MakeWorker | None = None,
+        sizes: tuple[float, float] = (0.0, 1.0),
+    ):
         self.kind = kind
         self.clients = clients
         self.connection = connection
@@ -103,8 +110,9 @@ class Executor:
             log.error("the worker pool thread died; restarting it")
             self._pool.start()
 
-    def follow(self, machines: dict[str, dict[str, Any]]) -> tuple[list[Separator],
-                                                                   list[Separator]]:
+    def follow(
+        self, machines: dict[str, dict[str, Any]]
+    ) -> tuple[list[Separator], list[Separator]]:
         """`workers = "auto"`: start the workers the live `machines` (node id → resources)
         hold and have none yet, let go of those of machines no longer there; returns
         (joined, left), after telling `on_change`."""
@@ -127,11 +135,15 @@ class Executor:
             for client in left:
                 self._jobs.pop(slot_of(client), None)
         for client in joined:
-            log.info("a machine of the cluster (%s) holds ray worker %d: started it",
-                     getattr(client, "node", "?"), slot_of(client))
+            log.info(
+                "a machine of the cluster (%s) holds ray worker %d: started it",
+                getattr(client, "node", "?"),
+                slot_of(client),
+            )
         for client in left:
-            log.info("ray worker %d's machine left the cluster: the worker goes with it",
-                     slot_of(client))
+            log.info(
+                "ray worker %d's machine left the cluster: the worker goes with it", slot_of(client)
+            )
         if (joined or left) and self.on_change is not None:
             self.on_change(joined, left)
         for client in left:
@@ -148,8 +160,7 @@ class Executor:
             info = client.info()
             if self.kind == "ray":
                 index = slot_of(client)
-                info = {**info, "executor": self.kind, "index": index,
-                        "job": self._jobs.get(index)}
+                info = {**info, "executor": self.kind, "index": index, "job": self._jobs.get(index)}
             out.append(info)
         return out
 
@@ -182,9 +193,14 @@ class Executor:
             model = self._downloading.pop(slot, "") if report is None else report["model"]
             self._record_download(force=report is None)
         if self._bus is not None:
-            self._bus.publish(ModelDownloading(
-                model, report["done"] if report else 0, report.get("total") if report else None,
-                ended=report is None))
+            self._bus.publish(
+                ModelDownloading(
+                    model,
+                    report["done"] if report else 0,
+                    report.get("total") if report else None,
+                    ended=report is None,
+                )
+            )
 
     def _record_download(self, force: bool = False) -> None:
         """Write the workers now if the last download record is old enough (or `force`),
@@ -255,13 +271,16 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
     env = {**worker_env_for(settings), **(worker_env or {})}
     if ex.kind == "local":
         if ex.workers != 1:
-            raise ConfigError(f"executor.workers = {ex.workers!r} needs executor.kind = "
-                              f"\"ray\": the local executor is one worker process (one job "
-                              f"at a time)")
+            raise ConfigError(
+                f"executor.workers = {ex.workers!r} needs executor.kind = "
+                f'"ray": the local executor is one worker process (one job '
+                f"at a time)"
+            )
         from stemdeck_watch.workers.local import WorkerClient
 
-        return Executor("local", [WorkerClient(sep.device, env, threads=sep.threads,
-                                               precision=sep.precision)])
+        return Executor(
+            "local", [WorkerClient(sep.device, env, threads=sep.threads, precision=sep.precision)]
+        )
     from stemdeck_watch.workers.cluster import connect
 
     connection = connect(ex.address)
@@ -271,12 +290,20 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
         from stemdeck_watch.workers.cluster import machines
 
         def make(index: int, node: str, gpus: float) -> Separator:
-            return RayWorkerClient(sep.device, sep.threads, sep.precision, gpus=gpus,
-                                   cpus=ex.cpus_per_worker, index=index, env=env,
-                                   node=node)
+            return RayWorkerClient(
+                sep.device,
+                sep.threads,
+                sep.precision,
+                gpus=gpus,
+                cpus=ex.cpus_per_worker,
+                index=index,
+                env=env,
+                node=node,
+            )
 
-        executor = Executor("ray", [], connection, make=make,
-                            sizes=(ex.gpus_per_worker, ex.cpus_per_worker))
+        executor = Executor(
+            "ray", [], connection, make=make, sizes=(ex.gpus_per_worker, ex.cpus_per_worker)
+        )
         try:
             executor.follow(machines())
         except BaseException:
@@ -285,20 +312,31 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
         if not executor.clients:
             executor.close()
             raise ConfigError(
-                f"executor.workers = \"auto\": no machine of the Ray cluster at {ex.address} "
+                f'executor.workers = "auto": no machine of the Ray cluster at {ex.address} '
                 f"has room for a worker ({ex.cpus_per_worker:g} CPU each, "
-                f"executor.cpus_per_worker); add a machine, or lower cpus_per_worker")
-        log.info("separating with %d Ray worker(s) on the cluster at %s, following its "
-                 "machines", len(executor.clients), ex.address)
+                f"executor.cpus_per_worker); add a machine, or lower cpus_per_worker"
+            )
+        log.info(
+            "separating with %d Ray worker(s) on the cluster at %s, following its machines",
+            len(executor.clients),
+            ex.address,
+        )
         return executor
     assert isinstance(ex.workers, int)
     clients: list[Separator] = [
-        RayWorkerClient(sep.device, sep.threads, sep.precision, gpus=ex.gpus_per_worker,
-                        cpus=ex.cpus_per_worker, index=i, env=env)
-        for i in range(ex.workers)]
+        RayWorkerClient(
+            sep.device,
+            sep.threads,
+            sep.precision,
+            gpus=ex.gpus_per_worker,
+            cpus=ex.cpus_per_worker,
+            index=i,
+            env=env,
+        )
+        for i in range(ex.workers)
+    ]
     log.info("separating with %d Ray worker(s) on the cluster at %s", ex.workers, ex.address)
     return Executor("ray", clients, connection)
-
 
 
 def worker_env_for(settings: Settings) -> dict[str, str]:

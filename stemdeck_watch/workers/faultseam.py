@@ -17,6 +17,7 @@ Each file fires once, so a fault can be made to repeat (two files) or not (one).
 named `slow` is never claimed: while it is there, every segment takes the seconds it holds
 longer, as on a slow machine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,8 +98,11 @@ def fire(kind: str) -> None:
 
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-            "7.79 GiB of which 1.05 GiB is free. (fault seam)")
+            "7.79 GiB of which 1.05 GiB is free. (fault seam)"
+        )
     elif kind == "oom-mps":
-        raise RuntimeError("MPS backend out of memory (MPS allocated: 8.12 GB, other "
-                           "allocations: 1.02 GB, max allowed: 9.07 GB). Tried to allocate "
-                           "512.00 MB on private pool. (fault seam)")
+        raise RuntimeError(
+            "MPS backend out of memory (MPS allocated: 8.12 GB, other "
+            "allocations: 1.02 GB, max allowed: 9.07 GB). Tried to allocate "
+            "512.00 MB on private pool. (fault seam)"
+        )

@@ -6,6 +6,7 @@ cancel terminates it at once; the next job gets a fresh worker. If the worker di
 worker wrote to stderr — a machine fault, so the song is tried again (engine/faults.py) — and
 the next request gets a fresh worker: the queue never wedges.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,8 +23,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
-                                       SeparationError, WorkerDied, WorkerStalled)
+from stemdeck_watch.core.errors import (
+    SHUTDOWN,
+    Cancelled,
+    ModelError,
+    OutOfMemory,
+    SeparationError,
+    WorkerDied,
+    WorkerStalled,
+)
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.separator import ModelInfo, Separation
@@ -48,10 +56,25 @@ class _Process:
         else:
             kwargs["start_new_session"] = True  # Ctrl-C goes to the service, which stops us
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "stemdeck_watch.workers.worker", "--device", device,
-             "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1, **kwargs)
+            [
+                sys.executable,
+                "-m",
+                "stemdeck_watch.workers.worker",
+                "--device",
+                device,
+                "--threads",
+                str(threads),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+            **kwargs,
+        )
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.on_progress: Callable[[str, float], None] | None = None
@@ -78,7 +101,9 @@ class _Process:
             try:
                 self.replies.put(json.loads(line))
             except ValueError:
-                worker_log.warning("worker %d wrote a non-protocol line: %s", self.pid, line.rstrip())
+                worker_log.warning(
+                    "worker %d wrote a non-protocol line: %s", self.pid, line.rstrip()
+                )
 
     def _read_stderr(self) -> None:
         assert self.popen.stderr is not None
@@ -86,7 +111,7 @@ class _Process:
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_PREFIX):
                 try:
-                    data = json.loads(line[len(PROGRESS_PREFIX):])
+                    data = json.loads(line[len(PROGRESS_PREFIX) :])
                     callback = self.on_progress
                     if callback:
                         callback(data["id"], float(data["value"]))
@@ -95,11 +120,15 @@ class _Process:
                 continue
             if line.startswith(DOWNLOAD_PREFIX):
                 try:
-                    data = json.loads(line[len(DOWNLOAD_PREFIX):])
+                    data = json.loads(line[len(DOWNLOAD_PREFIX) :])
                     if self.on_download:
-                        self.on_download({"model": str(data["model"]), "done": int(data["done"]),
-                                          "total": None if data.get("total") is None
-                                          else int(data["total"])})
+                        self.on_download(
+                            {
+                                "model": str(data["model"]),
+                                "done": int(data["done"]),
+                                "total": None if data.get("total") is None else int(data["total"]),
+                            }
+                        )
                 except Exception:
                     worker_log.exception("bad download line from worker %d", self.pid)
                 continue
@@ -148,8 +177,13 @@ class WorkerClient:
     """The one local worker process (a Separator). Only the pipeline, under its lock, calls
     the request methods."""
 
-    def __init__(self, device: str = "auto", env: dict[str, str] | None = None,
-                 threads: int = 0, precision: str = "auto"):
+    def __init__(
+        self,
+        device: str = "auto",
+        env: dict[str, str] | None = None,
+        threads: int = 0,
+        precision: str = "auto",
+    ):
         self.device = device
         self.threads = threads  # separation.threads: 0 = one per physical core
         self.precision = precision  # separation.precision, unless a request says otherwise
@@ -194,8 +228,14 @@ class WorkerClient:
         proc = self._proc
         return proc.model if proc is not None and proc.alive() else None
 
-    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None, device: str | None = None) -> ModelInfo:
+    def ensure_model(
+        self,
+        name: str,
+        repo: str | None,
+        control: JobControl | None = None,
+        precision: str | None = None,
+        device: str | None = None,
+    ) -> ModelInfo:
         """Start the worker if needed and have it load `name` and choose its precision
         (`precision`: the setting, default the client's); cached while it lives. `device`:
         see Separator.ensure_model."""
@@ -208,19 +248,37 @@ class WorkerClient:
                 return model
             self._loading = True
             try:
-                reply = self._call(proc, {"op": "load", "model": name, "repo": repo,
-                                          "precision": setting,
-                                          "decided": self._decided.get(key)}, control)
+                reply = self._call(
+                    proc,
+                    {
+                        "op": "load",
+                        "model": name,
+                        "repo": repo,
+                        "precision": setting,
+                        "decided": self._decided.get(key),
+                    },
+                    control,
+                )
             finally:
                 self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
             choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
-                log.info("worker %d measured precision for %s: %s", proc.pid, name,
-                         _describe_choice(choice))
+                log.info(
+                    "worker %d measured precision for %s: %s",
+                    proc.pid,
+                    name,
+                    _describe_choice(choice),
+                )
             self._decided[key] = choice
-            log.info("worker %d loaded model %s (%s) in %s: %s", proc.pid, name,
-                     ", ".join(proc.model.sources), proc.model.dtype, choice.get("reason"))
+            log.info(
+                "worker %d loaded model %s (%s) in %s: %s",
+                proc.pid,
+                name,
+                ", ".join(proc.model.sources),
+                proc.model.dtype,
+                choice.get("reason"),
+            )
             return proc.model
 
     def leaves_room(self) -> bool:
@@ -241,11 +299,14 @@ class WorkerClient:
         alive = proc is not None and proc.alive()
         ready = (proc.ready or {}) if proc is not None else {}
         model = proc.model if proc is not None else None
-        return {"pid": proc.pid if alive and proc else None,
-                "device": ready.get("device", self.device), "threads": ready.get("threads"),
-                "model": model.name if model else None,
-                "precision": dict(model.precision) if model else None,
-                "download": dict(self.download) if self.download else None}
+        return {
+            "pid": proc.pid if alive and proc else None,
+            "device": ready.get("device", self.device),
+            "threads": ready.get("threads"),
+            "model": model.name if model else None,
+            "precision": dict(model.precision) if model else None,
+            "download": dict(self.download) if self.download else None,
+        }
 
     def _downloading(self, report: dict[str, Any] | None, ended: bool = False) -> None:
         """The worker's download report, passed on (under the lock, so the end is never
@@ -266,13 +327,26 @@ class WorkerClient:
                 except Exception:
                     log.exception("a download listener failed")
 
-    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
-                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
-                 control: JobControl, on_progress: Callable[[float], None],
-                 stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32",
-                 stall_seconds: float = 0.0, shrink: int = 0,
-                 device: str | None = None) -> Separation:
+    def separate(
+        self,
+        job_id: str,
+        model: str,
+        repo: str | None,
+        input_path: Path,
+        output_dir: Path,
+        *,
+        shifts: int,
+        overlap: float,
+        segment: float | None,
+        control: JobControl,
+        on_progress: Callable[[float], None],
+        stats: tuple[float, float] | None = None,
+        window: float | None = None,
+        precision: str = "float32",
+        stall_seconds: float = 0.0,
+        shrink: int = 0,
+        device: str | None = None,
+    ) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
@@ -282,9 +356,17 @@ class WorkerClient:
         `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`).
         `stall_seconds`, `shrink`, `device`: see Separator.separate."""
         request: dict[str, Any] = {
-            "op": "separate", "id": job_id, "model": model, "repo": repo,
-            "input": str(input_path), "output": str(output_dir), "shifts": shifts,
-            "overlap": overlap, "segment": segment, "precision": precision}
+            "op": "separate",
+            "id": job_id,
+            "model": model,
+            "repo": repo,
+            "input": str(input_path),
+            "output": str(output_dir),
+            "shifts": shifts,
+            "overlap": overlap,
+            "segment": segment,
+            "precision": precision,
+        }
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         if window is not None:
@@ -308,8 +390,12 @@ class WorkerClient:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
             watch.done()
-            return Separation({k: Path(v) for k, v in reply["stems"].items()}, proc.pid,
-                              float(reply["seconds"]), **Separation.from_reply(reply))
+            return Separation(
+                {k: Path(v) for k, v in reply["stems"].items()},
+                proc.pid,
+                float(reply["seconds"]),
+                **Separation.from_reply(reply),
+            )
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""
@@ -345,12 +431,16 @@ class WorkerClient:
         if current is not None and current.alive() and current.device == wanted:
             return current
         if current is not None and current.alive():
-            log.info("worker %d runs on %s; starting one on %s", current.pid, current.device,
-                     wanted)
+            log.info(
+                "worker %d runs on %s; starting one on %s", current.pid, current.device, wanted
+            )
             current.close()
         elif current is not None:
-            log.info("worker %d is gone (exit code %s); starting a new one",
-                     current.pid, current.popen.returncode)
+            log.info(
+                "worker %d is gone (exit code %s); starting a new one",
+                current.pid,
+                current.popen.returncode,
+            )
             current.stop()
         self._proc = proc = _Process(wanted, self._env, self.threads)
         proc.on_download = self._downloading
@@ -359,8 +449,13 @@ class WorkerClient:
         proc.ready = self._wait(proc, control, lambda m: m.get("event") == "ready", START_TIMEOUT)
         return proc
 
-    def _call(self, proc: _Process, request: dict[str, Any], control: JobControl | None,
-              watch: Watch | None = None) -> dict[str, Any]:
+    def _call(
+        self,
+        proc: _Process,
+        request: dict[str, Any],
+        control: JobControl | None,
+        watch: Watch | None = None,
+    ) -> dict[str, Any]:
         # every request carries a fresh number that the worker echoes: a late reply to an
         # earlier request (one cut off by a cancel) can never be taken for this one's
         self._requests += 1
@@ -374,18 +469,29 @@ class WorkerClient:
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])
             if reply.get("kind") == "memory":
-                where = {"cuda": "the GPU's", "mps": "the GPU's"}.get(reply.get("device") or "",
-                                                                      "the computer's")
-                raise OutOfMemory(f"the separation worker ran out of memory ({where}): "
-                                  f"{reply.get('error')}", details=reply.get("traceback", ""),
-                                  worker=_name(proc), device=reply.get("device") or "cpu")
-            raise SeparationError(f"the separation worker failed: {reply.get('error')}",
-                                  details=reply.get("traceback", ""))
+                where = {"cuda": "the GPU's", "mps": "the GPU's"}.get(
+                    reply.get("device") or "", "the computer's"
+                )
+                raise OutOfMemory(
+                    f"the separation worker ran out of memory ({where}): {reply.get('error')}",
+                    details=reply.get("traceback", ""),
+                    worker=_name(proc),
+                    device=reply.get("device") or "cpu",
+                )
+            raise SeparationError(
+                f"the separation worker failed: {reply.get('error')}",
+                details=reply.get("traceback", ""),
+            )
         return reply
 
-    def _wait(self, proc: _Process, control: JobControl | None,
-              match: Callable[[dict[str, Any]], bool], timeout: float | None,
-              watch: Watch | None = None) -> dict[str, Any]:
+    def _wait(
+        self,
+        proc: _Process,
+        control: JobControl | None,
+        match: Callable[[dict[str, Any]], bool],
+        timeout: float | None,
+        watch: Watch | None = None,
+    ) -> dict[str, Any]:
         """The worker's reply `match` accepts. A cancel stops the worker (Cancelled); a
         worker that dies, does not start within `timeout` or stays silent past `watch`'s
         limit is a machine fault (WorkerDied, WorkerStalled)."""
@@ -405,18 +511,25 @@ class WorkerClient:
                         proc.stop()
                         if control is not None:
                             control.check()  # a cancel that came meanwhile wins
-                        log.warning("worker %d reported no progress for %.0f s; stopped it",
-                                    proc.pid, watch.silent())
+                        log.warning(
+                            "worker %d reported no progress for %.0f s; stopped it",
+                            proc.pid,
+                            watch.silent(),
+                        )
                         raise WorkerStalled(
                             f"the separation worker reported no progress for "
                             f"{watch.silent():.0f} s (the stall limit is {watch.limit:.0f} s, "
                             f"separation.stall_seconds) and was stopped",
-                            details=proc.stderr_tail(), worker=_name(proc)) from None
+                            details=proc.stderr_tail(),
+                            worker=_name(proc),
+                        ) from None
                     if deadline is not None and time.monotonic() > deadline:
                         proc.stop()
-                        raise WorkerDied(f"the separation worker did not start within "
-                                         f"{timeout:.0f} s", details=proc.stderr_tail(),
-                                         worker=_name(proc)) from None
+                        raise WorkerDied(
+                            f"the separation worker did not start within {timeout:.0f} s",
+                            details=proc.stderr_tail(),
+                            worker=_name(proc),
+                        ) from None
                     continue
                 if match(message):
                     return message
@@ -432,9 +545,12 @@ class WorkerClient:
         # nothing here sends SIGKILL but a stop, and a stop for a cancel ended above: it came
         # from the kernel's OOM killer, most likely
         died = OutOfMemory if code == -signal.SIGKILL else WorkerDied
-        raise died(f"the separation worker stopped unexpectedly ({why})",
-                   details=proc.stderr_tail(), worker=_name(proc),
-                   device="cpu" if died is OutOfMemory else "")
+        raise died(
+            f"the separation worker stopped unexpectedly ({why})",
+            details=proc.stderr_tail(),
+            worker=_name(proc),
+            device="cpu" if died is OutOfMemory else "",
+        )
 
 
 def _name(proc: _Process) -> str:
@@ -445,9 +561,11 @@ def _name(proc: _Process) -> str:
 def _describe_choice(choice: dict[str, Any]) -> str:
     figures = ""
     if choice.get("speedup") is not None:
-        figures = (f" ({choice['speedup']:.2f}× speed, worst stem "
-                   f"{choice.get('worst_snr_db', float('nan')):.1f} dB, calibration "
-                   f"{choice.get('calibration_seconds') or 0:.1f} s)")
+        figures = (
+            f" ({choice['speedup']:.2f}× speed, worst stem "
+            f"{choice.get('worst_snr_db', float('nan')):.1f} dB, calibration "
+            f"{choice.get('calibration_seconds') or 0:.1f} s)"
+        )
     return f"{choice.get('precision')} — {choice.get('reason')}{figures}"
 
 
@@ -462,4 +580,3 @@ def _describe_exit(code: int | None) -> str:
         hint = " — probably out of memory" if -code == 9 else ""
         return f"killed by {name}{hint}"
     return f"exit code {code}"
-

@@ -15,6 +15,7 @@ an offline copy too.
 Nothing here imports torch but `ModelStore.load` (the worker's): `stemdeck-watch models`
 answers at once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,17 +92,21 @@ class Index:
         if name in self.files:
             return [name]
         known = ", ".join(entry.name for entry in CATALOGUE)
-        raise UnknownModel(f"no model {name!r} is known: the known models are {known} "
-                           f"(`stemdeck-watch models list`); a model of your own goes in a "
-                           f"folder named by separation.model_repo")
+        raise UnknownModel(
+            f"no model {name!r} is known: the known models are {known} "
+            f"(`stemdeck-watch models list`); a model of your own goes in a "
+            f"folder named by separation.model_repo"
+        )
 
     def files_of(self, name: str) -> list[ModelFile]:
         """Every file `name` needs, each once."""
         out: dict[str, ModelFile] = {}
         for sig in self.sigs(name):
             if sig not in self.files:
-                raise UnknownModel(f"model {name!r} needs the model file {sig}, which the "
-                                   f"hub's files.txt does not list")
+                raise UnknownModel(
+                    f"model {name!r} needs the model file {sig}, which the "
+                    f"hub's files.txt does not list"
+                )
             out.setdefault(sig, self.files[sig])
         return list(out.values())
 
@@ -122,8 +127,10 @@ def parse_files(text: str, where: str) -> dict[str, ModelFile]:
                 raise ModelStoreError(f"{where} line {number}: {root!r} is not a folder name")
             continue
         if not FILE_NAME.fullmatch(line):
-            raise ModelStoreError(f"{where} line {number}: {line!r} is not a model file name "
-                                  f"(SIGNATURE-SHA256PREFIX.th)")
+            raise ModelStoreError(
+                f"{where} line {number}: {line!r} is not a model file name "
+                f"(SIGNATURE-SHA256PREFIX.th)"
+            )
         sig = line.split("-", 1)[0]
         files[sig] = ModelFile(sig, line, root + line)
     return files
@@ -138,13 +145,20 @@ def parse_bag(text: str, where: str) -> Bag:
     except yaml.YAMLError as exc:
         raise ModelStoreError(f"could not read {where}: {exc}") from None
     models = data.get("models") if isinstance(data, dict) else None
-    if not isinstance(models, list) or not models or not all(
-            isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_]+", m) for m in models):
+    if (
+        not isinstance(models, list)
+        or not models
+        or not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_]+", m) for m in models)
+    ):
         raise ModelStoreError(f"{where} has no list of model signatures (models: [...])")
     weights, segment = data.get("weights"), data.get("segment")
-    if weights is not None and not (isinstance(weights, list) and all(
+    if weights is not None and not (
+        isinstance(weights, list)
+        and all(
             isinstance(row, list) and all(isinstance(v, (int, float)) for v in row)
-            for row in weights)):
+            for row in weights
+        )
+    ):
         raise ModelStoreError(f"{where}: weights must be a list of lists of numbers")
     if segment is not None and not isinstance(segment, (int, float)):
         raise ModelStoreError(f"{where}: segment must be a number")
@@ -174,7 +188,8 @@ def cache_dir() -> Path:
     """torch.hub's checkpoints folder, where demucs keeps downloaded models:
     `$TORCH_HOME/hub/checkpoints` (`$XDG_CACHE_HOME/torch`, `~/.cache/torch` by default)."""
     home = os.environ.get("TORCH_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "torch")
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "torch"
+    )
     return Path(os.path.expanduser(home)) / "hub" / "checkpoints"
 
 
@@ -182,11 +197,18 @@ def hf_cached(name: str) -> bool:
     """Whether demucs's HuggingFace download of `name` is in the HuggingFace cache (what
     earlier versions of this service downloaded); the worker loads it from there, offline."""
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"), "hub")
+        os.environ.get("HF_HOME")
+        or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"),
+        "hub",
+    )
     namespace, base = name.split("/", 1) if "/" in name else ("adefossez", name)
-    repo = ("HTDemucs" if base == "htdemucs" else "HTDemucs-" + base[len("htdemucs_"):]
-            if base.startswith("htdemucs_") else "Demucs-" + base)
+    repo = (
+        "HTDemucs"
+        if base == "htdemucs"
+        else "HTDemucs-" + base[len("htdemucs_") :]
+        if base.startswith("htdemucs_")
+        else "Demucs-" + base
+    )
     snapshots = Path(os.path.expanduser(hub)) / f"models--{namespace}--{repo}" / "snapshots"
     try:
         return any((snap / f"{base}.yaml").is_file() for snap in snapshots.iterdir())
@@ -216,8 +238,9 @@ class ModelStore:
     """The models of one hub in the cache: what each needs, what is there, pull, verify,
     import, and (in the worker) load."""
 
-    def __init__(self, hub: str | None = None, cache: Path | None = None,
-                 timeout: float = download.TIMEOUT):
+    def __init__(
+        self, hub: str | None = None, cache: Path | None = None, timeout: float = download.TIMEOUT
+    ):
         self.hub = hub or os.environ.get(HUB_ENV) or DEFAULT_HUB
         if not self.hub.endswith("/"):
             self.hub += "/"
@@ -241,8 +264,11 @@ class ModelStore:
         if self.hub == DEFAULT_HUB:
             return
         listing = download.fetch_text(self.hub + "files.txt", INDEX_LIMIT)
-        bag = (download.fetch_text(self.hub + f"{name}.yaml", INDEX_LIMIT)
-               if re.fullmatch(r"[A-Za-z0-9_]+", name) else None)
+        bag = (
+            download.fetch_text(self.hub + f"{name}.yaml", INDEX_LIMIT)
+            if re.fullmatch(r"[A-Za-z0-9_]+", name)
+            else None
+        )
         if listing is not None:
             parse_files(listing, redact_url(self.hub) + "files.txt")
         if bag is not None:
@@ -263,14 +289,23 @@ class ModelStore:
         except UnknownModel:
             files = []
         present = [f for f in files if (self.cache / f.name).is_file()]
-        partial = sum(download.partial_bytes(self.cache / f.name) for f in files
-                      if f not in present)
-        return ModelState(name, MODEL_STEMS.get(name, ()), known.size_mb if known else None,
-                          known.good_for if known else "", len(files), len(present), partial,
-                          hf_cached(name))
+        partial = sum(
+            download.partial_bytes(self.cache / f.name) for f in files if f not in present
+        )
+        return ModelState(
+            name,
+            MODEL_STEMS.get(name, ()),
+            known.size_mb if known else None,
+            known.good_for if known else "",
+            len(files),
+            len(present),
+            partial,
+            hf_cached(name),
+        )
 
-    def pull(self, name: str, on_progress: OnProgress | None = None,
-             fetch: bool = True) -> list[Path]:
+    def pull(
+        self, name: str, on_progress: OnProgress | None = None, fetch: bool = True
+    ) -> list[Path]:
         """Make every file of `name` present and verified in the cache: files already there
         are checked (a damaged one is downloaded again), missing ones downloaded from the hub
         (`fetch`; else NotCached says what is missing). Returns the files, in the model's
@@ -285,14 +320,21 @@ class ModelStore:
             missing = [f for f in files if not self._verified(f)]
         sizes = {f.name: download.remote_size(self.hub + f.path) for f in missing}
         done = sum((self.cache / f.name).stat().st_size for f in files if f not in missing)
-        total = None if None in sizes.values() else done + sum(
-            s for s in sizes.values() if s is not None)
+        total = (
+            None
+            if None in sizes.values()
+            else done + sum(s for s in sizes.values() if s is not None)
+        )
         report = on_progress or (lambda _d, _t: None)
         for f in missing:
             log.info("downloading %s for model %s from %s", f.name, name, redact_url(self.hub))
             path = self.cache / f.name
-            download.fetch(self.hub + f.path, path, functools.partial(_offset, report, done, total),
-                           self.timeout)
+            download.fetch(
+                self.hub + f.path,
+                path,
+                functools.partial(_offset, report, done, total),
+                self.timeout,
+            )
             done += path.stat().st_size
         report(done, total)
         return [self.cache / f.name for f in files]
@@ -314,8 +356,12 @@ class ModelStore:
             return False
         if download.matches(path, entry.checksum):
             return True
-        log.warning("the cached model file %s is damaged (its sha256 does not start with %s); "
-                    "removing it so it is downloaded again", path, entry.checksum)
+        log.warning(
+            "the cached model file %s is damaged (its sha256 does not start with %s); "
+            "removing it so it is downloaded again",
+            path,
+            entry.checksum,
+        )
         discard(path)
         return False
 
@@ -329,8 +375,9 @@ class ModelStore:
             if entry is None:
                 continue
             ok = download.matches(path, entry.checksum)
-            out.append((path, None if ok else f"damaged: its sha256 does not start with "
-                                               f"{entry.checksum}"))
+            out.append(
+                (path, None if ok else f"damaged: its sha256 does not start with {entry.checksum}")
+            )
         return out
 
     def import_folder(self, folder: Path) -> tuple[list[str], list[tuple[Path, str]]]:
@@ -339,8 +386,10 @@ class ModelStore:
         the cache, each verified. Returns (names of the files imported, (file, why) for each
         one refused)."""
         if not folder.is_dir():
-            raise ModelStoreError(f"{folder} is not a folder: name the folder holding the "
-                                  f"model files (SIGNATURE-SHA256PREFIX.th)")
+            raise ModelStoreError(
+                f"{folder} is not a folder: name the folder holding the "
+                f"model files (SIGNATURE-SHA256PREFIX.th)"
+            )
         theirs = read_index(folder, str(folder))
         if theirs.files or theirs.bags:
             self.lists.mkdir(parents=True, exist_ok=True)
@@ -357,8 +406,7 @@ class ModelStore:
             elif (self.cache / entry.name).is_file() and self._verified(entry):
                 imported.append(entry.name)  # there already
             elif not download.matches(path, entry.checksum):
-                refused.append((path, f"damaged: its sha256 does not start with "
-                                      f"{entry.checksum}"))
+                refused.append((path, f"damaged: its sha256 does not start with {entry.checksum}"))
             else:
                 self._copy_in(path, self.cache / entry.name, entry.checksum)
                 imported.append(entry.name)

@@ -8,6 +8,7 @@ how long a Ray worker is given to stop a cancelled song on its own before it is 
 segment and a margin): a slow CPU worker is neither killed while it works nor waited on
 forever when it hangs.
 """
+
 from __future__ import annotations
 
 import collections

@@ -12,6 +12,7 @@ The rule (`decide`) is a pure function of the measured figures, and `calibrate` 
 measuring step as a parameter, so tests inject results instead of needing a big model.
 This module imports torch only inside functions: the service side reads its constants.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +60,10 @@ class Choice:
 
     def to_dict(self) -> dict[str, Any]:
         # an identical output has infinite SNR: JSON has no infinity, so it is written null
-        return {k: ((round(v, 3) if math.isfinite(v) else None) if isinstance(v, float) else v)
-                for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: ((round(v, 3) if math.isfinite(v) else None) if isinstance(v, float) else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Choice:
@@ -68,28 +71,50 @@ class Choice:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def decide(setting: str, device: str, measurements: Sequence[Measurement],
-           calibration_seconds: float | None = None) -> Choice:
+def decide(
+    setting: str,
+    device: str,
+    measurements: Sequence[Measurement],
+    calibration_seconds: float | None = None,
+) -> Choice:
     """The measured rule: the fastest candidate that is ≥ MIN_SPEEDUP× faster and ≥ MIN_SNR_DB
     on every stem; float32 otherwise. The reason names the figures either way."""
     good = [m for m in measurements if m.speedup >= MIN_SPEEDUP and m.worst_snr_db >= MIN_SNR_DB]
     if good:
         best = max(good, key=lambda m: m.speedup)
-        return Choice(setting, best.precision,
-                      f"{best.precision} is {best.speedup:.2f}× faster than float32 and matches "
-                      f"it to {best.worst_snr_db:.1f} dB SNR or better on every stem", device,
-                      best.speedup, best.worst_snr_db, calibration_seconds)
+        return Choice(
+            setting,
+            best.precision,
+            f"{best.precision} is {best.speedup:.2f}× faster than float32 and matches "
+            f"it to {best.worst_snr_db:.1f} dB SNR or better on every stem",
+            device,
+            best.speedup,
+            best.worst_snr_db,
+            calibration_seconds,
+        )
     if not measurements:
-        return Choice(setting, "float32", f"no reduced precision to try on {device}", device,
-                      calibration_seconds=calibration_seconds)
+        return Choice(
+            setting,
+            "float32",
+            f"no reduced precision to try on {device}",
+            device,
+            calibration_seconds=calibration_seconds,
+        )
     best = max(measurements, key=lambda m: m.speedup)
     why = []
     if best.speedup < MIN_SPEEDUP:
         why.append(f"only {best.speedup:.2f}× as fast (needs {MIN_SPEEDUP}×)")
     if best.worst_snr_db < MIN_SNR_DB:
         why.append(f"{best.worst_snr_db:.1f} dB SNR on its worst stem (needs {MIN_SNR_DB:.0f} dB)")
-    return Choice(setting, "float32", f"{best.precision} was {' and '.join(why)}", device,
-                  best.speedup, best.worst_snr_db, calibration_seconds)
+    return Choice(
+        setting,
+        "float32",
+        f"{best.precision} was {' and '.join(why)}",
+        device,
+        best.speedup,
+        best.worst_snr_db,
+        calibration_seconds,
+    )
 
 
 def candidates(device: str) -> list[str]:
@@ -123,8 +148,7 @@ def parameter_count(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def synthetic_signal(samplerate: int, channels: int,
-                     seconds: float = CALIBRATION_SECONDS) -> Any:
+def synthetic_signal(samplerate: int, channels: int, seconds: float = CALIBRATION_SECONDS) -> Any:
     """The built-in calibration signal as a (1, channels, frames) float32 tensor, normalised
     the way demucs normalises a song."""
     import numpy as np
@@ -149,8 +173,9 @@ def run_once(model: Any, device: str, precision: str, signal: Any) -> tuple[floa
 
     started = time.perf_counter()
     with torch.inference_mode(), autocast(device, precision):
-        out = apply_model(model, signal, shifts=0, split=True, overlap=0.25, progress=False,
-                          device=device)
+        out = apply_model(
+            model, signal, shifts=0, split=True, overlap=0.25, progress=False, device=device
+        )
     return time.perf_counter() - started, out[0].float().cpu()
 
 
@@ -166,9 +191,13 @@ def snr_db(reference: Any, estimate: Any) -> float:
     return worst
 
 
-def calibrate(model: Any, device: str, precisions: Sequence[str],
-              measure: Measure = run_once, seconds: float = CALIBRATION_SECONDS,
-              ) -> list[Measurement]:
+def calibrate(
+    model: Any,
+    device: str,
+    precisions: Sequence[str],
+    measure: Measure = run_once,
+    seconds: float = CALIBRATION_SECONDS,
+) -> list[Measurement]:
     """Measure each candidate against float32 on the synthetic signal. A candidate's first
     run pays its one-off kernel setup, so it is not timed (its output is compared); float32
     was warmed up by the model load. The timed float32 run sits between the first
@@ -182,8 +211,15 @@ def calibrate(model: Any, device: str, precisions: Sequence[str],
         if reference is None:
             base_seconds, reference = measure(model, device, "float32", signal)
         timed, _ = measure(model, device, precision, signal)
-        results.append(Measurement(precision, base_seconds / max(timed, 1e-9),
-                                   snr_db(reference, out), base_seconds, timed))
+        results.append(
+            Measurement(
+                precision,
+                base_seconds / max(timed, 1e-9),
+                snr_db(reference, out),
+                base_seconds,
+                timed,
+            )
+        )
     return results
 
 
@@ -191,13 +227,19 @@ def choose(setting: str, device: str, model: Any, measure: Measure = run_once) -
     """The precision for `model` on `device` under `setting` (see the module docstring)."""
     if setting != "auto":
         if setting == "float16" and not device.startswith("cuda"):
-            raise ValueError(f"separation.precision = \"float16\" needs a CUDA device, "
-                             f"not {device!r}; use \"auto\", \"float32\" or \"bfloat16\"")
+            raise ValueError(
+                f'separation.precision = "float16" needs a CUDA device, '
+                f'not {device!r}; use "auto", "float32" or "bfloat16"'
+            )
         return Choice(setting, setting, "set in the configuration", device)
     params = parameter_count(model)
     if params < SMALL_MODEL_PARAMETERS and os.environ.get(CALIBRATE_ENV) != "always":
-        return Choice(setting, "float32", f"calibration skipped: a small model "
-                      f"({params:,} parameters) cannot pay for it", device)
+        return Choice(
+            setting,
+            "float32",
+            f"calibration skipped: a small model ({params:,} parameters) cannot pay for it",
+            device,
+        )
     trying = candidates(device)
     if not trying:
         return decide(setting, device, [])
@@ -205,13 +247,20 @@ def choose(setting: str, device: str, model: Any, measure: Measure = run_once) -
     measured = calibrate(model, device, trying, measure)
     choice = decide(setting, device, measured, time.monotonic() - started)
     for m in measured:
-        log.info("calibration on %s: %s %.2f× float32 speed (%.2f s vs %.2f s), worst stem "
-                 "%.1f dB SNR", device, m.precision, m.speedup, m.seconds, m.seconds_float32,
-                 m.worst_snr_db)
+        log.info(
+            "calibration on %s: %s %.2f× float32 speed (%.2f s vs %.2f s), worst stem %.1f dB SNR",
+            device,
+            m.precision,
+            m.speedup,
+            m.seconds,
+            m.seconds_float32,
+            m.worst_snr_db,
+        )
     return choice
 
 
 # ---------------------------------------------------------------- threads
+
 
 def physical_cores() -> int:
     """Physical cores this process may use (hyper-threads share a core's arithmetic units,

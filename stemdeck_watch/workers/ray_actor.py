@@ -20,6 +20,7 @@ locked (flock) while the process lives. A killed actor cannot clean up after its
 actor starting on a machine first removes the folders whose lock nobody holds; the client
 has the actor remove its folder (`leave`) before it kills it for good.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,11 +98,16 @@ class SeparationActor:
         # 0 = the CPUs Ray gave this actor (two actors on one machine must not both take
         # every core), else the configured count
         assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
-        torch.set_num_threads(threads_for(threads) if threads or not assigned
-                              else max(1, int(assigned)))
+        torch.set_num_threads(
+            threads_for(threads) if threads or not assigned else max(1, int(assigned))
+        )
         self._worker = Worker(resolve_device(device), sys.stderr)
-        self._versions = {"torch": torch.__version__, "demucs": demucs.__version__,
-                          "python": sys.version.split()[0], "ray": ray.__version__}
+        self._versions = {
+            "torch": torch.__version__,
+            "demucs": demucs.__version__,
+            "python": sys.version.split()[0],
+            "ray": ray.__version__,
+        }
         self._lock = threading.Lock()  # held by the one running separation
         self._state = threading.Lock()  # guards the fields below
         self._staged: dict[str, _Upload] = {}  # job → its song, arriving
@@ -117,24 +123,31 @@ class SeparationActor:
         import torch
 
         context = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": context.get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
-                "actor_id": context.get_actor_id(), "device": self._worker.device,
-                "threads": torch.get_num_threads(), "versions": self._versions}
+        return {
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "actor_id": context.get_actor_id(),
+            "device": self._worker.device,
+            "threads": torch.get_num_threads(),
+            "versions": self._versions,
+        }
 
     def stats(self) -> dict[str, Any]:
         """How many jobs ran here and how often a second one was refused (tests)."""
         with self._state:
-            return {"jobs_run": self.jobs_run, "overlaps": self.overlaps,
-                    "running": self._running}
+            return {"jobs_run": self.jobs_run, "overlaps": self.overlaps, "running": self._running}
 
     # ------------------------------------------------------------ requests
 
-    def load(self, model: str, repo: str | None, precision: str,
-             decided: dict[str, Any] | None) -> dict[str, Any]:
+    def load(
+        self, model: str, repo: str | None, precision: str, decided: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """The subprocess worker's "load" request, answered by the same code."""
-        return self._worker.handle({"op": "load", "model": model, "repo": repo,
-                                    "precision": precision, "decided": decided})
+        return self._worker.handle(
+            {"op": "load", "model": model, "repo": repo, "precision": precision, "decided": decided}
+        )
 
     def begin(self, job_id: str, channels: int) -> None:
         """Open the scratch file the job's decoded audio is uploaded into."""
@@ -176,8 +189,7 @@ class SeparationActor:
                 self._cancelled.add(self._running)
         shutil.rmtree(self._root, ignore_errors=True)
 
-    @ray.method(num_returns="streaming",
-                _generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     def separate(self, job_id: str, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Separate the uploaded song; yields {"progress": F} reports, then the stems one
         window at a time ({"stem", "start", "audio"}), then {"done": True, "seconds": F};
@@ -208,8 +220,9 @@ class SeparationActor:
 
     # ------------------------------------------------------------ internals
 
-    def _separate(self, job_id: str, request: dict[str, Any],
-                  folder: Path) -> Iterator[dict[str, Any]]:
+    def _separate(
+        self, job_id: str, request: dict[str, Any], folder: Path
+    ) -> Iterator[dict[str, Any]]:
         from stemdeck_watch.stages.scratch import AudioReader
         from stemdeck_watch.workers.worker import window_seconds
 
@@ -225,8 +238,9 @@ class SeparationActor:
 
         def run() -> None:
             try:
-                paths = self._worker.separate_files(request, folder / "input.npy",
-                                                    folder / "stems", progress)
+                paths = self._worker.separate_files(
+                    request, folder / "input.npy", folder / "stems", progress
+                )
                 events.put(("stems", paths))
             except BaseException as exc:  # handed to the generator, which raises it
                 events.put(("error", exc))
@@ -258,12 +272,18 @@ class SeparationActor:
                 if job_id in self._cancelled:
                     yield {"cancelled": True}
                     return
-                yield {"stem": name, "start": start,
-                       "audio": reader.read(start, min(reader.frames, start + frames))}
+                yield {
+                    "stem": name,
+                    "start": start,
+                    "audio": reader.read(start, min(reader.frames, start + frames)),
+                }
             if reader.frames == 0:
                 yield {"stem": name, "start": 0, "audio": reader.read(0, 0)}
-        yield {"done": True, "seconds": time.monotonic() - started,
-               **self._worker.sizes(request, model)}
+        yield {
+            "done": True,
+            "seconds": time.monotonic() - started,
+            **self._worker.sizes(request, model),
+        }
 
     def _discard(self, job_id: str) -> None:
         staged = self._staged.pop(job_id, None)
@@ -280,10 +300,11 @@ def _own_scratch(temp: Path) -> tuple[Path, int | None]:
     starting = Path(tempfile.mkdtemp(prefix=STARTING_PREFIX, dir=temp))
     alive = None
     if fcntl is not None:
-        alive = os.open(starting / ALIVE, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW,
-                        0o600)
+        alive = os.open(
+            starting / ALIVE, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600
+        )
         fcntl.flock(alive, fcntl.LOCK_EX)
-    root = temp / (SCRATCH_PREFIX + starting.name[len(STARTING_PREFIX):])
+    root = temp / (SCRATCH_PREFIX + starting.name[len(STARTING_PREFIX) :])
     os.rename(starting, root)
     return root, alive
 

@@ -17,6 +17,7 @@ actor's job the same way: an actor left separating a job nobody reads would refu
 next one as busy. A dead actor or machine ends the request like a dead local worker does:
 `WorkerDied` with a diagnosis naming the machine, a machine fault (the song is tried again).
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,12 +29,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, ActorUnschedulableError,
-                            NodeDiedError, ObjectLostError, OutOfMemoryError, RayActorError,
-                            RayTaskError, WorkerCrashedError)
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    NodeDiedError,
+    ObjectLostError,
+    OutOfMemoryError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 
-from stemdeck_watch.core.errors import (SHUTDOWN, Cancelled, ModelError, OutOfMemory,
-                                       SeparationError, WorkerDied, WorkerStalled)
+from stemdeck_watch.core.errors import (
+    SHUTDOWN,
+    Cancelled,
+    ModelError,
+    OutOfMemory,
+    SeparationError,
+    WorkerDied,
+    WorkerStalled,
+)
 from stemdeck_watch.workers.ray_actor import SeparationActor
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.chunked import WINDOW_SECONDS
@@ -55,10 +71,19 @@ TAIL_LINES = 40
 class RayWorkerClient:
     """One resident-model worker on a Ray cluster (Ray must be connected: cluster.py)."""
 
-    def __init__(self, device: str = "auto", threads: int = 0, precision: str = "auto", *,
-                 gpus: float = 0.0, cpus: float = 1.0, index: int = 0,
-                 spread: bool = True, env: dict[str, str] | None = None,
-                 node: str | None = None):
+    def __init__(
+        self,
+        device: str = "auto",
+        threads: int = 0,
+        precision: str = "auto",
+        *,
+        gpus: float = 0.0,
+        cpus: float = 1.0,
+        index: int = 0,
+        spread: bool = True,
+        env: dict[str, str] | None = None,
+        node: str | None = None,
+    ):
         self.device = device
         self.threads = threads
         self.precision = precision
@@ -119,17 +144,30 @@ class RayWorkerClient:
         """This worker for `status --json` and `doctor`: where it runs and on what."""
         where = self._where or {}
         model = self._model
-        return {"executor": "ray", "index": self.index, "pid": where.get("pid"),
-                "node_ip": where.get("node_ip"), "hostname": where.get("hostname"),
-                "node_id": where.get("node_id"), "device": where.get("device", self.device),
-                "threads": where.get("threads"), "job": self.current,
-                "model": model.name if model else None,
-                "precision": dict(model.precision) if model else None}
+        return {
+            "executor": "ray",
+            "index": self.index,
+            "pid": where.get("pid"),
+            "node_ip": where.get("node_ip"),
+            "hostname": where.get("hostname"),
+            "node_id": where.get("node_id"),
+            "device": where.get("device", self.device),
+            "threads": where.get("threads"),
+            "job": self.current,
+            "model": model.name if model else None,
+            "precision": dict(model.precision) if model else None,
+        }
 
     # ------------------------------------------------------------ requests
 
-    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None, device: str | None = None) -> ModelInfo:
+    def ensure_model(
+        self,
+        name: str,
+        repo: str | None,
+        control: JobControl | None = None,
+        precision: str | None = None,
+        device: str | None = None,
+    ) -> ModelInfo:
         """Start the actor if needed and have it load `name` (see Separator.ensure_model)."""
         setting = precision or self.precision
         key = (name, repo, setting, device or self.device)
@@ -138,27 +176,53 @@ class RayWorkerClient:
             model = self._model
             if model is not None and model.serves(name, repo, setting):
                 return model
-            reply = self._get(actor.load.remote(name, repo, setting, self._decided.get(key)),
-                              control)
+            reply = self._get(
+                actor.load.remote(name, repo, setting, self._decided.get(key)), control
+            )
             self._model = ModelInfo.loaded(name, repo, reply)
             self._decided[key] = self._model.precision
-            log.info("ray worker %d (pid %s on %s) loaded model %s in %s", self.index,
-                     self.pid, self._host(), name, self._model.dtype)
+            log.info(
+                "ray worker %d (pid %s on %s) loaded model %s in %s",
+                self.index,
+                self.pid,
+                self._host(),
+                name,
+                self._model.dtype,
+            )
             return self._model
 
-    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
-                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
-                 control: JobControl, on_progress: Callable[[float], None],
-                 stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32",
-                 stall_seconds: float = 0.0, shrink: int = 0,
-                 device: str | None = None) -> Separation:
+    def separate(
+        self,
+        job_id: str,
+        model: str,
+        repo: str | None,
+        input_path: Path,
+        output_dir: Path,
+        *,
+        shifts: int,
+        overlap: float,
+        segment: float | None,
+        control: JobControl,
+        on_progress: Callable[[float], None],
+        stats: tuple[float, float] | None = None,
+        window: float | None = None,
+        precision: str = "float32",
+        stall_seconds: float = 0.0,
+        shrink: int = 0,
+        device: str | None = None,
+    ) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
-        request: dict[str, Any] = {"model": model, "repo": repo, "shifts": shifts,
-                                   "overlap": overlap, "segment": segment,
-                                   "precision": precision, "window": window,
-                                   "shrink": shrink}
+        request: dict[str, Any] = {
+            "model": model,
+            "repo": repo,
+            "shifts": shifts,
+            "overlap": overlap,
+            "segment": segment,
+            "precision": precision,
+            "window": window,
+            "shrink": shrink,
+        }
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
         with self._lock:
@@ -169,15 +233,20 @@ class RayWorkerClient:
                 with self._cancel_on(actor, job_id, control):
                     self._upload(actor, job_id, input_path, window, control)
                     watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
-                    stems, done = self._receive(actor, job_id, request, output_dir, control,
-                                                on_progress, watch)
+                    stems, done = self._receive(
+                        actor, job_id, request, output_dir, control, on_progress, watch
+                    )
                     watch.done()
             finally:
                 self.current = None
                 self.busy.append((started, time.monotonic()))
             self.nodes.append(str((self._where or {}).get("node_id")))
-            return Separation(stems, self.pid or 0, float(done.get("seconds") or 0.0),
-                              **Separation.from_reply(done))
+            return Separation(
+                stems,
+                self.pid or 0,
+                float(done.get("seconds") or 0.0),
+                **Separation.from_reply(done),
+            )
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""
@@ -220,31 +289,45 @@ class RayWorkerClient:
             raise Cancelled(SHUTDOWN)
         wanted = device or self.device
         if self._actor is not None and self._actor_device != wanted:
-            log.info("ray worker %d runs on %s; starting one on %s", self.index,
-                     self._actor_device, wanted)
+            log.info(
+                "ray worker %d runs on %s; starting one on %s",
+                self.index,
+                self._actor_device,
+                wanted,
+            )
             self._let_go()
         if self._actor is None:
             cpu_only = wanted == "cpu" and self.device != "cpu"  # a GPU worker's fallback
             options: dict[str, Any] = {
-                "num_cpus": self._cpus, "num_gpus": 0 if cpu_only else self._gpus,
-                "max_restarts": -1, "max_task_retries": 0, "max_concurrency": 4}
+                "num_cpus": self._cpus,
+                "num_gpus": 0 if cpu_only else self._gpus,
+                "max_restarts": -1,
+                "max_task_retries": 0,
+                "max_concurrency": 4,
+            }
             if self.node is not None:  # its machine's worker: never moved to another
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                    self.node, soft=False)
+                    self.node, soft=False
+                )
             elif self._spread:
                 options["scheduling_strategy"] = "SPREAD"
             if self._env:
                 options["runtime_env"] = {"env_vars": self._env}
-            self._actor = ray.remote(SeparationActor).options(**options).remote(
-                wanted, self.threads)
+            self._actor = (
+                ray.remote(SeparationActor).options(**options).remote(wanted, self.threads)
+            )
             self._actor_device = wanted
         where = self._ready(control)
         if self._where is None or where["pid"] != self._where["pid"]:
             if self._where is not None:
-                log.info("ray worker %d restarted: pid %s on %s", self.index, where["pid"],
-                         where.get("hostname"))
+                log.info(
+                    "ray worker %d restarted: pid %s on %s",
+                    self.index,
+                    where["pid"],
+                    where.get("hostname"),
+                )
             self._model = None  # a new process: the model is loaded again
             self.pids.append(where["pid"])
         self._where = where
@@ -265,8 +348,9 @@ class RayWorkerClient:
                 control.check()
             time.sleep(POLL * 4)
 
-    def _upload(self, actor: Any, job_id: str, input_path: Path, window: float | None,
-                control: JobControl) -> None:
+    def _upload(
+        self, actor: Any, job_id: str, input_path: Path, window: float | None, control: JobControl
+    ) -> None:
         reader = AudioReader(input_path)
         rate = self._model.samplerate if self._model else 44100
         frames = max(1, int((window or WINDOW_SECONDS) * rate))
@@ -276,8 +360,11 @@ class RayWorkerClient:
             for index, start in enumerate(range(0, reader.frames, frames)):
                 if len(in_flight) >= UPLOADS_IN_FLIGHT:
                     self._get(in_flight.popleft(), control)
-                in_flight.append(actor.upload.remote(  # numbered: they may arrive out of order
-                    job_id, index, reader.read(start, min(reader.frames, start + frames))))
+                in_flight.append(
+                    actor.upload.remote(  # numbered: they may arrive out of order
+                        job_id, index, reader.read(start, min(reader.frames, start + frames))
+                    )
+                )
             while in_flight:
                 self._get(in_flight.popleft(), control)
         except BaseException:
@@ -285,9 +372,16 @@ class RayWorkerClient:
                 actor.drop.remote(job_id)
             raise
 
-    def _receive(self, actor: Any, job_id: str, request: dict[str, Any], output_dir: Path,
-                 control: JobControl, on_progress: Callable[[float], None], watch: Watch,
-                 ) -> tuple[dict[str, Path], dict[str, Any]]:
+    def _receive(
+        self,
+        actor: Any,
+        job_id: str,
+        request: dict[str, Any],
+        output_dir: Path,
+        control: JobControl,
+        on_progress: Callable[[float], None],
+        watch: Watch,
+    ) -> tuple[dict[str, Path], dict[str, Any]]:
         output_dir.mkdir(parents=True, exist_ok=True)
         writers: dict[str, AudioWriter] = {}
         stream = actor.separate.remote(job_id, request)
@@ -300,8 +394,12 @@ class RayWorkerClient:
                     cancelled_at = cancelled_at or time.monotonic()
                     grace = self.pace().cancel_grace()
                     if time.monotonic() - cancelled_at > grace:
-                        log.info("ray worker %d did not stop %s within %.1f s; killing it",
-                                 self.index, job_id, grace)
+                        log.info(
+                            "ray worker %d did not stop %s within %.1f s; killing it",
+                            self.index,
+                            job_id,
+                            grace,
+                        )
                         self._kill(actor, restart=True)
                         held = False
                         control.check()
@@ -320,8 +418,9 @@ class RayWorkerClient:
                 elif "stem" in item:
                     name = item["stem"]
                     if name not in writers:
-                        writers[name] = AudioWriter(output_dir / f"{name}.npy",
-                                                    item["audio"].shape[0])
+                        writers[name] = AudioWriter(
+                            output_dir / f"{name}.npy", item["audio"].shape[0]
+                        )
                     writers[name].write(item["audio"])
                 elif item.get("cancelled"):
                     control.check()
@@ -342,13 +441,20 @@ class RayWorkerClient:
     def _stalled(self, actor: Any, watch: Watch) -> None:
         """The actor has reported nothing for longer than the stall limit: kill it (Ray
         starts it again) and end the request as a machine fault."""
-        log.warning("ray worker %d on %s reported no progress for %.0f s; killing it",
-                    self.index, self._host(), watch.silent())
+        log.warning(
+            "ray worker %d on %s reported no progress for %.0f s; killing it",
+            self.index,
+            self._host(),
+            watch.silent(),
+        )
         self._kill(actor, restart=True)
-        raise WorkerStalled(f"the separation worker on {self._host()} reported no progress "
-                            f"for {watch.silent():.0f} s (the stall limit is "
-                            f"{watch.limit:.0f} s, separation.stall_seconds) and was stopped",
-                            details=self.stderr_tail(), worker=self.name())
+        raise WorkerStalled(
+            f"the separation worker on {self._host()} reported no progress "
+            f"for {watch.silent():.0f} s (the stall limit is "
+            f"{watch.limit:.0f} s, separation.stall_seconds) and was stopped",
+            details=self.stderr_tail(),
+            worker=self.name(),
+        )
 
     def _end(self, actor: Any, job_id: str, stream: Any) -> None:
         """Make the actor let go of a job this side gave up on: its cancel flag is set and
@@ -376,6 +482,7 @@ class RayWorkerClient:
     def _cancel_on(self, actor: Any, job_id: str, control: JobControl) -> Any:
         """While inside, a cancel sets the job's flag on the actor at once (from the
         cancelling thread); the waiting loops see the control's flag and enforce the grace."""
+
         def flag() -> None:
             with contextlib.suppress(Exception):
                 actor.cancel.remote(job_id)
@@ -383,8 +490,13 @@ class RayWorkerClient:
         with control.registered(flag):
             yield
 
-    def _get(self, ref: Any, control: JobControl | None, timeout: float | None = None,
-             starting: bool = False) -> Any:
+    def _get(
+        self,
+        ref: Any,
+        control: JobControl | None,
+        timeout: float | None = None,
+        starting: bool = False,
+    ) -> Any:
         """ray.get that a cancel interrupts and that turns Ray's errors into ours."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -398,10 +510,13 @@ class RayWorkerClient:
             if deadline is not None and time.monotonic() > deadline:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
-                raise WorkerDied(f"the ray worker {self.index} did not start within "
-                                 f"{timeout:.0f} s: the cluster may lack free resources "
-                                 f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
-                                 details=self.stderr_tail(), worker=self.name())
+                raise WorkerDied(
+                    f"the ray worker {self.index} did not start within "
+                    f"{timeout:.0f} s: the cluster may lack free resources "
+                    f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
+                    details=self.stderr_tail(),
+                    worker=self.name(),
+                )
 
     def _value(self, ref: Any, quiet: bool = False) -> Any:
         try:
@@ -413,23 +528,32 @@ class RayWorkerClient:
             memory = memory_error(cause) if cause is not None else None
             if memory is not None:
                 self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
-                raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory "
-                                  f"({'the GPU' if memory != 'cpu' else 'the machine'}'s): "
-                                  f"{type(cause).__name__}: {cause}", details=str(exc),
-                                  worker=self.name(), device=memory) from None
+                raise OutOfMemory(
+                    f"the separation worker on {self._host()} ran out of memory "
+                    f"({'the GPU' if memory != 'cpu' else 'the machine'}'s): "
+                    f"{type(cause).__name__}: {cause}",
+                    details=str(exc),
+                    worker=self.name(),
+                    device=memory,
+                ) from None
             self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
-            raise SeparationError(f"the ray worker on {self._host()} failed: "
-                                  f"{type(cause).__name__}: {cause}", details=str(exc)) from None
+            raise SeparationError(
+                f"the ray worker on {self._host()} failed: {type(cause).__name__}: {cause}",
+                details=str(exc),
+            ) from None
         except OutOfMemoryError as exc:  # Ray's memory monitor killed the worker
             self._model = None
             self._tail.extend(str(exc).splitlines()[-TAIL_LINES:])
-            raise OutOfMemory(f"the separation worker on {self._host()} ran out of memory (the "
-                              f"machine's; Ray stopped it)", details=str(exc),
-                              worker=self.name(), device="cpu") from None
+            raise OutOfMemory(
+                f"the separation worker on {self._host()} ran out of memory (the "
+                f"machine's; Ray stopped it)",
+                details=str(exc),
+                worker=self.name(),
+                device="cpu",
+            ) from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             self._died(exc, quiet)
-        except (ActorUnschedulableError, NodeDiedError, ObjectLostError,
-                WorkerCrashedError) as exc:
+        except (ActorUnschedulableError, NodeDiedError, ObjectLostError, WorkerCrashedError) as exc:
             # its machine left (with the stems it held), or the worker cannot be placed
             # where it must run: the machine's fault as well
             self._died(exc, quiet)
@@ -443,8 +567,11 @@ class RayWorkerClient:
             self._tail.extend(text.splitlines()[-TAIL_LINES:])
             log.warning("ray worker %d on %s died: %s", self.index, host, why)
         then = "; Ray restarts it" if self.node is None else ""  # a pinned one goes with it
-        raise WorkerDied(f"the separation worker on {host} stopped unexpectedly ({why}){then}",
-                         details=text, worker=self.name())
+        raise WorkerDied(
+            f"the separation worker on {host} stopped unexpectedly ({why}){then}",
+            details=text,
+            worker=self.name(),
+        )
 
     def _node_alive(self) -> bool:
         """Whether the machine the worker ran on is still in the cluster (as far as Ray's
@@ -479,7 +606,9 @@ def _diagnose(text: str) -> str:
         return "the worker was killed"
     if "out of memory" in lowered or "oom" in lowered:
         return "probably out of memory"
-    if any(word in lowered for word in ("sigkill", "exit", "died unexpectedly",
-                                        "socket closed", "connection error")):
+    if any(
+        word in lowered
+        for word in ("sigkill", "exit", "died unexpectedly", "socket closed", "connection error")
+    ):
         return "the worker process exited"
     return "the worker process or its machine went away"

@@ -6,6 +6,7 @@ The pipeline, the dispatcher and the executor speak only `Separator`: the local
 pipeline nor the queue can tell them apart. A client serves one request at a time; the job's `JobControl` reaches a
 request in flight, so a cancel stops the worker at once.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,8 +42,14 @@ class ModelInfo:
     @classmethod
     def loaded(cls, name: str, repo: str | None, reply: dict[str, Any]) -> ModelInfo:
         """From a worker's (local or Ray) reply to a load request."""
-        return cls(name, repo, reply["samplerate"], reply["audio_channels"],
-                   tuple(reply["sources"]), dict(reply.get("precision") or {}))
+        return cls(
+            name,
+            repo,
+            reply["samplerate"],
+            reply["audio_channels"],
+            tuple(reply["sources"]),
+            dict(reply.get("precision") or {}),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +71,11 @@ class Separation:
     @staticmethod
     def from_reply(reply: dict[str, Any]) -> dict[str, Any]:
         """The window, segment and device fields of a worker's (local or Ray) answer."""
-        return {"window": reply.get("window"), "segment": reply.get("segment"),
-                "device": reply.get("device")}
+        return {
+            "window": reply.get("window"),
+            "segment": reply.get("segment"),
+            "device": reply.get("device"),
+        }
 
 
 class Separator(Protocol):
@@ -100,21 +110,40 @@ class Separator(Protocol):
         """Whether work beside a separation (decoding ahead, publishing behind) costs the
         separation nothing."""
 
-    def ensure_model(self, name: str, repo: str | None, control: JobControl | None = None,
-                     precision: str | None = None, device: str | None = None) -> ModelInfo:
+    def ensure_model(
+        self,
+        name: str,
+        repo: str | None,
+        control: JobControl | None = None,
+        precision: str | None = None,
+        device: str | None = None,
+    ) -> ModelInfo:
         """Start the worker if needed and have it load `name` and choose its precision
         (`precision`: the setting, default the client's); cached while the worker lives.
         `device`: run on this one instead of the client's (the CPU after a GPU ran out of
         memory under a song): the worker is started again there, and back on the client's
         own for the next request that does not ask."""
 
-    def separate(self, job_id: str, model: str, repo: str | None, input_path: Path,
-                 output_dir: Path, *, shifts: int, overlap: float, segment: float | None,
-                 control: JobControl, on_progress: Callable[[float], None],
-                 stats: tuple[float, float] | None = None,
-                 window: float | None = None, precision: str = "float32",
-                 stall_seconds: float = 0.0, shrink: int = 0,
-                 device: str | None = None) -> Separation:
+    def separate(
+        self,
+        job_id: str,
+        model: str,
+        repo: str | None,
+        input_path: Path,
+        output_dir: Path,
+        *,
+        shifts: int,
+        overlap: float,
+        segment: float | None,
+        control: JobControl,
+        on_progress: Callable[[float], None],
+        stats: tuple[float, float] | None = None,
+        window: float | None = None,
+        precision: str = "float32",
+        stall_seconds: float = 0.0,
+        shrink: int = 0,
+        device: str | None = None,
+    ) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode

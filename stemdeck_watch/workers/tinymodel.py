@@ -7,6 +7,7 @@ model goes through. Its stems are not musically meaningful: it has never been tr
 
     python -m stemdeck_watch.workers.tinymodel FOLDER [--name tiny] [--six]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,21 +26,30 @@ def save_tiny_model(folder: Path, name: str = "tiny", six: bool = False, seed: i
     if "-" in name:
         raise ValueError(f"model name {name!r} must not contain '-'")
     torch.manual_seed(seed)
-    model = HTDemucs(sources=SIX_STEMS if six else FOUR_STEMS, channels=4, depth=4,
-                     t_layers=1, t_heads=1, dconv_comp=4, segment=4)
+    model = HTDemucs(
+        sources=SIX_STEMS if six else FOUR_STEMS,
+        channels=4,
+        depth=4,
+        t_layers=1,
+        t_heads=1,
+        dconv_comp=4,
+        segment=4,
+    )
     args, kwargs = model._init_args_kwargs
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.th"
     tmp = path.with_suffix(".th.tmp")
-    torch.save({"klass": HTDemucs, "args": args, "kwargs": kwargs,
-                "state": model.state_dict()}, tmp)
+    torch.save(
+        {"klass": HTDemucs, "args": args, "kwargs": kwargs, "state": model.state_dict()}, tmp
+    )
     tmp.replace(path)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.tinymodel",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="stemdeck_watch.workers.tinymodel", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("folder", type=Path)
     parser.add_argument("--name", default="tiny")
     parser.add_argument("--six", action="store_true", help="guitar and piano too (6 stems)")

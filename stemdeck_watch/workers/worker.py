@@ -42,6 +42,7 @@ machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 The worker exits when stdin closes or its parent dies, so a killed service never leaves a
 process holding gigabytes of model behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -128,8 +129,11 @@ class _DownloadReport:
             if self._latest is None or self._latest == self._sent:
                 return
             self._sent = done_total = self._latest
-        sys.stderr.write(DOWNLOAD_PREFIX + json.dumps(
-            {"model": self.name, "done": done_total[0], "total": done_total[1]}) + "\n")
+        sys.stderr.write(
+            DOWNLOAD_PREFIX
+            + json.dumps({"model": self.name, "done": done_total[0], "total": done_total[1]})
+            + "\n"
+        )
         sys.stderr.flush()
 
 
@@ -142,7 +146,8 @@ def load_model(name: str, repo: str | None) -> Any:
         if not folder.is_dir():
             raise ModelUnavailable(
                 f"could not load model {name!r}: separation.model_repo = {repo!r} is not a "
-                f"folder; point it at the folder holding {name}.th or {name}.yaml")
+                f"folder; point it at the folder holding {name}.th or {name}.yaml"
+            )
         try:
             return get_model(name, repo=folder)
         except Exception as exc:  # a missing name, a bad checksum, a corrupt or foreign pickle
@@ -150,7 +155,8 @@ def load_model(name: str, repo: str | None) -> Any:
             raise ModelUnavailable(
                 f"could not load model {name!r} from {folder} (separation.model_repo): "
                 f"{exc or type(exc).__name__}; model files there: "
-                f"{', '.join(present) or 'none'}") from None
+                f"{', '.join(present) or 'none'}"
+            ) from None
     if name.startswith("hf://"):  # demucs's own HuggingFace download
         try:
             return get_model(name)
@@ -164,13 +170,21 @@ def _from_cache(name: str) -> Any:
     not there (verified, resumable; progress on stderr)."""
     from stemdeck_watch.util.redact import redact_url
     from stemdeck_watch.workers.download import DownloadError
-    from stemdeck_watch.workers.models import (DEFAULT_HUB, ModelStore, ModelStoreError,
-                                               NotCached, UnknownModel, hf_cached)
+    from stemdeck_watch.workers.models import (
+        DEFAULT_HUB,
+        ModelStore,
+        ModelStoreError,
+        NotCached,
+        UnknownModel,
+        hf_cached,
+    )
 
     store = ModelStore()
-    how = (f"run `stemdeck-watch models pull {name}` where {redact_url(store.hub)} can be reached, "
-           f"`stemdeck-watch models import FOLDER` from an offline copy, or set "
-           f"separation.model_repo to a folder of model files")
+    how = (
+        f"run `stemdeck-watch models pull {name}` where {redact_url(store.hub)} can be reached, "
+        f"`stemdeck-watch models import FOLDER` from an offline copy, or set "
+        f"separation.model_repo to a folder of model files"
+    )
     try:
         store.pull(name, fetch=False)
         return _built(store, name)
@@ -187,8 +201,10 @@ def _from_cache(name: str) -> Any:
         os.environ["HF_HUB_OFFLINE"] = "1"
         return get_model(name)
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ModelUnavailable(f"could not load model {name!r}: it is not downloaded yet and "
-                               f"downloads are off (HF_HUB_OFFLINE=1); {how}")
+        raise ModelUnavailable(
+            f"could not load model {name!r}: it is not downloaded yet and "
+            f"downloads are off (HF_HUB_OFFLINE=1); {how}"
+        )
     try:
         with _DownloadReport(name) as report:
             store.pull(name, report)
@@ -201,9 +217,11 @@ def _built(store: Any, name: str) -> Any:
     try:
         return store.load(name)
     except ImportError as exc:  # the quantized models need diffq
-        raise ModelUnavailable(f"model {name!r} needs a package that is not installed: {exc} "
-                               f"(`pip install diffq` for the quantized mdx_q and "
-                               f"mdx_extra_q)") from None
+        raise ModelUnavailable(
+            f"model {name!r} needs a package that is not installed: {exc} "
+            f"(`pip install diffq` for the quantized mdx_q and "
+            f"mdx_extra_q)"
+        ) from None
 
 
 class Worker:
@@ -228,8 +246,9 @@ class Worker:
             self._models[key] = model
         return self._models[key]
 
-    def precision(self, name: str, repo: str | None, setting: str,
-                  decided: dict[str, Any] | None = None) -> Choice:
+    def precision(
+        self, name: str, repo: str | None, setting: str, decided: dict[str, Any] | None = None
+    ) -> Choice:
         """The precision for the loaded model under `setting`: measured once per load."""
         model = self.model(name, repo)
         key = (name, repo, setting)
@@ -246,11 +265,21 @@ class Worker:
         op = request.get("op")
         if op == "load":
             model = self.model(request["model"], request.get("repo"))
-            choice = self.precision(request["model"], request.get("repo"),
-                                    request.get("precision") or "float32", request.get("decided"))
-            return {"op": "load", "ok": True, "model": request["model"],
-                    "samplerate": int(model.samplerate), "audio_channels": int(model.audio_channels),
-                    "sources": list(model.sources), "precision": choice.to_dict()}
+            choice = self.precision(
+                request["model"],
+                request.get("repo"),
+                request.get("precision") or "float32",
+                request.get("decided"),
+            )
+            return {
+                "op": "load",
+                "ok": True,
+                "model": request["model"],
+                "samplerate": int(model.samplerate),
+                "audio_channels": int(model.audio_channels),
+                "sources": list(model.sources),
+                "precision": choice.to_dict(),
+            }
         if op == "separate":
             return self.separate(request)
         raise ValueError(f"unknown request {op!r}")
@@ -258,14 +287,23 @@ class Worker:
     def separate(self, request: dict[str, Any]) -> dict[str, Any]:
         job_id = request["id"]
         started = time.monotonic()
-        paths = self.separate_files(request, Path(request["input"]), Path(request["output"]),
-                                    lambda value: _progress(job_id, value))
+        paths = self.separate_files(
+            request,
+            Path(request["input"]),
+            Path(request["output"]),
+            lambda value: _progress(job_id, value),
+        )
         model = self.model(request["model"], request.get("repo"))
-        return {"op": "separate", "id": job_id, "ok": True,
-                "stems": {name: str(path) for name, path in paths.items()},
-                "samplerate": int(model.samplerate), "seconds": time.monotonic() - started,
-                "precision": request.get("precision") or "float32",
-                **self.sizes(request, model)}
+        return {
+            "op": "separate",
+            "id": job_id,
+            "ok": True,
+            "stems": {name: str(path) for name, path in paths.items()},
+            "samplerate": int(model.samplerate),
+            "seconds": time.monotonic() - started,
+            "precision": request.get("precision") or "float32",
+            **self.sizes(request, model),
+        }
 
     def sizes(self, request: dict[str, Any], model: Any) -> dict[str, Any]:
         """The window and segment (seconds) a separate request runs with: as asked, or
@@ -275,12 +313,17 @@ class Worker:
         window = window_seconds(request)
         segment = request.get("segment") or None
         if shrink:
-            window = max(MIN_WINDOW, window / 2 ** shrink)
-            segment = max(MIN_SEGMENT, float(segment or own_segment(model)) / 2 ** shrink)
+            window = max(MIN_WINDOW, window / 2**shrink)
+            segment = max(MIN_SEGMENT, float(segment or own_segment(model)) / 2**shrink)
         return {"window": window, "segment": segment, "device": self.device, "shrink": shrink}
 
-    def separate_files(self, request: dict[str, Any], input_path: Path, output_dir: Path,
-                       on_progress: Callable[[float], None]) -> dict[str, Path]:
+    def separate_files(
+        self,
+        request: dict[str, Any],
+        input_path: Path,
+        output_dir: Path,
+        on_progress: Callable[[float], None],
+    ) -> dict[str, Path]:
         """Separate the decoded song at `input_path` into `output_dir` as a separate request
         asks (model, shifts, overlap, segment, precision, window, shrink, the input's
         statistics): the one reading of a request, for this process's pipe and for a Ray
@@ -294,13 +337,22 @@ class Worker:
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
         sizes = self.sizes(request, model)
-        with autocast(self.device, request.get("precision") or "float32"), \
-                segments_of(model, sizes["segment"] if sizes["shrink"] else None):
+        with (
+            autocast(self.device, request.get("precision") or "float32"),
+            segments_of(model, sizes["segment"] if sizes["shrink"] else None),
+        ):
             return separate_to_files(
-                model, input_path, output_dir,
-                shifts=int(request.get("shifts", 1)), overlap=float(request.get("overlap", 0.25)),
-                segment=sizes["segment"], device=self.device, stats=stats,
-                window=sizes["window"], on_progress=on_progress)
+                model,
+                input_path,
+                output_dir,
+                shifts=int(request.get("shifts", 1)),
+                overlap=float(request.get("overlap", 0.25)),
+                segment=sizes["segment"],
+                device=self.device,
+                stats=stats,
+                window=sizes["window"],
+                on_progress=on_progress,
+            )
 
 
 def own_segment(model: Any) -> float:
@@ -318,8 +370,11 @@ def segments_of(model: Any, segment: float | None) -> Iterator[None]:
     from demucs.htdemucs import HTDemucs
 
     members = list(getattr(model, "models", None) or [model])
-    changed = [(m, m.segment) for m in members
-               if segment is not None and isinstance(m, HTDemucs) and segment < m.segment]
+    changed = [
+        (m, m.segment)
+        for m in members
+        if segment is not None and isinstance(m, HTDemucs) and segment < m.segment
+    ]
     for member, _ in changed:
         member.segment = segment
     try:
@@ -338,8 +393,11 @@ def release_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if torch is not None and getattr(torch.backends, "mps", None) and \
-            torch.backends.mps.is_available():
+    if (
+        torch is not None
+        and getattr(torch.backends, "mps", None)
+        and torch.backends.mps.is_available()
+    ):
         torch.mps.empty_cache()
     if sys.platform == "linux":
         import ctypes
@@ -387,8 +445,9 @@ def _warm_up(model: Any, device: str) -> None:
 
     silence = torch.zeros(1, int(model.audio_channels), int(model.samplerate), device=device)
     with torch.inference_mode():
-        apply_model(model, silence, shifts=1, split=True, overlap=0.25, progress=False,
-                    device=device)
+        apply_model(
+            model, silence, shifts=1, split=True, overlap=0.25, progress=False, device=device
+        )
 
 
 def resolve_device(device: str) -> str:
@@ -421,10 +480,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads_for(args.threads))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
     worker = Worker(resolve_device(args.device), protocol)
-    _reply(protocol, {"event": "ready", "pid": os.getpid(), "device": worker.device,
-                      "threads": torch.get_num_threads(),
-                      "versions": {"torch": torch.__version__, "demucs": demucs.__version__,
-                                   "python": sys.version.split()[0]}})
+    _reply(
+        protocol,
+        {
+            "event": "ready",
+            "pid": os.getpid(),
+            "device": worker.device,
+            "threads": torch.get_num_threads(),
+            "versions": {
+                "torch": torch.__version__,
+                "demucs": demucs.__version__,
+                "python": sys.version.split()[0],
+            },
+        },
+    )
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -433,14 +502,24 @@ def main(argv: list[str] | None = None) -> int:
             request = json.loads(line)
             reply = worker.handle(request)
         except ModelUnavailable as exc:
-            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
-                     "kind": "model", "error": str(exc)}
+            reply = {
+                "op": request.get("op"),
+                "id": request.get("id"),
+                "ok": False,
+                "kind": "model",
+                "error": str(exc),
+            }
         except Exception as exc:
             memory = memory_error(exc)
-            reply = {"op": request.get("op"), "id": request.get("id"), "ok": False,
-                     "kind": "memory" if memory else "error", "device": memory,
-                     "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()}
+            reply = {
+                "op": request.get("op"),
+                "id": request.get("id"),
+                "ok": False,
+                "kind": "memory" if memory else "error",
+                "device": memory,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
         if reply.get("kind") == "memory":  # the next attempt needs what this one held
             release_memory()
         reply["req"] = request.get("req")  # the client matches replies on it

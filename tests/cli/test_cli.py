@@ -1,4 +1,5 @@
 """The commands as a user types them: run (stopped with Ctrl-C, or killed), status, doctor, demo."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ def config(tmp_path: Path, model_repo: Path) -> Path:
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def status(config: Path) -> dict[str, Any]:
@@ -39,9 +44,11 @@ def status(config: Path) -> dict[str, Any]:
 class RunningService:
     def __init__(self, config: Path):
         self.log = open(config.parent / f"run-{os.urandom(3).hex()}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
-                                      str(config), "run", "--no-tray"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.state = config.parent / "state"
 
     def worker_pids(self) -> list[int]:
@@ -108,24 +115,37 @@ def test_a_killed_service_restores_its_job_paused_until_a_new_file_arrives(confi
     wait_for(lambda: gone(worker), 10, "the orphaned worker to exit on its own")
     second = RunningService(config)
     try:
-        restored = wait_for(lambda: (s := status(config))["service"]["running"] and
-                            s["pause_reason"] == "restore" and s, 60, "the restore pause")
+        restored = wait_for(
+            lambda: (
+                (s := status(config))["service"]["running"] and s["pause_reason"] == "restore" and s
+            ),
+            60,
+            "the restore pause",
+        )
         assert [j["id"] for j in restored["queued"]] == [job["id"]]
         assert not list(outbox.glob("long*"))  # the partial result is gone
         os.replace(write_song(tmp_path / "short.wav", 2.0), inbox / "short.wav")
-        wait_for(lambda: {j["name"]: j["state"] for j in status(config)["jobs"]}
-                 == {"long": "done", "short": "done"}, 180, "both songs separated")
+        wait_for(
+            lambda: (
+                {j["name"]: j["state"] for j in status(config)["jobs"]}
+                == {"long": "done", "short": "done"}
+            ),
+            180,
+            "both songs separated",
+        )
         assert (outbox / "long" / "vocals.wav").is_file()
     finally:
         assert second.stop(signal.SIGTERM) == 0
 
 
 def test_status_is_fast_and_never_imports_torch(config: Path) -> None:
-    code = ("import sys, time; t = time.monotonic(); from stemdeck_watch.cli.main import main; "
-            f"rc = main(['--config', {str(config)!r}, 'status']); "
-            "assert rc == 0, rc; "
-            "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
-            "assert not heavy, heavy; print(time.monotonic() - t)")
+    code = (
+        "import sys, time; t = time.monotonic(); from stemdeck_watch.cli.main import main; "
+        f"rc = main(['--config', {str(config)!r}, 'status']); "
+        "assert rc == 0, rc; "
+        "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy; print(time.monotonic() - t)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "service: stopped" in result.stdout
@@ -151,9 +171,13 @@ def test_doctor_checks_everything_and_fails_on_a_missing_model(config: Path, tmp
 
 @pytest.mark.slow
 def test_demo_runs_offline_and_reports_where_the_stems_are(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "demo", "--dir",
-                             str(tmp_path / "demo")], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "demo", "--dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for name in ("demo-song-1", "demo-song-2"):
         assert f"{name} → {tmp_path / 'demo' / 'outbox' / name}" in result.stdout
@@ -174,16 +198,27 @@ def test_the_state_folder_registry_and_log_are_private_even_under_umask_022(conf
     old_log.write_text("2024-01-01 INFO an old line\n")
     old_log.chmod(0o644)
     log = open(tmp_path / "run.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "run", "--no-tray"], stdout=log, stderr=subprocess.STDOUT,
-                            umask=0o022)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        umask=0o022,
+    )
     try:
         wait_for(lambda: (state / "api.json").is_file(), 90, "the service to start")
-        modes = {path.relative_to(state).as_posix(): stat.S_IMODE(path.stat().st_mode)
-                 for path in [state, *state.rglob("*")]}
+        modes = {
+            path.relative_to(state).as_posix(): stat.S_IMODE(path.stat().st_mode)
+            for path in [state, *state.rglob("*")]
+        }
         assert modes["."] == 0o700 and modes["logs"] == 0o700, modes
-        for name in ("registry.sqlite3", "registry.sqlite3-wal", "logs/stemdeck-watch.log",
-                     "logs/stemdeck-watch.log.1", "api.token", "service.lock"):
+        for name in (
+            "registry.sqlite3",
+            "registry.sqlite3-wal",
+            "logs/stemdeck-watch.log",
+            "logs/stemdeck-watch.log.1",
+            "api.token",
+            "service.lock",
+        ):
             assert modes.get(name) == 0o600, (name, modes)
         assert not [name for name, mode in modes.items() if mode & 0o077 and name != "api.json"]
     finally:

@@ -1,5 +1,6 @@
 """`pause`, `start`, `cancel`, `move`, `retry`, `open` as a user types them, against a real
 service (started in this process, so the test can see its queue) through its real local API."""
+
 from __future__ import annotations
 
 import http.client
@@ -65,16 +66,26 @@ def trade(service: Any, link: str) -> tuple[int, str | None]:
     conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
     try:
         code = link.split("#code=", 1)[1]
-        conn.request("POST", "/api/token", body=json.dumps({"code": code}),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/api/token",
+            body=json.dumps({"code": code}),
+            headers={"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         return response.status, json.loads(response.read()).get("token")
     finally:
         conn.close()
 
 
-COMMANDS = (["pause"], ["start"], ["cancel", "x"], ["move", "x", "--first"], ["retry", "x"],
-            ["open"])
+COMMANDS = (
+    ["pause"],
+    ["start"],
+    ["cancel", "x"],
+    ["move", "x", "--first"],
+    ["retry", "x"],
+    ["open"],
+)
 
 
 def test_control_commands_say_in_one_line_that_no_service_runs(config, capsys, tmp_path):
@@ -83,8 +94,10 @@ def test_control_commands_say_in_one_line_that_no_service_runs(config, capsys, t
     for args in COMMANDS:
         code, out, err = cli(*args)
         assert code == 1 and out == "", args
-        assert err == (f"stemdeck-watch: the service is not running (state folder {state}); "
-                       f"start it with `stemdeck-watch run`\n")
+        assert err == (
+            f"stemdeck-watch: the service is not running (state folder {state}); "
+            f"start it with `stemdeck-watch run`\n"
+        )
     # left behind by a service that was killed: its pid is gone, so is the service
     discovery.publish(state, "127.0.0.1", 9, 2**22 + 12345, "stale-token")
     code, _, err = cli("pause")
@@ -93,8 +106,13 @@ def test_control_commands_say_in_one_line_that_no_service_runs(config, capsys, t
 
 
 def test_control_usage_errors_exit_2(config, capsys):
-    for args in (["move", "x"], ["move", "x", "--first", "--after", "y"], ["cancel"],
-                 ["retry"], ["move", "--first"]):
+    for args in (
+        ["move", "x"],
+        ["move", "x", "--first", "--after", "y"],
+        ["cancel"],
+        ["retry"],
+        ["move", "--first"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main([*args, "--config", str(config)])
         assert exit_info.value.code == 2, args
@@ -102,10 +120,12 @@ def test_control_usage_errors_exit_2(config, capsys):
 
 
 def test_control_commands_never_import_the_heavy_modules(config):
-    code = ("import sys; from stemdeck_watch.cli.main import main; "
-            f"rc = main(['--config', {str(config)!r}, 'pause']); "
-            "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
-            "assert not heavy, heavy; sys.exit(rc)")
+    code = (
+        "import sys; from stemdeck_watch.cli.main import main; "
+        f"rc = main(['--config', {str(config)!r}, 'pause']); "
+        "heavy = [m for m in ('torch', 'demucs', 'av', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy; sys.exit(rc)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 1, result.stderr
     assert "the service is not running" in result.stderr
@@ -125,10 +145,15 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
     # order of their own to keep
     for i, name in enumerate(("a", "b", "c")):
         drop(inbox, tmp_path, f"{name}.wav", 1.0, seed=i)
-        want = ["a", "b", "c"][:i + 1]
-        wait_for(lambda want=want: queued_names(service) == want, 30,
-                 lambda want=want: f"{want} queued in order (queued: {queued_names(service)}, "
-                         f"waiting: {queue(service)['waiting']})")
+        want = ["a", "b", "c"][: i + 1]
+        wait_for(
+            lambda want=want: queued_names(service) == want,
+            30,
+            lambda want=want: (
+                f"{want} queued in order (queued: {queued_names(service)}, "
+                f"waiting: {queue(service)['waiting']})"
+            ),
+        )
 
     out = cli.ok("move", "c", "--first")
     assert out.splitlines()[0] == "moved c first"
@@ -162,14 +187,19 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
 
     out = cli.ok("start")
     assert out.startswith("started")
-    wait_for(lambda: [j["state"] for j in queue(service)["jobs"]].count("done") == 3, 120,
-             "c, b and a separated")
+    wait_for(
+        lambda: [j["state"] for j in queue(service)["jobs"]].count("done") == 3,
+        120,
+        "c, b and a separated",
+    )
 
-    for args, message in ((("cancel", "c"), "already done"),
-                          (("retry", "c"), "only failed or cancelled jobs can be retried"),
-                          (("cancel", "nosuch"), "no job 'nosuch'"),
-                          (("move", "c", "--first"), "only queued jobs can be moved"),
-                          (("retry", "a"), "'a' matches several jobs")):
+    for args, message in (
+        (("cancel", "c"), "already done"),
+        (("retry", "c"), "only failed or cancelled jobs can be retried"),
+        (("cancel", "nosuch"), "no job 'nosuch'"),
+        (("move", "c", "--first"), "only queued jobs can be moved"),
+        (("retry", "a"), "'a' matches several jobs"),
+    ):
         code, out, err = cli(*args)
         assert code == 1 and out == "" and message in err, (args, err)
         assert err.startswith("stemdeck-watch: ") and err.count("\n") == 1
@@ -177,7 +207,8 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
 
 @pytest.mark.slow
 def test_a_cli_cancel_survives_a_rescan_and_a_restart_but_not_a_changed_file(
-        config, capsys, service_factory, tmp_path):
+    config, capsys, service_factory, tmp_path
+):
     settings = load_settings(config)
     service, _ = service_factory(settings)
     cli = Cli(config, capsys)
@@ -198,8 +229,11 @@ def test_a_cli_cancel_survives_a_rescan_and_a_restart_but_not_a_changed_file(
     assert song.is_file()
     cli.ok("start")
     os.utime(song, ns=(song.stat().st_atime_ns, song.stat().st_mtime_ns + 10**9))
-    wait_for(lambda: [j["state"] for j in jobs_named(service, "song")].count("done") == 1, 120,
-             "the changed file queued again and separated")
+    wait_for(
+        lambda: [j["state"] for j in jobs_named(service, "song")].count("done") == 1,
+        120,
+        "the changed file queued again and separated",
+    )
     assert [j["state"] for j in jobs_named(service, "song")] == ["done", "cancelled"]
 
 
@@ -215,8 +249,9 @@ def test_with_the_api_off_the_cli_says_so(tmp_path, model_repo, capsys, service_
 
 
 @pytest.mark.slow
-def test_the_browser_command_line_never_holds_the_token(config, service_factory, tmp_path,
-                                                        monkeypatch):
+def test_the_browser_command_line_never_holds_the_token(
+    config, service_factory, tmp_path, monkeypatch
+):
     """`open` and the tray start a browser, whose command line every local user can read
     (`ps`): it carries a one-time code that opens the page once, never the token."""
     from stemdeck_watch.ui.tray import Tray
@@ -228,19 +263,27 @@ def test_the_browser_command_line_never_holds_the_token(config, service_factory,
     launchers.mkdir()
     for name in ("browser", "xdg-open"):  # what webbrowser ($BROWSER) and the tray start
         fake = launchers / name
-        fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                        f"with open({str(record)!r}, 'a') as out:\n"
-                        f"    out.write(json.dumps(sys.argv) + '\\n')\n")
+        fake.write_text(
+            f"#!{sys.executable}\nimport json, sys\n"
+            f"with open({str(record)!r}, 'a') as out:\n"
+            f"    out.write(json.dumps(sys.argv) + '\\n')\n"
+        )
         fake.chmod(0o755)
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "open"], env={**os.environ, "BROWSER": str(launchers / "browser")},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "open"],
+        env={**os.environ, "BROWSER": str(launchers / "browser")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     monkeypatch.setenv("PATH", f"{launchers}{os.pathsep}{os.environ['PATH']}")
     Tray(service, threading.Event()).open_page()
-    launched = wait_for(lambda: record.is_file() and len(lines := record.read_text()
-                                                         .splitlines()) == 2 and lines,
-                        10, "the tray's opener to run")
+    launched = wait_for(
+        lambda: record.is_file() and len(lines := record.read_text().splitlines()) == 2 and lines,
+        10,
+        "the tray's opener to run",
+    )
     argvs = [json.loads(line) for line in launched]
     assert [Path(argv[0]).name for argv in argvs] == ["browser", "xdg-open"]
     for argv in argvs:

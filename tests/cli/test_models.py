@@ -1,6 +1,7 @@
 """`stemdeck-watch models` as a user types it, against a loopback mirror of the model hub
 (a tiny model in the hub's real layout, with its real checksum): list, pull — cut off,
 interrupted and resumed, damaged — verify and import. No byte comes from the internet."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,16 @@ from stemdeck_watch.core import choices
 from support.helpers import config_data, wait_for, write_config
 from support.modelhub import ModelHub, build_mirror
 
-KNOWN = ("htdemucs", "htdemucs_ft", "htdemucs_6s", "hdemucs_mmi", "mdx", "mdx_extra", "mdx_q",
-         "mdx_extra_q")
+KNOWN = (
+    "htdemucs",
+    "htdemucs_ft",
+    "htdemucs_6s",
+    "hdemucs_mmi",
+    "mdx",
+    "mdx_extra",
+    "mdx_q",
+    "mdx_extra_q",
+)
 HOLD = 200_000  # where a held transfer waits
 
 
@@ -39,8 +48,11 @@ def hub(mirror: Path, tmp_path: Path) -> Iterator[ModelHub]:
 
 @pytest.fixture
 def config(tmp_path: Path, model_repo: Path, hub: ModelHub) -> Path:
-    return write_config(tmp_path, model_repo, separation={
-        "model": "htdemucs", "model_repo": "", "model_hub": hub.url})
+    return write_config(
+        tmp_path,
+        model_repo,
+        separation={"model": "htdemucs", "model_repo": "", "model_hub": hub.url},
+    )
 
 
 @pytest.fixture
@@ -54,9 +66,13 @@ def env_for(tmp_path: Path) -> dict[str, str]:
 
 
 def models(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                           "models", *args], capture_output=True, text=True, timeout=120,
-                          env=env_for(config.parent))
+    return subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "models", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_for(config.parent),
+    )
 
 
 def model_files(cache: Path) -> set[str]:
@@ -69,7 +85,8 @@ def leftovers(cache: Path) -> set[str]:
 
 
 def test_pull_lists_then_downloads_verified_and_a_dropped_connection_resumes(
-        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    config: Path, hub: ModelHub, mirror: Path, cache: Path
+) -> None:
     listed = models(config, "list", "--json")
     assert listed.returncode == 0, listed.stderr
     data = json.loads(listed.stdout)
@@ -87,7 +104,9 @@ def test_pull_lists_then_downloads_verified_and_a_dropped_connection_resumes(
     assert "htdemucs: 0.5 / 0.5 MB" in result.stderr and "resuming" in result.stderr
     gets = hub.gets()
     assert [(g.range, g.sent) for g in gets] == [
-        (None, 150_000), ("bytes=150000-", mirror.stat().st_size - 150_000)]
+        (None, 150_000),
+        ("bytes=150000-", mirror.stat().st_size - 150_000),
+    ]
     assert model_files(cache) == {mirror.name} and leftovers(cache) == set()
     assert (cache / mirror.name).read_bytes() == mirror.read_bytes()
 
@@ -98,15 +117,32 @@ def test_pull_lists_then_downloads_verified_and_a_dropped_connection_resumes(
 
 
 def test_a_pull_interrupted_by_ctrl_c_resumes_where_it_stopped(
-        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    config: Path, hub: ModelHub, mirror: Path, cache: Path
+) -> None:
     hub.hold_at = HOLD
-    proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "models", "pull", "htdemucs"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env_for(config.parent))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stemdeck_watch",
+            "--config",
+            str(config),
+            "models",
+            "pull",
+            "htdemucs",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_for(config.parent),
+    )
     try:
         wait_for(hub.held.is_set, 60, "the transfer to reach the held byte")
-        partial = wait_for(lambda: [p for p in cache.glob(".*.partial")
-                                    if p.stat().st_size == HOLD], 30, "the partial file")[0]
+        partial = wait_for(
+            lambda: [p for p in cache.glob(".*.partial") if p.stat().st_size == HOLD],
+            30,
+            "the partial file",
+        )[0]
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
@@ -128,7 +164,8 @@ def test_a_pull_interrupted_by_ctrl_c_resumes_where_it_stopped(
 
 
 def test_a_damaged_download_is_never_left_as_a_model_file(
-        config: Path, hub: ModelHub, cache: Path) -> None:
+    config: Path, hub: ModelHub, cache: Path
+) -> None:
     hub.damaged = True
     result = models(config, "pull", "htdemucs")
     assert result.returncode == 1
@@ -138,7 +175,8 @@ def test_a_damaged_download_is_never_left_as_a_model_file(
 
 
 def test_verify_finds_a_damaged_cached_file_and_pull_replaces_it(
-        config: Path, hub: ModelHub, mirror: Path, cache: Path) -> None:
+    config: Path, hub: ModelHub, mirror: Path, cache: Path
+) -> None:
     assert models(config, "pull", "htdemucs").returncode == 0
     assert models(config, "verify").returncode == 0
     cached = cache / mirror.name
@@ -155,10 +193,10 @@ def test_verify_finds_a_damaged_cached_file_and_pull_replaces_it(
 
 
 def test_import_copies_an_offline_copy_verified_and_refuses_a_damaged_file(
-        tmp_path: Path, model_repo: Path, mirror: Path, cache: Path) -> None:
+    tmp_path: Path, model_repo: Path, mirror: Path, cache: Path
+) -> None:
     # the default hub (the internet): import must not need it
-    config = write_config(tmp_path, model_repo, separation={"model": "htdemucs",
-                                                           "model_repo": ""})
+    config = write_config(tmp_path, model_repo, separation={"model": "htdemucs", "model_repo": ""})
     damaged = tmp_path / "damaged"
     build_mirror(damaged, model_repo / "tiny.th")
     served = next((damaged / "hybrid_transformer").glob("*.th"))
@@ -180,7 +218,8 @@ def test_import_copies_an_offline_copy_verified_and_refuses_a_damaged_file(
 
 
 def test_the_model_hub_is_the_config_files_choice_never_a_presets_or_a_drops(
-        tmp_path: Path, model_repo: Path) -> None:
+    tmp_path: Path, model_repo: Path
+) -> None:
     data = config_data(tmp_path, model_repo, presets={"six": {"model_hub": "http://x/"}})
     with pytest.raises(ConfigError, match="unknown key presets.six.model_hub"):
         settings_from_dict(data)
@@ -189,18 +228,30 @@ def test_the_model_hub_is_the_config_files_choice_never_a_presets_or_a_drops(
     song.parent.mkdir(parents=True)
     song.write_bytes(b"")
     (tmp_path / "inbox" / "Song.mp3.stemdeck.toml").write_text(
-        'model_hub = "http://127.0.0.1:9/"\n')
-    job = Job(id="j", name="Song", kind=JobKind.FILE, state=JobState.QUEUED, source=str(song),
-              rel_path="Song.mp3")
+        'model_hub = "http://127.0.0.1:9/"\n'
+    )
+    job = Job(
+        id="j",
+        name="Song",
+        kind=JobKind.FILE,
+        state=JobState.QUEUED,
+        source=str(song),
+        rel_path="Song.mp3",
+    )
     with pytest.raises(choices.ChoiceError, match="model_hub"):
         choices.for_job(settings, job)
 
 
 def test_doctor_says_a_model_is_not_downloaded_yet_and_downloads_nothing(
-        config: Path, hub: ModelHub, cache: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "doctor"], capture_output=True, text=True, timeout=120,
-                            env=env_for(config.parent))
+    config: Path, hub: ModelHub, cache: Path
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_for(config.parent),
+    )
     line = next(line for line in result.stdout.splitlines() if "model htdemucs" in line)
     assert line.startswith("[ok  ]"), result.stdout
     assert "not downloaded yet" in line and "about 80 MB" in line

@@ -1,4 +1,5 @@
 """`status` when the registry is not what it should be: just created, or damaged."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,7 @@ def test_status_of_a_registry_created_a_moment_ago_says_no_jobs(settings, config
     assert json.loads(capsys.readouterr().out)["jobs"] == []
 
 
-def test_status_of_a_damaged_registry_names_the_file_and_what_to_do(settings, config_file,
-                                                                     capsys):
+def test_status_of_a_damaged_registry_names_the_file_and_what_to_do(settings, config_file, capsys):
     path = settings.paths.state / REGISTRY_FILE
     path.write_bytes(b"this is not a database, it was cut off by a disk error" * 100)
     assert cli.main(["--config", str(config_file), "status"]) == 1

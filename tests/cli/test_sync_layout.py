@@ -1,5 +1,6 @@
 """`doctor` recognises an inbox inside a synced folder by the marks each client leaves, and
 warns when outbox/ or processed/ are outside it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,19 +15,24 @@ def layout(make_settings, root: Path, inside: tuple[str, ...]):
     """Settings with the inbox under `root/StemDeck` and the named folders beside it; the
     others on the local disk."""
     local = root.parent / "local"
-    folders = {name: str((root / "StemDeck" if name in inside else local) / name)
-               for name in ("outbox", "processed", "failed")}
+    folders = {
+        name: str((root / "StemDeck" if name in inside else local) / name)
+        for name in ("outbox", "processed", "failed")
+    }
     folders["inbox"] = str(root / "StemDeck" / "inbox")
     return make_settings(folders=folders)
 
 
-@pytest.mark.parametrize("client,mark,is_dir", [
-    ("Dropbox", ".dropbox.cache", True),
-    ("Syncthing", ".stfolder", True),
-    ("Resilio Sync", ".sync", True),
-    ("Nextcloud", "._sync_0a1b2c3d4e5f.db", False),
-    ("Nextcloud", ".sync_0a1b2c3d4e5f.db", False),
-])
+@pytest.mark.parametrize(
+    "client,mark,is_dir",
+    [
+        ("Dropbox", ".dropbox.cache", True),
+        ("Syncthing", ".stfolder", True),
+        ("Resilio Sync", ".sync", True),
+        ("Nextcloud", "._sync_0a1b2c3d4e5f.db", False),
+        ("Nextcloud", ".sync_0a1b2c3d4e5f.db", False),
+    ],
+)
 def test_marks_at_the_top_of_a_synced_folder(tmp_path, make_settings, client, mark, is_dir):
     root = tmp_path / "Sync"
     (root / "StemDeck" / "inbox").mkdir(parents=True)
@@ -46,12 +52,15 @@ def test_marks_at_the_top_of_a_synced_folder(tmp_path, make_settings, client, ma
     assert not fine.warning and client in fine.detail
 
 
-@pytest.mark.parametrize("client,root", [
-    ("iCloud Drive", "Library/Mobile Documents/com~apple~CloudDocs"),
-    ("OneDrive", "OneDrive - Contoso"),
-    ("OneDrive", "Library/CloudStorage/OneDrive-Personal"),
-    ("Google Drive", "Library/CloudStorage/GoogleDrive-me@example.com/My Drive"),
-])
+@pytest.mark.parametrize(
+    "client,root",
+    [
+        ("iCloud Drive", "Library/Mobile Documents/com~apple~CloudDocs"),
+        ("OneDrive", "OneDrive - Contoso"),
+        ("OneDrive", "Library/CloudStorage/OneDrive-Personal"),
+        ("Google Drive", "Library/CloudStorage/GoogleDrive-me@example.com/My Drive"),
+    ],
+)
 def test_well_known_sync_roots_by_name(tmp_path, client, root):
     inbox = tmp_path / root / "StemDeck" / "inbox"
     found = find_sync_folder(inbox)  # need not exist yet
@@ -66,11 +75,13 @@ def test_nextcloud_folders_from_the_clients_config(tmp_path, make_settings):
     synced = tmp_path / "Cloud Files"
     (config / "nextcloud.cfg").write_text(
         "[General]\nclientVersion=3.14.1\n\n[Accounts]\n0\\Folders\\1\\ignoreHiddenFiles=false\n"
-        f"0\\Folders\\1\\localPath={synced}/\n0\\Folders\\1\\paused=false\n")
+        f"0\\Folders\\1\\localPath={synced}/\n0\\Folders\\1\\paused=false\n"
+    )
     roots = nextcloud_roots([config])
     assert roots == [synced]
-    warned = check_sync_layout(layout(make_settings, synced, ()),
-                               [("Nextcloud", root) for root in roots])
+    warned = check_sync_layout(
+        layout(make_settings, synced, ()), [("Nextcloud", root) for root in roots]
+    )
     assert warned.warning and "Nextcloud" in warned.detail
 
 

@@ -1,4 +1,5 @@
 """Choices in the drop itself: a tag in the song's name or a sidecar file beside it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,27 +12,36 @@ from stemdeck_watch.stages.publish import read_manifest
 from stemdeck_watch.util.synth import write_song
 
 
-@pytest.mark.parametrize("stem, name, chosen", [
-    ("Song [6s]", "Song", {"model": "htdemucs_6s"}),
-    ("Song [vocals, flac]", "Song", {"two_stems": "vocals", "format": "flac"}),
-    ("Song [dj daw]", "Song", {"stem_file": True, "session": ["dawproject", "reaper"]}),
-    ("Song [Live]", "Song [Live]", {}),  # capitals: part of the title
-    ("Song [Official Video]", "Song [Official Video]", {}),
-    ("song [live]", "song [live]", {}),  # nothing in it is or looks like a tag
-    ("Song [vocals] (edit)", "Song [vocals] (edit)", {}),  # not at the end
-    ("Song", "Song", {}),
-])
+@pytest.mark.parametrize(
+    "stem, name, chosen",
+    [
+        ("Song [6s]", "Song", {"model": "htdemucs_6s"}),
+        ("Song [vocals, flac]", "Song", {"two_stems": "vocals", "format": "flac"}),
+        ("Song [dj daw]", "Song", {"stem_file": True, "session": ["dawproject", "reaper"]}),
+        ("Song [Live]", "Song [Live]", {}),  # capitals: part of the title
+        ("Song [Official Video]", "Song [Official Video]", {}),
+        ("song [live]", "song [live]", {}),  # nothing in it is or looks like a tag
+        ("Song [vocals] (edit)", "Song [vocals] (edit)", {}),  # not at the end
+        ("Song", "Song", {}),
+    ],
+)
 def test_a_tag_group_at_the_end_of_the_name_chooses_settings(stem, name, chosen) -> None:
     assert song_name(stem) == name
     assert {k: v for k, (v, _origin) in name_choices(stem + ".mp3").items()} == chosen
 
 
-@pytest.mark.parametrize("filename, message", [
-    ("Song [vocal].mp3", r"unknown tag \[vocal\] in the name 'Song \[vocal\].mp3' \(did you "
-                         r"mean \[vocals\]\?\); tags: \[6s\], \[ft\], \[vocals\]"),
-    ("Song [vocals drums].mp3", r"the tags \[vocals\] and \[drums\] .* both choose two_stems"),
-    ("Song [flac 6x].mp3", r"unknown tag \[6x\] .*did you mean \[6s\]"),
-])
+@pytest.mark.parametrize(
+    "filename, message",
+    [
+        (
+            "Song [vocal].mp3",
+            r"unknown tag \[vocal\] in the name 'Song \[vocal\].mp3' \(did you "
+            r"mean \[vocals\]\?\); tags: \[6s\], \[ft\], \[vocals\]",
+        ),
+        ("Song [vocals drums].mp3", r"the tags \[vocals\] and \[drums\] .* both choose two_stems"),
+        ("Song [flac 6x].mp3", r"unknown tag \[6x\] .*did you mean \[6s\]"),
+    ],
+)
 def test_a_bad_tag_is_an_error_naming_it(filename, message) -> None:
     with pytest.raises(ChoiceError, match=message):
         name_choices(filename)
@@ -39,11 +49,17 @@ def test_a_bad_tag_is_an_error_naming_it(filename, message) -> None:
 
 @pytest.mark.slow
 def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming_the_key(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings(presets={"karaoke": {"two_stems": "vocals", "format": "flac"}})
     made = tmp_path / "made"
-    for name in ("Tagged [vocals].wav", "Sided.wav", "Mixed [drums].wav", "Bad [vocal].wav",
-                 "Worse.wav"):
+    for name in (
+        "Tagged [vocals].wav",
+        "Sided.wav",
+        "Mixed [drums].wav",
+        "Bad [vocal].wav",
+        "Worse.wav",
+    ):
         write_song(made / name, 1.5, seed=len(name))
     (made / "Sided.wav.stemdeck.toml").write_text('format = "flac"\ntwo_stems = "bass"\n')
     (made / "Worse.wav.stemdeck.toml").write_text('modle = "htdemucs_6s"\n')
@@ -57,8 +73,11 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     (inbox / "karaoke").mkdir(exist_ok=True)  # the service makes preset folders
     (made / "Mixed [drums].wav").replace(inbox / "karaoke" / "Mixed [drums].wav")
     done = {Path(j.source).name: j for j in jobs.wait_final(5, timeout=240)}
-    outbox, processed, failed = (settings.paths.outbox, settings.paths.processed,
-                                 settings.paths.failed)
+    outbox, processed, failed = (
+        settings.paths.outbox,
+        settings.paths.processed,
+        settings.paths.failed,
+    )
 
     tagged = read_manifest(outbox / "Tagged")  # published without its tag group
     assert [e["name"] for e in tagged["stems"]] == ["vocals", "no_vocals"]
@@ -96,8 +115,14 @@ def test_a_sidecar_cannot_choose_where_models_load_from(settings, tmp_path: Path
     from stemdeck_watch.core.jobs import Job, JobKind
 
     song = write_song(settings.paths.inbox / "Song.wav", 0.5)
-    job = Job(id="j", name="Song", kind=JobKind.FILE, state=JobState.QUEUED, source=str(song),
-              rel_path="Song.wav")
+    job = Job(
+        id="j",
+        name="Song",
+        kind=JobKind.FILE,
+        state=JobState.QUEUED,
+        source=str(song),
+        rel_path="Song.wav",
+    )
     sidecar = Path(f"{song}.stemdeck.toml")
     for line in (f'model_repo = "{tmp_path}"\n', 'model_hub = "https://example.invalid/"\n'):
         sidecar.write_text(line)
@@ -105,6 +130,7 @@ def test_a_sidecar_cannot_choose_where_models_load_from(settings, tmp_path: Path
             for_job(settings, job)
         key = line.split(" ")[0]
         assert f"Song.wav.stemdeck.toml: {key} cannot be chosen by a file in the inbox" in str(
-            caught.value)
+            caught.value
+        )
     sidecar.write_text('format = "flac"\n')  # what a song's own settings are stays open
     assert for_job(settings, job).output.format == "flac"

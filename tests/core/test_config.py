@@ -1,4 +1,5 @@
 """stemdeck.toml → settings: defaults, validation messages, presets, `config init`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,12 @@ from pathlib import Path
 import pytest
 
 from stemdeck_watch.cli.main import main
-from stemdeck_watch.core.config import (default_toml, load_settings, settings_from_dict,
-                                   write_default_config)
+from stemdeck_watch.core.config import (
+    default_toml,
+    load_settings,
+    settings_from_dict,
+    write_default_config,
+)
 from stemdeck_watch.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,22 +54,28 @@ def test_unknown_key_names_the_key_and_suggests_the_right_one() -> None:
         settings_from_dict({"colour": {}})
 
 
-@pytest.mark.parametrize("data, words", [
-    ({"watch": {"settle_seconds": -1}}, ["watch.settle_seconds = -1", "≥ 0.1"]),
-    ({"watch": {"mode": "inotify"}}, ['watch.mode = "inotify"', '"auto", "native", "polling"']),
-    ({"queue": {"max_pending_files": 2.5}}, ["queue.max_pending_files", "whole number"]),
-    ({"separation": {"overlap": 1.0}}, ["separation.overlap = 1", "< 1"]),
-    ({"output": {"bit_depth": 20}}, ["output.bit_depth = 20", "16, 24, 32"]),
-    ({"output": {"layout": "../{stem}.{ext}"}}, ["output.layout", "{stem}"]),
-    ({"output": {"layout": "{track}.{ext}"}}, ["output.layout"]),
-    ({"output": {"mixes": {"instrumental": []}}}, ["output.mixes"]),
-    ({"tray": {"enabled": 1}}, ["tray.enabled = 1", 'true, false, "auto"']),
-    ({"watch": {"recursive": "yes"}}, ['watch.recursive = "yes"', "true or false"]),
-    ({"links": {"max_filesize": "lots"}}, ['links.max_filesize = "lots"', "500MB"]),
-    ({"presets": {"karaoke": {"two_stem": "vocals"}}}, ["presets.karaoke.two_stem", "two_stems"]),
-    ({"presets": {"a/b": {}}}, ["presets.a/b", "folder name"]),
-    ({"output": {"format": "flac", "bit_depth": 32}}, ["output.bit_depth = 32", "flac"]),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"watch": {"settle_seconds": -1}}, ["watch.settle_seconds = -1", "≥ 0.1"]),
+        ({"watch": {"mode": "inotify"}}, ['watch.mode = "inotify"', '"auto", "native", "polling"']),
+        ({"queue": {"max_pending_files": 2.5}}, ["queue.max_pending_files", "whole number"]),
+        ({"separation": {"overlap": 1.0}}, ["separation.overlap = 1", "< 1"]),
+        ({"output": {"bit_depth": 20}}, ["output.bit_depth = 20", "16, 24, 32"]),
+        ({"output": {"layout": "../{stem}.{ext}"}}, ["output.layout", "{stem}"]),
+        ({"output": {"layout": "{track}.{ext}"}}, ["output.layout"]),
+        ({"output": {"mixes": {"instrumental": []}}}, ["output.mixes"]),
+        ({"tray": {"enabled": 1}}, ["tray.enabled = 1", 'true, false, "auto"']),
+        ({"watch": {"recursive": "yes"}}, ['watch.recursive = "yes"', "true or false"]),
+        ({"links": {"max_filesize": "lots"}}, ['links.max_filesize = "lots"', "500MB"]),
+        (
+            {"presets": {"karaoke": {"two_stem": "vocals"}}},
+            ["presets.karaoke.two_stem", "two_stems"],
+        ),
+        ({"presets": {"a/b": {}}}, ["presets.a/b", "folder name"]),
+        ({"output": {"format": "flac", "bit_depth": 32}}, ["output.bit_depth = 32", "flac"]),
+    ],
+)
 def test_bad_values_name_key_value_and_what_is_allowed(data: dict, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
         settings_from_dict(data)
@@ -74,8 +85,9 @@ def test_bad_values_name_key_value_and_what_is_allowed(data: dict, words: list[s
 
 def test_folders_must_not_overlap_the_inbox(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="folders.outbox .* overlaps folders.inbox"):
-        settings_from_dict({"folders": {"inbox": str(tmp_path / "in"),
-                                        "outbox": str(tmp_path / "in" / "out")}})
+        settings_from_dict(
+            {"folders": {"inbox": str(tmp_path / "in"), "outbox": str(tmp_path / "in" / "out")}}
+        )
 
 
 def test_relative_folders_are_relative_to_the_config_file(tmp_path: Path) -> None:
@@ -88,8 +100,14 @@ def test_relative_folders_are_relative_to_the_config_file(tmp_path: Path) -> Non
 
 
 def test_presets_override_separation_and_output() -> None:
-    settings = settings_from_dict({"presets": {
-        "karaoke": {"two_stems": "vocals"}, "six": {"model": "htdemucs_6s", "format": "flac"}}})
+    settings = settings_from_dict(
+        {
+            "presets": {
+                "karaoke": {"two_stems": "vocals"},
+                "six": {"model": "htdemucs_6s", "format": "flac"},
+            }
+        }
+    )
     sep, out = settings.for_preset("karaoke")
     assert sep.two_stems == "vocals" and sep.model == "htdemucs"
     sep, out = settings.for_preset("six")
@@ -110,13 +128,19 @@ def test_config_init_writes_a_complete_loadable_file(tmp_path: Path) -> None:
 def test_bad_config_exits_2_with_the_message(tmp_path: Path) -> None:
     path = tmp_path / "stemdeck.toml"
     path.write_text("[watch]\nsettle_seconds = 0\n")
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(path),
-                             "status"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(path), "status"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "watch.settle_seconds = 0 is not allowed" in result.stderr
     path.write_text("[watch\n")
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "status", "--config",
-                             str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "status", "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "could not parse config" in result.stderr
 
 
@@ -126,8 +150,9 @@ def test_write_default_config_refuses_to_overwrite(tmp_path: Path) -> None:
         write_default_config(path)
 
 
-@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.toml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "example", sorted((REPO / "examples").glob("*.toml")), ids=lambda p: p.name
+)
 def test_example_configs_are_valid(example: Path) -> None:
     settings = load_settings(example)
     assert settings.source == example

@@ -1,4 +1,5 @@
 """Moving inputs never overwrites, and a failed copy leaves the source in place."""
+
 from __future__ import annotations
 
 import errno

@@ -4,6 +4,7 @@ The generated markdown is built here through the same functions the MkDocs hook 
 generator that breaks (a key, a command or a route left out, a default shown wrong) fails the
 suite even where MkDocs is not installed; `make docs` then checks links and anchors in full.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def test_the_configuration_reference_shows_every_key_with_its_default_and_meanin
         assert f"### `[{section}]`" in markdown
 
 
-def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()
-              ) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+def _commands(
+    parser: argparse.ArgumentParser, words: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
     found = [(words, parser)]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -81,8 +83,12 @@ def test_the_command_reference_shows_every_command_and_flag() -> None:
     heading = re.compile(r"^### `([^`]+)`\n(.*?)(?=^### |\Z)", re.MULTILINE | re.DOTALL)
     sections = dict(heading.findall(markdown))
     commands = _commands(_parser())
-    leaves = [(words, sub) for words, sub in commands if words and
-              not any(other[:len(words)] == words and other != words for other, _ in commands)]
+    leaves = [
+        (words, sub)
+        for words, sub in commands
+        if words
+        and not any(other[: len(words)] == words and other != words for other, _ in commands)
+    ]
     assert {"run", "status", "cancel", "move", "config init"} <= {" ".join(w) for w, _ in leaves}
     for words, sub in leaves:
         name = " ".join(words)
@@ -91,8 +97,9 @@ def test_the_command_reference_shows_every_command_and_flag() -> None:
             if isinstance(action, argparse._HelpAction):
                 continue
             for shown in action.option_strings or [action.metavar or action.dest]:
-                assert f"`{shown}" in sections[name] or f" {shown}`" in sections[name], \
+                assert f"`{shown}" in sections[name] or f" {shown}`" in sections[name], (
                     f"{shown} of `{name}` is missing from the command reference"
+                )
     for option in ("--config", "--version"):  # the global options, above the commands
         assert f"`{option}" in markdown.split("### ", 1)[0]
 
@@ -129,7 +136,10 @@ def _shipped_files() -> set[str]:
     try:
         listed = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-            cwd=REPO, capture_output=True, check=True).stdout
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: which files a clone has is unknown")
     return {name for name in listed.decode().split("\0") if name and (REPO / name).exists()}
@@ -153,8 +163,9 @@ def test_every_relative_link_in_the_readme_and_the_docs_leads_to_a_file_a_clone_
                 continue  # another site, or a place on the same page
             path = (page.parent / target.split("#", 1)[0]).resolve()
             name = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else None
-            ok = name is not None and (name in shipped or any(
-                f.startswith(name.rstrip("/") + "/") for f in shipped))
+            ok = name is not None and (
+                name in shipped or any(f.startswith(name.rstrip("/") + "/") for f in shipped)
+            )
             if not ok:
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert broken == []

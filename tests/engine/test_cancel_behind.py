@@ -5,6 +5,7 @@ The queue on its own first; then the real service, real worker with the tiny mod
 real steps, never by sleeps: a gate holds a real step until the test opens it, or until the
 job's own cancel check fires, exactly as the step itself would stop.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,14 @@ class StepGate:
     named by the job id) until `open()`. With `cancellable`, the job's cancel check runs while
     it waits, as the real step's would: a cancel ends the wait with Cancelled."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str, job_id: str,
-                 cancellable: bool) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        module: Any,
+        name: str,
+        job_id: str,
+        cancellable: bool,
+    ) -> None:
         self.reached = threading.Event()
         self._opened = threading.Event()
         real = getattr(module, name)
@@ -78,9 +85,14 @@ class CancelsAnswered:
 def api_cancel(service: Any, job_id: str) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
     try:
-        conn.request("POST", f"/api/jobs/{job_id}/cancel", headers={
-            "Host": f"127.0.0.1:{service.api.port}",
-            "Authorization": f"Bearer {service.api.token}"})
+        conn.request(
+            "POST",
+            f"/api/jobs/{job_id}/cancel",
+            headers={
+                "Host": f"127.0.0.1:{service.api.port}",
+                "Authorization": f"Bearer {service.api.token}",
+            },
+        )
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -131,10 +143,14 @@ def test_songs_cut_off_together_go_back_in_their_queue_order(first: str) -> None
     assert queue.order() == ["a", "b", "c"]
 
 
-def publishing_behind(request: Any, make_settings: Any, service_factory: Any,
-                      monkeypatch: Any, cancellable: bool = True,
-                      step: tuple[Any, str] = (songfolder, "make_song_folder")
-                      ) -> tuple[Any, Any, str, str, StepGate, SeparationGate]:
+def publishing_behind(
+    request: Any,
+    make_settings: Any,
+    service_factory: Any,
+    monkeypatch: Any,
+    cancellable: bool = True,
+    step: tuple[Any, str] = (songfolder, "make_song_folder"),
+) -> tuple[Any, Any, str, str, StepGate, SeparationGate]:
     """A service where song a is held in its publish step, behind the worker, while song b
     is held separating (so b holds the worker's slot). Both gates open before the service
     stops, also when the test failed first."""
@@ -155,12 +171,14 @@ def publishing_behind(request: Any, make_settings: Any, service_factory: Any,
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["api", "delete", "replace"])
 def test_a_song_publishing_behind_the_next_one_is_cancelled_when_the_user_asks(
-        request, make_settings, service_factory, monkeypatch, tmp_path, how) -> None:
+    request, make_settings, service_factory, monkeypatch, tmp_path, how
+) -> None:
     """Cancelling through the API, deleting the input or replacing it while the song is
     written out behind the next one's separation stops it: nothing of it is published and
     its input is not moved to processed/ (a replacement is separated once, as `a`)."""
-    service, jobs, a, _b, held, separating = publishing_behind(request, make_settings,
-                                                               service_factory, monkeypatch)
+    service, jobs, a, _b, held, separating = publishing_behind(
+        request, make_settings, service_factory, monkeypatch
+    )
     settings = service.settings
     song = settings.paths.inbox / "a.wav"
     answered = CancelsAnswered(service.queue)
@@ -195,12 +213,18 @@ def test_a_song_publishing_behind_the_next_one_is_cancelled_when_the_user_asks(
 
 @pytest.mark.slow
 def test_a_cancel_after_the_song_is_committed_is_refused_not_reported_done(
-        request, make_settings, service_factory, monkeypatch) -> None:
+    request, make_settings, service_factory, monkeypatch
+) -> None:
     """Once a song publishing behind is past its last cancel check (its folder is going out),
     the API answers 409 and says why, instead of "cancelled" for a song that is published."""
     service, jobs, a, _b, held, separating = publishing_behind(
-        request, make_settings, service_factory, monkeypatch, cancellable=False,
-        step=(publish, "publish_folder"))
+        request,
+        make_settings,
+        service_factory,
+        monkeypatch,
+        cancellable=False,
+        step=(publish, "publish_folder"),
+    )
     status, reply = api_cancel(service, a)
     assert status == 409 and "can no longer be cancelled" in reply["error"], (status, reply)
     held.open()
@@ -212,7 +236,8 @@ def test_a_cancel_after_the_song_is_committed_is_refused_not_reported_done(
 
 @pytest.mark.slow
 def test_a_clean_stop_puts_the_songs_it_cut_off_back_in_their_queue_order(
-        request, make_settings, service_factory, monkeypatch) -> None:
+    request, make_settings, service_factory, monkeypatch
+) -> None:
     """Stopping while a publishes behind and b has just been taken sends both back to the
     head of the queue; after the restart the queue is a, b, c as it was, whichever of the two
     threads gets there first (here a does: the order that used to come back as b, a, c)."""

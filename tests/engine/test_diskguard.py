@@ -1,6 +1,7 @@
 """The disk check before a job: its estimate follows the file, a duration probed ahead (by
 the prefetcher, while the previous job separates) is not probed again between two jobs, and a
 link is sized by its own length once anything tells it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,14 @@ def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatc
     scheduler = open_scheduler(settings)
     try:
         source = write_song(settings.paths.inbox / "song.wav", 20.0)
-        job = Job(id="j1", name="song", kind=JobKind.FILE, state=JobState.QUEUED,
-                  source=str(source), rel_path="song.wav")
+        job = Job(
+            id="j1",
+            name="song",
+            kind=JobKind.FILE,
+            state=JobState.QUEUED,
+            source=str(source),
+            rel_path="song.wav",
+        )
         room = 10 * 2**20  # a 20 s song's stems and scratch need more than this
         guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
 
@@ -46,17 +53,25 @@ def test_a_probed_duration_is_reused_until_the_file_changes(settings, monkeypatc
         scheduler.registry.close()
 
 
-def test_a_link_needs_room_for_its_download_only_until_its_length_is_known(settings,
-                                                                        tmp_path) -> None:
+def test_a_link_needs_room_for_its_download_only_until_its_length_is_known(
+    settings, tmp_path
+) -> None:
     scheduler = open_scheduler(settings)
     try:
-        link = Job(id="l1", name="link", kind=JobKind.LINK, state=JobState.QUEUED,
-                   source=str(settings.paths.inbox / "link.url"), rel_path="link.url")
+        link = Job(
+            id="l1",
+            name="link",
+            kind=JobKind.LINK,
+            state=JobState.QUEUED,
+            source=str(settings.paths.inbox / "link.url"),
+            rel_path="link.url",
+        )
         room = 100 * 10**6  # far less than a song of links.max_duration (30 min) needs
         guard = DiskGuard(scheduler, settings, free=lambda _path: room + diskguard.MARGIN)
         assert guard.shortfall(link) is None  # only its download, at most 1800 s of audio
-        entry = dataclasses.replace(link, id="l2", playlist=PlaylistRef(
-            "p", "list", 1, 3, duration=1500.0))  # the playlist gave its length: sized by it
+        entry = dataclasses.replace(
+            link, id="l2", playlist=PlaylistRef("p", "list", 1, 3, duration=1500.0)
+        )  # the playlist gave its length: sized by it
         assert guard.shortfall(entry) is not None
         guard.learn_download(link, write_song(tmp_path / "media.wav", 2.0))
         assert guard.shortfall(link) is None  # two seconds, downloaded
@@ -72,12 +87,19 @@ def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) ->
     before it starts."""
     scheduler = open_scheduler(settings)
     try:
+
         def needed(name: str, sidecar: str | None = None) -> int:
             source = write_song(settings.paths.inbox / name, 60.0)
             if sidecar is not None:
                 Path(f"{source}.stemdeck.toml").write_text(sidecar)
-            job = Job(id=name, name=Path(name).stem, kind=JobKind.FILE, state=JobState.QUEUED,
-                      source=str(source), rel_path=name)
+            job = Job(
+                id=name,
+                name=Path(name).stem,
+                kind=JobKind.FILE,
+                state=JobState.QUEUED,
+                source=str(source),
+                rel_path=name,
+            )
             guard = DiskGuard(scheduler, settings, free=lambda _path: diskguard.MARGIN)
             short = guard.shortfall(job)
             assert short is not None

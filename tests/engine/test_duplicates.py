@@ -6,6 +6,7 @@ Real service, real worker with the tiny model. The publish of the first copy is 
 a gate on the real stem writer, so "the second copy was checked while the first was still
 publishing" follows from the order of events, not from how fast this machine is.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def done(jobs: JobLog, count: int) -> list[Job]:
 Started = Callable[[Settings], tuple[Service, JobLog]]
 
 
-def moved_away_and_replaced(settings: Settings, service_factory: Started,
-                            tmp_path: Path) -> tuple[Service, JobLog, Job, Job, Path]:
+def moved_away_and_replaced(
+    settings: Settings, service_factory: Started, tmp_path: Path
+) -> tuple[Service, JobLog, Job, Job, Path]:
     """take.wav (song A) is published to outbox/take; the user moves that folder away; a new
     take.wav (song B) is published to outbox/take. Returns both jobs and song A's file."""
     service, jobs = service_factory(settings)
@@ -73,10 +75,10 @@ def moved_away_and_replaced(settings: Settings, service_factory: Started,
 
 
 def test_a_duplicate_never_points_at_another_songs_stems(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings()
-    _service, jobs, _first, second, a = moved_away_and_replaced(settings, service_factory,
-                                                               tmp_path)
+    _service, jobs, _first, second, a = moved_away_and_replaced(settings, service_factory, tmp_path)
     drop(a, settings.paths.inbox, "take.wav")  # song A again: its old folder holds song B now
 
     third = done(jobs, 3)[2]
@@ -88,10 +90,10 @@ def test_a_duplicate_never_points_at_another_songs_stems(
 
 
 def test_removing_an_old_job_never_deletes_the_stems_a_later_song_published_in_its_place(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings()
-    service, _jobs, first, second, _a = moved_away_and_replaced(settings, service_factory,
-                                                               tmp_path)
+    service, _jobs, first, second, _a = moved_away_and_replaced(settings, service_factory, tmp_path)
     assert service.scheduler.remove(first.id) == []
 
     assert service.registry.get(first.id) is None
@@ -103,7 +105,8 @@ def test_removing_an_old_job_never_deletes_the_stems_a_later_song_published_in_i
 
 
 def test_removing_a_duplicate_leaves_the_original_songs_stems(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings()
     service, jobs = service_factory(settings)
     song = write_song(tmp_path / "song.wav", 1.5, seed=3)
@@ -132,15 +135,17 @@ class FirstPublishHeld:
     it waits for the song in flight. Then the write goes on, or (`fail`) fails as a full
     disk would."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, service: Service, name: str,
-                 fail: bool = False) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, service: Service, name: str, fail: bool = False
+    ) -> None:
         self.checked = threading.Event()
         self.held_for_nothing = False  # the gate gave up waiting: the check never came
         self._second: str | None = None
         real = publish.write_song
 
-        def held(staging: Path, stems: Any, samplerate: int, song: str, *args: Any,
-                 **kwargs: Any) -> Any:
+        def held(
+            staging: Path, stems: Any, samplerate: int, song: str, *args: Any, **kwargs: Any
+        ) -> Any:
             if song == name:
                 self.held_for_nothing = not self.checked.wait(120)
                 if fail:
@@ -175,9 +180,14 @@ class FirstPublishHeld:
         self._logger.setLevel(self._level)
 
 
-def twins_back_to_back(settings: Settings, service: Service, jobs: JobLog,
-                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                       fail: bool) -> tuple[dict[str, Job], Path]:
+def twins_back_to_back(
+    settings: Settings,
+    service: Service,
+    jobs: JobLog,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fail: bool,
+) -> tuple[dict[str, Job], Path]:
     """song.wav and `song copy.wav` (the same bytes) dropped back to back; the first one's
     publish is held until the second has been checked. Returns the jobs by name."""
     gate = FirstPublishHeld(monkeypatch, service, "song", fail=fail)
@@ -198,11 +208,11 @@ def twins_back_to_back(settings: Settings, service: Service, jobs: JobLog,
 
 
 def test_the_same_song_dropped_twice_back_to_back_is_separated_once(
-        make_settings, service_factory, monkeypatch, tmp_path: Path) -> None:
+    make_settings, service_factory, monkeypatch, tmp_path: Path
+) -> None:
     settings = make_settings(queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
-    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path,
-                                        fail=False)
+    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path, fail=False)
 
     first, second = finished["song"], finished["song copy"]
     assert first.state is JobState.DONE and first.error is None, first
@@ -216,11 +226,11 @@ def test_the_same_song_dropped_twice_back_to_back_is_separated_once(
 
 
 def test_a_song_whose_twin_in_flight_fails_is_separated_itself(
-        make_settings, service_factory, monkeypatch, tmp_path: Path) -> None:
+    make_settings, service_factory, monkeypatch, tmp_path: Path
+) -> None:
     settings = make_settings(queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
-    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path,
-                                        fail=True)
+    finished, song = twins_back_to_back(settings, service, jobs, monkeypatch, tmp_path, fail=True)
 
     first, second = finished["song"], finished["song copy"]
     assert first.state is JobState.FAILED and "injected" in (first.error or ""), first

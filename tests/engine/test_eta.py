@@ -2,6 +2,7 @@
 its songs really finished, and the same estimate where people read it (`status`, `status
 --json`, the tray's tooltip) and after a restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,15 @@ def queue_songs(service: Any, lengths: list[float]) -> list[str]:
     for i, seconds in enumerate(lengths):
         path = write_song(staging / f"song {i:02d}.wav", seconds, seed=i)
         os.replace(path, inbox / path.name)
-        ids.append(wait_for(lambda: getattr(service.registry.latest_for_source(
-            str(inbox / path.name)), "id", None), 20, f"song {i} to be queued"))
+        ids.append(
+            wait_for(
+                lambda: getattr(
+                    service.registry.latest_for_source(str(inbox / path.name)), "id", None
+                ),
+                20,
+                f"song {i} to be queued",
+            )
+        )
     return ids
 
 
@@ -50,8 +58,9 @@ def manifest_of(job: Any) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_queue_is_done_when_the_estimate_said_within_a_quarter(make_settings: Any,
-                                                                   service_factory: Any) -> None:
+def test_the_queue_is_done_when_the_estimate_said_within_a_quarter(
+    make_settings: Any, service_factory: Any
+) -> None:
     """Ten songs of different lengths; the estimate read after the first three finished.
 
     The machine's speed is not the estimate's to know, and on a shared machine it changes
@@ -72,8 +81,7 @@ def test_the_queue_is_done_when_the_estimate_said_within_a_quarter(make_settings
     wait_for(lambda: len(done_ids(service)) >= 3, 300, "the first three songs")
     snap = service.scheduler.snapshot()
     asked_at, eta = time.time(), snap["eta"]
-    left = [job["id"] for job in ([snap["running"]] if snap["running"] else [])
-            + snap["queued"]]
+    left = [job["id"] for job in ([snap["running"]] if snap["running"] else []) + snap["queued"]]
     assert eta["measured"] and eta["finish"] > asked_at and eta["songs"] == len(left)
     rate = eta["rate"]
     assert rate["model"] == "tiny" and rate["songs"] >= 3
@@ -85,30 +93,37 @@ def test_the_queue_is_done_when_the_estimate_said_within_a_quarter(make_settings
         assert eta["jobs"][after]["start"] == eta["jobs"][before]["finish"]
     for job_id in queued:  # each song's time from its own length
         entry = eta["jobs"][job_id]
-        assert abs(entry["finish"] - entry["start"] - rate["overhead"]
-                   - expect(entry["length"])) < 0.2, entry
+        assert (
+            abs(entry["finish"] - entry["start"] - rate["overhead"] - expect(entry["length"])) < 0.2
+        ), entry
 
-    finished = wait_for(lambda: len(done_ids(service)) == 10 and done_ids(service), 500,
-                        "every song")
+    finished = wait_for(
+        lambda: len(done_ids(service)) == 10 and done_ids(service), 500, "every song"
+    )
     jobs = sorted(service.registry.jobs([JobState.DONE]), key=lambda job: job.finished_at)
-    measured = [(manifest_of(job)["input"]["duration"], manifest_of(job)["timings"]["separate"])
-                for job in jobs]
-    learnt, rest = measured[:rate["songs"]], measured[rate["songs"]:]
+    measured = [
+        (manifest_of(job)["input"]["duration"], manifest_of(job)["timings"]["separate"])
+        for job in jobs
+    ]
+    learnt, rest = measured[: rate["songs"]], measured[rate["songs"] :]
     # calibrated on what it measured: the fit gives back the separation seconds of the
     # songs it learnt from
-    assert abs(sum(expect(length) for length, _ in learnt) - sum(s for _, s in learnt)) \
-        < 0.05 + 1e-3 * sum(s for _, s in learnt), (rate, learnt)
+    assert abs(
+        sum(expect(length) for length, _ in learnt) - sum(s for _, s in learnt)
+    ) < 0.05 + 1e-3 * sum(s for _, s in learnt), (rate, learnt)
     # the machine's change of pace over the songs left, as the service measured them
     pace = sum(s for _, s in rest) / sum(expect(length) for length, _ in rest)
     actual = max(finished.values()) - asked_at
     predicted = eta["finish"] - asked_at
     assert abs(predicted * pace - actual) <= 0.25 * actual, (
         f"estimated {predicted:.1f} s to go ({predicted * pace:.1f} s at the pace the songs "
-        f"left were separated, {pace:.2f}× the pace measured), took {actual:.1f} s")
+        f"left were separated, {pace:.2f}× the pace measured), took {actual:.1f} s"
+    )
 
 
 def test_status_and_the_tray_say_when_the_queue_will_be_done_and_a_restart_remembers(
-        make_settings: Any, service_factory: Any) -> None:
+    make_settings: Any, service_factory: Any
+) -> None:
     settings = make_settings()
     service, _ = service_factory(settings)
     queue_songs(service, [3.0])
@@ -127,16 +142,22 @@ def test_status_and_the_tray_say_when_the_queue_will_be_done_and_a_restart_remem
 
     gate = SeparationGate(service.client, ids[0])  # the first song holds: the rest wait
     service.scheduler.start()
-    wait_for(lambda: service.registry.get(ids[0]).state is JobState.SEPARATING, 60,
-             "the first song to separate")
+    wait_for(
+        lambda: service.registry.get(ids[0]).state is JobState.SEPARATING,
+        60,
+        "the first song to separate",
+    )
     snap = service.scheduler.snapshot()
     eta = snap["eta"]
     assert eta["songs"] == 3 and eta["finish"] > time.time() and not eta["paused"]
     clock = time.strftime("%H:%M", time.localtime(eta["finish"]))
     assert f"3 songs, done around {clock}" in build_view(snap, None).title
 
-    status = wait_for(lambda: (s := collect(settings))["eta"] and s["eta"]["finish"] and s,
-                      10, "status to read the estimate")
+    status = wait_for(
+        lambda: (s := collect(settings))["eta"] and s["eta"]["finish"] and s,
+        10,
+        "status to read the estimate",
+    )
     assert abs(status["eta"]["finish"] - eta["finish"]) < 5
     assert [i for i in ids if status["eta"]["jobs"][i]["finish"]] == ids
     clock = time.strftime("%H:%M", time.localtime(status["eta"]["finish"]))
@@ -155,19 +176,25 @@ def test_status_and_the_tray_say_when_the_queue_will_be_done_and_a_restart_remem
     assert eta["measured"] and eta["songs"] == 3 and eta["seconds"] > 0
 
 
-def test_a_fifo_in_place_of_a_queued_song_never_holds_the_estimate(settings: Any,
-                                                                   tmp_path: Path) -> None:
+def test_a_fifo_in_place_of_a_queued_song_never_holds_the_estimate(
+    settings: Any, tmp_path: Path
+) -> None:
     """The inbox is shared: a FIFO planted under a queued song's name must not stop the
     snapshot (the page, the tray, `GET /api/queue`) while it waits for a writer."""
     registry = Registry.open(tmp_path / "registry.sqlite3")
     estimator = Estimator(registry, settings, EventBus())
     fifo = settings.paths.inbox / "song.wav"
     os.mkfifo(fifo)
-    job = Job(id="a" * 12, name="song", kind=JobKind.FILE, state=JobState.QUEUED,
-              source=str(fifo), rel_path="song.wav")
+    job = Job(
+        id="a" * 12,
+        name="song",
+        kind=JobKind.FILE,
+        state=JobState.QUEUED,
+        source=str(fifo),
+        rel_path="song.wav",
+    )
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(
-        estimator.estimate([], [job], [], None)))
+    thread = threading.Thread(target=lambda: result.update(estimator.estimate([], [job], [], None)))
     thread.start()
     try:
         thread.join(10)

@@ -4,6 +4,7 @@ Real service, real worker with the tiny model. Slowness is injected by wrapping 
 decode and the real stem writer (they still do their work), so that "the worker did not wait"
 shows up in the order of events, never in a timing assertion.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,15 +81,15 @@ def queue_paused(service, inbox: Path, songs: dict[str, float]) -> list[str]:  #
 
 
 def test_next_file_is_decoded_ahead_and_the_last_published_behind(
-        make_settings, service_factory, monkeypatch):
+    make_settings, service_factory, monkeypatch
+):
     decoded_on: dict[str, list[str]] = {}
     real_decode, real_write = runner.decode_to_file, publish.write_song
 
     priorities: set[tuple[int, int]] = set()
 
     def slow_decode(source, target, *args, **kwargs):  # type: ignore[no-untyped-def]
-        decoded_on.setdefault(Path(target).parent.name, []).append(
-            threading.current_thread().name)
+        decoded_on.setdefault(Path(target).parent.name, []).append(threading.current_thread().name)
         priorities.add(thread_priority())
         time.sleep(SLOW)
         return real_decode(source, target, *args, **kwargs)
@@ -113,8 +114,9 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
     settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     timeline = Timeline(service.bus)
-    a, b, c = queue_paused(service, settings.paths.inbox,
-                           {"a.wav": 6.0, "b.wav": 6.0, "c.wav": 6.0})
+    a, b, c = queue_paused(
+        service, settings.paths.inbox, {"a.wav": 6.0, "b.wav": 6.0, "c.wav": 6.0}
+    )
     service.scheduler.start()
     finished = {j.id: j for j in jobs.wait_final(3, timeout=300)}
 
@@ -126,8 +128,9 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
     # ...and so was the disk check's duration probe (by the prefetcher, asking whether the
     # next song fits beside the ones in flight): between two jobs the worker waits for
     # neither (only the first job, with nothing separating before it, was probed on the spot)
-    assert probed_on == {"a.wav": ["dispatcher"], "b.wav": ["prefetch"],
-                         "c.wav": ["prefetch"]}, probed_on
+    assert probed_on == {"a.wav": ["dispatcher"], "b.wav": ["prefetch"], "c.wav": ["prefetch"]}, (
+        probed_on
+    )
     # the worker took the next job while the previous one was still being written
     assert timeline.index(b, JobState.SEPARATING) < timeline.index(a, JobState.DONE)
     assert timeline.index(c, JobState.SEPARATING) < timeline.index(b, JobState.FAILED)
@@ -149,7 +152,8 @@ def test_next_file_is_decoded_ahead_and_the_last_published_behind(
 
 
 def test_a_decoded_ahead_job_cancelled_or_paused_is_as_if_never_decoded(
-        make_settings, service_factory):
+    make_settings, service_factory
+):
     settings = make_settings(separation={"shifts": 2}, queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     inbox, scratch = settings.paths.inbox, settings.paths.scratch
@@ -193,12 +197,22 @@ def test_work_beside_the_worker_where_it_pays(make_settings) -> None:
     from stemdeck_watch.workers.local import WorkerClient
 
     cores = physical_cores()
-    song = Job(id="j", name="song", kind=JobKind.FILE, state=JobState.QUEUED,
-               source="/song.wav", rel_path="song.wav")
-    cases = [("cpu", cores, "auto", True, False), ("cpu", cores, "auto", False, True),
-             ("cpu", max(1, cores - 1), "auto", True, cores > 1),
-             ("cuda", cores, "auto", True, True), ("cpu", cores, "on", True, True),
-             ("cuda", 1, "off", False, False)]
+    song = Job(
+        id="j",
+        name="song",
+        kind=JobKind.FILE,
+        state=JobState.QUEUED,
+        source="/song.wav",
+        rel_path="song.wav",
+    )
+    cases = [
+        ("cpu", cores, "auto", True, False),
+        ("cpu", cores, "auto", False, True),
+        ("cpu", max(1, cores - 1), "auto", True, cores > 1),
+        ("cuda", cores, "auto", True, True),
+        ("cpu", cores, "on", True, True),
+        ("cuda", 1, "off", False, False),
+    ]
     for device, threads, mode, beat_grid, expected in cases:
         settings = make_settings(queue={"work_beside": mode}, output={"beat_grid": beat_grid})
         client = WorkerClient(device=device, threads=threads)
@@ -220,8 +234,17 @@ def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_p
     from stemdeck_watch.engine.prepared import Prepared
     from stemdeck_watch.engine.prefetch import Prefetcher
 
-    jobs = {i: Job(id=i, name=i, kind=JobKind.FILE, state=JobState.QUEUED, source=f"/{i}.wav",
-                   rel_path=f"{i}.wav") for i in ("a", "b", "c")}
+    jobs = {
+        i: Job(
+            id=i,
+            name=i,
+            kind=JobKind.FILE,
+            state=JobState.QUEUED,
+            source=f"/{i}.wav",
+            rel_path=f"{i}.wav",
+        )
+        for i in ("a", "b", "c")
+    }
     release, started, made = threading.Event(), threading.Event(), Prepared(sha256="b's")
 
     def prepare(job, control, on_progress):  # type: ignore[no-untyped-def]
@@ -231,11 +254,14 @@ def test_work_ahead_survives_the_gap_between_taking_its_job_and_running_it(tmp_p
         return made
 
     queue = JobQueue()
-    scheduler = types.SimpleNamespace(queue=queue, registry=types.SimpleNamespace(get=jobs.get),
-                                      bus=EventBus())
+    scheduler = types.SimpleNamespace(
+        queue=queue, registry=types.SimpleNamespace(get=jobs.get), bus=EventBus()
+    )
     pipeline = types.SimpleNamespace(
-        can_prepare=lambda job: True, prepare=prepare,
-        settings=types.SimpleNamespace(paths=types.SimpleNamespace(scratch=tmp_path)))
+        can_prepare=lambda job: True,
+        prepare=prepare,
+        settings=types.SimpleNamespace(paths=types.SimpleNamespace(scratch=tmp_path)),
+    )
     prefetcher = Prefetcher(scheduler, pipeline)  # type: ignore[arg-type]
     for job_id in ("a", "b", "c"):
         queue.put(job_id)

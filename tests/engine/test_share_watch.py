@@ -2,6 +2,7 @@
 does when the mount below it goes) or loses the `.stemdeck/` folder the service keeps there
 (the empty local folder a mount point leaves). The real registry, queue, scheduler and
 pipeline; the mounts themselves are in tests/service/test_share_outage.py."""
+
 from __future__ import annotations
 
 import os
@@ -61,7 +62,8 @@ def test_an_inbox_that_vanishes_pauses_the_queue_until_it_answers(settings: Sett
 
 
 def test_a_pause_the_user_chose_outlives_the_share_and_other_pauses_come_back(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     scheduler = open_scheduler(settings)
     watch = ShareWatch(scheduler, settings)
     watch.tick()
@@ -102,7 +104,8 @@ def test_a_mount_point_left_as_an_empty_folder_is_a_share_away(settings: Setting
 
 
 def test_a_done_songs_input_that_cannot_be_reached_moves_to_processed_when_it_answers(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     scheduler = open_scheduler(settings)
     watch = ShareWatch(scheduler, settings)
     watch.tick()
@@ -144,8 +147,9 @@ def test_a_registry_from_before_pending_moves_gains_them(tmp_path: Path) -> None
     Registry.open(path).close()
     db = sqlite3.connect(path)
     # as version 3 left it: no pending moves, no faults column
-    db.executescript("DROP TABLE pending_moves; ALTER TABLE jobs DROP COLUMN faults; "
-                     "PRAGMA user_version = 3;")
+    db.executescript(
+        "DROP TABLE pending_moves; ALTER TABLE jobs DROP COLUMN faults; PRAGMA user_version = 3;"
+    )
     db.close()
     registry = Registry.open(path)
     assert registry.pending_moves() == []
@@ -170,8 +174,15 @@ def test_a_users_pause_survives_a_restart_while_the_inbox_is_away(settings: Sett
         watch.look(role)
     pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
     pipeline.shares = watch
-    assert restore(scheduler, settings, pipeline.file_input,
-                   unreachable=lambda _source: watch.away("inbox")) == 1
+    assert (
+        restore(
+            scheduler,
+            settings,
+            pipeline.file_input,
+            unreachable=lambda _source: watch.away("inbox"),
+        )
+        == 1
+    )
     watch.tick()
     assert reason(scheduler) == PAUSE_USER
     aside.rename(inbox)

@@ -7,6 +7,7 @@ Real service, real worker with the tiny model, real watcher; a link's media come
 loopback server. Each window is held open with a gate on the service's own steps, not with
 sleeps. Work beside the worker is on, as users with a GPU (or a free core) get it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,19 +71,27 @@ def media(tmp_path: Path) -> Iterator[MediaServer]:
 
 @pytest.mark.parametrize("intake_sees_the_edit", [True, False])
 def test_a_link_edited_after_its_download_was_prepared_publishes_the_new_url(
-        make_settings, service_factory, media: MediaServer, tmp_path: Path,
-        intake_sees_the_edit: bool) -> None:
+    make_settings, service_factory, media: MediaServer, tmp_path: Path, intake_sees_the_edit: bool
+) -> None:
     settings = make_settings(queue={"work_beside": "on"})
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
-    first, a = queue_paused(service, [lambda: write_song(inbox / "first.wav", 3.0),
-                                      lambda: url_file(inbox, "a.url", media.url("old.wav"))])
+    first, a = queue_paused(
+        service,
+        [
+            lambda: write_song(inbox / "first.wav", 3.0),
+            lambda: url_file(inbox, "a.url", media.url("old.wav")),
+        ],
+    )
     gate = SeparationGate(service.client, first)  # "first" separates until the edit is made
     service.scheduler.start()
 
     downloaded = settings.paths.scratch / a / "download"
-    wait_for(lambda: any(downloaded.glob("media.*")) and not any(downloaded.glob("*.part")), 60,
-             "the old URL downloaded ahead")
+    wait_for(
+        lambda: any(downloaded.glob("media.*")) and not any(downloaded.glob("*.part")),
+        60,
+        "the old URL downloaded ahead",
+    )
     assert jobs.latest[first].state is JobState.SEPARATING
     assert jobs.latest[a].state is JobState.QUEUED
     if not intake_sees_the_edit:
@@ -121,14 +130,20 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ended
 
 
-def b_decoded_ahead(settings: Settings, service_factory: Callable[..., Any],
-                    decoded: list[str]) -> tuple[Service, JobLog, str, str, SeparationGate]:
+def b_decoded_ahead(
+    settings: Settings, service_factory: Callable[..., Any], decoded: list[str]
+) -> tuple[Service, JobLog, str, str, SeparationGate]:
     """The service, its job log, "first" separating (held by the gate until the test opens
     it) and b.wav, queued behind it, decoded ahead."""
     inbox = settings.paths.inbox
     service, jobs = service_factory(settings)
-    first, b = queue_paused(service, [lambda: write_song(inbox / "first.wav", 3.0),
-                                      lambda: write_song(inbox / "b.wav", 2.0, seed=1)])
+    first, b = queue_paused(
+        service,
+        [
+            lambda: write_song(inbox / "first.wav", 3.0),
+            lambda: write_song(inbox / "b.wav", 2.0, seed=1),
+        ],
+    )
     gate = SeparationGate(service.client, first)
     service.scheduler.start()
     wait_for(lambda: b in decoded, 60, "b decoded ahead")
@@ -139,8 +154,8 @@ def b_decoded_ahead(settings: Settings, service_factory: Callable[..., Any],
 
 @pytest.mark.parametrize("intake_sees_the_copy", [True, False])
 def test_a_song_replaced_by_one_of_the_same_size_and_time_is_not_published_with_the_old_audio(
-        make_settings, service_factory, decoded: list[str], tmp_path: Path,
-        intake_sees_the_copy: bool) -> None:
+    make_settings, service_factory, decoded: list[str], tmp_path: Path, intake_sees_the_copy: bool
+) -> None:
     settings = make_settings(queue={"work_beside": "on"})
     inbox = settings.paths.inbox
     service, jobs, first, b, gate = b_decoded_ahead(settings, service_factory, decoded)
@@ -167,7 +182,8 @@ def test_a_song_replaced_by_one_of_the_same_size_and_time_is_not_published_with_
 
 
 def test_a_song_replaced_as_its_job_is_taken_is_separated_once_and_leaves_the_inbox(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings()
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -194,8 +210,9 @@ def test_a_song_replaced_as_its_job_is_taken_is_separated_once_and_leaves_the_in
     wait_for(lambda: jobs.latest[song].signature == replaced, 30, "the new version to be seen")
     release.set()
 
-    done = wait_for(lambda: jobs.latest[song].state.is_final and jobs.latest[song], 120,
-                    "the job to end")
+    done = wait_for(
+        lambda: jobs.latest[song].state.is_final and jobs.latest[song], 120, "the job to end"
+    )
     # the new version was separated: that is the one the job checks after publishing
     assert done.state is JobState.DONE and done.error is None, done
     manifest = manifest_of(done.output)
@@ -206,7 +223,8 @@ def test_a_song_replaced_as_its_job_is_taken_is_separated_once_and_leaves_the_in
 
 
 def test_a_song_overwritten_in_place_by_cp_p_is_not_published_with_the_old_audio(
-        make_settings, service_factory, decoded: list[str], tmp_path: Path) -> None:
+    make_settings, service_factory, decoded: list[str], tmp_path: Path
+) -> None:
     """`cp -p new.wav inbox/b.wav` onto the file that is there writes into the same inode and
     sets the old modification time back: size, time and inode all stay, and nothing but
     the file's change time (ctime) says it is another song."""

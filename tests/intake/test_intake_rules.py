@@ -1,4 +1,5 @@
 """Which inbox paths become jobs, and when a file counts as complete (injected clock)."""
+
 from __future__ import annotations
 
 import os
@@ -14,23 +15,55 @@ from stemdeck_watch.intake.stability import StabilityTracker
 from support.helpers import open_scheduler
 
 
-@pytest.mark.parametrize("rel", [
-    "song.mp3", "Album/01 Intro.flac", "deep/er/still.M4A", "video.mkv", "take.opus",
-])
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "song.mp3",
+        "Album/01 Intro.flac",
+        "deep/er/still.M4A",
+        "video.mkv",
+        "take.opus",
+    ],
+)
 def test_audio_files_are_eligible(rel: str) -> None:
     assert InboxFilter(AUDIO_EXTENSIONS).eligible(PurePosixPath(rel))
 
 
-@pytest.mark.parametrize("rel", [
-    "._song.mp3", ".DS_Store", "~$notes.wav", ".~lock.song.wav#", "song.mp3.part",
-    "song.mp3.crdownload", "song.download", "song.tmp", "song.mp3.!sync", "song.partial",
-    ".song.mp3.icloud", "song.mp3.icloud", "song.rsls", "Thumbs.db", "desktop.ini",
-    "song.sync-conflict-20260101-120000-ABCDEF.mp3", ".stfolder/song.mp3",
-    ".stversions/song.mp3", ".dropbox.cache/song.mp3", ".tmp.drivedownload/x.mp3",
-    ".tmp.driveupload/x.mp3", "@eaDir/song.mp3", "#recycle/song.mp3", "#snapshot/a/song.mp3",
-    "$RECYCLE.BIN/song.mp3", ".Trashes/song.mp3", "__MACOSX/song.mp3", "notes.txt",
-    "cover.jpg", "song",
-])
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "._song.mp3",
+        ".DS_Store",
+        "~$notes.wav",
+        ".~lock.song.wav#",
+        "song.mp3.part",
+        "song.mp3.crdownload",
+        "song.download",
+        "song.tmp",
+        "song.mp3.!sync",
+        "song.partial",
+        ".song.mp3.icloud",
+        "song.mp3.icloud",
+        "song.rsls",
+        "Thumbs.db",
+        "desktop.ini",
+        "song.sync-conflict-20260101-120000-ABCDEF.mp3",
+        ".stfolder/song.mp3",
+        ".stversions/song.mp3",
+        ".dropbox.cache/song.mp3",
+        ".tmp.drivedownload/x.mp3",
+        ".tmp.driveupload/x.mp3",
+        "@eaDir/song.mp3",
+        "#recycle/song.mp3",
+        "#snapshot/a/song.mp3",
+        "$RECYCLE.BIN/song.mp3",
+        ".Trashes/song.mp3",
+        "__MACOSX/song.mp3",
+        "notes.txt",
+        "cover.jpg",
+        "song",
+    ],
+)
 def test_temporary_lock_and_metadata_files_are_never_jobs(rel: str) -> None:
     assert not InboxFilter(AUDIO_EXTENSIONS).eligible(PurePosixPath(rel))
 
@@ -76,7 +109,7 @@ def tracked_song(tmp_path: Path, settle: float) -> tuple[Clock, StabilityTracker
 
 def test_a_file_is_ready_only_after_settling(tmp_path: Path) -> None:
     clock, tracker, _ = tracked_song(tmp_path, 3.0)
-    assert ready_names(tracker) == []           # first look never decides
+    assert ready_names(tracker) == []  # first look never decides
     clock.advance(2.9)
     assert ready_names(tracker) == []
     clock.advance(0.2)
@@ -88,11 +121,11 @@ def test_the_intake_knows_when_to_look_next(tmp_path: Path) -> None:
     """`next_due` is when a song's quiet period ends, so the intake looks then and a song
     waits `settle_seconds`, not up to a tick more; events and growth move it later."""
     clock, tracker, song = tracked_song(tmp_path, 3.0)
-    assert tracker.next_due() is None            # not looked at yet: the next tick does
+    assert tracker.next_due() is None  # not looked at yet: the next tick does
     tracker.ready()
     assert tracker.next_due() == clock.now + 3.0
     clock.advance(1.0)
-    tracker.touch(song)                          # an event restarts the quiet period
+    tracker.touch(song)  # an event restarts the quiet period
     assert tracker.next_due() == clock.now + 3.0
     empty = tmp_path / "download.part.wav"
     empty.touch()
@@ -109,9 +142,9 @@ def test_growth_or_events_restart_the_wait(tmp_path: Path) -> None:
     clock.advance(2.0)
     with open(song, "ab") as handle:
         handle.write(b"more")
-    assert ready_names(tracker) == []           # size changed: quiet period restarts now
+    assert ready_names(tracker) == []  # size changed: quiet period restarts now
     clock.advance(2.0)
-    tracker.touch(song)                         # an event: restarts again
+    tracker.touch(song)  # an event: restarts again
     clock.advance(2.9)
     assert ready_names(tracker) == []
     clock.advance(0.2)
@@ -141,11 +174,11 @@ def test_close_after_write_shortens_the_wait_but_is_not_proof(tmp_path: Path) ->
     tracker.touch(song, closed=True)
     tracker.ready()
     clock.advance(0.5)
-    with open(song, "ab") as handle:            # reopened and written after the close
+    with open(song, "ab") as handle:  # reopened and written after the close
         handle.write(b"y")
     assert ready_names(tracker) == []
     clock.advance(1.5)
-    assert ready_names(tracker) == []           # the close no longer counts: full settle
+    assert ready_names(tracker) == []  # the close no longer counts: full settle
     clock.advance(3.6)
     assert ready_names(tracker) == ["song.wav"]
     other = tmp_path / "other.wav"
@@ -177,7 +210,8 @@ def drop(settings: Settings, name: str) -> tuple[Path, FileSignature]:
 
 
 def test_a_file_deleted_while_it_is_being_admitted_leaves_no_job_and_no_report(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     scheduler = open_scheduler(settings)
     path, sig = drop(settings, "song.wav")
     assert scheduler.wants(path, sig)  # the intake decided to admit it…

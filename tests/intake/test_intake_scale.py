@@ -1,5 +1,6 @@
 """A music library dropped at once: every file accounted for (queued or waiting), on disk too,
 in native and polling mode. Sized to stay fast; the 10,000-file figure is a benchmark."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ FILES = 1000
 
 
 @pytest.mark.parametrize("mode", ["native", "polling"])
-def test_a_thousand_files_dropped_at_once_are_all_accounted_for(make_settings, service_factory,
-                                                                tmp_path, mode):
+def test_a_thousand_files_dropped_at_once_are_all_accounted_for(
+    make_settings, service_factory, tmp_path, mode
+):
     settings = make_settings(watch={"mode": mode, "poll_interval": 0.5}, api={"enabled": False})
     service, _ = service_factory(settings)
     service.scheduler.pause("user")

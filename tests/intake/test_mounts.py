@@ -1,6 +1,7 @@
 """Network filesystems are found in the mount table, and a refused native watch falls back to
 polling. The mount table is fed in /proc/self/mounts format (the shares themselves cannot be
 mounted here); the watch-limit failure is the real OSError the inotify observer raises."""
+
 from __future__ import annotations
 
 import errno
@@ -31,17 +32,19 @@ SHARES = [  # (fstype, device, options) as each kind of share appears in /proc/s
 ]
 
 
-def mount_table(tmp_path: Path, mount_point: Path, fstype: str, device: str,
-                options: str) -> Path:
+def mount_table(tmp_path: Path, mount_point: Path, fstype: str, device: str, options: str) -> Path:
     """A mount table with the usual local mounts and one share at `mount_point`."""
+
     def escape(text: str) -> str:
         return text.replace(" ", "\\040")
 
-    lines = ["sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
-             "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
-             "/dev/sda1 / ext4 rw,relatime,errors=remount-ro 0 0",
-             f"tmpfs {tmp_path} tmpfs rw,nosuid,nodev 0 0",
-             f"{escape(device)} {escape(str(mount_point))} {fstype} {options} 0 0"]
+    lines = [
+        "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
+        "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
+        "/dev/sda1 / ext4 rw,relatime,errors=remount-ro 0 0",
+        f"tmpfs {tmp_path} tmpfs rw,nosuid,nodev 0 0",
+        f"{escape(device)} {escape(str(mount_point))} {fstype} {options} 0 0",
+    ]
     table = tmp_path / "mounts"
     table.write_text("\n".join(lines) + "\n")
     return table
@@ -59,8 +62,10 @@ def test_an_inbox_on_a_network_share_is_polled(tmp_path, fstype, device, options
     # a folder beside the share is on the local filesystem: native events
     assert choose_mode(WatchSettings(), tmp_path / "local", table)[0] == "native"
     # the user's choice wins over detection
-    assert choose_mode(WatchSettings(mode="native"), inbox, table) == ("native",
-                                                                       "watch.mode = 'native'")
+    assert choose_mode(WatchSettings(mode="native"), inbox, table) == (
+        "native",
+        "watch.mode = 'native'",
+    )
 
 
 def test_a_polled_share_still_finds_dropped_songs(make_settings, tmp_path):
@@ -84,8 +89,9 @@ class LimitedObserver(Observer):  # type: ignore[misc, valid-type]
         raise OSError(errno.ENOSPC, "inotify watch limit reached")
 
 
-def test_the_watch_limit_falls_back_to_polling_and_says_so(make_settings, monkeypatch,
-                                                           tmp_path, caplog):
+def test_the_watch_limit_falls_back_to_polling_and_says_so(
+    make_settings, monkeypatch, tmp_path, caplog
+):
     monkeypatch.setattr(watcher, "Observer", LimitedObserver)
     settings = make_settings(watch={"mode": "native", "poll_interval": 0.2})
     with caplog.at_level(logging.WARNING, logger="stemdeck_watch.intake.watcher"):

@@ -1,6 +1,7 @@
 """Names as people and other systems spell them: two Unicode spellings of one name, 255-byte
 names, newlines, leading dashes, `%`, deep folders — and symbolic links, never followed out of
 the inbox."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,7 @@ def test_two_unicode_spellings_of_one_song_are_one_job(rig, tmp_path):
 def test_a_different_song_under_the_other_spelling_is_its_own_job(rig, tmp_path):
     (rig.inbox / f"{NFD}.wav").write_bytes(write_song(tmp_path / "a.wav", 1.0).read_bytes())
     rig.wait_jobs(1)
-    (rig.inbox / f"{NFC}.wav").write_bytes(write_song(tmp_path / "b.wav", 1.5,
-                                                      seed=1).read_bytes())
+    (rig.inbox / f"{NFC}.wav").write_bytes(write_song(tmp_path / "b.wav", 1.5, seed=1).read_bytes())
     jobs = rig.wait_jobs(2)
     assert {j.name for j in jobs} == {NFC}
 
@@ -82,7 +82,7 @@ def test_a_linked_folder_is_not_walked(rig, tmp_path, caplog):
     library = tmp_path / "Music Library"
     for i in range(2):
         write_song(library / f"{i}.wav", 1.0, seed=i)
-    os.symlink(library, rig.inbox / "Library")       # appears as one new folder
+    os.symlink(library, rig.inbox / "Library")  # appears as one new folder
     write_song(rig.inbox / "marker.wav", 1.0)
     rig.wait_jobs(1)
     rig.intake.scan(rig.inbox)
@@ -97,21 +97,33 @@ def test_awkward_names_are_separated_and_kept(make_settings, service_factory, tm
     service, jobs = service_factory(settings)
     long_stem = "L" * (255 - len(".wav"))
     deep = "/".join(f"level{i}" for i in range(12))
-    names = [f"{long_stem}.wav", "-rf --help.wav", "100% mix %s %d.wav", "two\nlines.wav",
-             f"{deep}/deep.wav", f"{NFD}.wav"]
+    names = [
+        f"{long_stem}.wav",
+        "-rf --help.wav",
+        "100% mix %s %d.wav",
+        "two\nlines.wav",
+        f"{deep}/deep.wav",
+        f"{NFD}.wav",
+    ]
     assert len(names[0].encode()) == 255
     for i, name in enumerate(names):
         write_song(tmp_path / "stage" / f"{i}.wav", 1.0, seed=i)
         (settings.paths.inbox / name).parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp_path / "stage" / f"{i}.wav", settings.paths.inbox / name)
     finished = jobs.wait_final(len(names), timeout=240)
-    assert [j.state for j in finished] == [JobState.DONE] * len(names), \
-        [(j.name, j.error) for j in finished]
+    assert [j.state for j in finished] == [JobState.DONE] * len(names), [
+        (j.name, j.error) for j in finished
+    ]
     outbox = settings.paths.outbox
-    assert outbox_entries(outbox) == {long_stem, "-rf --help", "100% mix %s %d", "two\nlines",
-                                      "level0", NFC}
-    for folder in (outbox / long_stem, outbox / "two\nlines", outbox / deep / "deep",
-                   outbox / NFC):
+    assert outbox_entries(outbox) == {
+        long_stem,
+        "-rf --help",
+        "100% mix %s %d",
+        "two\nlines",
+        "level0",
+        NFC,
+    }
+    for folder in (outbox / long_stem, outbox / "two\nlines", outbox / deep / "deep", outbox / NFC):
         assert (folder / "vocals.wav").is_file() and (folder / "stemdeck.json").is_file()
     processed = settings.paths.processed
     assert (processed / names[0]).is_file() and (processed / deep / "deep.wav").is_file()

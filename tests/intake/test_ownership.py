@@ -4,6 +4,7 @@ Another machine is imitated the way the sync client would show it here: its hear
 written with its host name, its service id and a recent time. Staleness comes from an
 injected clock, never from sleeping minutes.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,29 @@ class Clock:
         return time.time() + self.offset
 
 
-def other_machine(inbox: Path, *, updated: float, host: str = "studio-mac",
-                  service_id: str = "a1b2c3d4e5f6", pid: int = 4242) -> Path:
+def other_machine(
+    inbox: Path,
+    *,
+    updated: float,
+    host: str = "studio-mac",
+    service_id: str = "a1b2c3d4e5f6",
+    pid: int = 4242,
+) -> Path:
     """The heartbeat another computer's service left in the synced inbox."""
     folder = inbox / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"owner-{service_id}.json"
-    path.write_text(json.dumps({"host": host, "service_id": service_id, "pid": pid,
-                                "started": updated - 600, "updated": updated}))
+    path.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "service_id": service_id,
+                "pid": pid,
+                "started": updated - 600,
+                "updated": updated,
+            }
+        )
+    )
     return path
 
 
@@ -57,9 +73,14 @@ def test_a_live_owner_elsewhere_makes_the_service_refuse_and_say_who(make_settin
 def test_stale_dead_and_unreadable_heartbeats_are_no_owner(tmp_path):
     inbox = tmp_path / "inbox"
     now = time.time()
-    other_machine(inbox, updated=now - 181, service_id="stale")             # too old
-    crashed = other_machine(inbox, updated=now, host="me", service_id="crashed",  # this host,
-                            pid=2 ** 22 + 7)                                    # gone
+    other_machine(inbox, updated=now - 181, service_id="stale")  # too old
+    crashed = other_machine(
+        inbox,
+        updated=now,
+        host="me",
+        service_id="crashed",  # this host,
+        pid=2**22 + 7,
+    )  # gone
     (inbox / FOLDER / "owner-half.json").write_text('{"host": "x", "serv')  # half synced
     ownership = InboxOwnership(inbox, host="me", service_id="mine")
     assert ownership.live_owners() == []
@@ -98,16 +119,21 @@ def test_standby_waits_for_the_owner_to_go_stale_then_takes_over(make_settings):
 
 
 @pytest.mark.slow
-def test_two_services_on_one_inbox_one_refuses_then_the_standby_takes_over(make_settings,
-                                                                          tmp_path):
+def test_two_services_on_one_inbox_one_refuses_then_the_standby_takes_over(make_settings, tmp_path):
     first_settings = make_settings(api={"enabled": False})
-    second_settings = make_settings(api={"enabled": False},
-                                    folders={"state": str(tmp_path / "state-2")})
+    second_settings = make_settings(
+        api={"enabled": False}, folders={"state": str(tmp_path / "state-2")}
+    )
     first = Service(first_settings)
     first.start()
     second = Service(second_settings)
-    standby = Service(make_settings(api={"enabled": False}, watch={"standby": True},
-                                    folders={"state": str(tmp_path / "state-3")}))
+    standby = Service(
+        make_settings(
+            api={"enabled": False},
+            watch={"standby": True},
+            folders={"state": str(tmp_path / "state-3")},
+        )
+    )
     stop = threading.Event()
     starter = threading.Thread(target=standby.start, args=(stop,))
     try:

@@ -6,6 +6,7 @@ careless intake would take half a song. What the user must see, checked after ev
 and again after a full rescan: exactly one job per song, queued with the song's complete
 content, nothing for temporary or metadata files, nothing stranded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ from support.helpers import outbox_entries, wait_for, write_paced
 from support.intake_harness import IntakeRig
 
 SETTLE = 0.3
-PAUSE = 0.7       # a writer's pause: longer than SETTLE (+ two intake ticks) and than POLL
+PAUSE = 0.7  # a writer's pause: longer than SETTLE (+ two intake ticks) and than POLL
 POLL = 0.2
 _ENCODED: dict[tuple[str, int], bytes] = {}
 
@@ -43,7 +44,7 @@ def audio(suffix: str = ".mp3", seed: int = 0, tmp: Path | None = None) -> bytes
 
 def pieces(data: bytes, count: int = 2) -> list[bytes]:
     step = len(data) // count + 1
-    return [data[i:i + step] for i in range(0, len(data), step)]
+    return [data[i : i + step] for i in range(0, len(data), step)]
 
 
 def slowly(path: Path, data: bytes, reopen: bool = False) -> None:
@@ -52,8 +53,12 @@ def slowly(path: Path, data: bytes, reopen: bool = False) -> None:
 
 
 def watching(make_settings, mode: str) -> IntakeRig:
-    return IntakeRig(make_settings(watch={"mode": mode, "poll_interval": POLL,
-                                          "settle_seconds": SETTLE}, api={"enabled": False}))
+    return IntakeRig(
+        make_settings(
+            watch={"mode": mode, "poll_interval": POLL, "settle_seconds": SETTLE},
+            api={"enabled": False},
+        )
+    )
 
 
 @pytest.fixture(params=["native", "polling"])
@@ -88,15 +93,20 @@ def settled(rig: IntakeRig, songs: dict[str, bytes]) -> None:
 
 # ---------------------------------------------------------------- in place
 
+
 @pytest.mark.parametrize("reopen", [False, True], ids=["one-open", "reopen-per-chunk"])
-def test_slow_in_place_writes_with_pauses_longer_than_the_poll_interval(make_settings, tmp_path,
-                                                                       reopen):
+def test_slow_in_place_writes_with_pauses_longer_than_the_poll_interval(
+    make_settings, tmp_path, reopen
+):
     # settle must outlast the writer's pauses (that is the rule); the poll interval need not
     for mode in ("native", "polling"):
-        settings = make_settings(watch={"mode": mode, "poll_interval": POLL,
-                                        "settle_seconds": 1.0},
-                                 folders={"inbox": str(tmp_path / mode / "inbox"),
-                                          "state": str(tmp_path / mode / "state")})
+        settings = make_settings(
+            watch={"mode": mode, "poll_interval": POLL, "settle_seconds": 1.0},
+            folders={
+                "inbox": str(tmp_path / mode / "inbox"),
+                "state": str(tmp_path / mode / "state"),
+            },
+        )
         with IntakeRig(settings) as rig:
             data = audio(".wav", 1, tmp_path)
             slowly(rig.inbox / "slow.wav", data, reopen)
@@ -104,6 +114,7 @@ def test_slow_in_place_writes_with_pauses_longer_than_the_poll_interval(make_set
 
 
 # ---------------------------------------------------------------- temp name, then rename
+
 
 def syncthing(inbox: Path, name: str, data: bytes) -> None:
     """Syncthing: `.syncthing.NAME.tmp` beside the target, the source's mtime set, renamed."""
@@ -165,9 +176,15 @@ def onedrive(inbox: Path, name: str, data: bytes) -> None:
 
 
 # polling sees a temp-then-rename writer only as the final file appearing: two suffice there
-@pytest.mark.parametrize("mode,writer", [
-    *[("native", w) for w in (syncthing, nextcloud, resilio, chrome, google_drive, onedrive)],
-    ("polling", syncthing), ("polling", chrome)], ids=lambda p: getattr(p, "__name__", p))
+@pytest.mark.parametrize(
+    "mode,writer",
+    [
+        *[("native", w) for w in (syncthing, nextcloud, resilio, chrome, google_drive, onedrive)],
+        ("polling", syncthing),
+        ("polling", chrome),
+    ],
+    ids=lambda p: getattr(p, "__name__", p),
+)
 def test_temp_name_then_rename(make_settings, tmp_path, mode, writer):
     with watching(make_settings, mode) as rig:
         (rig.inbox / "Album").mkdir()
@@ -180,13 +197,14 @@ def test_temp_name_then_rename(make_settings, tmp_path, mode, writer):
 
 # ---------------------------------------------------------------- browsers
 
+
 def test_firefox_zero_byte_file_then_part_renamed_over_it(rig, tmp_path):
     data = audio(".mp3", 3, tmp_path)
     target = rig.inbox / "download.mp3"
-    target.touch()                                   # the final name, empty, at once
+    target.touch()  # the final name, empty, at once
     part = target.with_name(target.name + ".part")
-    slowly(part, data)                               # the bytes go to NAME.part
-    os.replace(part, target)                         # renamed over the empty file
+    slowly(part, data)  # the bytes go to NAME.part
+    os.replace(part, target)  # renamed over the empty file
     settled(rig, {"download.mp3": data})
 
 
@@ -194,10 +212,16 @@ def test_safari_download_bundle(rig, tmp_path):
     data = audio(".m4a", 4, tmp_path)
     bundle = rig.inbox / "song.m4a.download"
     bundle.mkdir()
-    (bundle / "Info.plist").write_bytes(plistlib.dumps(
-        {"DownloadEntryURL": "https://example.com/song.m4a", "DownloadEntryProgressBytesSoFar": 0},
-        fmt=plistlib.FMT_BINARY))
-    slowly(bundle / "song.m4a", data)                # the unfinished file has the final name
+    (bundle / "Info.plist").write_bytes(
+        plistlib.dumps(
+            {
+                "DownloadEntryURL": "https://example.com/song.m4a",
+                "DownloadEntryProgressBytesSoFar": 0,
+            },
+            fmt=plistlib.FMT_BINARY,
+        )
+    )
+    slowly(bundle / "song.m4a", data)  # the unfinished file has the final name
     os.rename(bundle / "song.m4a", rig.inbox / "song.m4a")
     shutil.rmtree(bundle)
     settled(rig, {"song.m4a": data})
@@ -205,16 +229,19 @@ def test_safari_download_bundle(rig, tmp_path):
 
 # ---------------------------------------------------------------- sync clients' leftovers
 
+
 def test_icloud_placeholder_later_becomes_the_file(rig, tmp_path):
     data = audio(".mp3", 5, tmp_path)
     placeholder = rig.inbox / ".song.mp3.icloud"
-    placeholder.write_bytes(plistlib.dumps({"NSURLNameKey": "song.mp3",
-                                            "NSURLFileSizeKey": len(data)},
-                                           fmt=plistlib.FMT_BINARY))
-    threading.Event().wait(PAUSE * 2)                # evicted: only the placeholder exists
+    placeholder.write_bytes(
+        plistlib.dumps(
+            {"NSURLNameKey": "song.mp3", "NSURLFileSizeKey": len(data)}, fmt=plistlib.FMT_BINARY
+        )
+    )
+    threading.Event().wait(PAUSE * 2)  # evicted: only the placeholder exists
     rig.quiet()
     assert rig.jobs() == []
-    tmp = rig.inbox / ".song.mp3.sb-a1b2c3d4-XyZ"    # downloaded beside it, then swapped in
+    tmp = rig.inbox / ".song.mp3.sb-a1b2c3d4-XyZ"  # downloaded beside it, then swapped in
     slowly(tmp, data)
     os.rename(tmp, rig.inbox / "song.mp3")
     placeholder.unlink()
@@ -228,8 +255,9 @@ def test_sync_conflict_copies_appledouble_and_synology_metadata(native, tmp_path
     (rig.inbox / "Live").mkdir()
     # Syncthing keeps the losing side of a conflict beside the file
     conflict = ("song.sync-conflict-20261130-072401-7QXDG2K.mp3", audio(".mp3", 8, tmp_path))
-    at_once(*[(syncthing, rig.inbox, name, content)
-              for name, content in (*songs.items(), conflict)])
+    at_once(
+        *[(syncthing, rig.inbox, name, content) for name, content in (*songs.items(), conflict)]
+    )
     # macOS writes AppleDouble resource forks beside files on SMB/exFAT shares
     header = b"\x00\x05\x16\x07\x00\x02\x00\x00" + b"Mac OS X        " + b"\x00\x02"
     (rig.inbox / "._song.mp3").write_bytes(header + b"\x00" * (4096 - len(header)))
@@ -256,11 +284,12 @@ def test_a_whole_album_folder_copied_in_at_once(rig, tmp_path):
             songs[rel] = data
     (staging / "cover.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 60)
     (staging / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
-    shutil.copytree(staging, rig.inbox / staging.name)   # cp -r: folder first, then the files
+    shutil.copytree(staging, rig.inbox / staging.name)  # cp -r: folder first, then the files
     settled(rig, songs)
 
 
 # ---------------------------------------------------------------- replaced while queued
+
 
 def test_a_file_replaced_in_place_while_queued_keeps_its_job(rig, tmp_path):
     old, new = audio(".wav", 20, tmp_path), audio(".wav", 21, tmp_path) * 2
@@ -268,9 +297,12 @@ def test_a_file_replaced_in_place_while_queued_keeps_its_job(rig, tmp_path):
     target.write_bytes(old)
     [job] = rig.wait_jobs(1)
     assert job.signature.size == len(old)
-    slowly(target, new)                              # rewritten in place (truncated, written)
-    wait_for(lambda: rig.jobs()[0].signature == FileSignature.of(os.stat(target)), 30,
-             "the job to take the new version")
+    slowly(target, new)  # rewritten in place (truncated, written)
+    wait_for(
+        lambda: rig.jobs()[0].signature == FileSignature.of(os.stat(target)),
+        30,
+        "the job to take the new version",
+    )
     settled(rig, {"take.wav": new})
     assert rig.jobs()[0].id == job.id and rig.scheduler.queue.order() == [job.id]
 
@@ -284,30 +316,38 @@ def test_a_file_replaced_by_rename_while_queued_keeps_its_place(native, tmp_path
     rig.wait_jobs(2)
     order = rig.scheduler.queue.order()
     newer = audio(".wav", 24, tmp_path) * 3
-    staged = rig.inbox / ".a.wav.new"                 # an editor's save: temp, then rename
+    staged = rig.inbox / ".a.wav.new"  # an editor's save: temp, then rename
     staged.write_bytes(newer)
     os.replace(staged, rig.inbox / "a.wav")
-    wait_for(lambda: rig.jobs_by_path()["a.wav"][0].signature.size == len(newer), 30,
-             "the job to take the new version")
+    wait_for(
+        lambda: rig.jobs_by_path()["a.wav"][0].signature.size == len(newer),
+        30,
+        "the job to take the new version",
+    )
     settled(rig, {"a.wav": newer, "b.wav": second})
     assert rig.scheduler.queue.order() == order
 
 
 # ---------------------------------------------------------------- replaced while running
 
+
 @pytest.mark.slow
 def test_a_file_replaced_while_running_is_cancelled_and_the_new_version_separated(
-        make_settings, service_factory, tmp_path):
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings(api={"enabled": False})
     service, jobs = service_factory(settings)
     target = settings.paths.inbox / "take.wav"
     write_song(tmp_path / "old.wav", 20.0, seed=30)
     os.rename(tmp_path / "old.wav", target)
-    wait_for(lambda: any(j.state is JobState.SEPARATING for j in jobs.jobs()), 60,
-             "the first version to be separated")
+    wait_for(
+        lambda: any(j.state is JobState.SEPARATING for j in jobs.jobs()),
+        60,
+        "the first version to be separated",
+    )
     newer = write_song(tmp_path / "new.wav", 2.0, seed=31)
     digest = hashlib.sha256(newer.read_bytes()).hexdigest()
-    os.replace(newer, target)                        # a newer version saved over it
+    os.replace(newer, target)  # a newer version saved over it
     finished = jobs.wait_final(2)
     states = {j.state: j for j in finished}
     assert sorted(states) == sorted([JobState.CANCELLED, JobState.DONE])
@@ -315,8 +355,9 @@ def test_a_file_replaced_while_running_is_cancelled_and_the_new_version_separate
     assert outbox_entries(settings.paths.outbox) == {"take"}
     manifest = json.loads((settings.paths.outbox / "take" / "stemdeck.json").read_text())
     assert manifest["input"]["sha256"] == digest
-    assert hashlib.sha256((settings.paths.processed / "take.wav").read_bytes()).hexdigest() \
-        == digest
+    assert (
+        hashlib.sha256((settings.paths.processed / "take.wav").read_bytes()).hexdigest() == digest
+    )
     assert not target.exists() and len(jobs.jobs()) == 2
 
 
@@ -329,27 +370,38 @@ def replace_atomically(path: Path, seconds: float, seed: int, scratch: Path) -> 
 
 @pytest.mark.slow
 def test_a_new_version_saved_while_its_job_fails_stays_in_the_inbox_and_is_separated(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings(watch={"rescan_seconds": 0}, separation={"shifts": 4})
     service, jobs = service_factory(settings)
     song = settings.paths.inbox / "song.wav"
     write_song(song, 12.0, seed=1)
-    first = wait_for(lambda: next((j for j in jobs.jobs()
-                                   if j.state is JobState.SEPARATING and j.progress > 0.06),
-                                  None), 60, "the song to be separating")
+    first = wait_for(
+        lambda: next(
+            (j for j in jobs.jobs() if j.state is JobState.SEPARATING and j.progress > 0.06), None
+        ),
+        60,
+        "the song to be separating",
+    )
     replace_atomically(song, 3.0, seed=2, scratch=tmp_path)
     os.kill(service.client.pid, signal.SIGKILL)  # the old version's job fails
 
-    wait_for(lambda: jobs.latest.get(first.id) and jobs.latest[first.id].state.is_final, 60,
-             "the first job to fail")
+    wait_for(
+        lambda: jobs.latest.get(first.id) and jobs.latest[first.id].state.is_final,
+        60,
+        "the first job to fail",
+    )
     failed = jobs.latest[first.id]
     assert failed.state is JobState.FAILED
     assert not (settings.paths.failed / "song.wav").exists()  # the new version was not moved
     report = (settings.paths.failed / "song.wav.error.txt").read_text()
     assert "replaced by a new version" in report and "stays in the inbox" in report
     # the new version is separated as a new job at once (no rescan is configured)
-    done = wait_for(lambda: [j for j in jobs.final() if j.state is JobState.DONE], 60,
-                    "the new version to be separated")
+    done = wait_for(
+        lambda: [j for j in jobs.final() if j.state is JobState.DONE],
+        60,
+        "the new version to be separated",
+    )
     assert done[0].id != first.id
     manifest = json.loads((Path(done[0].output) / "stemdeck.json").read_text())
     assert abs(manifest["input"]["duration"] - 3.0) < 0.01
@@ -358,13 +410,17 @@ def test_a_new_version_saved_while_its_job_fails_stays_in_the_inbox_and_is_separ
 
 @pytest.mark.slow
 def test_a_file_changed_while_its_job_runs_is_separated_again_without_a_rescan(
-        make_settings, service_factory, tmp_path: Path) -> None:
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     settings = make_settings(watch={"rescan_seconds": 0}, separation={"shifts": 3})
     service, jobs = service_factory(settings)
     song = settings.paths.inbox / "song.wav"
     write_song(song, 8.0, seed=1)
-    first = wait_for(lambda: next((j for j in jobs.jobs() if j.state is JobState.SEPARATING),
-                                  None), 60, "the song to be separating")
+    first = wait_for(
+        lambda: next((j for j in jobs.jobs() if j.state is JobState.SEPARATING), None),
+        60,
+        "the song to be separating",
+    )
     replace_atomically(song, 2.0, seed=2, scratch=tmp_path)
 
     finished = jobs.wait_final(2, timeout=120)

@@ -5,6 +5,7 @@ Every connection here goes to 127.0.0.1. Refusals of other addresses are driven 
 resolver seam (host names that only the test resolves) and happen before any connection: the
 one place connections are made is wrapped to fail the test on anything but loopback.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,35 +124,66 @@ def connections(monkeypatch) -> list[tuple]:
 
 
 def fetch_link(url: str, links, tmp_path: Path, **kwargs):
-    return fetch.download(url, tmp_path / "dl", links, control=JobControl("t"),
-                          on_progress=lambda _v: None, link_name="x.url", **kwargs)
+    return fetch.download(
+        url,
+        tmp_path / "dl",
+        links,
+        control=JobControl("t"),
+        on_progress=lambda _v: None,
+        link_name="x.url",
+        **kwargs,
+    )
 
 
 # ------------------------------------------------------------------ addresses
 
 
-@pytest.mark.parametrize("address", [
-    "127.0.0.1", "127.8.9.10", "10.0.0.5", "172.16.3.4", "192.168.1.1", "169.254.169.254",
-    "100.64.0.1", "0.0.0.0", "224.0.0.251", "239.255.255.250", "240.0.0.1",
-    "255.255.255.255", "::1", "::", "fe80::1", "fe80::1%2", "fc00::5", "fd12:3456::1",
-    "ff02::1", "ff0e::1", "::ffff:127.0.0.1", "::ffff:10.0.0.5", "2002:a00:5::1",
-    "64:ff9b::a00:5", "not an address",
-])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "127.8.9.10",
+        "10.0.0.5",
+        "172.16.3.4",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.251",
+        "239.255.255.250",
+        "240.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "fe80::1",
+        "fe80::1%2",
+        "fc00::5",
+        "fd12:3456::1",
+        "ff02::1",
+        "ff0e::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.5",
+        "2002:a00:5::1",
+        "64:ff9b::a00:5",
+        "not an address",
+    ],
+)
 def test_this_machine_and_the_local_network_are_not_public(address: str) -> None:
     assert not netguard.is_public_address(address)
 
 
-@pytest.mark.parametrize("address", ["93.184.216.34", "8.8.8.8", "2606:4700::1111",
-                                     "::ffff:8.8.8.8", "64:ff9b::808:808"])
+@pytest.mark.parametrize(
+    "address", ["93.184.216.34", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"]
+)
 def test_addresses_on_the_internet_are_public(address: str) -> None:
     assert netguard.is_public_address(address)
 
 
 def test_a_redirect_from_a_public_site_to_the_local_network_is_refused_before_connecting(
-        settings, server: HostileServer, connections, tmp_path: Path) -> None:
+    settings, server: HostileServer, connections, tmp_path: Path
+) -> None:
     port = server.httpd.server_address[1]
-    seam = Seam({"music.example": ["127.0.0.1"], "nas.example": ["10.0.0.5"]},
-                public={"127.0.0.1"})
+    seam = Seam({"music.example": ["127.0.0.1"], "nas.example": ["10.0.0.5"]}, public={"127.0.0.1"})
     links = dataclasses.replace(settings.links, allow_private=False)
     url = f"http://music.example:{port}/hop?to=http://nas.example:{port}/song.wav"
     with pytest.raises(fetch.DownloadError) as error:
@@ -165,8 +197,9 @@ def test_a_redirect_from_a_public_site_to_the_local_network_is_refused_before_co
     assert not (tmp_path / "dl").exists()
 
 
-def test_a_host_is_refused_if_any_of_its_addresses_is_private(settings, server, connections,
-                                                              tmp_path: Path) -> None:
+def test_a_host_is_refused_if_any_of_its_addresses_is_private(
+    settings, server, connections, tmp_path: Path
+) -> None:
     port = server.httpd.server_address[1]
     seam = Seam({"mixed.example": ["127.0.0.1", "192.168.1.20"]}, public={"127.0.0.1"})
     links = dataclasses.replace(settings.links, allow_private=False)
@@ -176,7 +209,8 @@ def test_a_host_is_refused_if_any_of_its_addresses_is_private(settings, server, 
 
 
 def test_a_link_to_a_public_host_connects_to_the_address_that_was_checked(
-        settings, server, connections, tmp_path: Path) -> None:
+    settings, server, connections, tmp_path: Path
+) -> None:
     port = server.httpd.server_address[1]
     seam = Seam({"music.example": ["127.0.0.1"]}, public={"127.0.0.1"})
     links = dataclasses.replace(settings.links, allow_private=False)
@@ -187,8 +221,9 @@ def test_a_link_to_a_public_host_connects_to_the_address_that_was_checked(
 
 
 @pytest.mark.slow
-def test_a_link_to_this_machine_is_refused_without_a_request(make_settings, service_factory,
-                                                             server: HostileServer) -> None:
+def test_a_link_to_this_machine_is_refused_without_a_request(
+    make_settings, service_factory, server: HostileServer
+) -> None:
     settings = make_settings(links={"allow_private": False})  # the default
     _service, jobs = service_factory(settings)
     url_file(settings.paths.inbox, "local.url", server.url("song.wav"))
@@ -204,22 +239,25 @@ def test_a_link_to_this_machine_is_refused_without_a_request(make_settings, serv
 
 
 def test_an_endless_page_fails_at_links_max_page_bytes_instead_of_filling_memory(
-        settings, server: HostileServer, tmp_path: Path) -> None:
+    settings, server: HostileServer, tmp_path: Path
+) -> None:
     links = dataclasses.replace(settings.links, max_page_bytes=1 << 20)
     with pytest.raises(fetch.DownloadError, match=r"larger than links.max_page_bytes \(1 MB\)"):
         fetch_link(server.url("endless.html"), links, tmp_path)
     assert server.sent < 16 << 20  # stopped near the cap: only the sockets' buffers beyond
 
 
-def test_a_page_that_expands_when_decoded_fails_at_links_max_page_bytes(settings, server,
-                                                                         tmp_path: Path) -> None:
+def test_a_page_that_expands_when_decoded_fails_at_links_max_page_bytes(
+    settings, server, tmp_path: Path
+) -> None:
     links = dataclasses.replace(settings.links, max_page_bytes=1 << 20)
     with pytest.raises(fetch.DownloadError, match="larger than links.max_page_bytes"):
         fetch_link(server.url("bomb.html"), links, tmp_path)
 
 
-def test_a_download_that_trickles_fails_at_links_timeout(settings, server: HostileServer,
-                                                         tmp_path: Path) -> None:
+def test_a_download_that_trickles_fails_at_links_timeout(
+    settings, server: HostileServer, tmp_path: Path
+) -> None:
     links = dataclasses.replace(settings.links, timeout=3.0)
     with pytest.raises(fetch.DownloadError, match=r"did not finish within links.timeout"):
         fetch_link(server.url("trickle-song.wav"), links, tmp_path)
@@ -229,7 +267,8 @@ def test_a_download_that_trickles_fails_at_links_timeout(settings, server: Hosti
 
 @pytest.mark.slow
 def test_a_page_that_trickles_fails_at_links_page_timeout_and_the_queue_goes_on(
-        make_settings, service_factory, server: HostileServer) -> None:
+    make_settings, service_factory, server: HostileServer
+) -> None:
     settings = make_settings(links={"page_timeout": 2})
     _service, jobs = service_factory(settings)
     url_file(settings.paths.inbox, "slow page.url", server.url("trickle.html"))
@@ -242,19 +281,27 @@ def test_a_page_that_trickles_fails_at_links_page_timeout_and_the_queue_goes_on(
 
 
 @pytest.mark.slow
-def test_cancel_stops_a_link_whose_page_is_still_loading(make_settings, service_factory,
-                                                         server: HostileServer) -> None:
+def test_cancel_stops_a_link_whose_page_is_still_loading(
+    make_settings, service_factory, server: HostileServer
+) -> None:
     settings = make_settings()  # links.page_timeout: a minute
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
     url_file(inbox, "slow page.url", server.url("trickle.html"))
-    link = wait_for(lambda: next((j for j in jobs.jobs() if j.state is JobState.DOWNLOADING
-                                  and server.requests), None), 30, "the page to load")
+    link = wait_for(
+        lambda: next(
+            (j for j in jobs.jobs() if j.state is JobState.DOWNLOADING and server.requests), None
+        ),
+        30,
+        "the page to load",
+    )
     write_song(inbox / "next.wav", 1.5)
     wait_for(lambda: len(service.queue.order()) == 1, 30, "next.wav queued behind the link")
     assert service.scheduler.cancel_job(link.id)
     done = wait_for(lambda: len(jobs.final()) == 2 and jobs.final(), 30, "both jobs to end")
-    assert {j.name: j.state for j in done} == {"slow page": JobState.CANCELLED,
-                                               "next": JobState.DONE}
+    assert {j.name: j.state for j in done} == {
+        "slow page": JobState.CANCELLED,
+        "next": JobState.DONE,
+    }
     assert server.gone.wait(5), "the connection was left open"
     assert not any(settings.paths.scratch.rglob("*.part"))

@@ -3,6 +3,7 @@ their title, limited, cancelled, and prefetched while the worker separates anoth
 
 Every URL here is on 127.0.0.1; nothing leaves the machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,17 +46,22 @@ def test_all_three_link_formats_are_read(tmp_path: Path) -> None:
     assert (tmp_path / "d.webloc").read_bytes().startswith(b"bplist00")
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda d: url_file(d, "s.url", "file:///etc/passwd"), "not a web address"),
-    (lambda d: url_file(d, "s.url", "javascript:alert(1)"), "not a web address"),
-    (lambda d: url_file(d, "s.url", "data:audio/wav;base64,AAAA"), "not a web address"),
-    (lambda d: url_file(d, "s.url", "ftp://example.org/a.mp3"), "not a web address"),
-    (lambda d: url_file(d, "s.url", ""), "holds no URL"),
-    (lambda d: url_file(d, "s.url", "https://"), "malformed URL"),
-    (lambda d: desktop_file(d, "s.desktop", "https://x.org/a", kind="Application"),
-     "not a link (Type=Link)"),
-    (lambda d: webloc_file(d, "s.webloc", "file:///tmp/x"), "not a web address"),
-])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda d: url_file(d, "s.url", "file:///etc/passwd"), "not a web address"),
+        (lambda d: url_file(d, "s.url", "javascript:alert(1)"), "not a web address"),
+        (lambda d: url_file(d, "s.url", "data:audio/wav;base64,AAAA"), "not a web address"),
+        (lambda d: url_file(d, "s.url", "ftp://example.org/a.mp3"), "not a web address"),
+        (lambda d: url_file(d, "s.url", ""), "holds no URL"),
+        (lambda d: url_file(d, "s.url", "https://"), "malformed URL"),
+        (
+            lambda d: desktop_file(d, "s.desktop", "https://x.org/a", kind="Application"),
+            "not a link (Type=Link)",
+        ),
+        (lambda d: webloc_file(d, "s.webloc", "file:///tmp/x"), "not a web address"),
+    ],
+)
 def test_refused_links_name_the_file_and_why(tmp_path: Path, make, expected: str) -> None:
     path = make(tmp_path)
     with pytest.raises(LinkError) as error:
@@ -113,14 +119,14 @@ def media(tmp_path: Path) -> Iterator[MediaServer]:
 # ------------------------------------------------------------------ through the service
 
 
-
 def manifest_of(folder: str) -> dict:
     return json.loads((Path(folder) / "stemdeck.json").read_text())
 
 
 @pytest.mark.slow
-def test_links_in_every_format_become_stems_named_by_their_title(make_settings, service_factory,
-                                                                 media: MediaServer) -> None:
+def test_links_in_every_format_become_stems_named_by_their_title(
+    make_settings, service_factory, media: MediaServer
+) -> None:
     settings = make_settings()
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -137,20 +143,26 @@ def test_links_in_every_format_become_stems_named_by_their_title(make_settings, 
         assert abs(manifest["input"]["duration"] - 2.0) < 0.1
     names = sorted(outbox_entries(settings.paths.outbox))
     assert names == ["song", "song (2)", "song (3)"]  # one title thrice: numbered, never lost
-    assert sorted(p.name for p in settings.paths.processed.iterdir()) == \
-        ["one.url", "three.desktop", "two.webloc"]
+    assert sorted(p.name for p in settings.paths.processed.iterdir()) == [
+        "one.url",
+        "three.desktop",
+        "two.webloc",
+    ]
     assert not any(settings.paths.scratch.iterdir())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, reason", [
-    ("missing.wav", "the page no longer exists (HTTP 404)"),
-    ("page.html", "no audio or video"),
-    ("to-file", "local file (file: URL), which is never fetched"),
-])
-def test_a_link_that_cannot_be_downloaded_fails_with_a_reason(make_settings, service_factory,
-                                                             media: MediaServer, target: str,
-                                                             reason: str) -> None:
+@pytest.mark.parametrize(
+    "target, reason",
+    [
+        ("missing.wav", "the page no longer exists (HTTP 404)"),
+        ("page.html", "no audio or video"),
+        ("to-file", "local file (file: URL), which is never fetched"),
+    ],
+)
+def test_a_link_that_cannot_be_downloaded_fails_with_a_reason(
+    make_settings, service_factory, media: MediaServer, target: str, reason: str
+) -> None:
     settings = make_settings()
     service, jobs = service_factory(settings)
     url_file(settings.paths.inbox, "bad.url", media.url(target))
@@ -179,8 +191,9 @@ def test_limits_fail_the_job_with_a_reason(make_settings, service_factory, media
 
 
 @pytest.mark.slow
-def test_a_stalled_download_fails_instead_of_hanging_the_queue(make_settings, service_factory,
-                                                               media, monkeypatch) -> None:
+def test_a_stalled_download_fails_instead_of_hanging_the_queue(
+    make_settings, service_factory, media, monkeypatch
+) -> None:
     monkeypatch.setattr(fetch, "STALL_TIMEOUT", 1.0)
     settings = make_settings()
     service, jobs = service_factory(settings)
@@ -192,13 +205,17 @@ def test_a_stalled_download_fails_instead_of_hanging_the_queue(make_settings, se
 
 
 @pytest.mark.slow
-def test_deleting_the_link_file_stops_its_download_within_a_second(make_settings,
-                                                                   service_factory, media):
+def test_deleting_the_link_file_stops_its_download_within_a_second(
+    make_settings, service_factory, media
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     link = url_file(settings.paths.inbox, "slow.url", media.url("slow-long.wav"))
-    wait_for(lambda: any(j.state is JobState.DOWNLOADING and j.progress > 0.01
-                         for j in jobs.jobs()), 30, "the download to be under way")
+    wait_for(
+        lambda: any(j.state is JobState.DOWNLOADING and j.progress > 0.01 for j in jobs.jobs()),
+        30,
+        "the download to be under way",
+    )
     link.unlink()
     job = jobs.wait_final(1, timeout=10)[0]
     assert job.state is JobState.CANCELLED
@@ -207,8 +224,9 @@ def test_deleting_the_link_file_stops_its_download_within_a_second(make_settings
 
 
 @pytest.mark.slow
-def test_the_next_link_downloads_while_the_worker_separates(make_settings, service_factory,
-                                                            media) -> None:
+def test_the_next_link_downloads_while_the_worker_separates(
+    make_settings, service_factory, media
+) -> None:
     settings = make_settings(separation={"shifts": 4})
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -225,8 +243,11 @@ def test_the_next_link_downloads_while_the_worker_separates(make_settings, servi
 
     # a downloads while "first" separates: its file is in scratch before a starts
     downloaded = settings.paths.scratch / a_id / "download"
-    wait_for(lambda: any(downloaded.glob("media.*")) and not any(downloaded.glob("*.part")), 60,
-             "link a downloaded ahead")
+    wait_for(
+        lambda: any(downloaded.glob("media.*")) and not any(downloaded.glob("*.part")),
+        60,
+        "link a downloaded ahead",
+    )
     assert jobs.latest[first_id].state is JobState.SEPARATING
     assert jobs.latest[a_id].state is JobState.QUEUED
     gate.open()

@@ -4,6 +4,7 @@ inbox and the outbox, and what the test reads back from them.
 The test's own hands never destroy bytes: a deleted input and a replaced one are kept (hard
 linked or copied) in the test's trash/, so that "nothing is lost" stays a plain count.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,18 @@ def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
     links: dict[str, Any] = {"max_duration": 300}
     if "allow_private" in {f.name for f in dataclasses.fields(LinkSettings)}:
         links["allow_private"] = True
-    data = config_data(root, model_repo, links=links, folders={"outbox": str(outbox)},
-                       queue={"work_beside": "on", "start_paused_after_restore": False,
-                              "resume_attempts": 100, "on_duplicate": "skip"})
+    data = config_data(
+        root,
+        model_repo,
+        links=links,
+        folders={"outbox": str(outbox)},
+        queue={
+            "work_beside": "on",
+            "start_paused_after_restore": False,
+            "resume_attempts": 100,
+            "on_duplicate": "skip",
+        },
+    )
     data["presets"] = {PRESET: {"two_stems": "vocals"}}
     config = root / "stemdeck.toml"
     config.write_text(tomli_w.dumps(data))

@@ -6,6 +6,7 @@ had removed, every cancel that came in time — and therefore what must hold.
 delete (tests/seams_folders.py): every version the test placed is, byte for byte, in the
 inbox, processed/, failed/ or the test's trash/ and away/.
 """
+
 from __future__ import annotations
 
 import collections
@@ -84,34 +85,46 @@ class Model:
 
     def check_step(self, view: RegistryView) -> list[str]:
         folders, _stray, _staging = scan_outbox(self.outbox)
-        problems = [f"[half] outbox/{rel} is a half folder: no complete {MANIFEST}"
-                    for rel, manifest in folders.items() if manifest is None]
+        problems = [
+            f"[half] outbox/{rel} is a half folder: no complete {MANIFEST}"
+            for rel, manifest in folders.items()
+            if manifest is None
+        ]
         now = {rel: str(m.get("job_id")) for rel, m in folders.items() if m is not None}
         for rel, job_id in self.seen.items():
             if now.get(rel) != job_id and job_id not in self.removed:
                 what = "deleted" if rel not in now else f"replaced by job {now[rel]}'s"
                 removed = sorted(self.removed) or "none"
-                problems.append(f"[deleted] outbox/{rel} (the stems of job {job_id}) was {what}, "
-                                f"yet the test removed only jobs {removed} and did not move "
-                                f"that folder")
+                problems.append(
+                    f"[deleted] outbox/{rel} (the stems of job {job_id}) was {what}, "
+                    f"yet the test removed only jobs {removed} and did not move "
+                    f"that folder"
+                )
         self.seen = now
         for rel, job_id in now.items():
             job = view.jobs.get(job_id)
             if job_id in self.must_cancel:
-                problems.append(f"[cancel] outbox/{rel} holds the stems of job {job_id}, "
-                                f"cancelled in time ({self.must_cancel[job_id]})")
+                problems.append(
+                    f"[cancel] outbox/{rel} holds the stems of job {job_id}, "
+                    f"cancelled in time ({self.must_cancel[job_id]})"
+                )
             elif job is not None and job.state == "cancelled":
-                problems.append(f"[cancel] outbox/{rel} holds the stems of job {job_id}, which is "
-                                f"cancelled ({job.error})")
+                problems.append(
+                    f"[cancel] outbox/{rel} holds the stems of job {job_id}, which is "
+                    f"cancelled ({job.error})"
+                )
         twins: dict[tuple[str, Any], list[str]] = collections.defaultdict(list)
         for rel, manifest in folders.items():
             if manifest is None:
                 continue
             problems += self._holds_its_song(rel, manifest)
             twins[(manifest["input"]["sha256"], manifest.get("preset"))].append(rel)
-        problems += [f"[twice] {self.name(sha)} was separated {len(rels)} times with the same "
-                     f"settings (on_duplicate = skip): {sorted(rels)}"
-                     for (sha, _preset), rels in twins.items() if len(rels) > 1]
+        problems += [
+            f"[twice] {self.name(sha)} was separated {len(rels)} times with the same "
+            f"settings (on_duplicate = skip): {sorted(rels)}"
+            for (sha, _preset), rels in twins.items()
+            if len(rels) > 1
+        ]
         return problems + self._nothing_lost()
 
     def _holds_its_song(self, rel: str, manifest: dict[str, Any]) -> list[str]:
@@ -122,16 +135,25 @@ class Model:
         sha, where = source["sha256"], source["rel_path"]
         if "link" in manifest:
             path = urlsplit(manifest["link"]["url"]).path
-            problems = [] if path in self.urls[where] else [
-                f"[foreign] outbox/{rel} was downloaded from {path}, never named by inbox/{where}"]
+            problems = (
+                []
+                if path in self.urls[where]
+                else [
+                    f"[foreign] outbox/{rel} was downloaded from {path}, never named by inbox/{where}"
+                ]
+            )
             if self.songs.get(sha) != path.strip("/").removesuffix(".wav"):
-                problems.append(f"[foreign] outbox/{rel} says it was downloaded from {path} but "
-                                f"holds the stems of {self.name(sha)}")
+                problems.append(
+                    f"[foreign] outbox/{rel} says it was downloaded from {path} but "
+                    f"holds the stems of {self.name(sha)}"
+                )
             return problems
         if sha not in self.history[where]:
-            return [f"[foreign] outbox/{rel} holds the stems of {self.name(sha)}, which was "
-                    f"never at inbox/{where} (versions there: "
-                    f"{sorted(self.name(s) for s in self.history[where])})"]
+            return [
+                f"[foreign] outbox/{rel} holds the stems of {self.name(sha)}, which was "
+                f"never at inbox/{where} (versions there: "
+                f"{sorted(self.name(s) for s in self.history[where])})"
+            ]
         return []
 
     def _nothing_lost(self) -> list[str]:
@@ -143,9 +165,12 @@ class Model:
                     sha = self.hashes.of(Path(dirpath) / name)
                     if sha is not None:
                         found[sha] += 1
-        return [f"[lost] {self.name(sha)}: {count} version(s) placed in the inbox, only "
-                f"{found[sha]} found in the inbox, processed/ and failed/ (and the test's trash)"
-                for sha, count in self.placed.items() if found[sha] < count]
+        return [
+            f"[lost] {self.name(sha)}: {count} version(s) placed in the inbox, only "
+            f"{found[sha]} found in the inbox, processed/ and failed/ (and the test's trash)"
+            for sha, count in self.placed.items()
+            if found[sha] < count
+        ]
 
     # ------------------------------------------------------------ once the queue is quiet
 
@@ -154,16 +179,23 @@ class Model:
         why = [f"{job.rel_path} ({job.id}) is {job.state}" for job in view.running()]
         held = self.paused or (self.disk_tight and view.pause_reason == "disk")
         if view.order and not held:
-            why.append(f"{len(view.order)} job(s) queued "
-                       f"({view.pause_reason or 'not paused'}): {view.names(view.order)}")
+            why.append(
+                f"{len(view.order)} job(s) queued "
+                f"({view.pause_reason or 'not paused'}): {view.names(view.order)}"
+            )
         why += [f"{source} waits (queue full)" for source in view.waiting]
         for path, sig in self.inbox_files():
             jobs = [j for j in view.jobs.values() if j.source == str(path)]
             if not any(j.signature == sig for j in jobs) and view.tombstones.get(str(path)) != sig:
                 latest = max(jobs, key=lambda j: j.created_at) if jobs else None
-                why.append(f"inbox/{path.relative_to(self.inbox)} has no job for its content"
-                           + (f" (its last job {latest.id} is {latest.state}: {latest.error})"
-                              if latest else ""))
+                why.append(
+                    f"inbox/{path.relative_to(self.inbox)} has no job for its content"
+                    + (
+                        f" (its last job {latest.id} is {latest.state}: {latest.error})"
+                        if latest
+                        else ""
+                    )
+                )
         return why
 
     def inbox_files(self) -> list[tuple[Path, tuple[int, int, int]]]:
@@ -182,37 +214,50 @@ class Model:
     def check_quiet(self, view: RegistryView) -> list[str]:
         folders, stray, staging = scan_outbox(self.outbox)
         problems = [f"[leftover] a leftover in the outbox: {name}" for name in stray]
-        problems += [f"[leftover] a leftover in the outbox's staging folder: {name}"
-                     for name in staging]
+        problems += [
+            f"[leftover] a leftover in the outbox's staging folder: {name}" for name in staging
+        ]
         for folder in (self.processed, self.failed):
-            problems += [f"[leftover] a hidden leftover in {folder.name}/: {p.name}"
-                         for p in folder.rglob(".*")]
+            problems += [
+                f"[leftover] a hidden leftover in {folder.name}/: {p.name}"
+                for p in folder.rglob(".*")
+            ]
         if not view.order and self.scratch.is_dir():
-            problems += [f"[leftover] a scratch leftover with an empty queue: {p.name}"
-                         for p in self.scratch.iterdir()]
+            problems += [
+                f"[leftover] a scratch leftover with an empty queue: {p.name}"
+                for p in self.scratch.iterdir()
+            ]
         for rel, manifest in folders.items():
             job_id = str((manifest or {}).get("job_id"))
             job = view.jobs.get(job_id)
             if manifest is None or job_id in self.removed:
                 continue
             if job is None or job.state != "done" or job.output != str(self.outbox / rel):
-                what = (f"{job.state} with its stems at {job.output}" if job
-                        else "unknown to the registry")
-                problems.append(f"[orphan] outbox/{rel} holds the stems of job {job_id}, which "
-                                f"is {what}")
+                what = (
+                    f"{job.state} with its stems at {job.output}"
+                    if job
+                    else "unknown to the registry"
+                )
+                problems.append(
+                    f"[orphan] outbox/{rel} holds the stems of job {job_id}, which is {what}"
+                )
         for job in view.jobs.values():
             if job.state == "done":
                 problems += self._done_job(job)
         for job_id, why in self.must_cancel.items():
             job = view.jobs.get(job_id)
             if job is not None and job.state != "cancelled":
-                problems.append(f"[cancel] {job.rel_path} ({job_id}) was cancelled in time "
-                                f"({why}), yet it is {job.state}")
+                problems.append(
+                    f"[cancel] {job.rel_path} ({job_id}) was cancelled in time "
+                    f"({why}), yet it is {job.state}"
+                )
         for job in view.jobs.values():
             if job.state == "failed" and 0 < job.faults <= RETRIES:
-                problems.append(f"[machine] {job.rel_path} ({job.id}) failed after the "
-                                f"machine cut off only {job.faults} attempt(s) (the worker "
-                                f"died under it; {RETRIES} more are allowed): {job.error}")
+                problems.append(
+                    f"[machine] {job.rel_path} ({job.id}) failed after the "
+                    f"machine cut off only {job.faults} attempt(s) (the worker "
+                    f"died under it; {RETRIES} more are allowed): {job.error}"
+                )
         if self.paused and view.pause_reason not in ("user", "disk"):
             now = f"paused for {view.pause_reason}" if view.pause_reason else "running"
             problems.append(f"[pause] the test paused the queue, and it is {now}")
@@ -230,32 +275,49 @@ class Model:
             return []
         manifest = read_manifest(Path(output))
         if manifest is None:
-            return [f"[wrong] {job.rel_path} ({job.id}) is done, but its stems folder outbox/{rel} "
-                    f"{'is incomplete' if os.path.isdir(output) else 'does not exist'} (the "
-                    f"test never moved it)"]
+            return [
+                f"[wrong] {job.rel_path} ({job.id}) is done, but its stems folder outbox/{rel} "
+                f"{'is incomplete' if os.path.isdir(output) else 'does not exist'} (the "
+                f"test never moved it)"
+            ]
         problems = []
         if manifest.get("preset") != job.preset:
-            problems.append(f"[wrong] {job.rel_path} ({job.id}, preset {job.preset}) points at "
-                            f"outbox/{rel}, separated with preset {manifest.get('preset')}")
+            problems.append(
+                f"[wrong] {job.rel_path} ({job.id}, preset {job.preset}) points at "
+                f"outbox/{rel}, separated with preset {manifest.get('preset')}"
+            )
         source = Path(job.source)
         if self.processed not in source.parents or not source.is_file():
             return problems  # still in the inbox (changed meanwhile): checked when it runs
         url = url_in(source) if job.kind == "link" else None
-        expected = (next((s for s, n in self.songs.items() if url and
-                          urlsplit(url).path == f"/{n}.wav"), None)
-                    if job.kind == "link" else self.hashes.of(source))
+        expected = (
+            next(
+                (s for s, n in self.songs.items() if url and urlsplit(url).path == f"/{n}.wav"),
+                None,
+            )
+            if job.kind == "link"
+            else self.hashes.of(source)
+        )
         got = manifest["input"]["sha256"]
         if expected is not None and got != expected:
             what = f"a link to {self.name(expected)}" if url else self.name(expected)
-            problems.append(f"[wrong] {job.rel_path} ({job.id}) is done with its input "
-                            f"{os.path.relpath(source, self.root)} = {what}, but "
-                            f"its stems folder outbox/{rel} (job {manifest.get('job_id')}) "
-                            f"holds the stems of {self.name(got)}")
-        if url and manifest.get("job_id") == job.id and "link" in manifest and \
-                urlsplit(manifest["link"]["url"]).path != urlsplit(url).path:
-            problems.append(f"[wrong] the link {job.rel_path} ({job.id}) now names "
-                            f"{urlsplit(url).path}, but its stems were downloaded from "
-                            f"{urlsplit(manifest['link']['url']).path}")
+            problems.append(
+                f"[wrong] {job.rel_path} ({job.id}) is done with its input "
+                f"{os.path.relpath(source, self.root)} = {what}, but "
+                f"its stems folder outbox/{rel} (job {manifest.get('job_id')}) "
+                f"holds the stems of {self.name(got)}"
+            )
+        if (
+            url
+            and manifest.get("job_id") == job.id
+            and "link" in manifest
+            and urlsplit(manifest["link"]["url"]).path != urlsplit(url).path
+        ):
+            problems.append(
+                f"[wrong] the link {job.rel_path} ({job.id}) now names "
+                f"{urlsplit(url).path}, but its stems were downloaded from "
+                f"{urlsplit(manifest['link']['url']).path}"
+            )
         return problems
 
 
@@ -267,13 +329,18 @@ def order_kept(before: RegistryView, after: RegistryView, how: str) -> list[str]
     expected = [job_id for job_id in ranking if job_id in now]
     if now == expected:
         return []
-    return [f"[order] the {how} changed the queue's order: before {before.names(ranking)} "
-            f"(states {[before.jobs[i].state for i in ranking]}), after {after.names(after.order)}"]
+    return [
+        f"[order] the {how} changed the queue's order: before {before.names(ranking)} "
+        f"(states {[before.jobs[i].state for i in ranking]}), after {after.names(after.order)}"
+    ]
 
 
 def fingerprint(view: RegistryView) -> tuple[Any, ...]:
-    return (tuple(sorted((j.id, j.state, j.signature) for j in view.jobs.values())),
-            tuple(view.order), view.pause_reason)
+    return (
+        tuple(sorted((j.id, j.state, j.signature) for j in view.jobs.values())),
+        tuple(view.order),
+        view.pause_reason,
+    )
 
 
 def wait_quiet(service: ServiceProcess, model: Model, state: Path) -> RegistryView:
@@ -301,10 +368,12 @@ def wait_quiet(service: ServiceProcess, model: Model, state: Path) -> RegistryVi
                 return view
             raise AssertionError(
                 f"[stall] the queue did not finish: nothing changed for {limit:.0f} s while\n  "
-                + "\n  ".join(why) + f"\nthe service's log ends:\n{service.tail()}")
+                + "\n  ".join(why)
+                + f"\nthe service's log ends:\n{service.tail()}"
+            )
         time.sleep(0.1)
 
 
 def outstanding(problems: list[str]) -> list[str]:
     """The problems but those of the kinds in STEMDECK_MODEL_KNOWN."""
-    return [p for p in problems if p[1:p.find("]")] not in KNOWN]
+    return [p for p in problems if p[1 : p.find("]")] not in KNOWN]

@@ -8,6 +8,7 @@ in a soak), STEMDECK_MODEL_BLOB=… the `@reproduce_failure` blob a failure prin
 STEMDECK_MODEL_EXAMPLES=N changes the number of examples, STEMDECK_MODEL_VERBOSE=1 prints every
 step, STEMDECK_MODEL_NO_MOUNT=1 leaves the small disk out.
 """
+
 from __future__ import annotations
 
 import collections
@@ -45,20 +46,28 @@ class World:
 def make_world(tmp: Path, model_repo: Path, songs: int) -> Iterator[World]:
     """`songs` distinct songs of 1.2 s (one size: `cp -p` can keep size and mtime), served
     for links on loopback too."""
-    data = [write_song(tmp / "songs" / f"c{i}.wav", 1.2, seed=7000 + i).read_bytes()
-            for i in range(songs)]
+    data = [
+        write_song(tmp / "songs" / f"c{i}.wav", 1.2, seed=7000 + i).read_bytes()
+        for i in range(songs)
+    ]
     media = MediaServer(data)
     try:
-        no_disk = ("turned off by STEMDECK_MODEL_NO_MOUNT"
-                   if os.environ.get("STEMDECK_MODEL_NO_MOUNT")
-                   else SmallDisk.unavailable(tmp / "probe"))
+        no_disk = (
+            "turned off by STEMDECK_MODEL_NO_MOUNT"
+            if os.environ.get("STEMDECK_MODEL_NO_MOUNT")
+            else SmallDisk.unavailable(tmp / "probe")
+        )
         yield World(tmp, model_repo, data, media, no_disk)
     finally:
         media.close()
 
 
-def run_profiles(machine: Callable[[], RuleBasedStateMachine], soak: bool,
-                 soak_seconds: float, tally: collections.Counter[str]) -> None:
+def run_profiles(
+    machine: Callable[[], RuleBasedStateMachine],
+    soak: bool,
+    soak_seconds: float,
+    tally: collections.Counter[str],
+) -> None:
     replay = os.environ.get("STEMDECK_MODEL_SEED")
     if not soak:
         try:
@@ -78,8 +87,9 @@ def run_profiles(machine: Callable[[], RuleBasedStateMachine], soak: bool,
         rounds, seed = rounds + 1, seed + 1
 
 
-def run_machine(machine: Callable[[], RuleBasedStateMachine], profile: str,
-                seed: int | None = None) -> None:
+def run_machine(
+    machine: Callable[[], RuleBasedStateMachine], profile: str, seed: int | None = None
+) -> None:
     chosen = settings.get_profile(profile)
     if os.environ.get("STEMDECK_MODEL_EXAMPLES"):
         chosen = settings(chosen, max_examples=int(os.environ["STEMDECK_MODEL_EXAMPLES"]))
@@ -96,6 +106,8 @@ def run_machine(machine: Callable[[], RuleBasedStateMachine], profile: str,
         run_state_machine_as_test(factory, settings=chosen)
     except BaseException as exc:
         if seed is not None:
-            exc.add_note(f"replay: STEMDECK_MODEL_SEED={seed}"
-                         + (" STEMDECK_SOAK=1" if profile == "seams-soak" else ""))
+            exc.add_note(
+                f"replay: STEMDECK_MODEL_SEED={seed}"
+                + (" STEMDECK_SOAK=1" if profile == "seams-soak" else "")
+            )
         raise

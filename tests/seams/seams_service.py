@@ -7,6 +7,7 @@ read-only, as a restart would find it. Links are served by a loopback HTTP serve
 rules use a small tmpfs for the outbox and the scratch folder (mounting needs root; elsewhere
 they are left out).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ GONE_TIMEOUT = 60.0
 
 
 # ---------------------------------------------------------------- the registry, read-only
+
 
 @dataclasses.dataclass(frozen=True)
 class JobRow:
@@ -77,8 +79,9 @@ class RegistryView:
         """The order jobs will run in: the one publishing was taken first, then the one at
         the worker, then the queue."""
         running = sorted(self.running(), key=lambda j: (j.state != "publishing", j.created_at))
-        return [job.id for job in running] + [i for i in self.order if i not in
-                                                {job.id for job in running}]
+        return [job.id for job in running] + [
+            i for i in self.order if i not in {job.id for job in running}
+        ]
 
     def names(self, ids: list[str]) -> list[str]:
         return [f"{self.jobs[i].rel_path}#{i[:6]}" if i in self.jobs else i for i in ids]
@@ -98,7 +101,8 @@ def read_registry(state: Path, timeout: float = 30.0) -> RegistryView:
                 return empty
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"could not read the registry for {timeout:.0f} s: {exc}") from exc
+                    f"could not read the registry for {timeout:.0f} s: {exc}"
+                ) from exc
             time.sleep(0.05)
 
 
@@ -107,36 +111,63 @@ def _read(path: Path) -> RegistryView:
     try:
         db.execute("BEGIN")
         jobs = {}
-        for row in db.execute("SELECT id, name, kind, state, source, rel_path, preset, output, "
-                              "error, size, mtime_ns, inode, sha256, created_at, faults "
-                              "FROM jobs"):
+        for row in db.execute(
+            "SELECT id, name, kind, state, source, rel_path, preset, output, "
+            "error, size, mtime_ns, inode, sha256, created_at, faults "
+            "FROM jobs"
+        ):
             jobs[row[0]] = JobRow(
-                id=row[0], name=row[1], kind=row[2], state=row[3], source=row[4],
-                rel_path=row[5], preset=row[6], output=row[7], error=row[8],
+                id=row[0],
+                name=row[1],
+                kind=row[2],
+                state=row[3],
+                source=row[4],
+                rel_path=row[5],
+                preset=row[6],
+                output=row[7],
+                error=row[8],
                 signature=(row[9], row[10], row[11]) if row[9] is not None else None,
-                sha256=row[12], created_at=row[13], faults=len(json.loads(row[14] or "[]")))
-        order = [r[0] for r in db.execute(
-            "SELECT id FROM jobs WHERE state = 'queued' "
-            "ORDER BY position IS NULL, position, created_at, rowid")]
-        tombstones = {r[0]: (tuple(r[1:4]) if r[1] is not None else None) for r in db.execute(
-            "SELECT path, size, mtime_ns, inode FROM tombstones WHERE kind = 'input'")}
+                sha256=row[12],
+                created_at=row[13],
+                faults=len(json.loads(row[14] or "[]")),
+            )
+        order = [
+            r[0]
+            for r in db.execute(
+                "SELECT id FROM jobs WHERE state = 'queued' "
+                "ORDER BY position IS NULL, position, created_at, rowid"
+            )
+        ]
+        tombstones = {
+            r[0]: (tuple(r[1:4]) if r[1] is not None else None)
+            for r in db.execute(
+                "SELECT path, size, mtime_ns, inode FROM tombstones WHERE kind = 'input'"
+            )
+        }
         waiting = frozenset(r[0] for r in db.execute("SELECT source FROM waiting"))
         pause = db.execute("SELECT value FROM meta WHERE key = 'pause_reason'").fetchone()
     finally:
         db.close()
-    return RegistryView(jobs, order, tombstones, waiting,  # type: ignore[arg-type]
-                        (pause or [""])[0] or "")
+    return RegistryView(
+        jobs,
+        order,
+        tombstones,
+        waiting,  # type: ignore[arg-type]
+        (pause or [""])[0] or "",
+    )
 
 
 # ---------------------------------------------------------------- the service process
+
 
 def descendants(pid: int) -> set[int]:
     table = processes()
     found: set[int] = set()
     frontier = {pid}
     while frontier:
-        frontier = {p for p, (parent, state) in table.items()
-                    if parent in frontier and state != "Z"} - found
+        frontier = {
+            p for p, (parent, state) in table.items() if parent in frontier and state != "Z"
+        } - found
         found |= frontier
     return found
 
@@ -175,17 +206,29 @@ class ServiceProcess:
         self.lives += 1
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stemdeck_watch", "run", "--no-tray", "--config",
-             str(self.config)], stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "stemdeck_watch",
+                "run",
+                "--no-tray",
+                "--config",
+                str(self.config),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_TIMEOUT
         while STARTED not in self.output():
             if self.proc.poll() is not None:
-                raise AssertionError(f"the service exited ({self.proc.returncode}) before it "
-                                     f"started:\n{self.tail()}")
+                raise AssertionError(
+                    f"the service exited ({self.proc.returncode}) before it started:\n{self.tail()}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"the service did not start within {START_TIMEOUT:.0f} s:"
-                                     f"\n{self.tail()}")
+                raise AssertionError(
+                    f"the service did not start within {START_TIMEOUT:.0f} s:\n{self.tail()}"
+                )
             time.sleep(0.05)
 
     def alive(self) -> bool:
@@ -200,8 +243,9 @@ class ServiceProcess:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.tracked |= descendants(self.proc.pid)
-        self.tracked |= {int(p) for p in
-                         re.findall(r"started separation worker (\d+)", self.output())}
+        self.tracked |= {
+            int(p) for p in re.findall(r"started separation worker (\d+)", self.output())
+        }
 
     def stop(self) -> None:
         """A clean stop (SIGTERM, as the service's own signal handler takes it)."""
@@ -211,8 +255,9 @@ class ServiceProcess:
         try:
             code = self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the service did not stop within {STOP_TIMEOUT:.0f} s of "
-                                 f"SIGTERM:\n{self.tail()}") from None
+            raise AssertionError(
+                f"the service did not stop within {STOP_TIMEOUT:.0f} s of SIGTERM:\n{self.tail()}"
+            ) from None
         self._wait_gone()
         if code != 0:
             raise AssertionError(f"the service's clean stop exited {code}:\n{self.tail()}")
@@ -232,8 +277,9 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 left = alive(self.tracked)
                 self.force()
-                raise AssertionError(f"processes {sorted(left)} outlived the service by "
-                                     f"{GONE_TIMEOUT:.0f} s")
+                raise AssertionError(
+                    f"processes {sorted(left)} outlived the service by {GONE_TIMEOUT:.0f} s"
+                )
             time.sleep(0.05)
         self.tracked.clear()
         if self._log is not None:
@@ -257,20 +303,25 @@ class ServiceProcess:
             self._log.close()
             self._log = None
 
-    def api(self, method: str, path: str, body: dict[str, Any] | None = None
-            ) -> tuple[int, dict[str, Any]]:
+    def api(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """One API request with this life's token; (status, reply). A refused request (4xx)
         is an answer like any other; the caller decides."""
         assert self.proc is not None
         found = discovery.read(self.state)
         if found is None or found.pid != self.proc.pid:
-            raise AssertionError(f"the running service (pid {self.proc.pid}) published no API "
-                                 f"address in {self.state}:\n{self.tail()}")
+            raise AssertionError(
+                f"the running service (pid {self.proc.pid}) published no API "
+                f"address in {self.state}:\n{self.tail()}"
+            )
         data = json.dumps(body or {}).encode() if method == "POST" else None
         request = urllib.request.Request(
-            found.url + path.lstrip("/"), data=data, method=method,
-            headers={"Authorization": f"Bearer {found.token}",
-                     "Content-Type": "application/json"})
+            found.url + path.lstrip("/"),
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {found.token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as reply:
                 return reply.status, json.loads(reply.read() or b"{}")
@@ -283,6 +334,7 @@ class ServiceProcess:
 
 
 # ---------------------------------------------------------------- links: a loopback server
+
 
 class MediaServer:
     """Serves the test's songs as `/c<N>.wav` on 127.0.0.1."""
@@ -315,8 +367,9 @@ class MediaServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="media-server",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="media-server", daemon=True
+        )
         self.thread.start()
 
     def url(self, index: int) -> str:
@@ -329,6 +382,7 @@ class MediaServer:
 
 
 # ---------------------------------------------------------------- a small disk
+
 
 def _margin() -> int:
     from stemdeck_watch.engine import diskguard
@@ -365,8 +419,11 @@ class SmallDisk:
         if os.geteuid() != 0:
             return "mounting a tmpfs needs root"
         probe.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             return f"could not mount a tmpfs: {done.stderr.strip()}"
         subprocess.run(["umount", str(probe)], check=False)

@@ -22,6 +22,7 @@ run); `STEMDECK_MODEL_SEED=N` replays seed N, `STEMDECK_MODEL_BLOB=…` the blob
 `make soak` (`STEMDECK_SOAK=1`) runs the long profile with a new seed per round for
 `STEMDECK_SOAK_SECONDS` (an hour).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from stemdeck_watch.stages.publish import MANIFEST
 
-from seams_folders import (LINK_SLOT, SLOTS, STAGING, Hands, link_text, scan_outbox,
-                           write_example_config)
+from seams_folders import (
+    LINK_SLOT,
+    SLOTS,
+    STAGING,
+    Hands,
+    link_text,
+    scan_outbox,
+    write_example_config,
+)
 from seams_model import Model, order_kept, outstanding, wait_quiet
 from seams_run import World, make_world, run_profiles
 from seams_service import RegistryView, ServiceProcess, SmallDisk, read_registry
@@ -53,12 +61,19 @@ SONGS = 4  # distinct songs, all 1.2 s: the same size, so `cp -p` can keep size 
 SOAK = os.environ.get("STEMDECK_SOAK") == "1"
 SOAK_SECONDS = float(os.environ.get("STEMDECK_SOAK_SECONDS") or 3600)
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
-COMMON = settings(deadline=None, database=None, print_blob=True, suppress_health_check=HEALTH,
-                  phases=(Phase.explicit, Phase.generate, Phase.shrink))
-settings.register_profile("seams-short", COMMON, max_examples=6, stateful_step_count=14,
-                          derandomize=True)
-settings.register_profile("seams-soak", COMMON, max_examples=10, stateful_step_count=40,
-                          derandomize=False)
+COMMON = settings(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=HEALTH,
+    phases=(Phase.explicit, Phase.generate, Phase.shrink),
+)
+settings.register_profile(
+    "seams-short", COMMON, max_examples=6, stateful_step_count=14, derandomize=True
+)
+settings.register_profile(
+    "seams-soak", COMMON, max_examples=10, stateful_step_count=40, derandomize=False
+)
 FINAL = ("done", "failed", "cancelled")
 _numbers = itertools.count()
 
@@ -78,9 +93,11 @@ def guarded(step: Callable[..., None]) -> Callable[..., None]:
         try:
             step(self, *args, **kwargs)
         except Exception as exc:
-            exc.add_note(f"seen in {step.__name__} after step {len(self.steps)}, "
-                         f"{self.steps[-1] if self.steps else '-'}; the service's logs: "
-                         f"{self.root / 'logs' if self.root else '-'}")
+            exc.add_note(
+                f"seen in {step.__name__} after step {len(self.steps)}, "
+                f"{self.steps[-1] if self.steps else '-'}; the service's logs: "
+                f"{self.root / 'logs' if self.root else '-'}"
+            )
             self.failure = exc
 
     return run
@@ -162,8 +179,9 @@ class SeamsMachine(RuleBasedStateMachine):
         status, reply = self.service.api("POST", path, body)
         self.world.tally[f"{path.rsplit('/', 1)[-1]} {status}"] += 1
         if status >= 500 or status in (400, 401):
-            raise AssertionError(f"POST {path} {body or ''} → {status} {reply}\n"
-                                 f"{self.service.tail()}")
+            raise AssertionError(
+                f"POST {path} {body or ''} → {status} {reply}\n{self.service.tail()}"
+            )
         return status, reply
 
     def pick(self, phase: str, pick: int) -> str | None:
@@ -180,8 +198,7 @@ class SeamsMachine(RuleBasedStateMachine):
             elif phase == "next":  # the head of the queue, while a song separates
                 found = view.order[:1] if any(j.state == "separating" for j in jobs) else []
             elif phase == "separating":
-                found = [j.id for j in jobs if j.state in ("downloading", "decoding",
-                                                           "separating")]
+                found = [j.id for j in jobs if j.state in ("downloading", "decoding", "separating")]
             else:
                 found = [j.id for j in jobs if j.state not in FINAL] or [j.id for j in jobs]
             busy = self.model.pending(view)
@@ -205,13 +222,17 @@ class SeamsMachine(RuleBasedStateMachine):
         problems = outstanding(problems)
         if problems:
             assert self.service is not None
-            raise AssertionError("\n".join(problems) + f"\nthe service's log ends:\n"
-                                 f"{self.service.tail(40)}")
+            raise AssertionError(
+                "\n".join(problems) + f"\nthe service's log ends:\n{self.service.tail(40)}"
+            )
 
     # ------------------------------------------------------------ the inbox and the outbox
 
-    @rule(slot=st.sampled_from(SLOTS), song=st.integers(0, SONGS - 1),
-          how=st.sampled_from(["atomic", "atomic", "inplace", "stamp"]))
+    @rule(
+        slot=st.sampled_from(SLOTS),
+        song=st.integers(0, SONGS - 1),
+        how=st.sampled_from(["atomic", "atomic", "inplace", "stamp"]),
+    )
     @guarded
     def drop(self, slot: str, song: int, how: str) -> None:
         """A song dropped (or dropped again, or the file replaced by another song)."""
@@ -245,8 +266,11 @@ class SeamsMachine(RuleBasedStateMachine):
         """A link saved into the inbox, or the saved link edited to point elsewhere."""
         self._link(song, how)
 
-    @rule(song=st.integers(0, SONGS - 1), how=st.sampled_from(["stamp", "inplace", "atomic"]),
-          after=st.sampled_from([0.3, 0.0]))
+    @rule(
+        song=st.integers(0, SONGS - 1),
+        how=st.sampled_from(["stamp", "inplace", "atomic"]),
+        after=st.sampled_from([0.3, 0.0]),
+    )
     @guarded
     def replace_next(self, song: int, how: str, after: float) -> None:
         """The next song in the queue replaced `after` s into the separation of the one
@@ -282,8 +306,9 @@ class SeamsMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ the API
 
-    @rule(phase=st.sampled_from(["queued", "separating", "publishing", "any"]),
-          pick=st.integers(0, 7))
+    @rule(
+        phase=st.sampled_from(["queued", "separating", "publishing", "any"]), pick=st.integers(0, 7)
+    )
     @guarded
     def cancel(self, phase: str, pick: int) -> None:
         job_id = self.pick(phase, pick)
@@ -297,8 +322,12 @@ class SeamsMachine(RuleBasedStateMachine):
         if job is not None and job.state in ("queued", "downloading", "decoding", "separating"):
             self.model.must_cancel[job_id] = f"{job.state} when the cancel was answered"
             self.world.tally[f"cancel in time ({job.state})"] += 1
-        elif job is not None and job.state == "publishing" and staging.is_dir() \
-                and not (staging / MANIFEST).exists():
+        elif (
+            job is not None
+            and job.state == "publishing"
+            and staging.is_dir()
+            and not (staging / MANIFEST).exists()
+        ):
             self.model.must_cancel[job_id] = "its stems were still being written"
             self.world.tally["cancel in time (publishing)"] += 1
 
@@ -314,16 +343,19 @@ class SeamsMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 7))
     @guarded
     def retry(self, pick: int) -> None:
-        jobs = sorted((j for j in self.view().jobs.values() if j.state in FINAL[1:]),
-                      key=lambda j: -j.created_at)  # the latest first
+        jobs = sorted(
+            (j for j in self.view().jobs.values() if j.state in FINAL[1:]),
+            key=lambda j: -j.created_at,
+        )  # the latest first
         if jobs:
             self.post(f"/api/jobs/{jobs[pick % len(jobs)].id}/retry")
 
     @rule(pick=st.integers(0, 7))
     @guarded
     def remove(self, pick: int) -> None:
-        jobs = sorted((j for j in self.view().jobs.values()
-                       if j.state in FINAL), key=lambda j: -j.created_at)
+        jobs = sorted(
+            (j for j in self.view().jobs.values() if j.state in FINAL), key=lambda j: -j.created_at
+        )
         if jobs:
             job = jobs[pick % len(jobs)]
             status, _ = self.post(f"/api/jobs/{job.id}/remove")
@@ -353,8 +385,11 @@ class SeamsMachine(RuleBasedStateMachine):
         else:
             self.service.stop()
         self.service.start()
-        self.check(order_kept(before, self.view(), "clean restart" if how == "clean"
-                              else "SIGKILL and restart"))
+        self.check(
+            order_kept(
+                before, self.view(), "clean restart" if how == "clean" else "SIGKILL and restart"
+            )
+        )
 
     @rule(when=st.sampled_from(["not now", "not now", "mid-song"]))
     @guarded
@@ -404,6 +439,7 @@ class SeamsMachine(RuleBasedStateMachine):
 
 
 # ---------------------------------------------------------------- running it
+
 
 @pytest.fixture
 def world(tmp_path: Path, model_repo: Path) -> Iterator[World]:

@@ -1,6 +1,7 @@
 """A full disk for real: the outbox on a small tmpfs (mounting needs root; elsewhere these
 tests skip with the reason, never under CI=true). A cancel that meets the check is placed
 through the check's own reading of the free space instead."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,11 @@ def small_disk(folder: Path, size: str) -> Iterator[Path]:
     if os.geteuid() != 0:
         why = "mounting a size-limited tmpfs needs root"
     else:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                               str(folder)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             why = f"could not mount a tmpfs: {done.stderr.strip()}"
     if why:
@@ -51,10 +55,9 @@ def small_outbox(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_settings,
-                                                                   service_factory,
-                                                                   small_outbox: Path,
-                                                                   monkeypatch):
+def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(
+    make_settings, service_factory, small_outbox: Path, monkeypatch
+):
     from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)  # a 3 MB disk has no room for the real one
@@ -75,8 +78,9 @@ def test_the_queue_pauses_for_disk_before_a_song_that_would_not_fit(make_setting
     assert done and not service.queue.paused
 
 
-def test_a_write_that_fails_mid_song_leaves_no_partial_folder(make_settings, service_factory,
-                                                             small_outbox: Path, monkeypatch):
+def test_a_write_that_fails_mid_song_leaves_no_partial_folder(
+    make_settings, service_factory, small_outbox: Path, monkeypatch
+):
     from stemdeck_watch.engine import diskguard
 
     monkeypatch.setattr(diskguard, "MARGIN", 0)
@@ -99,7 +103,8 @@ def test_a_write_that_fails_mid_song_leaves_no_partial_folder(make_settings, ser
 
 
 def test_a_song_decoded_ahead_never_takes_the_room_the_separating_song_needs(
-        make_settings, service_factory, tmp_path: Path, caplog, monkeypatch) -> None:
+    make_settings, service_factory, tmp_path: Path, caplog, monkeypatch
+) -> None:
     """Scratch and outbox on one 20 MiB disk: a 5 s song fits, a 45 s song does not. While
     the short one separates, the long one is not decoded ahead into the room the short one's
     stems need; the short one is published, and the queue then waits for disk at the long
@@ -109,9 +114,10 @@ def test_a_song_decoded_ahead_never_takes_the_room_the_separating_song_needs(
     monkeypatch.setattr(diskguard, "MARGIN", 0)  # a small disk has no room for the real one
     caplog.set_level(logging.INFO, "stemdeck_watch.engine.diskguard")
     with small_disk(tmp_path / "disk", "20m") as disk:
-        settings = make_settings(folders={"outbox": str(disk / "outbox"),
-                                          "state": str(disk / "state")},
-                                 queue={"work_beside": "on"})
+        settings = make_settings(
+            folders={"outbox": str(disk / "outbox"), "state": str(disk / "state")},
+            queue={"work_beside": "on"},
+        )
         service, jobs = service_factory(settings)
         lows: list[DiskLow] = []
         service.bus.subscribe(DiskLow, lows.append)
@@ -124,17 +130,28 @@ def test_a_song_decoded_ahead_never_takes_the_room_the_separating_song_needs(
         gate = SeparationGate(service.client, short)  # it separates until the long one is seen
         service.scheduler.start()
 
-        wait_for(lambda: jobs.latest.get(short) and jobs.latest[short].state
-                 is JobState.SEPARATING, 60, "the short song separating")
+        wait_for(
+            lambda: jobs.latest.get(short) and jobs.latest[short].state is JobState.SEPARATING,
+            60,
+            "the short song separating",
+        )
         decoded = settings.paths.scratch / long / "input.npy"
         whole = 128 + 45 * 44100 * 2 * 4  # the long song, decoded, as it would be ahead
-        wait_for(lambda: "not preparing long ahead" in caplog.text
-                 or (decoded.is_file() and decoded.stat().st_size >= whole), 120,
-                 "the long song to be decoded ahead or left for later")
+        wait_for(
+            lambda: (
+                "not preparing long ahead" in caplog.text
+                or (decoded.is_file() and decoded.stat().st_size >= whole)
+            ),
+            120,
+            "the long song to be decoded ahead or left for later",
+        )
         gate.open()
 
-        done = wait_for(lambda: jobs.latest[short].state.is_final and jobs.latest[short], 120,
-                        "the short song to end")
+        done = wait_for(
+            lambda: jobs.latest[short].state.is_final and jobs.latest[short],
+            120,
+            "the short song to end",
+        )
         assert done.state is JobState.DONE, done.error
         assert outbox_entries(settings.paths.outbox) == {"short"}
         wait_for(lambda: service.queue.pause_reason == "disk", 30, "a pause for disk")
@@ -145,7 +162,8 @@ def test_a_song_decoded_ahead_never_takes_the_room_the_separating_song_needs(
 
 
 def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
-        make_settings, service_factory, tmp_path: Path, monkeypatch) -> None:
+    make_settings, service_factory, tmp_path: Path, monkeypatch
+) -> None:
     """On a 20 MiB disk (far less than a link of links.max_duration would need) a short link
     and the file behind it run. A link that turns out too long for the disk once it is
     downloaded waits at the head of the paused queue, downloaded once, and runs when there is
@@ -162,9 +180,10 @@ def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
     media = MediaServer(served)
     try:
         with small_disk(tmp_path / "disk", "20m") as disk:
-            settings = make_settings(folders={"outbox": str(disk / "outbox"),
-                                              "state": str(disk / "state")},
-                                     links={"max_duration": 300})  # 300 s would need 740 MB
+            settings = make_settings(
+                folders={"outbox": str(disk / "outbox"), "state": str(disk / "state")},
+                links={"max_duration": 300},
+            )  # 300 s would need 740 MB
             service, jobs = service_factory(settings)
             lows: list[DiskLow] = []
             service.bus.subscribe(DiskLow, lows.append)
@@ -184,15 +203,19 @@ def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
             link = service.queue.order()
             assert len(link) == 1 and jobs.latest[link[0]].state is JobState.QUEUED
             assert lows and lows[-1].path == str(settings.paths.outbox)
-            wait_for(lambda: not (settings.paths.scratch / link[0]).exists(), 10,
-                     "its download removed")
+            wait_for(
+                lambda: not (settings.paths.scratch / link[0]).exists(), 10, "its download removed"
+            )
             time.sleep(2 * DISK_RECHECK_SECONDS)  # the queue looks for room meanwhile
             assert media.requests.count("/long.wav") == 2, media.requests  # probe + download
             assert service.queue.pause_reason == "disk"
 
             subprocess.run(["mount", "-o", "remount,size=100m", str(disk)], check=True)
-            job = wait_for(lambda: jobs.latest[link[0]].state.is_final and jobs.latest[link[0]],
-                           120, "the long link to run once there is room")
+            job = wait_for(
+                lambda: jobs.latest[link[0]].state.is_final and jobs.latest[link[0]],
+                120,
+                "the long link to run once there is room",
+            )
             assert job.state is JobState.DONE, job.error
             assert outbox_entries(settings.paths.outbox) == {"song", "behind", "long"}
     finally:
@@ -201,7 +224,8 @@ def test_a_link_is_sized_by_its_own_length_not_the_longest_a_link_may_be(
 
 @pytest.mark.parametrize("where", ["before the song starts", "once its download is in"])
 def test_a_song_cancelled_as_the_disk_check_puts_it_back_stays_cancelled(
-        make_settings, service_factory, tmp_path: Path, monkeypatch, where: str) -> None:
+    make_settings, service_factory, tmp_path: Path, monkeypatch, where: str
+) -> None:
     """The user cancels a song just as the check finds no room for it (before it starts, or,
     for a link, once its download says how long it is): the cancel is answered as done, so
     the song must not go back to the queue and be separated once there is room. The check's
@@ -228,8 +252,9 @@ def test_a_song_cancelled_as_the_disk_check_puts_it_back_stays_cancelled(
 
         def usage(path: str) -> Any:
             found = real(path)
-            moment = (threading.current_thread().name == "dispatcher"
-                      and (where == "before the song starts" or download.is_dir()))
+            moment = threading.current_thread().name == "dispatcher" and (
+                where == "before the song starts" or download.is_dir()
+            )
             if moment and not answered:  # the user's cancel lands as the check runs
                 answered.append(service.scheduler.cancel_job(song).id)
                 return found._replace(free=0)
@@ -237,8 +262,11 @@ def test_a_song_cancelled_as_the_disk_check_puts_it_back_stays_cancelled(
 
         monkeypatch.setattr(diskguard.shutil, "disk_usage", usage)
         service.scheduler.start()
-        job = wait_for(lambda: jobs.latest[song].state.is_final and jobs.latest[song], 60,
-                       "the cancelled song to end")
+        job = wait_for(
+            lambda: jobs.latest[song].state.is_final and jobs.latest[song],
+            60,
+            "the cancelled song to end",
+        )
         assert answered == [song]
         assert job.state is JobState.CANCELLED and job.error == CANCELLED_BY_USER, job
         wait_for(lambda: not service.queue.paused, 30, "the queue to start again")

@@ -25,6 +25,7 @@ outbox; every job is in exactly one final state or queued again; a song folder b
 done job and a done job has its song folder. Then the requeued jobs run and everything is
 checked once more, with every job final.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -58,8 +59,7 @@ pytestmark = pytest.mark.slow
 # and the unlink that finishes moving the input comes after the scratch files' unlinks: each
 # is aimed at by a kind of its own. The kinds of a group share one service.
 GROUPS: dict[str, list[tuple[str, int]]] = {
-    "open-write": [("open", n) for n in (1, 2, 3)]
-    + [("write", n) for n in (1, 2, 3, 4, 5, 6)],
+    "open-write": [("open", n) for n in (1, 2, 3)] + [("write", n) for n in (1, 2, 3, 4, 5, 6)],
     "fsync-rename-replace-link-unlink": [("fsync", n) for n in (1, 2, 3, 4, 5)]
     + [("rename", 1), ("replace", 1), ("replace", 2), ("link", 1)]
     + [("unlink", n) for n in (1, 2)],  # scratch files (the later ones alike)
@@ -112,8 +112,9 @@ class Injector:
         return OSError(code, os.strerror(code), None if path is None else str(path))
 
     def sqlerror(self) -> sqlite3.OperationalError:
-        return sqlite3.OperationalError("database or disk is full" if self.nth % 2
-                                        else "disk I/O error")
+        return sqlite3.OperationalError(
+            "database or disk is full" if self.nth % 2 else "disk I/O error"
+        )
 
 
 class FaultyFile:
@@ -167,10 +168,14 @@ class FaultyConnection:
                 raise self._injector.sqlerror()
         elif verb in ("INSERT", "UPDATE", "DELETE") and not self._in_transaction:
             what = " ".join(sql.split())[:60]
-            stores_done = verb == "UPDATE" and isinstance(params, (tuple, list)) \
+            stores_done = (
+                verb == "UPDATE"
+                and isinstance(params, (tuple, list))
                 and JobState.DONE.value in params
+            )
             if self._injector.hit("commit", what) or (
-                    stores_done and self._injector.hit("commit-done", what)):
+                stores_done and self._injector.hit("commit-done", what)
+            ):
                 raise self._injector.sqlerror()
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
@@ -197,6 +202,7 @@ def injector(monkeypatch: pytest.MonkeyPatch) -> Injector:
                 faults.handles.append(handle)
                 return FaultyFile(handle, faults)
             return handle
+
         return open_
 
     monkeypatch.setattr(builtins, "open", opener(real_open))
@@ -204,8 +210,9 @@ def injector(monkeypatch: pytest.MonkeyPatch) -> Injector:
     for name in ("fsync", "rename", "replace", "link", "unlink"):
         real = getattr(os, name)
 
-        def call(*args: Any, _real: Callable[..., Any] = real, _name: str = name,
-                 **kwargs: Any) -> Any:
+        def call(
+            *args: Any, _real: Callable[..., Any] = real, _name: str = name, **kwargs: Any
+        ) -> Any:
             if faults.hit(_name, " ".join(str(a) for a in args)):
                 raise faults.oserror(args[-1] if args else None)
             return _real(*args, **kwargs)
@@ -215,8 +222,12 @@ def injector(monkeypatch: pytest.MonkeyPatch) -> Injector:
 
     def unlink(path: Any, *args: Any, **kwargs: Any) -> Any:
         inbox = faults.inbox
-        if inbox is not None and isinstance(path, (str, os.PathLike)) \
-                and Path(path).parent == inbox and faults.hit("unlink-input", str(path)):
+        if (
+            inbox is not None
+            and isinstance(path, (str, os.PathLike))
+            and Path(path).parent == inbox
+            and faults.hit("unlink-input", str(path))
+        ):
             raise faults.oserror(path)
         return real_unlink(path, *args, **kwargs)
 
@@ -227,8 +238,7 @@ def injector(monkeypatch: pytest.MonkeyPatch) -> Injector:
 class Run:
     """A service under fault injection, restarted at will; the jobs' songs by name."""
 
-    def __init__(self, settings: Settings, service_factory: Callable[..., Any],
-                 faults: Injector):
+    def __init__(self, settings: Settings, service_factory: Callable[..., Any], faults: Injector):
         self.settings = settings
         self.folders = settings.paths
         self._factory = service_factory
@@ -266,13 +276,15 @@ class Run:
         jobs = [j for j in self.service.registry.jobs() if Path(j.rel_path).name == name]
         return jobs[0] if jobs else None  # newest first
 
-    def one_job(self, kind: str, nth: int, seconds: float = 1.2,
-                stuck_ok: bool = True) -> Job | None:
+    def one_job(
+        self, kind: str, nth: int, seconds: float = 1.2, stuck_ok: bool = True
+    ) -> Job | None:
         """Drop a song with the N-th call of `kind` armed to fail; wait until its job is
         final, or (`stuck_ok`) the fault fired and nothing changed for SETTLE seconds."""
         name = f"{kind}-{nth}.wav"
-        song = write_song(self.folders.state.parent / "songs" / name, seconds,
-                          seed=zlib.crc32(name.encode()))
+        song = write_song(
+            self.folders.state.parent / "songs" / name, seconds, seed=zlib.crc32(name.encode())
+        )
         self.songs[name] = song.read_bytes()
         self._wait_idle()
         self.faults.arm(kind, nth)
@@ -288,8 +300,12 @@ class Run:
                 view = (job and (job.state, job.version), self.faults.fired, busy)
                 if view != last:
                     last, since = view, time.monotonic()
-                elif stuck_ok and self.faults.fired and not busy \
-                        and time.monotonic() - since > SETTLE:
+                elif (
+                    stuck_ok
+                    and self.faults.fired
+                    and not busy
+                    and time.monotonic() - since > SETTLE
+                ):
                     break  # stuck: the fault stopped it, and no job is running
                 assert time.monotonic() < deadline, f"{name}: no end in 90 s ({job})"
                 time.sleep(0.05)
@@ -306,8 +322,9 @@ class Run:
         jobs = {name: self.job_of(name) for name in self.songs}
         outputs = {}
         for name, job in jobs.items():
-            where = [f for f in ("inbox", "processed", "failed")
-                     if (getattr(folders, f) / name).exists()]
+            where = [
+                f for f in ("inbox", "processed", "failed") if (getattr(folders, f) / name).exists()
+            ]
             fired = self.fired.get(name)
             label = f"{name} ({fired or 'no fault fired'})"
             if len(where) != 1:
@@ -332,8 +349,10 @@ class Run:
                     problems.append(f"{label}: done, the input in {where}, error {job.error}")
             if job.state is JobState.FAILED:
                 if where != ["failed"] or not report_path(folders.failed / name).exists():
-                    problems.append(f"{label}: failed, the input in {where} (report: "
-                                    f"{report_path(folders.failed / name).exists()})")
+                    problems.append(
+                        f"{label}: failed, the input in {where} (report: "
+                        f"{report_path(folders.failed / name).exists()})"
+                    )
             if job.state is JobState.CANCELLED:
                 problems.append(f"{label}: cancelled, though nobody cancelled it: {job.error}")
         # (without STATUS.txt's temp file: the restarted service may be rewriting it as we
@@ -350,9 +369,11 @@ class Run:
                 problems.append(f"outbox/{entry.name} is a partial song folder")
             elif str(entry) not in outputs:
                 owner = jobs.get(f"{entry.name}.wav")
-                problems.append(f"outbox/{entry.name} is published, but its job is "
-                                f"{owner.state.value if owner else 'unknown'} "
-                                f"({owner.error if owner else ''})")
+                problems.append(
+                    f"outbox/{entry.name} is published, but its job is "
+                    f"{owner.state.value if owner else 'unknown'} "
+                    f"({owner.error if owner else ''})"
+                )
         for folder in (folders.processed, folders.failed):
             hidden = [p.name for p in folder.iterdir() if p.name.startswith(".")]
             if hidden:
@@ -380,24 +401,26 @@ def marks(group: str) -> list[pytest.MarkDecorator]:
         # AssertionError from soundfile. (A failed header write also leaves scratch's
         # AudioWriter file open; the test closes and names such files.) Neither loses a
         # song, which is what this test checks.
-        found.append(pytest.mark.filterwarnings(
-            "ignore::pytest.PytestUnraisableExceptionWarning"))
+        found.append(pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"))
     return found
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("group", [pytest.param(name, marks=marks(name)) for name in GROUPS])
-def test_an_io_error_at_any_call_loses_nothing(group: str, make_settings, service_factory,
-                                               injector: Injector) -> None:
+def test_an_io_error_at_any_call_loses_nothing(
+    group: str, make_settings, service_factory, injector: Injector
+) -> None:
     settings = make_settings(queue={"start_paused_after_restore": False})
     (settings.paths.state.parent / "songs").mkdir(exist_ok=True)
     run = Run(settings, service_factory, injector)
     outcomes = []
     for kind, n in GROUPS[group]:
         job = run.one_job(kind, n)
-        outcomes.append(f"{kind} #{n}: {run.fired[f'{kind}-{n}.wav'] or 'not fired'} -> "
-                        f"{job.state.value if job else 'no job'}"
-                        f"{' (' + job.error[:100] + ')' if job and job.error else ''}")
+        outcomes.append(
+            f"{kind} #{n}: {run.fired[f'{kind}-{n}.wav'] or 'not fired'} -> "
+            f"{job.state.value if job else 'no job'}"
+            f"{' (' + job.error[:100] + ')' if job and job.error else ''}"
+        )
         if job is None or not job.state.is_final:
             run.restart()  # at once: what the service left may hold the next job up
     print("\n" + "\n".join(outcomes))
@@ -417,7 +440,8 @@ def test_an_io_error_at_any_call_loses_nothing(group: str, make_settings, servic
 
 @pytest.mark.timeout(300)
 def test_a_failed_registry_write_holds_no_song_up_until_a_restart(
-        make_settings, service_factory, injector: Injector) -> None:
+    make_settings, service_factory, injector: Injector
+) -> None:
     """A registry write failing while the service runs — a flaky share, a disk full for a
     moment — must not leave a song stuck (running in the registry, in no queue; or seen by
     the intake but never recorded) until someone restarts the service: every song still
@@ -428,8 +452,10 @@ def test_a_failed_registry_write_holds_no_song_up_until_a_restart(
     outcomes = []
     for kind, n in [("commit", n) for n in range(1, 7)] + [("commit-done", 1)]:
         job = run.one_job(kind, n, stuck_ok=False)
-        outcomes.append(f"{kind} #{n}: {run.fired[f'{kind}-{n}.wav'] or 'not fired'} -> "
-                        f"{job.state.value if job else 'no job'}")
+        outcomes.append(
+            f"{kind} #{n}: {run.fired[f'{kind}-{n}.wav'] or 'not fired'} -> "
+            f"{job.state.value if job else 'no job'}"
+        )
     assert all(run.fired.values()), "\n".join(outcomes)
     problems = run.check(final=True)
     assert not problems, "without a restart:\n" + "\n".join(problems + ["", *outcomes])

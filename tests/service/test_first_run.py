@@ -2,6 +2,7 @@
 downloads the model from a loopback mirror of the hub (the tiny model in the hub's layout),
 and while it does, `status`, the API (the page's object) and the tray say so; the song dropped
 meanwhile waits for the model and is then separated with it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,32 +24,49 @@ HOLD = 200_000
 
 
 def test_a_first_run_shows_the_model_arriving_then_separates_with_it(
-        make_settings, service_factory, tmp_path: Path, model_repo: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    make_settings,
+    service_factory,
+    tmp_path: Path,
+    model_repo: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     served = build_mirror(tmp_path / "mirror", model_repo / "tiny.th")
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # the worker inherits them
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with ModelHub(tmp_path / "mirror") as hub:
         hub.hold_at = HOLD
-        settings = make_settings(separation={"model": "htdemucs", "model_repo": "",
-                                             "model_hub": hub.url})
+        settings = make_settings(
+            separation={"model": "htdemucs", "model_repo": "", "model_hub": hub.url}
+        )
         service, jobs = service_factory(settings)
         wait_for(hub.held.is_set, 120, "the worker's download to reach the held byte")
         said = "downloading htdemucs 0.2 / 0.5 MB"
-        wait_for(lambda: (collect(settings)["download"] or {}).get("text") == said, 30,
-                 lambda: f"status to say {said!r}, not {collect(settings)['download']!r}")
+        wait_for(
+            lambda: (collect(settings)["download"] or {}).get("text") == said,
+            30,
+            lambda: f"status to say {said!r}, not {collect(settings)['download']!r}",
+        )
         assert f"model:   {said}" in render(collect(settings)).splitlines()
         page = Client.connect(settings.paths.state).get("/api/queue")  # what the page shows
-        assert page["download"] == {"model": "htdemucs", "done": HOLD,
-                                    "total": served.stat().st_size, "text": said}
+        assert page["download"] == {
+            "model": "htdemucs",
+            "done": HOLD,
+            "total": served.stat().st_size,
+            "text": said,
+        }
         assert said in build_view(service.scheduler.snapshot(), None).title  # the tray
         with chrome.chromium(tmp_path / "chromium") as driver:  # the page, in a real browser
             driver.get(service.api.page_url())
-            shown = "return [document.getElementById('download').textContent, " \
-                    "document.getElementById('download').hidden]"
-            wait_for(lambda: driver.execute_script(shown) == [said, False], 30,
-                     lambda: f"the page to say {said!r}: {driver.execute_script(shown)}")
+            shown = (
+                "return [document.getElementById('download').textContent, "
+                "document.getElementById('download').hidden]"
+            )
+            wait_for(
+                lambda: driver.execute_script(shown) == [said, False],
+                30,
+                lambda: f"the page to say {said!r}: {driver.execute_script(shown)}",
+            )
             assert not chrome.page_errors(driver)
         write_song(settings.paths.inbox / "song.wav", 2.0)
         wait_for(lambda: jobs.jobs(), 30, "the dropped song to become a job")
@@ -67,16 +85,21 @@ def test_a_first_run_shows_the_model_arriving_then_separates_with_it(
 
 
 def test_a_download_the_mirror_damages_fails_the_song_and_leaves_no_model_file(
-        make_settings, service_factory, tmp_path: Path, model_repo: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    make_settings,
+    service_factory,
+    tmp_path: Path,
+    model_repo: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     build_mirror(tmp_path / "mirror", model_repo / "tiny.th")
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with ModelHub(tmp_path / "mirror") as hub:
         hub.damaged = True
-        settings = make_settings(separation={"model": "htdemucs", "model_repo": "",
-                                             "model_hub": hub.url})
+        settings = make_settings(
+            separation={"model": "htdemucs", "model_repo": "", "model_hub": hub.url}
+        )
         service, jobs = service_factory(settings)
         write_song(settings.paths.inbox / "song.wav", 2.0)
         [job] = jobs.wait_final(1)

@@ -5,6 +5,7 @@ The service must never write through a link planted at a temporary name into a f
 user's, never hang on a FIFO named like a file it reads, and never pass a name's control
 characters raw to the terminal, the log, a text file or a notification.
 """
+
 from __future__ import annotations
 
 import errno
@@ -54,8 +55,10 @@ def victim_file(tmp_path: Path, name: str = ".bashrc") -> Path:
 
 # ---------------------------------------------------------------- writing: planted links
 
+
 def test_a_planted_symlink_at_the_status_temp_file_is_never_written_through(
-        make_settings, service_factory, tmp_path):
+    make_settings, service_factory, tmp_path
+):
     """`outbox/.STATUS.txt.tmp` → the user's .bashrc, and a song named with newlines: the
     status text must not land in .bashrc (with `echo INJECTED` on a line of its own), and
     STATUS.txt shows the name on one line."""
@@ -140,7 +143,8 @@ def other_filesystem(tmp_path: Path, monkeypatch) -> Iterator[Path]:
 
 
 def test_a_planted_symlink_at_the_cross_filesystem_copy_is_never_written_through(
-        tmp_path, other_filesystem):
+    tmp_path, other_filesystem
+):
     """processed/ on another filesystem, `processed/.song.wav.stemdeck-tmp` → the user's
     .bashrc: the input's bytes do not land in .bashrc, and processed/song.wav is the input
     itself, not the planted link. A killed run's half copy beside it is cleaned up."""
@@ -170,6 +174,7 @@ def test_a_status_rewrite_in_flight_has_a_recognisable_hidden_name():
 
 
 # ---------------------------------------------------------------- reading: planted FIFOs
+
 
 def finishes(call: Callable[[], Any], fifos: list[Path], timeout: float = 10.0) -> Any:
     """`call()`'s result (or exception) if it returns within `timeout`; otherwise the FIFOs
@@ -216,16 +221,18 @@ def test_only_plain_files_of_a_bounded_size_are_read_from_a_shared_folder(tmp_pa
     assert read_regular(big, 2000) == b"x" * 2000
 
 
-def test_a_malformed_manifest_planted_in_the_outbox_is_left_alone_not_a_failed_start(
-        settings):
+def test_a_malformed_manifest_planted_in_the_outbox_is_left_alone_not_a_failed_start(settings):
     """stemdeck.json files of any JSON shape in the outbox: the complete one of them is
     adopted, the others are named in the log, and the start goes on."""
     outbox = settings.paths.outbox
-    shapes = {"list": [], "number": 7, "stems not a list": {"stems": 1},
-              "stem not an object": {"stems": [1]}, "files not a list": {
-                  "stems": [{"file": "a.wav"}], "files": 3},
-              "input not an object": {"job_id": "j1", "stems": [{"file": "a.wav"}],
-                                      "input": "x"}}
+    shapes = {
+        "list": [],
+        "number": 7,
+        "stems not a list": {"stems": 1},
+        "stem not an object": {"stems": [1]},
+        "files not a list": {"stems": [{"file": "a.wav"}], "files": 3},
+        "input not an object": {"job_id": "j1", "stems": [{"file": "a.wav"}], "input": "x"},
+    }
     for name, manifest in shapes.items():
         (outbox / name).mkdir()
         (outbox / name / "a.wav").write_bytes(b"RIFF")
@@ -258,12 +265,17 @@ def test_fifos_planted_as_heartbeats_and_manifests_never_hang_the_start(tmp_path
     os.mkfifo(tmp_path / "outbox" / "Fifo Orphan" / "stemdeck.json")
     log = tmp_path / "state" / "logs" / "stemdeck-watch.log"
     with open(tmp_path / "run.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
-                                 str(config), "run", "--no-tray"], stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            wait_for(lambda: log.exists() and "stemdeck-watch is running" in log.read_text(),
-                     90, "the service to start")
+            wait_for(
+                lambda: log.exists() and "stemdeck-watch is running" in log.read_text(),
+                90,
+                "the service to start",
+            )
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
         finally:
@@ -277,6 +289,7 @@ def test_fifos_planted_as_heartbeats_and_manifests_never_hang_the_start(tmp_path
 
 # ---------------------------------------------------------------- names shown
 
+
 def test_a_hostile_song_name_reaches_neither_the_terminal_nor_the_log_raw(tmp_path, model_repo):
     """A song named with escape sequences and a newline followed by a fake log line: the
     terminal of `run`, the log file and `status` show it escaped, on one line."""
@@ -288,18 +301,25 @@ def test_a_hostile_song_name_reaches_neither_the_terminal_nor_the_log_raw(tmp_pa
     terminal = tmp_path / "run.out"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                               *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "stemdeck_watch", "--config", str(config), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def failed() -> bool:
         result = cli("status", "--json")
         return result.returncode == 0 and any(
-            j["state"] == "failed" for j in json.loads(result.stdout)["jobs"])
+            j["state"] == "failed" for j in json.loads(result.stdout)["jobs"]
+        )
 
     with open(terminal, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "--config",
-                                 str(config), "run", "--no-tray"], stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_for(failed, 90, "the song to fail", interval=0.5)
             shown = cli("status")
@@ -311,8 +331,11 @@ def test_a_hostile_song_name_reaches_neither_the_terminal_nor_the_log_raw(tmp_pa
                 proc.kill()
                 proc.wait()
     assert shown.returncode == 0, shown.stderr
-    for where, text in (("the terminal", terminal.read_text()), ("the log", log.read_text()),
-                        ("status", shown.stdout)):
+    for where, text in (
+        ("the terminal", terminal.read_text()),
+        ("the log", log.read_text()),
+        ("status", shown.stdout),
+    ):
         assert "x\\x1b]0;pwned\\x07\\x1b[2J\\n2099" in text, where  # named, escaped
         assert "\x1b" not in text and "\x07" not in text, where
         assert not any(line.startswith("2099") for line in text.splitlines()), where
@@ -332,9 +355,20 @@ def test_notifications_show_a_hostile_name_escaped_and_never_as_markup(tmp_path)
 
     desktop.require_desktop_notifications()
     env = {k: v for k, v in os.environ.items() if k != "DBUS_SESSION_BUS_ADDRESS"}
-    result = subprocess.run(["dbus-run-session", "--", sys.executable,
-                             str(SUPPORT / "notify_desktop_check.py"), str(tmp_path), name],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            "dbus-run-session",
+            "--",
+            sys.executable,
+            str(SUPPORT / "notify_desktop_check.py"),
+            str(tmp_path),
+            name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     first = json.loads(result.stdout.strip().splitlines()[-1])["received"][0]
     escaped = name.replace("\x1b", "\\x1b")
@@ -344,7 +378,8 @@ def test_notifications_show_a_hostile_name_escaped_and_never_as_markup(tmp_path)
 
 
 def test_deeply_nested_json_planted_as_a_manifest_or_heartbeat_does_not_stop_the_start(
-        make_settings, service_factory) -> None:
+    make_settings, service_factory
+) -> None:
     """A stemdeck.json in an orphan song folder, a heartbeat in inbox/.stemdeck/ and the
     manifest of a song folder the service published, each a few KB of `[[[[…`: the service
     starts, skips them, and a song dropped again is separated rather than failing."""
@@ -362,13 +397,20 @@ def test_deeply_nested_json_planted_as_a_manifest_or_heartbeat_does_not_stop_the
     assert service.ownership is not None
     assert [beat.path for beat in read_heartbeats(beats)] == [service.ownership.path]
     write_song(settings.paths.inbox / "song.wav", 1.0, seed=3)
-    first = wait_for(lambda: next((j for j in jobs.latest.values() if j.state.is_final), None),
-                     120, "the song to end")
+    first = wait_for(
+        lambda: next((j for j in jobs.latest.values() if j.state.is_final), None),
+        120,
+        "the song to end",
+    )
     assert first.state is JobState.DONE, first
     (Path(first.output) / "stemdeck.json").write_text(deep)  # a peer rewrites its manifest
     assert verify_folder(Path(first.output)) != []
     write_song(settings.paths.inbox / "song.wav", 1.0, seed=3)  # the same song again
-    second = wait_for(lambda: next((j for j in jobs.latest.values()
-                                    if j.id != first.id and j.state.is_final), None),
-                      120, "the copy to end")
+    second = wait_for(
+        lambda: next(
+            (j for j in jobs.latest.values() if j.id != first.id and j.state.is_final), None
+        ),
+        120,
+        "the copy to end",
+    )
     assert second.state is JobState.DONE and second.output != first.output, second

@@ -24,6 +24,7 @@ process at one exact point (published but `done` not stored; hard-linked into pr
 not unlinked; moved but `done` not stored; `done` stored; half-copied and fully copied across
 filesystems; the head of the queue taken but not started).
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,6 +63,7 @@ STAGING = ".stemdeck-staging"
 
 # ---------------------------------------------------------------- reading what is on disk
 
+
 class Snapshot:
     """The registry as a restart would find it: every job, and the queued order."""
 
@@ -74,23 +76,39 @@ class Snapshot:
         path = state / REGISTRY_FILE
         if not path.exists():
             return cls({}, [])
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10,
-                             isolation_level=None)
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, isolation_level=None)
         try:
             db.execute("BEGIN")  # one read transaction: the jobs and the order agree
-            rows = db.execute("SELECT id, name, state, source, rel_path, attempts, position, "
-                              "output, sha256, error, created_at FROM jobs").fetchall()
-            order = [r[0] for r in db.execute(
-                "SELECT id FROM jobs WHERE state = 'queued' "
-                "ORDER BY position IS NULL, position, created_at, rowid")]
+            rows = db.execute(
+                "SELECT id, name, state, source, rel_path, attempts, position, "
+                "output, sha256, error, created_at FROM jobs"
+            ).fetchall()
+            order = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM jobs WHERE state = 'queued' "
+                    "ORDER BY position IS NULL, position, created_at, rowid"
+                )
+            ]
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc):
                 return cls({}, [])
             raise
         finally:
             db.close()
-        keys = ("id", "name", "state", "source", "rel_path", "attempts", "position", "output",
-                "sha256", "error", "created_at")
+        keys = (
+            "id",
+            "name",
+            "state",
+            "source",
+            "rel_path",
+            "attempts",
+            "position",
+            "output",
+            "sha256",
+            "error",
+            "created_at",
+        )
         return cls({r[0]: dict(zip(keys, r)) for r in rows}, order)
 
     def running(self) -> list[str]:
@@ -98,13 +116,15 @@ class Snapshot:
 
     def by_name(self, name: str) -> list[dict[str, Any]]:
         """The jobs of one input (by its song name), newest first."""
-        return sorted((j for j in self.jobs.values() if j["name"] == name),
-                      key=lambda j: j["created_at"], reverse=True)
+        return sorted(
+            (j for j in self.jobs.values() if j["name"] == name),
+            key=lambda j: j["created_at"],
+            reverse=True,
+        )
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 
 def descendants(pid: int) -> set[int]:
@@ -113,8 +133,9 @@ def descendants(pid: int) -> set[int]:
     table = processes()
     found, frontier = set(), {pid}
     while frontier:
-        frontier = {p for p, (parent, state) in table.items()
-                    if parent in frontier and state != "Z"} - found
+        frontier = {
+            p for p, (parent, state) in table.items() if parent in frontier and state != "Z"
+        } - found
         found |= frontier
     return found
 
@@ -127,15 +148,23 @@ def alive(pids: set[int]) -> set[int]:
 class Life:
     """One run of the service as a subprocess, in a session of its own (its worker too)."""
 
-    def __init__(self, config: Path, log: Path, seam: str | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self, config: Path, log: Path, seam: str | None = None, env: dict[str, str] | None = None
+    ):
         self.log_path = log
         self._log = open(log, "w")
-        prefix = [str(REPO / "tests" / "support" / "crash_seam.py"), seam] if seam else ["-m", "stemdeck_watch"]
+        prefix = (
+            [str(REPO / "tests" / "support" / "crash_seam.py"), seam]
+            if seam
+            else ["-m", "stemdeck_watch"]
+        )
         self.proc = subprocess.Popen(
             [sys.executable, *prefix, "run", "--no-tray", "--config", str(config)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.started_at = time.monotonic()
         self.tracked: set[int] = set()  # the processes it started (its worker)
 
@@ -149,11 +178,14 @@ class Life:
         deadline = time.monotonic() + timeout
         while not self.started():
             if self.proc.poll() is not None:
-                raise AssertionError(f"the service exited ({self.proc.returncode}) before it "
-                                     f"started:\n{self.output()[-3000:]}")
+                raise AssertionError(
+                    f"the service exited ({self.proc.returncode}) before it "
+                    f"started:\n{self.output()[-3000:]}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"the service did not start within {timeout:.0f} s:\n"
-                                     f"{self.output()[-3000:]}")
+                raise AssertionError(
+                    f"the service did not start within {timeout:.0f} s:\n{self.output()[-3000:]}"
+                )
             time.sleep(0.02)
 
     def kill(self) -> float:
@@ -174,8 +206,9 @@ class Life:
             if time.monotonic() - start > timeout:
                 left = alive(self.tracked)
                 self.force()
-                raise AssertionError(f"processes {sorted(left)} outlived the killed service "
-                                     f"by {timeout:.0f} s")
+                raise AssertionError(
+                    f"processes {sorted(left)} outlived the killed service by {timeout:.0f} s"
+                )
             time.sleep(0.02)
         self._log.close()
         return time.monotonic() - start
@@ -205,11 +238,13 @@ class Life:
 
 # ---------------------------------------------------------------- the invariants
 
+
 class Invariants:
     """Checks the folders and the registry; counts every check and keeps every violation."""
 
-    def __init__(self, root: Path, songs: dict[str, str], resume_attempts: int,
-                 processed: Path | None = None):
+    def __init__(
+        self, root: Path, songs: dict[str, str], resume_attempts: int, processed: Path | None = None
+    ):
         self.inbox, self.outbox = root / "inbox", root / "outbox"
         self.processed, self.failed = processed or root / "processed", root / "failed"
         self.state = root / "state"
@@ -241,8 +276,10 @@ class Invariants:
             if entry.name == STAGING:
                 inside = [p.name for p in entry.iterdir()]
                 publishing = {i for i, j in now.jobs.items() if j["state"] == "publishing"}
-                self.expect(set(inside) <= publishing,
-                            f"the staging folder holds {inside} after the restore")
+                self.expect(
+                    set(inside) <= publishing,
+                    f"the staging folder holds {inside} after the restore",
+                )
                 if not inside:
                     self.notes["an empty .stemdeck-staging folder in the outbox"] += 1
                 continue
@@ -254,8 +291,10 @@ class Invariants:
             if not entry.is_dir():
                 continue
             manifest = read_manifest(entry)
-            self.expect(manifest is not None,
-                        f"outbox folder {entry.name} lacks complete stems and manifest")
+            self.expect(
+                manifest is not None,
+                f"outbox folder {entry.name} lacks complete stems and manifest",
+            )
             if manifest is None:
                 continue
             for bad in damaged_stems(entry):
@@ -263,8 +302,10 @@ class Invariants:
             by_sha[manifest["input"]["sha256"]] += 1
             by_job[manifest["job_id"]] += 1
             job = outputs.get(str(entry))
-            self.expect(job is not None and job["id"] == manifest["job_id"],
-                        f"outbox folder {entry.name} is not the output of its done job")
+            self.expect(
+                job is not None and job["id"] == manifest["job_id"],
+                f"outbox folder {entry.name} is not the output of its done job",
+            )
         for sha, count in by_sha.items():
             self.expect(count == 1, f"{count} song folders for one input ({sha[:12]})")
         for job_id, count in by_job.items():
@@ -275,8 +316,11 @@ class Invariants:
 
         for name, digest in self.songs.items():
             stem = Path(name).stem
-            places = [folder.name for folder in (self.inbox, self.processed, self.failed)
-                      if (folder / name).exists()]
+            places = [
+                folder.name
+                for folder in (self.inbox, self.processed, self.failed)
+                if (folder / name).exists()
+            ]
             copies = [p.name for p in self.processed.glob(f"{stem} (*)*")]
             self.expect(len(places) == 1, f"{name} is in {places or 'no folder'}")
             self.expect(not copies, f"{name} was moved to processed/ twice: {copies}")
@@ -284,27 +328,40 @@ class Invariants:
             jobs = now.by_name(stem)
             latest = jobs[0] if jobs else None
             if "processed" in places:
-                self.expect(sha256(self.processed / name) == digest,
-                            f"processed/{name} is not the input it was")
-                self.expect(latest is not None and latest["state"] == "done",
-                            f"{name} is in processed/ but its job is "
-                            f"{latest and latest['state']}")
+                self.expect(
+                    sha256(self.processed / name) == digest,
+                    f"processed/{name} is not the input it was",
+                )
+                self.expect(
+                    latest is not None and latest["state"] == "done",
+                    f"{name} is in processed/ but its job is {latest and latest['state']}",
+                )
             if "inbox" in places:
-                self.expect(latest is None or latest["state"] in ("queued", *RUNNING),
-                            f"{name} is in the inbox but its job is {latest and latest['state']}")
+                self.expect(
+                    latest is None or latest["state"] in ("queued", *RUNNING),
+                    f"{name} is in the inbox but its job is {latest and latest['state']}",
+                )
             if latest is not None and latest["state"] == "done":
-                self.expect(latest["source"] == str(self.processed / name),
-                            f"done job of {name} says its input is at {latest['source']}, "
-                            f"not {self.processed / name}")
+                self.expect(
+                    latest["source"] == str(self.processed / name),
+                    f"done job of {name} says its input is at {latest['source']}, "
+                    f"not {self.processed / name}",
+                )
                 manifest = read_manifest(Path(latest["output"] or "/nonexistent"))
-                self.expect(manifest is not None and manifest["input"]["sha256"] == digest,
-                            f"the done job of {name} has no complete output folder")
+                self.expect(
+                    manifest is not None and manifest["input"]["sha256"] == digest,
+                    f"the done job of {name} has no complete output folder",
+                )
         states = collections.Counter(j["state"] for j in now.jobs.values())
-        self.expect(not (states["failed"] or states["cancelled"]),
-                    f"jobs failed or cancelled: {dict(states)}")
+        self.expect(
+            not (states["failed"] or states["cancelled"]),
+            f"jobs failed or cancelled: {dict(states)}",
+        )
         self.expect(sum(states[s] for s in RUNNING) <= 1, f"two jobs running: {dict(states)}")
-        self.expect(len(now.jobs) == len({j["name"] for j in now.jobs.values()}),
-                    f"an input has two jobs: {sorted(j['name'] for j in now.jobs.values())}")
+        self.expect(
+            len(now.jobs) == len({j["name"] for j in now.jobs.values()}),
+            f"an input has two jobs: {sorted(j['name'] for j in now.jobs.values())}",
+        )
 
     def jobs(self, before: Snapshot, after: Snapshot) -> None:
         cut_off = set(before.running())
@@ -317,15 +374,21 @@ class Invariants:
                 if new["state"] == "done" and new["attempts"] == old["attempts"]:
                     self.notes["cut off after publishing: done without a new attempt"] += 1
                 else:
-                    self.expect(new["attempts"] == old["attempts"] + 1,
-                                f"{old['name']} was cut off {old['state']}: attempts "
-                                f"{old['attempts']} -> {new['attempts']}")
+                    self.expect(
+                        new["attempts"] == old["attempts"] + 1,
+                        f"{old['name']} was cut off {old['state']}: attempts "
+                        f"{old['attempts']} -> {new['attempts']}",
+                    )
             else:
-                self.expect(new["attempts"] == old["attempts"],
-                            f"{old['name']} ({old['state']}) was not running, yet attempts "
-                            f"{old['attempts']} -> {new['attempts']}")
-            self.expect(new["attempts"] <= self.resume_attempts,
-                        f"{old['name']}: attempts {new['attempts']} > resume_attempts")
+                self.expect(
+                    new["attempts"] == old["attempts"],
+                    f"{old['name']} ({old['state']}) was not running, yet attempts "
+                    f"{old['attempts']} -> {new['attempts']}",
+                )
+            self.expect(
+                new["attempts"] <= self.resume_attempts,
+                f"{old['name']}: attempts {new['attempts']} > resume_attempts",
+            )
         for job_id, new in after.jobs.items():
             if job_id not in before.jobs:
                 self.expect(new["attempts"] == 0, f"new job {new['name']} has attempts")
@@ -335,32 +398,45 @@ class Invariants:
         # A queued job without a position in the registry was taken by the dispatcher (the
         # head) and not yet started when the kill hit (see test_window_taken): it must be
         # restored at the head, not behind the others.
-        taken = [j for j in seen if j in before.jobs and before.jobs[j]["state"] == "queued"
-                 and before.jobs[j]["position"] is None]
+        taken = [
+            j
+            for j in seen
+            if j in before.jobs
+            and before.jobs[j]["state"] == "queued"
+            and before.jobs[j]["position"] is None
+        ]
         rest = [j for j in seen if j not in taken]
         kept = [j for j in queued if j in rest]
-        self.expect(kept == [j for j in rest if j in kept],
-                    f"queue order not kept: before the kill {self.names(seen, before)}, "
-                    f"after the restart {self.names(queued, after)}")
+        self.expect(
+            kept == [j for j in rest if j in kept],
+            f"queue order not kept: before the kill {self.names(seen, before)}, "
+            f"after the restart {self.names(queued, after)}",
+        )
         for job_id in taken:
             ahead = [j for j in queued if j in rest][:1]
             if job_id in queued and ahead and queued.index(job_id) > queued.index(ahead[0]):
-                self.expect(False, f"the head of the queue ({before.jobs[job_id]['name']}), "
-                                   f"taken but not started when the kill hit, was restored "
-                                   f"behind {self.names(queued, after)}")
+                self.expect(
+                    False,
+                    f"the head of the queue ({before.jobs[job_id]['name']}), "
+                    f"taken but not started when the kill hit, was restored "
+                    f"behind {self.names(queued, after)}",
+                )
         # two jobs can be cut off at once (one publishing behind the next one's
         # separation): together they head the restored queue
         cut_off = [j for j in before.running() if j in queued]
         for job_id in cut_off:
             if job_id in queued:
-                self.expect(queued.index(job_id) < len(cut_off),
-                            f"the job cut off ({before.jobs[job_id]['name']}) is not at the head"
-                            f" of the restored queue {self.names(queued, after)}")
+                self.expect(
+                    queued.index(job_id) < len(cut_off),
+                    f"the job cut off ({before.jobs[job_id]['name']}) is not at the head"
+                    f" of the restored queue {self.names(queued, after)}",
+                )
         old = [j for j in queued if j in before.jobs]
         new = [j for j in queued if j not in before.jobs]
-        self.expect(queued == old + new,
-                    f"a job queued after the restart is ahead of older ones: "
-                    f"{self.names(queued, after)}")
+        self.expect(
+            queued == old + new,
+            f"a job queued after the restart is ahead of older ones: {self.names(queued, after)}",
+        )
 
     @staticmethod
     def names(order: list[str], snap: Snapshot) -> list[str]:
@@ -373,27 +449,42 @@ class Invariants:
         stems = sorted(Path(n).stem for n in self.songs)
         done = sorted(j["name"] for j in now.jobs.values() if j["state"] == "done")
         self.expect(done == stems, f"done: {done}")
-        self.expect(sorted(p.name for p in self.processed.iterdir()) == sorted(self.songs),
-                    f"processed/ holds {sorted(p.name for p in self.processed.iterdir())}")
-        self.expect(sorted(p.name for p in self.outbox.iterdir()
-                           if p.is_dir() and p.name != STAGING) == stems,
-                    f"the outbox holds {sorted(p.name for p in self.outbox.iterdir())}")
-        self.expect(not [p for p in self.inbox.iterdir() if p.is_file()],
-                    f"the inbox still holds {sorted(p.name for p in self.inbox.iterdir())}")
+        self.expect(
+            sorted(p.name for p in self.processed.iterdir()) == sorted(self.songs),
+            f"processed/ holds {sorted(p.name for p in self.processed.iterdir())}",
+        )
+        self.expect(
+            sorted(p.name for p in self.outbox.iterdir() if p.is_dir() and p.name != STAGING)
+            == stems,
+            f"the outbox holds {sorted(p.name for p in self.outbox.iterdir())}",
+        )
+        self.expect(
+            not [p for p in self.inbox.iterdir() if p.is_file()],
+            f"the inbox still holds {sorted(p.name for p in self.inbox.iterdir())}",
+        )
 
 
 # ---------------------------------------------------------------- kill at random points
 
+
 def make_songs(folder: Path, count: int = SONGS) -> dict[str, Path]:
     """Short songs with distinct seeds (1.2 to 2 s), written outside the inbox."""
     folder.mkdir(parents=True, exist_ok=True)
-    return {f"song{i:02d}.wav": write_song(folder / f"song{i:02d}.wav",
-                                           1.2 + 0.8 * i / max(1, count - 1), seed=1000 + i)
-            for i in range(count)}
+    return {
+        f"song{i:02d}.wav": write_song(
+            folder / f"song{i:02d}.wav", 1.2 + 0.8 * i / max(1, count - 1), seed=1000 + i
+        )
+        for i in range(count)
+    }
 
 
-def watch(life: Life, state: Path, deadline: float, changes: int | None = None,
-          known: set[str] | None = None) -> list[str]:
+def watch(
+    life: Life,
+    state: Path,
+    deadline: float,
+    changes: int | None = None,
+    known: set[str] | None = None,
+) -> list[str]:
     """Poll the registry until `deadline` or, with `changes`, until that many job state
     changes were seen; returns the last queue order seen — what "before the kill" means for
     the order check. `known` collects the jobs seen queued with a place in the order: one
@@ -418,8 +509,12 @@ def watch(life: Life, state: Path, deadline: float, changes: int | None = None,
             states = now
             if changes is not None and count >= changes:
                 break
-            if changes is not None and len(snap.jobs) == SONGS and not snap.order \
-                    and not snap.running():
+            if (
+                changes is not None
+                and len(snap.jobs) == SONGS
+                and not snap.order
+                and not snap.running()
+            ):
                 break  # nothing left to do: no change will come
         time.sleep(0.01)
     return seen
@@ -429,8 +524,11 @@ def run_kill_test(root: Path, model_repo: Path, seed: int, kills: int) -> dict[s
     """The whole random kill run; returns its totals (raises on a violation)."""
     rng = random.Random(seed)
     resume_attempts = kills  # a job hit by every kill still must not fail here
-    config = write_config(root, model_repo, queue={"start_paused_after_restore": False,
-                                                   "resume_attempts": resume_attempts})
+    config = write_config(
+        root,
+        model_repo,
+        queue={"start_paused_after_restore": False, "resume_attempts": resume_attempts},
+    )
     state = root / "state"
     for name in ("inbox", "outbox", "processed", "failed", "state"):
         (root / name).mkdir(exist_ok=True)
@@ -470,12 +568,19 @@ def run_kill_test(root: Path, model_repo: Path, seed: int, kills: int) -> dict[s
             raise
         before = Snapshot.read(state)
         cut = before.running()
-        phase = (before.jobs[cut[0]]["state"] if cut else
-                 "start-up" if not before.jobs else "between jobs")
+        phase = (
+            before.jobs[cut[0]]["state"]
+            if cut
+            else "start-up"
+            if not before.jobs
+            else "between jobs"
+        )
         phases[phase] += 1
         done = sum(j["state"] == "done" for j in before.jobs.values())
-        print(f"kill {life_no + 1:2d}: {before.jobs[cut[0]]['name'] if cut else '-':7s} "
-              f"{phase:12s} done {done}/{len(songs)}")
+        print(
+            f"kill {life_no + 1:2d}: {before.jobs[cut[0]]['name'] if cut else '-':7s} "
+            f"{phase:12s} done {done}/{len(songs)}"
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -492,9 +597,14 @@ def run_kill_test(root: Path, model_repo: Path, seed: int, kills: int) -> dict[s
     assert not checks.violations, "\n".join(checks.violations)
     final = Snapshot.read(state)
     return {
-        "seed": seed, "runs": kills + 1, "kills": kills, "jobs": len(songs),
-        "invariant_checks": checks.checks, "violations": len(checks.violations),
-        "kill_phases": dict(phases), "notes": dict(checks.notes),
+        "seed": seed,
+        "runs": kills + 1,
+        "kills": kills,
+        "jobs": len(songs),
+        "invariant_checks": checks.checks,
+        "violations": len(checks.violations),
+        "kill_phases": dict(phases),
+        "notes": dict(checks.notes),
         "attempts_total": sum(j["attempts"] for j in final.jobs.values()),
         "separations_at_most": sum(j["attempts"] + 1 for j in final.jobs.values()),
         "worker_gone_after_kill_s_max": round(max(worker_exit, default=0.0), 3),
@@ -516,6 +626,7 @@ def test_kill_at_random_points(tmp_path: Path, model_repo: Path) -> None:
 
 # ---------------------------------------------------------------- deterministic windows
 
+
 @pytest.fixture
 def other_filesystem(tmp_path: Path) -> Iterator[Path | None]:
     """A folder on another filesystem than tmp_path (/dev/shm), or None where there is none."""
@@ -534,9 +645,14 @@ def other_filesystem(tmp_path: Path) -> Iterator[Path | None]:
             subprocess.run(["rm", "-rf", "--", str(folder)], check=False)
 
 
-def crash_in(window: str, root: Path, model_repo: Path, names: list[str],
-             processed: Path | None = None,
-             **queue: Any) -> tuple[Path, dict[str, str], dict[str, str]]:
+def crash_in(
+    window: str,
+    root: Path,
+    model_repo: Path,
+    names: list[str],
+    processed: Path | None = None,
+    **queue: Any,
+) -> tuple[Path, dict[str, str], dict[str, str]]:
     """Drop songs, run the service under the crash seam until it kills itself in `window`;
     returns the config and the environment a restart needs, and the songs' sha256."""
     folders = {"processed": str(processed)} if processed else {}
@@ -544,10 +660,11 @@ def crash_in(window: str, root: Path, model_repo: Path, names: list[str],
     processed = processed or root / "processed"
     # no second filesystem at hand: the seam makes links and renames into processed/ fail
     # with EXDEV, as they do across filesystems
-    fake = window in ("copying", "copied") and \
-        processed.parent.stat().st_dev == root.stat().st_dev
-    env = {"STEMDECK_SEAM_PROCESSED": str(processed),
-           "STEMDECK_SEAM_FAKE_EXDEV": "1" if fake else "0"}
+    fake = window in ("copying", "copied") and processed.parent.stat().st_dev == root.stat().st_dev
+    env = {
+        "STEMDECK_SEAM_PROCESSED": str(processed),
+        "STEMDECK_SEAM_FAKE_EXDEV": "1" if fake else "0",
+    }
     (root / "inbox").mkdir(exist_ok=True)
     digests = {}
     for i, name in enumerate(names):
@@ -561,8 +678,9 @@ def crash_in(window: str, root: Path, model_repo: Path, names: list[str],
         life.wait_children_gone()
     finally:
         life.force()
-    assert code == -signal.SIGKILL and "crash seam: SIGKILL" in life.output(), \
+    assert code == -signal.SIGKILL and "crash seam: SIGKILL" in life.output(), (
         f"the seam did not fire (exit {code}):\n{life.output()[-3000:]}"
+    )
     return config, env, digests
 
 
@@ -596,21 +714,26 @@ WINDOW_STATE = {
 
 
 @pytest.mark.parametrize("window", list(WINDOW_STATE))
-def test_window(window: str, tmp_path: Path, model_repo: Path,
-                other_filesystem: Path | None) -> None:
+def test_window(
+    window: str, tmp_path: Path, model_repo: Path, other_filesystem: Path | None
+) -> None:
     """A kill at one exact point of a job's end, then a restart: the song is done exactly
     once, its input in processed/ (once, no hidden partial copy), one song folder."""
     processed = None
     if window in ("copying", "copied") and other_filesystem is not None:
         processed = other_filesystem / "processed"  # a real move across filesystems
-    config, env, digests = crash_in(window, tmp_path, model_repo, ["song.wav"], processed,
-                                    start_paused_after_restore=False)
+    config, env, digests = crash_in(
+        window, tmp_path, model_repo, ["song.wav"], processed, start_paused_after_restore=False
+    )
     processed = processed or tmp_path / "processed"
     crash = Snapshot.read(tmp_path / "state")
     (job,) = crash.jobs.values()
     state, places = WINDOW_STATE[window]
-    found = {f for f, folder in (("inbox", tmp_path / "inbox"), ("processed", processed))
-             if (folder / "song.wav").exists()}
+    found = {
+        f
+        for f, folder in (("inbox", tmp_path / "inbox"), ("processed", processed))
+        if (folder / "song.wav").exists()
+    }
     assert (job["state"], found) == (state, places), (job, found)
     assert read_manifest(tmp_path / "outbox" / "song") is not None  # published in every window
     if window == "copying":

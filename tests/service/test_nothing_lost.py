@@ -1,5 +1,6 @@
 """Nothing lost: orphans adopted, removed songs stay removed, duplicates skipped, a damaged
 registry rebuilt, and a state folder on a network filesystem refused."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,8 @@ def separate_one(service_factory, settings, name: str = "song.wav", seed: int = 
 
 
 def test_a_lost_registry_is_rebuilt_from_the_outbox_and_songs_are_not_separated_again(
-        tmp_path, model_repo, service_factory, capsys):
+    tmp_path, model_repo, service_factory, capsys
+):
     config = write_config(tmp_path, model_repo)
     settings = load_settings(config)
     service, _, job = separate_one(service_factory, settings)
@@ -81,8 +83,9 @@ def test_a_removed_song_never_comes_back(tmp_path, model_repo, service_factory, 
     assert outbox_entries(settings.paths.outbox) == set()
 
 
-def test_cancelled_then_removed_input_is_not_queued_by_a_rescan(tmp_path, model_repo,
-                                                                service_factory, capsys):
+def test_cancelled_then_removed_input_is_not_queued_by_a_rescan(
+    tmp_path, model_repo, service_factory, capsys
+):
     config = write_config(tmp_path, model_repo)
     settings = load_settings(config)
     service, jobs = service_factory(settings)
@@ -116,16 +119,22 @@ def test_orphan_folders_are_adopted_and_damaged_ones_left_alone(make_settings, s
     good = outbox / "Album" / "kept"
     good.mkdir(parents=True)
     (good / "vocals.wav").write_bytes(b"x")
-    (good / "stemdeck.json").write_text(json.dumps({
-        "job_id": "0123456789ab", "input": {"rel_path": "Album/kept.wav", "sha256": "ab"},
-        "stems": [{"file": "vocals.wav"}], "settings": {"separation": {}}}))
+    (good / "stemdeck.json").write_text(
+        json.dumps(
+            {
+                "job_id": "0123456789ab",
+                "input": {"rel_path": "Album/kept.wav", "sha256": "ab"},
+                "stems": [{"file": "vocals.wav"}],
+                "settings": {"separation": {}},
+            }
+        )
+    )
     damaged = outbox / "damaged"
     damaged.mkdir()
     (damaged / "stemdeck.json").write_text("{ cut off")
     service, _ = service_factory(settings)
     jobs = service.registry.jobs()
-    assert [(j.id, j.state, j.output) for j in jobs] == \
-        [("0123456789ab", JobState.DONE, str(good))]
+    assert [(j.id, j.state, j.output) for j in jobs] == [("0123456789ab", JobState.DONE, str(good))]
     assert damaged.is_dir()  # left alone
 
 

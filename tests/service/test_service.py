@@ -1,4 +1,5 @@
 """The whole path as a user meets it: real folders, real watchdog, the real worker process."""
+
 from __future__ import annotations
 
 import io
@@ -25,8 +26,9 @@ def stem_frames(folder: Path) -> dict[str, int]:
     return {p.stem: soundfile.info(p).frames for p in folder.glob("*.wav")}
 
 
-def test_three_songs_dropped_at_once_become_stems_in_one_worker(make_settings, service_factory,
-                                                                tmp_path):
+def test_three_songs_dropped_at_once_become_stems_in_one_worker(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     pids: list[int] = []
@@ -65,11 +67,13 @@ def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_f
         soundfile.write(buffer, song(4.0, seed=seed), SR, subtype="PCM_16", format="WAV")
         data = buffer.getvalue()
         step = len(data) // 12 + 1
-        return [data[i:i + step] for i in range(0, len(data), step)]
+        return [data[i : i + step] for i in range(0, len(data), step)]
 
     # written over ~3.5 s, once through one open file and once reopening it for every chunk
-    writers = [threading.Thread(target=write_paced, args=(target, chunks_of(0), 0.3, False)),
-               threading.Thread(target=write_paced, args=(reopening, chunks_of(1), 0.3, True))]
+    writers = [
+        threading.Thread(target=write_paced, args=(target, chunks_of(0), 0.3, False)),
+        threading.Thread(target=write_paced, args=(reopening, chunks_of(1), 0.3, True)),
+    ]
     for writer in writers:
         writer.start()
     for writer in writers:
@@ -83,7 +87,8 @@ def test_a_slow_writer_becomes_exactly_one_complete_job(make_settings, service_f
 
 
 def test_bad_inputs_end_in_failed_with_a_reason_and_the_service_goes_on(
-        make_settings, service_factory, tmp_path):
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     inbox, failed = settings.paths.inbox, settings.paths.failed
@@ -110,8 +115,13 @@ def test_bad_inputs_end_in_failed_with_a_reason_and_the_service_goes_on(
     states = {Path(j.rel_path).name: j.state for j in finished}
     assert states.pop("good.flac") is JobState.DONE
     assert set(states.values()) == {JobState.FAILED}
-    reasons = {"noise.mp3": "not an audio", "notes.wav": "not an audio",
-               "truncated.wav": "truncated", "cut.flac": "cut.flac", "one.wav": "at least"}
+    reasons = {
+        "noise.mp3": "not an audio",
+        "notes.wav": "not an audio",
+        "truncated.wav": "truncated",
+        "cut.flac": "cut.flac",
+        "one.wav": "at least",
+    }
     for name, reason in reasons.items():
         assert (failed / name).read_bytes() == bad[name]  # the input is kept, byte for byte
         report = (failed / f"{name}.error.txt").read_text()
@@ -124,10 +134,12 @@ def test_bad_inputs_end_in_failed_with_a_reason_and_the_service_goes_on(
     assert any(j.rel_path == "download.mp3" and j.state is JobState.DONE for j in later)
 
 
-def test_a_model_that_cannot_load_fails_the_job_not_the_service(make_settings, service_factory,
-                                                                tmp_path):
-    settings = make_settings(separation={"model": "htdemucs_ft"},
-                             presets={"good": {"model": "tiny"}})
+def test_a_model_that_cannot_load_fails_the_job_not_the_service(
+    make_settings, service_factory, tmp_path
+):
+    settings = make_settings(
+        separation={"model": "htdemucs_ft"}, presets={"good": {"model": "tiny"}}
+    )
     service, jobs = service_factory(settings)
     write_song(settings.paths.inbox / "first.wav", 2.0)
     failed = jobs.wait_final(1)[0]
@@ -141,8 +153,7 @@ def test_a_model_that_cannot_load_fails_the_job_not_the_service(make_settings, s
     assert (settings.paths.outbox / "good" / "second" / "vocals.wav").is_file()
 
 
-def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_factory,
-                                                      tmp_path):
+def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_factory, tmp_path):
     settings = make_settings()
     service, jobs = service_factory(settings)
     service.scheduler.pause("user")  # keep both queued while we act on them
@@ -152,15 +163,21 @@ def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_fa
     wait_for(lambda: len(service.queue.order()) == 2, 30, "two queued jobs")
     os.rename(inbox / "drop.wav", tmp_path / "drop.wav")  # moved out of the inbox
     os.rename(inbox / "rename.wav", inbox / "renamed.wav")
-    wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.CANCELLED]) == 2,
-             30, "both jobs cancelled")
+    wait_for(
+        lambda: len([j for j in jobs.final() if j.state is JobState.CANCELLED]) == 2,
+        30,
+        "both jobs cancelled",
+    )
     assert all(j.error == "the input was removed from the inbox" for j in jobs.final())
     wait_for(lambda: len(service.queue.order()) == 1, 30, "the renamed file queued")
     os.rename(tmp_path / "drop.wav", inbox / "drop.wav")  # dropped again, same file
     wait_for(lambda: len(service.queue.order()) == 2, 30, "the returned file queued again")
     service.scheduler.start()
-    wait_for(lambda: len([j for j in jobs.final() if j.state is JobState.DONE]) == 2, 60,
-             "both separated")
+    wait_for(
+        lambda: len([j for j in jobs.final() if j.state is JobState.DONE]) == 2,
+        60,
+        "both separated",
+    )
     assert outbox_entries(settings.paths.outbox) == {"renamed", "drop"}
 
 
@@ -170,8 +187,11 @@ def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, s
     service.scheduler.pause("user")
     for i, name in enumerate(("one", "two", "three")):
         write_song(settings.paths.inbox / f"{name}.wav", 1.5, seed=i)
-        wait_for(lambda n=i: len(service.queue.order()) + len(service.scheduler.waiting()) > n,
-                 30, f"{name} seen")
+        wait_for(
+            lambda n=i: len(service.queue.order()) + len(service.scheduler.waiting()) > n,
+            30,
+            f"{name} seen",
+        )
     assert len(service.queue.order()) == 1 and len(service.scheduler.waiting()) == 2
     service.scheduler.start()
     finished = jobs.wait_final(3)
@@ -179,8 +199,9 @@ def test_a_full_queue_holds_files_back_and_admits_them_in_order(make_settings, s
     assert order == ["one", "two", "three"]
 
 
-def test_a_folder_moved_into_the_inbox_keeps_its_structure(make_settings, service_factory,
-                                                           tmp_path):
+def test_a_folder_moved_into_the_inbox_keeps_its_structure(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     album = tmp_path / "Album Name"
@@ -206,8 +227,9 @@ def test_polling_mode_finds_dropped_files(make_settings, service_factory):
 
 
 @pytest.mark.slow
-def test_a_song_taken_away_as_its_job_starts_is_cancelled_not_quarantined(make_settings,
-                                                                          service_factory):
+def test_a_song_taken_away_as_its_job_starts_is_cancelled_not_quarantined(
+    make_settings, service_factory
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     service.scheduler.pause("user")

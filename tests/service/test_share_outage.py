@@ -8,6 +8,7 @@ while.
 Events are ordered with gates (the worker held before separating a song, the writer held
 before publishing one); the outages themselves last a few seconds.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -74,8 +75,10 @@ class StatusClock:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            for ask in (self.service.scheduler.snapshot, lambda: api(self.service, "GET",
-                                                                     "/api/queue")):
+            for ask in (
+                self.service.scheduler.snapshot,
+                lambda: api(self.service, "GET", "/api/queue"),
+            ):
                 started = time.monotonic()
                 try:
                     ask()
@@ -113,9 +116,15 @@ def api(service: Service, method: str, path: str) -> dict[str, Any]:
     assert service.api is not None
     conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=30)
     try:
-        conn.request(method, path, body=b"" if method == "POST" else None,
-                     headers={"Host": f"127.0.0.1:{service.api.port}",
-                              "Authorization": f"Bearer {service.api.token}"})
+        conn.request(
+            method,
+            path,
+            body=b"" if method == "POST" else None,
+            headers={
+                "Host": f"127.0.0.1:{service.api.port}",
+                "Authorization": f"Bearer {service.api.token}",
+            },
+        )
         response = conn.getresponse()
         reply = json.loads(response.read())
         assert response.status == 200, reply
@@ -132,13 +141,17 @@ def share(tmp_path: Path) -> Iterator[Share]:
 
 
 @pytest.fixture
-def run_service(make_settings: Callable[..., Any]) -> Iterator[Callable[..., tuple[Service,
-                                                                                   JobLog]]]:
+def run_service(
+    make_settings: Callable[..., Any],
+) -> Iterator[Callable[..., tuple[Service, JobLog]]]:
     started: list[Service] = []
 
     def start(**folders: Path) -> tuple[Service, JobLog]:
-        settings = make_settings(watch={"poll_interval": 0.2}, api={"port": 0},
-                                 folders={name: str(path) for name, path in folders.items()})
+        settings = make_settings(
+            watch={"poll_interval": 0.2},
+            api={"port": 0},
+            folders={name: str(path) for name, path in folders.items()},
+        )
         bus = EventBus()
         jobs = JobLog(bus)
         service = Service(settings, bus=bus)
@@ -158,8 +171,11 @@ def drop_songs(service: Service, folder: Path, names: list[str]) -> None:
         staged = folder.parent / f".{name}.partial.wav"
         write_song(staged, SONG_SECONDS, seed=seed)
         staged.rename(folder / f"{name}.wav")
-        wait_for(lambda: any(job.name == name for job in service.scheduler.registry.jobs()),
-                 60, f"{name} to be queued")
+        wait_for(
+            lambda: any(job.name == name for job in service.scheduler.registry.jobs()),
+            60,
+            f"{name} to be queued",
+        )
 
 
 def queued_names(service: Service) -> list[str]:
@@ -168,20 +184,26 @@ def queued_names(service: Service) -> list[str]:
 
 def wait_pause(service: Service, reason: str | None, timeout: float = 30.0) -> None:
     queue = service.scheduler.queue
-    wait_for(lambda: (queue.pause_reason if queue.paused else None) == reason, timeout,
-             f"the queue to be {'paused for ' + reason if reason else 'running'}")
+    wait_for(
+        lambda: (queue.pause_reason if queue.paused else None) == reason,
+        timeout,
+        f"the queue to be {'paused for ' + reason if reason else 'running'}",
+    )
 
 
-def assert_nothing_lost(service: Service, jobs: JobLog, names: list[str], inbox: Path,
-                        outbox: Path, processed: Path) -> None:
+def assert_nothing_lost(
+    service: Service, jobs: JobLog, names: list[str], inbox: Path, outbox: Path, processed: Path
+) -> None:
     """Every song separated once and published once; every input in processed/; no job
     cancelled or failed; nothing left in the inbox or half-written in the outbox."""
     registry = service.scheduler.registry
     every = registry.jobs()
     assert sorted(job.name for job in every) == sorted(names), [
-        (job.name, job.state.value, job.error) for job in every]
+        (job.name, job.state.value, job.error) for job in every
+    ]
     assert {job.state for job in every} == {JobState.DONE}, [
-        (job.name, job.state.value, job.error) for job in every]
+        (job.name, job.state.value, job.error) for job in every
+    ]
     published = sorted(outbox_entries(outbox))
     assert published == sorted(names)
     owners = [publish.publisher_of(outbox / name) for name in published]
@@ -192,8 +214,8 @@ def assert_nothing_lost(service: Service, jobs: JobLog, names: list[str], inbox:
 
 
 def test_a_share_unmounted_with_songs_queued_and_one_running_pauses_and_loses_nothing(
-        share: Share, run_service, status_clock, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+    share: Share, run_service, status_clock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="stemdeck_watch")
     inbox = share.mount_point  # the mount point itself: unmounted, an empty local folder
     outbox, processed = tmp_path / "outbox", tmp_path / "processed"
@@ -201,8 +223,11 @@ def test_a_share_unmounted_with_songs_queued_and_one_running_pauses_and_loses_no
     gate = WorkerGate(service)
     names = ["one", "two", "three", "four"]
     drop_songs(service, share.export, names)
-    wait_for(lambda: gate.held and len(queued_names(service)) == 3, 60,
-             "one song separating and three queued")
+    wait_for(
+        lambda: gate.held and len(queued_names(service)) == 3,
+        60,
+        "one song separating and three queued",
+    )
     running = service.scheduler.registry.get(gate.held[0]).name
     last = queued_names(service)[-1]
     service.scheduler.move(service.scheduler.find(last).id, first=True)  # the user's order
@@ -224,12 +249,15 @@ def test_a_share_unmounted_with_songs_queued_and_one_running_pauses_and_loses_no
 
     share.mount()
     final = jobs.wait_final(4)
-    assert [job.name for job in sorted(final, key=lambda j: j.finished_at or 0)] == \
-        [running, *order]
+    assert [job.name for job in sorted(final, key=lambda j: j.finished_at or 0)] == [
+        running,
+        *order,
+    ]
     wait_for(lambda: not service.scheduler.registry.pending_moves(), 30, "the move kept")
     assert clock.stop() < STATUS_LIMIT
-    wait_for(lambda: not [p for p in inbox.iterdir() if p.suffix == ".wav"], 30,
-             "the inbox to be empty")
+    wait_for(
+        lambda: not [p for p in inbox.iterdir() if p.suffix == ".wav"], 30, "the inbox to be empty"
+    )
     assert_nothing_lost(service, jobs, names, inbox, outbox, processed)
     assert service.scheduler.queue.paused is False
     assert "answers again after" in caplog.text
@@ -237,7 +265,8 @@ def test_a_share_unmounted_with_songs_queued_and_one_running_pauses_and_loses_no
 
 
 def test_a_server_that_dies_mid_separation_keeps_the_users_pause_and_loses_nothing(
-        share: Share, run_service, status_clock, tmp_path: Path) -> None:
+    share: Share, run_service, status_clock, tmp_path: Path
+) -> None:
     inbox = share.mount_point / "inbox"
     inbox.mkdir()
     outbox, processed = tmp_path / "outbox", tmp_path / "processed"
@@ -245,8 +274,11 @@ def test_a_server_that_dies_mid_separation_keeps_the_users_pause_and_loses_nothi
     gate = WorkerGate(service)
     names = ["alpha", "beta", "gamma"]
     drop_songs(service, inbox, names)
-    wait_for(lambda: gate.held and len(queued_names(service)) == 2, 60,
-             "one song separating and two queued")
+    wait_for(
+        lambda: gate.held and len(queued_names(service)) == 2,
+        60,
+        "one song separating and two queued",
+    )
     clock = status_clock(service)
 
     share.kill_server()  # every call on the mount answers EIO now
@@ -258,8 +290,11 @@ def test_a_server_that_dies_mid_separation_keeps_the_users_pause_and_loses_nothi
     assert [m.job_id for m in service.scheduler.registry.pending_moves()] == [first.id]
 
     share.start_server()
-    wait_for(lambda: not service.scheduler.registry.pending_moves(), 60,
-             "the kept move to be done once the share answers")
+    wait_for(
+        lambda: not service.scheduler.registry.pending_moves(),
+        60,
+        "the kept move to be done once the share answers",
+    )
     assert (processed / "alpha.wav").exists()
     time.sleep(1.0)
     assert service.scheduler.queue.pause_reason == "user"  # the user's pause stays
@@ -271,8 +306,8 @@ def test_a_server_that_dies_mid_separation_keeps_the_users_pause_and_loses_nothi
 
 
 def test_an_outbox_share_that_dies_mid_publish_publishes_every_song_once(
-        share: Share, run_service, status_clock, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    share: Share, run_service, status_clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     inbox, processed = tmp_path / "inbox", tmp_path / "processed"
     outbox = share.mount_point / "outbox"
     writing, go = threading.Event(), threading.Event()
@@ -307,7 +342,8 @@ def test_an_outbox_share_that_dies_mid_publish_publishes_every_song_once(
 
 
 def test_a_share_that_stalls_never_stalls_status_or_the_controls(
-        share: Share, run_service, status_clock, tmp_path: Path) -> None:
+    share: Share, run_service, status_clock, tmp_path: Path
+) -> None:
     inbox = share.mount_point / "inbox"
     inbox.mkdir()
     outbox, processed = tmp_path / "outbox", tmp_path / "processed"
@@ -315,8 +351,11 @@ def test_a_share_that_stalls_never_stalls_status_or_the_controls(
     gate = WorkerGate(service)
     names = ["first", "second", "third"]
     drop_songs(service, inbox, names)
-    wait_for(lambda: gate.held and len(queued_names(service)) == 2, 60,
-             "one song separating and two queued")
+    wait_for(
+        lambda: gate.held and len(queued_names(service)) == 2,
+        60,
+        "one song separating and two queued",
+    )
 
     share.freeze()  # every call on the share blocks from now on
     try:
@@ -336,14 +375,14 @@ def test_a_share_that_stalls_never_stalls_status_or_the_controls(
     wait_for(lambda: len(jobs.final()) == 3, 120, "every job to end")
     assert clock.stop() < STATUS_LIMIT
     states = {job.name: job.state for job in service.scheduler.registry.jobs()}
-    assert states == {"first": JobState.DONE, "second": JobState.DONE,
-                      "third": JobState.CANCELLED}
+    assert states == {"first": JobState.DONE, "second": JobState.DONE, "third": JobState.CANCELLED}
     wait_for(lambda: not service.scheduler.registry.pending_moves(), 30, "kept moves")
     assert sorted(p.name for p in processed.iterdir()) == ["first.wav", "second.wav"]
 
 
 def test_a_service_started_before_its_share_is_mounted_waits_for_it(
-        share: Share, run_service, tmp_path: Path) -> None:
+    share: Share, run_service, tmp_path: Path
+) -> None:
     inbox = share.mount_point / "inbox"
     inbox.mkdir()
     outbox, processed = tmp_path / "outbox", tmp_path / "processed"
@@ -351,8 +390,11 @@ def test_a_service_started_before_its_share_is_mounted_waits_for_it(
     gate = WorkerGate(first)
     names = ["early", "late"]
     drop_songs(first, inbox, names)
-    wait_for(lambda: gate.held and len(queued_names(first)) == 1, 60,
-             "one song separating and one queued")
+    wait_for(
+        lambda: gate.held and len(queued_names(first)) == 1,
+        60,
+        "one song separating and one queued",
+    )
     first.shutdown()  # the computer is switched off; it comes back before the NAS does
     share.unmount()
 
@@ -360,7 +402,9 @@ def test_a_service_started_before_its_share_is_mounted_waits_for_it(
     wait_pause(service, "inbox")
     assert not inbox.exists()  # not made on the local disk under the mount point
     assert {job.name: job.state for job in service.scheduler.registry.jobs()} == {
-        "early": JobState.QUEUED, "late": JobState.QUEUED}
+        "early": JobState.QUEUED,
+        "late": JobState.QUEUED,
+    }
     assert queued_names(service) == names
 
     share.mount()

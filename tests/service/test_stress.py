@@ -4,6 +4,7 @@ cancelled, moved, paused and started from the CLI — checked throughout and at 
 The seed is printed; a failure names it so the same afternoon can be replayed
 (STEMDECK_STRESS_SEED=N).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ class Invariants:
         with self._lock:
             previous = self.states.get(event.job.id)
             if previous is not None and previous.is_final and event.job.state is not previous:
-                self.violations.append(f"{event.job.id} left final state {previous.value} for "
-                                       f"{event.job.state.value}")
+                self.violations.append(
+                    f"{event.job.id} left final state {previous.value} for {event.job.state.value}"
+                )
             self.states[event.job.id] = event.job.state
             # one job publishes behind the next one's separation: at most one job on
             # the worker side and one publishing
@@ -68,8 +70,9 @@ def cli(config: Path, *args: str) -> int:
     return main([*args, "--config", str(config)])
 
 
-def test_a_randomised_afternoon_never_loses_or_doubles_a_song(tmp_path, model_repo, capsys,
-                                                             service_factory):
+def test_a_randomised_afternoon_never_loses_or_doubles_a_song(
+    tmp_path, model_repo, capsys, service_factory
+):
     seed = int(os.environ.get("STEMDECK_STRESS_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     print(f"stress seed {seed}")
@@ -79,8 +82,10 @@ def test_a_randomised_afternoon_never_loses_or_doubles_a_song(tmp_path, model_re
     checks = Invariants(service)
     inbox, elsewhere = settings.paths.inbox, tmp_path / "elsewhere"
     elsewhere.mkdir()
-    songs = [write_song(tmp_path / "made" / f"song{i:02}.wav", rng.uniform(1.2, 2.0), seed=i)
-             for i in range(SONGS)]
+    songs = [
+        write_song(tmp_path / "made" / f"song{i:02}.wav", rng.uniform(1.2, 2.0), seed=i)
+        for i in range(SONGS)
+    ]
     taken_away: list[Path] = []
     actions: list[str] = []
 
@@ -111,7 +116,9 @@ def test_a_randomised_afternoon_never_loses_or_doubles_a_song(tmp_path, model_re
             actions.append(f"cancel → {cli(config, 'cancel', rng.choice(active_ids()))}")
         elif roll < 0.80 and len(service.queue.order()) >= 2:
             job, after = rng.sample(service.queue.order(), 2)
-            args = ("move", job, "--first") if rng.random() < 0.3 else ("move", job, "--after", after)
+            args = (
+                ("move", job, "--first") if rng.random() < 0.3 else ("move", job, "--after", after)
+            )
             actions.append(f"move → {cli(config, *args)}")
         elif roll < 0.88:
             actions.append(f"pause → {cli(config, 'pause')}")
@@ -141,9 +148,12 @@ def test_a_randomised_afternoon_never_loses_or_doubles_a_song(tmp_path, model_re
     assert outbox_entries(settings.paths.outbox) == {Path(j.output).name for j in done}, seed
     # none lost: every song is in the inbox (cancelled by request), processed/, or taken away
     # (the inbox's hidden .stemdeck/ folder holds the service's owner heartbeat)
-    everywhere = [re.sub(r"^(renamed-)+", "", p.name) for folder in
-                  (inbox, settings.paths.processed, elsewhere) for p in folder.iterdir()
-                  if p.name != ".stemdeck"]
+    everywhere = [
+        re.sub(r"^(renamed-)+", "", p.name)
+        for folder in (inbox, settings.paths.processed, elsewhere)
+        for p in folder.iterdir()
+        if p.name != ".stemdeck"
+    ]
     assert sorted(everywhere) == [f"song{i:02}.wav" for i in range(SONGS)], (seed, actions)
     assert not list(settings.paths.failed.iterdir()), seed
     # every file left in the inbox was cancelled by request (not forgotten)

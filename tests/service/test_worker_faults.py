@@ -4,6 +4,7 @@ that dies, stalls or runs out of memory under a song costs the song an attempt, 
 The faults come from the worker's fault seam (workers/faultseam.py): the real worker process
 exits, SIGKILLs itself, hangs, or raises the exception torch raises, at a chosen segment of the song.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,7 +45,8 @@ def drop(settings: Any, name: str, seconds: float = 5.0) -> Path:
 
 
 def test_a_worker_that_dies_mid_song_costs_an_attempt_not_the_song(
-        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
     """The worker process exits in the middle of a song (a crash in a native library): the
     song goes back to the head of the queue, a new worker separates it, nothing goes to
     failed/; the job, `status` and the manifest show the attempt the machine cut off."""
@@ -79,7 +81,8 @@ def test_a_worker_that_dies_mid_song_costs_an_attempt_not_the_song(
 
 
 def test_the_same_fault_twice_fails_the_song_with_both_reasons(
-        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
     """With one attempt after a machine fault, a worker that dies under the song twice fails
     it: error.txt names both attempts, their workers and reasons."""
     settings = make_settings(queue={"worker_retries": 1})
@@ -99,7 +102,8 @@ def test_the_same_fault_twice_fails_the_song_with_both_reasons(
 
 
 def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_again(
-        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
     """A worker that stops reporting progress mid-song (it hangs) is stopped once it has been
     silent for `separation.stall_seconds`; the song is done on the next attempt."""
     # long enough for a fresh worker's first segment on a busy machine, short for a test
@@ -116,7 +120,8 @@ def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_aga
 
 
 def test_out_of_gpu_memory_twice_goes_smaller_then_to_the_cpu(
-        make_settings: Any, service_factory: Any, faults: Path) -> None:
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
     """The worker raises the errors torch raises when MPS, then CUDA, run out of memory: the
     second attempt separates with half the window and segment, the third on the CPU
     (separation.fallback_device, a worker started there); the manifest records each step."""
@@ -141,7 +146,8 @@ def test_out_of_gpu_memory_twice_goes_smaller_then_to_the_cpu(
 
 
 def test_a_real_memory_limit_on_the_worker_is_met_with_a_smaller_window(
-        make_settings: Any, service_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_settings: Any, service_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker process under a real memory limit (RLIMIT_AS, set on the running worker as
     `prlimit` would): separating a minute in one window needs more than the limit allows,
     so torch's allocator fails; the same worker separates it again with a smaller window."""
@@ -152,8 +158,16 @@ def test_a_real_memory_limit_on_the_worker_is_met_with_a_smaller_window(
     client = service.client
     wait_for(lambda: client.model_info, 120, "the worker to load the model")
     pid = client.pid
-    size = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
-                    .splitlines() if line.startswith("VmSize:"))) * 1024
+    size = (
+        int(
+            next(
+                line.split()[1]
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmSize:")
+            )
+        )
+        * 1024
+    )
     # a minute in one window takes ~330 MB more, in two windows of 30 s ~170 MB
     # (measured on Linux, x86-64, torch 2.13 and the tiny model)
     limit = size + (250 << 20)

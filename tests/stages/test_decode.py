@@ -1,4 +1,5 @@
 """PyAV decoding of real files the tests synthesise, and clear errors for bad ones."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,12 +15,20 @@ from stemdeck_watch.util.synth import write_song
 SR = 44100
 
 
-@pytest.mark.parametrize("ext, slack", [
-    ("wav", 0), ("flac", 0), ("mp3", 0), ("ogg", 0), ("aiff", 0),
-    ("m4a", 1024),  # AAC pads its last packet; the decoder returns up to one packet more
-])
+@pytest.mark.parametrize(
+    "ext, slack",
+    [
+        ("wav", 0),
+        ("flac", 0),
+        ("mp3", 0),
+        ("ogg", 0),
+        ("aiff", 0),
+        ("m4a", 1024),  # AAC pads its last packet; the decoder returns up to one packet more
+    ],
+)
 def test_every_format_decodes_to_float32_stereo_at_the_model_rate(
-        tmp_path: Path, ext: str, slack: int) -> None:
+    tmp_path: Path, ext: str, slack: int
+) -> None:
     source = write_song(tmp_path / f"song.{ext}", 3.0)
     decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
     audio = np.load(decoded.path)
@@ -29,8 +38,7 @@ def test_every_format_decodes_to_float32_stereo_at_the_model_rate(
     assert 0.05 < np.abs(audio).max() <= 1.0
 
 
-def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(
-        tmp_path: Path) -> None:
+def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(tmp_path: Path) -> None:
     """A video (here an MPEG transport stream) whose first sound comes after more than a
     megabyte of picture: the quick probe of the first 64 KiB finds the audio stream but not
     its rate and channels, so the file is probed again in full and described right."""
@@ -50,12 +58,11 @@ def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(
         sound = container.add_stream("mp2", rate=SR, layout="stereo")
         for _ in range(15):  # over a megabyte of noisy picture first
             picture = noise.integers(0, 255, (240, 320, 3), dtype=np.uint8)
-            frame = av.VideoFrame.from_ndarray(picture, format="rgb24").reformat(
-                format="yuv420p")
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24").reformat(format="yuv420p")
             for packet in video.encode(frame):
                 container.mux(packet)
         for start in range(0, audio.shape[1], 1152):
-            block = np.ascontiguousarray(audio[:, start:start + 1152].T).reshape(1, -1)
+            block = np.ascontiguousarray(audio[:, start : start + 1152].T).reshape(1, -1)
             frame = av.AudioFrame.from_ndarray(block, format="s16", layout="stereo")
             frame.sample_rate, frame.time_base = SR, fractions.Fraction(1, SR)
             frame.pts = int(0.8 * SR) + start  # the sound starts after the pictures
@@ -66,7 +73,10 @@ def test_a_stream_whose_sound_starts_late_is_described_by_the_full_probe(
                 container.mux(packet)
     decoded = decode_to_file(path, tmp_path / "out.npy", SR, 2)
     assert (decoded.source_codec, decoded.source_samplerate, decoded.source_channels) == (
-        "mp2", SR, 2)
+        "mp2",
+        SR,
+        2,
+    )
     assert abs(decoded.source_frames - 2 * SR) <= 2 * 1152
 
 
@@ -91,16 +101,24 @@ def _truncate(path: Path, keep: float) -> Path:
     return path
 
 
-@pytest.mark.parametrize("make, words", [
-    # seeded: about 1 in 100 random buffers probes as a subtitle or video container
-    (lambda d: _write(d / "random.mp3", np.random.default_rng(0).bytes(40_000)),
-     ["random.mp3", "not an audio"]),
-    (lambda d: _write(d / "text.wav", b"just some notes\n" * 200), ["text.wav", "not an audio"]),
-    (lambda d: _truncate(write_song(d / "cut.wav", 4.0), 0.5), ["cut.wav", "truncated"]),
-    (lambda d: _truncate(write_song(d / "cut.flac", 4.0), 0.5), ["cut.flac", "copy it"]),
-    (lambda d: _one_sample(d / "one.wav"), ["one.wav", "1 samples", "at least"]),
-    (lambda d: _video_only(d / "silent.mp4"), ["silent.mp4", "no audio stream", "video"]),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        # seeded: about 1 in 100 random buffers probes as a subtitle or video container
+        (
+            lambda d: _write(d / "random.mp3", np.random.default_rng(0).bytes(40_000)),
+            ["random.mp3", "not an audio"],
+        ),
+        (
+            lambda d: _write(d / "text.wav", b"just some notes\n" * 200),
+            ["text.wav", "not an audio"],
+        ),
+        (lambda d: _truncate(write_song(d / "cut.wav", 4.0), 0.5), ["cut.wav", "truncated"]),
+        (lambda d: _truncate(write_song(d / "cut.flac", 4.0), 0.5), ["cut.flac", "copy it"]),
+        (lambda d: _one_sample(d / "one.wav"), ["one.wav", "1 samples", "at least"]),
+        (lambda d: _video_only(d / "silent.mp4"), ["silent.mp4", "no audio stream", "video"]),
+    ],
+)
 def test_bad_input_gets_a_clear_error_naming_the_file(tmp_path: Path, make, words) -> None:
     source = make(tmp_path)
     with pytest.raises(DecodeError) as info:
@@ -141,8 +159,9 @@ def _video_only(path: Path) -> Path:
         stream = container.add_stream("mpeg4", rate=10)
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
         for i in range(10):
-            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 20, np.uint8),
-                                               format="rgb24")
+            frame = av.VideoFrame.from_ndarray(
+                np.full((48, 64, 3), i * 20, np.uint8), format="rgb24"
+            )
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode(None):
@@ -151,7 +170,8 @@ def _video_only(path: Path) -> Path:
 
 
 def test_decoding_streams_to_disk_and_accumulates_the_normalisation_statistics(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     source = write_song(tmp_path / "song.flac", 7.3)
     decoded = decode_to_file(source, tmp_path / "out.npy", SR, 2)
     audio = np.load(decoded.path)

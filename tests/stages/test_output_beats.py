@@ -1,4 +1,5 @@
 """The beat grid: librosa's beat tracker on a block-wise envelope, tempo within 1 BPM."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stemdeck_watch.stages.beats import (HOP, NO_DOWNBEATS, RATE, beat_grid, mean_tempogram,
-                                           onset_envelope)
+from stemdeck_watch.stages.beats import (
+    HOP,
+    NO_DOWNBEATS,
+    RATE,
+    beat_grid,
+    mean_tempogram,
+    onset_envelope,
+)
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.stages.songfolder import write_beat_grid
 
 SR = 44100
 
 
-def click_track(bpm: float, seconds: float = 20.0, first: float = 0.25,
-                sr: int = SR) -> np.ndarray:
+def click_track(bpm: float, seconds: float = 20.0, first: float = 0.25, sr: int = SR) -> np.ndarray:
     """Stereo clicks (a 1 kHz burst of 30 ms) every beat, starting at `first` seconds."""
     n = int(seconds * sr)
     audio = np.zeros((2, n), np.float32)
@@ -25,7 +31,7 @@ def click_track(bpm: float, seconds: float = 20.0, first: float = 0.25,
     t = first
     while t < seconds - 0.05:
         i = int(round(t * sr))
-        audio[:, i:i + burst.size] += burst[:n - i]
+        audio[:, i : i + burst.size] += burst[: n - i]
         t += 60.0 / bpm
     return audio
 
@@ -34,7 +40,7 @@ def scratch(path: Path, audio: np.ndarray, piece: int = 30_000) -> Path:
     """Written the way the worker writes stems: appended piece by piece."""
     with AudioWriter(path, audio.shape[0]) as writer:
         for start in range(0, audio.shape[1], piece):
-            writer.write(audio[:, start:start + piece])
+            writer.write(audio[:, start : start + piece])
     return path
 
 
@@ -59,8 +65,7 @@ def test_silence_gives_an_empty_grid_and_a_note(tmp_path: Path) -> None:
     assert grid["notes"][0].startswith("no beat found")
 
 
-def test_the_block_wise_envelope_is_librosas_envelope_of_the_whole_signal(
-        tmp_path: Path) -> None:
+def test_the_block_wise_envelope_is_librosas_envelope_of_the_whole_signal(tmp_path: Path) -> None:
     import librosa
     import soxr
 
@@ -78,8 +83,10 @@ def test_the_block_wise_envelope_is_librosas_envelope_of_the_whole_signal(
 
 def test_beats_json_comes_from_the_drums_stem_else_from_the_mix(tmp_path: Path) -> None:
     silent = np.zeros((2, 10 * SR), np.float32)
-    stems = {"drums": scratch(tmp_path / "drums.npy", click_track(120.0, 10.0)),
-             "vocals": scratch(tmp_path / "vocals.npy", silent)}
+    stems = {
+        "drums": scratch(tmp_path / "drums.npy", click_track(120.0, 10.0)),
+        "vocals": scratch(tmp_path / "vocals.npy", silent),
+    }
     summary = write_beat_grid(tmp_path / "beats.json", stems, SR)
     written = json.loads((tmp_path / "beats.json").read_text())
     assert summary["source"] == written["source"] == "drums"
@@ -105,8 +112,7 @@ def test_a_cancel_stops_the_beat_grid_between_blocks(tmp_path: Path) -> None:
     assert len(calls) == 3 and not (tmp_path / "beats.json").exists()
 
 
-def test_the_beat_grid_of_a_long_song_needs_no_more_memory_than_a_short_one(
-        tmp_path: Path) -> None:
+def test_the_beat_grid_of_a_long_song_needs_no_more_memory_than_a_short_one(tmp_path: Path) -> None:
     """Twenty minutes of a steady kick: the tempo estimate is librosa's, summed in blocks, so
     the peak stays far below the +300 MB an hour may cost (librosa's whole-song tempogram
     took 926 MB for this song, and grows with its length)."""
@@ -138,9 +144,14 @@ def test_the_tempogram_summed_in_blocks_is_librosas_whole_song_mean() -> None:
     envelope = (0.1 * rng.random(9000)).astype(np.float32)
     envelope[::23] += 1.0
     envelope[7::31] += 0.5
-    whole = librosa.feature.tempogram(onset_envelope=envelope, sr=RATE, hop_length=HOP,
-                                      win_length=mean_tempogram(envelope).shape[0])
+    whole = librosa.feature.tempogram(
+        onset_envelope=envelope,
+        sr=RATE,
+        hop_length=HOP,
+        win_length=mean_tempogram(envelope).shape[0],
+    )
     blocks = mean_tempogram(envelope, block=1000)
     assert np.allclose(blocks[:, 0], whole.mean(axis=-1), rtol=0, atol=1e-12)
-    assert librosa.feature.tempo(tg=blocks, sr=RATE, hop_length=HOP, aggregate=None) == \
-        librosa.feature.tempo(onset_envelope=envelope, sr=RATE, hop_length=HOP)
+    assert librosa.feature.tempo(
+        tg=blocks, sr=RATE, hop_length=HOP, aggregate=None
+    ) == librosa.feature.tempo(onset_envelope=envelope, sr=RATE, hop_length=HOP)

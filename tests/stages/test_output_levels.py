@@ -1,5 +1,6 @@
 """Stems that add back up to the song: one gain for the whole song, the residual and each
 file's loudness in the manifest, read back with soundfile and pyloudnorm."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,7 @@ RESIDUAL_DB = -30.0  # the fake model leaves out this much (noise added to "othe
 
 
 def out(**kw) -> OutputSettings:
-    return dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, tags=False,
-                               **kw)
+    return dataclasses.replace(OutputSettings(), beat_grid=False, preview=False, tags=False, **kw)
 
 
 def tones(seconds: float, rate: int) -> np.ndarray:
@@ -61,7 +61,7 @@ def lag_of(got: np.ndarray, want: np.ndarray, most: int = 3000) -> int:
     """Frames `got` is late against `want` (an mp3 decoder's delay), by cross-correlation."""
     a, b = got[:, 0].astype(np.float64), want[:, 0].astype(np.float64)
     n = min(len(a), len(b)) - most
-    scores = [float(np.dot(a[lag:lag + n], b[:n])) for lag in range(most)]
+    scores = [float(np.dot(a[lag : lag + n], b[:n])) for lag in range(most)]
     return int(np.argmax(scores))
 
 
@@ -69,23 +69,33 @@ def error_db(total: np.ndarray, reference: np.ndarray, edge: int) -> float:
     n = min(len(total), len(reference))
     band = slice(edge, n - edge)  # the edges hold a resampler's fade
     error = total[band] - reference[band]
-    return float(10 * np.log10(np.sum(error ** 2) / np.sum(reference[band] ** 2)))
+    return float(10 * np.log10(np.sum(error**2) / np.sum(reference[band] ** 2)))
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3"])
 @pytest.mark.parametrize("rate", ["model", "input", 48000])
 def test_the_written_stems_add_up_to_the_input_within_the_models_residual(
-        tmp_path: Path, fmt: str, rate: str | int) -> None:
+    tmp_path: Path, fmt: str, rate: str | int
+) -> None:
     source = tmp_path / "in.wav"
     soundfile.write(source, tones(3.0, INPUT_RATE), INPUT_RATE, subtype="FLOAT")
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
     stems = separated(decoded.path, tmp_path / "stems")
-    info = SongInfo("in", input_samplerate=INPUT_RATE, input_frames=decoded.source_frames,
-                    source=decoded.path)
+    info = SongInfo(
+        "in", input_samplerate=INPUT_RATE, input_frames=decoded.source_frames, source=decoded.path
+    )
     levels: dict = {}
-    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
-                         out(format=fmt, samplerate=rate), block_frames=20_000, info=info,
-                         levels=levels)
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(format=fmt, samplerate=rate),
+        block_frames=20_000,
+        info=info,
+        levels=levels,
+    )
     # the residual the manifest records is the one the fake model left
     assert levels["residual_db"] == pytest.approx(RESIDUAL_DB, abs=0.3)
     # one gain for the whole song: drums alone peak at 1.3 x 0.8, so it is turned down
@@ -93,13 +103,13 @@ def test_the_written_stems_add_up_to_the_input_within_the_models_residual(
     assert levels["gain_db"] == pytest.approx(20 * np.log10(levels["gain"]), abs=0.01)
     written = [soundfile.read(tmp_path / "s" / e["file"], dtype="float64") for e in entries]
     assert all(w[1] == entries[0]["samplerate"] for w in written)
-    total = sum(w[0][:min(len(x[0]) for x in written)] for w in written) / levels["gain"]
+    total = sum(w[0][: min(len(x[0]) for x in written)] for w in written) / levels["gain"]
     if rate == "model":
         reference = AudioReader(decoded.path).read(0, decoded.frames).T.astype(np.float64)
     else:
         reference, _ = soundfile.read(source, dtype="float64")
     if fmt == "mp3":  # the decoder's delay; every stem has the same
-        total = total[lag_of(total, reference):]
+        total = total[lag_of(total, reference) :]
     # the stems add up to the input up to what the model left out; the format adds its own
     # error: quantisation in wav/flac (far below), the codec's noise in mp3
     allowed = {"wav": 0.2, "flac": 0.2, "mp3": 1.5}[fmt]
@@ -111,7 +121,7 @@ def test_the_loudness_of_every_file_is_what_pyloudnorm_measures_of_it(tmp_path: 
 
     source = tmp_path / "in.wav"
     audio = tones(4.0, INPUT_RATE)
-    audio[: INPUT_RATE] *= 0.01  # a quiet start: the gates have something to do
+    audio[:INPUT_RATE] *= 0.01  # a quiet start: the gates have something to do
     soundfile.write(source, audio, INPUT_RATE, subtype="FLOAT")
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
     stems = separated(decoded.path, tmp_path / "stems")
@@ -119,18 +129,23 @@ def test_the_loudness_of_every_file_is_what_pyloudnorm_measures_of_it(tmp_path: 
     with AudioWriter(silent, 2) as writer:
         writer.write(np.zeros((2, decoded.frames), np.float32))
     stems["vocals"] = silent
-    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
-                         out(format="wav", bit_depth=24, samplerate="input",
-                             mixes={"band": ["drums", "bass"]}),
-                         info=SongInfo("in", input_samplerate=INPUT_RATE,
-                                       input_frames=decoded.source_frames))
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(format="wav", bit_depth=24, samplerate="input", mixes={"band": ["drums", "bass"]}),
+        info=SongInfo("in", input_samplerate=INPUT_RATE, input_frames=decoded.source_frames),
+    )
     for entry in entries:
         data, rate = soundfile.read(tmp_path / "s" / entry["file"], dtype="float64")
         if entry["name"] == "vocals":
             assert entry["loudness"] is None  # silence has no loudness (and no -inf in JSON)
             continue
         assert entry["loudness"] == pytest.approx(
-            pyloudnorm.Meter(rate).integrated_loudness(data), abs=0.05), entry["name"]
+            pyloudnorm.Meter(rate).integrated_loudness(data), abs=0.05
+        ), entry["name"]
 
 
 def test_loudness_measured_in_blocks_is_the_whole_signals() -> None:
@@ -139,19 +154,24 @@ def test_loudness_measured_in_blocks_is_the_whole_signals() -> None:
     rng = np.random.default_rng(0)
     for rate in (44100, 48000, 22050, 8000):
         t = np.arange(int(7.33 * rate)) / rate
-        audio = np.stack([0.3 * np.sin(2 * np.pi * 440 * t) * (t < 3),
-                          0.2 * rng.standard_normal(t.size) * (1 + np.sin(t))])
+        audio = np.stack(
+            [
+                0.3 * np.sin(2 * np.pi * 440 * t) * (t < 3),
+                0.2 * rng.standard_normal(t.size) * (1 + np.sin(t)),
+            ]
+        )
         meter = LoudnessMeter(rate, 2)
         for start in range(0, audio.shape[1], 12_345):
-            meter.add(audio[:, start:start + 12_345].astype(np.float32))
+            meter.add(audio[:, start : start + 12_345].astype(np.float32))
         assert meter.integrated() == pytest.approx(
-            pyloudnorm.Meter(rate).integrated_loudness(audio.T), abs=0.02), rate
+            pyloudnorm.Meter(rate).integrated_loudness(audio.T), abs=0.02
+        ), rate
 
 
 @pytest.mark.slow
-def test_a_published_song_records_its_gain_residual_and_loudness(make_settings,
-                                                                 service_factory,
-                                                                 tmp_path: Path) -> None:
+def test_a_published_song_records_its_gain_residual_and_loudness(
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     """Through the real service and worker: the manifest's residual is what the written
     stems, with the gain undone, leave of the input; each stem's loudness is pyloudnorm's."""
     import pyloudnorm
@@ -164,20 +184,22 @@ def test_a_published_song_records_its_gain_residual_and_loudness(make_settings,
     _service, jobs = service_factory(settings)
     made = synth_song(tmp_path / "made" / "song.wav", 3.0)
     made.replace(settings.paths.inbox / "song.wav")
-    job, = jobs.wait_final(1)
+    (job,) = jobs.wait_final(1)
     assert job.state is JobState.DONE, job.error
     folder = Path(job.output)
     manifest = read_manifest(folder)
     levels = manifest["levels"]
     stems = [soundfile.read(folder / e["file"], dtype="float64")[0] for e in manifest["stems"]]
     total = sum(stems) / levels["gain"]
-    decoded = decode_to_file(settings.paths.processed / "song.wav", tmp_path / "in.npy",
-                             MODEL_RATE, 2)
+    decoded = decode_to_file(
+        settings.paths.processed / "song.wav", tmp_path / "in.npy", MODEL_RATE, 2
+    )
     source = AudioReader(decoded.path).read(0, decoded.frames).T.astype(np.float64)
-    residual = 10 * np.log10(np.sum((source - total) ** 2) / np.sum(source ** 2))
+    residual = 10 * np.log10(np.sum((source - total) ** 2) / np.sum(source**2))
     assert levels["residual_db"] == pytest.approx(residual, abs=0.05)
     assert levels["gain"] <= 1.0 and max(np.abs(s).max() for s in stems) < 1.0
     for entry, audio in zip(manifest["stems"], stems, strict=True):
         want = pyloudnorm.Meter(MODEL_RATE).integrated_loudness(audio)
-        assert entry["loudness"] == (pytest.approx(want, abs=0.05) if np.isfinite(want)
-                                     else None), entry["name"]
+        assert entry["loudness"] == (
+            pytest.approx(want, abs=0.05) if np.isfinite(want) else None
+        ), entry["name"]

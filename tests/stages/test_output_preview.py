@@ -1,4 +1,5 @@
 """preview.png, and a manifest that lists every file with its sha256."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,7 @@ import pytest
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.stages.preview import Peaks, size_for
-from stemdeck_watch.stages.publish import (SongInfo, read_manifest, verify_folder,
-                                             write_manifest)
+from stemdeck_watch.stages.publish import SongInfo, read_manifest, verify_folder, write_manifest
 from stemdeck_watch.stages.scratch import AudioWriter
 from stemdeck_watch.stages.songfolder import BEATS, PREVIEW, make_song_folder
 
@@ -41,7 +41,7 @@ def test_peaks_per_column_equal_the_whole_signals_min_and_max() -> None:
     audio = rng.standard_normal((2, 10_007)).astype(np.float32)
     peaks = Peaks(audio.shape[1], columns=37)
     for start in range(0, audio.shape[1], 999):  # block edges fall inside columns
-        peaks.add(start, audio[:, start:start + 999])
+        peaks.add(start, audio[:, start : start + 999])
     mono = audio.mean(axis=0)
     column = np.arange(mono.size) * 37 // mono.size
     for c in range(37):
@@ -49,8 +49,7 @@ def test_peaks_per_column_equal_the_whole_signals_min_and_max() -> None:
         assert peaks.high[c] == pytest.approx(mono[column == c].max())
 
 
-def test_the_song_folder_has_a_preview_png_of_the_expected_size(tmp_path: Path,
-                                                                six_stems) -> None:
+def test_the_song_folder_has_a_preview_png_of_the_expected_size(tmp_path: Path, six_stems) -> None:
     from PIL import Image
 
     out = dataclasses.replace(OutputSettings(), beat_grid=False, mixes={"band": ("drums", "bass")})
@@ -65,7 +64,7 @@ def test_the_song_folder_has_a_preview_png_of_the_expected_size(tmp_path: Path,
     assert BEATS not in song.manifest and not (tmp_path / "s" / BEATS).exists()
     # six rows of waveform: the louder stems fill more of their row than the silent guitar
     _, height = size_for(6)
-    rows = [pixels[64 + 96 * i + 8: 64 + 96 * (i + 1) - 8, 110:] for i in range(6)]
+    rows = [pixels[64 + 96 * i + 8 : 64 + 96 * (i + 1) - 8, 110:] for i in range(6)]
     busy = [int((row.max(axis=2) > 60).sum()) for row in rows]
     assert busy[SIX.index("guitar")] < min(b for i, b in enumerate(busy) if SIX[i] != "guitar")
 
@@ -79,8 +78,11 @@ def test_the_manifest_lists_every_file_with_its_sha256(tmp_path: Path, six_stems
     write_manifest(stage, {"stems": song.entries, **song.manifest})
     manifest = json.loads((stage / "stemdeck.json").read_text())
     listed = {e["file"]: e for e in manifest["files"]}
-    on_disk = {p.relative_to(stage).as_posix() for p in stage.rglob("*")
-               if p.is_file() and p.name != "stemdeck.json"}
+    on_disk = {
+        p.relative_to(stage).as_posix()
+        for p in stage.rglob("*")
+        if p.is_file() and p.name != "stemdeck.json"
+    }
     assert set(listed) == on_disk and {BEATS, PREVIEW, "stems/piano.wav"} <= on_disk
     for name, entry in listed.items():
         data = (stage / name).read_bytes()
@@ -91,7 +93,9 @@ def test_the_manifest_lists_every_file_with_its_sha256(tmp_path: Path, six_stems
         handle.seek(1000)
         handle.write(b"\x7f" * 16)
     (stage / "extra.txt").write_text("not ours")
-    assert verify_folder(stage) == ["extra.txt is not in the manifest",
-                                    "stems/bass.wav has changed (sha256 differs)"]
+    assert verify_folder(stage) == [
+        "extra.txt is not in the manifest",
+        "stems/bass.wav has changed (sha256 differs)",
+    ]
     (stage / "beats.json").write_text("{}")  # a different size: not complete any more
     assert read_manifest(stage) is None

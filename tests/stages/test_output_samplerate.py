@@ -1,4 +1,5 @@
 """`output.samplerate`: stems at the model's rate, the input's (exact length, aligned) or N."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,20 +49,30 @@ def band_limited(seconds: float, rate: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rate, fmt", [(48000, "wav"), (22050, "flac"), (96000, "wav")])
-def test_input_rate_stems_have_exactly_the_inputs_frame_count(tmp_path: Path, rate: int,
-                                                              fmt: str) -> None:
+def test_input_rate_stems_have_exactly_the_inputs_frame_count(
+    tmp_path: Path, rate: int, fmt: str
+) -> None:
     source = tmp_path / "in.wav"
     soundfile.write(source, band_limited(3.37, rate), rate, subtype="FLOAT")
     original, _ = soundfile.read(source, dtype="float32")
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
     assert decoded.source_frames == len(original)
     stems = fake_stems(decoded.path, tmp_path / "stems")
-    info = SongInfo("in", input_samplerate=decoded.source_samplerate,
-                    input_frames=decoded.source_frames)
+    info = SongInfo(
+        "in", input_samplerate=decoded.source_samplerate, input_frames=decoded.source_frames
+    )
     timings: dict[str, float] = {}
-    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
-                         out(samplerate="input", format=fmt, bit_depth=24, clip="clamp"),
-                         block_frames=20_000, info=info, timings=timings)
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(samplerate="input", format=fmt, bit_depth=24, clip="clamp"),
+        block_frames=20_000,
+        info=info,
+        timings=timings,
+    )
     for entry in entries:
         data, got_rate = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
         assert got_rate == rate and len(data) == len(original) == entry["frames"]
@@ -71,13 +82,14 @@ def test_input_rate_stems_have_exactly_the_inputs_frame_count(tmp_path: Path, ra
     total = sum(soundfile.read(tmp_path / "s" / e["file"], dtype="float32")[0] for e in entries)
     band = slice(rate // 10, -rate // 10)  # the edges hold the resampler's fade
     error = total[band] - original[band]
-    snr = 10 * np.log10(np.mean(original[band] ** 2) / np.mean(error ** 2))
+    snr = 10 * np.log10(np.mean(original[band] ** 2) / np.mean(error**2))
     assert snr > 40, snr
 
 
 @pytest.mark.parametrize("frames_off", [-37, 0, 52])
 def test_at_the_models_own_rate_the_file_holds_the_frames_the_manifest_says(
-        tmp_path: Path, frames_off: int) -> None:
+    tmp_path: Path, frames_off: int
+) -> None:
     """`samplerate = "input"` where the input's rate is the model's: nothing is resampled,
     and the stems still have the input's own frame count, as their manifest entries say."""
     source = tmp_path / "in.wav"
@@ -87,9 +99,17 @@ def test_at_the_models_own_rate_the_file_holds_the_frames_the_manifest_says(
     wanted = decoded.source_frames + frames_off  # as if decoding had counted it otherwise
     info = SongInfo("in", input_samplerate=MODEL_RATE, input_frames=wanted)
     timings: dict[str, float] = {}
-    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
-                         out(samplerate="input", format="wav", bit_depth=24, clip="clamp"),
-                         block_frames=20_000, info=info, timings=timings)
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(samplerate="input", format="wav", bit_depth=24, clip="clamp"),
+        block_frames=20_000,
+        info=info,
+        timings=timings,
+    )
     for entry in entries:
         data, got_rate = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
         assert got_rate == MODEL_RATE and len(data) == entry["frames"] == wanted
@@ -101,13 +121,22 @@ def test_a_fixed_rate_and_the_models_rate(tmp_path: Path) -> None:
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
     stems = fake_stems(decoded.path, tmp_path / "stems")
     info = SongInfo("in", input_samplerate=22050, input_frames=decoded.source_frames)
-    fixed = write_song(tmp_path / "a", stems, MODEL_RATE, "in", SeparationSettings(),
-                       out(samplerate=48000), info=info)
+    fixed = write_song(
+        tmp_path / "a",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(samplerate=48000),
+        info=info,
+    )
     assert {e["samplerate"] for e in fixed} == {48000}
     assert soundfile.info(tmp_path / "a" / "vocals.wav").frames == round(
-        decoded.frames * 48000 / MODEL_RATE)
-    model = write_song(tmp_path / "b", stems, MODEL_RATE, "in", SeparationSettings(),
-                       out(), info=info)
+        decoded.frames * 48000 / MODEL_RATE
+    )
+    model = write_song(
+        tmp_path / "b", stems, MODEL_RATE, "in", SeparationSettings(), out(), info=info
+    )
     info_b = soundfile.info(tmp_path / "b" / "vocals.wav")
     assert info_b.samplerate == MODEL_RATE and info_b.frames == decoded.frames
     assert model[0]["frames"] == decoded.frames
@@ -117,7 +146,7 @@ def test_the_stream_resampler_gives_the_requested_length_for_any_block_size() ->
     rng = np.random.default_rng(0)
     audio = rng.standard_normal((2, 44_117)).astype(np.float32) * 0.1
     for size in (1, 999, 44_117, 100_000):
-        blocks = (audio[:, i:i + size] for i in range(0, audio.shape[1], size))
+        blocks = (audio[:, i : i + size] for i in range(0, audio.shape[1], size))
         pieces = list(resampled(blocks, 44100, 48000, 2, 48_020))
         assert sum(p.shape[1] for p in pieces) == 48_020
         assert all(p.shape[0] == 2 and p.dtype == np.float32 for p in pieces)
@@ -141,11 +170,21 @@ def test_mp3_stems_use_an_mpeg_rate_and_say_so_in_the_manifest(tmp_path: Path) -
     decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
     stems = fake_stems(decoded.path, tmp_path / "stems")
     info = SongInfo("in", input_samplerate=96000, input_frames=decoded.source_frames)
-    entries = write_song(tmp_path / "s", stems, MODEL_RATE, "in", SeparationSettings(),
-                         out(samplerate="input", format="mp3"), info=info)
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        MODEL_RATE,
+        "in",
+        SeparationSettings(),
+        out(samplerate="input", format="mp3"),
+        info=info,
+    )
     written = soundfile.info(tmp_path / "s" / "drums.mp3")
     assert entries[0]["samplerate"] == 48000 == written.samplerate
     assert entries[0]["frames"] == round(decoded.frames * 48000 / MODEL_RATE)
-    with pytest.raises(ConfigError, match=r'output.samplerate = 96000 is not allowed with '
-                                          r'format = "mp3": mp3 holds 8000, .* 48000 Hz'):
+    with pytest.raises(
+        ConfigError,
+        match=r"output.samplerate = 96000 is not allowed with "
+        r'format = "mp3": mp3 holds 8000, .* 48000 Hz',
+    ):
         settings_from_dict({"output": {"samplerate": 96000, "format": "mp3"}})

@@ -1,5 +1,6 @@
 """Musicians' output through the real service: the six-stem tiny model through two-stem,
 mixes, layout and beat grid; awkward inputs each give correct stems."""
+
 from __future__ import annotations
 
 import json
@@ -34,17 +35,25 @@ def drop(inbox: Path, made: Path) -> None:
 
 
 @pytest.mark.slow
-def test_six_stems_flow_through_two_stem_mixes_layout_and_beat_grid(make_settings,
-                                                                     service_factory, tmp_path):
+def test_six_stems_flow_through_two_stem_mixes_layout_and_beat_grid(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings(
         separation={"model": "tiny6"},
-        output={"layout": "{artist}/{title} - {stem}.{ext}", "format": "flac",
-                "beat_grid": True, "mixes": {"band": ["guitar", "piano", "bass"]}},
-        presets={"karaoke": {"two_stems": "guitar"}})
+        output={
+            "layout": "{artist}/{title} - {stem}.{ext}",
+            "format": "flac",
+            "beat_grid": True,
+            "mixes": {"band": ["guitar", "piano", "bass"]},
+        },
+        presets={"karaoke": {"two_stems": "guitar"}},
+    )
     service, jobs = service_factory(settings)
     made = tmp_path / "made"
-    drop(settings.paths.inbox, tag(write_song(made / "six.flac", 3.0), title="Six Song",
-                                   artist="The Band"))
+    drop(
+        settings.paths.inbox,
+        tag(write_song(made / "six.flac", 3.0), title="Six Song", artist="The Band"),
+    )
     drop(settings.paths.inbox / "karaoke", write_song(made / "two.wav", 2.0, seed=1))
     done = jobs.wait_final(2)
     assert [j.state for j in done] == [JobState.DONE, JobState.DONE], [j.error for j in done]
@@ -88,10 +97,16 @@ def bad_inputs(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_bad_inputs_each_give_correct_stems_at_the_inputs_rate(make_settings, service_factory,
-                                                               tmp_path):
-    settings = make_settings(output={"samplerate": "input", "beat_grid": True,
-                                     "layout": "{artist} - {title}/{stem}.{ext}"})
+def test_bad_inputs_each_give_correct_stems_at_the_inputs_rate(
+    make_settings, service_factory, tmp_path
+):
+    settings = make_settings(
+        output={
+            "samplerate": "input",
+            "beat_grid": True,
+            "layout": "{artist} - {title}/{stem}.{ext}",
+        }
+    )
     made = bad_inputs(tmp_path / "made")
     service, jobs = service_factory(settings)
     for name in made:

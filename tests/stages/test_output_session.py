@@ -5,6 +5,7 @@ The schemas (Project.xsd, MetaData.xsd from the bitwig/dawproject repository) ar
 this repository: they are read from `$STEMDECK_DAWPROJECT_SCHEMAS` or from the shared folder
 beside the checkout (`../shared/dawproject/`). Without them the projects are still parsed and
 every structural assertion below still runs; only the schema validation is left out."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,10 @@ SOURCES = ("drums", "bass", "other", "vocals")
 
 
 def _schemas() -> Path | None:
-    places = [os.environ.get("STEMDECK_DAWPROJECT_SCHEMAS", ""),
-              str(Path(__file__).resolve().parents[3] / "shared" / "dawproject")]
+    places = [
+        os.environ.get("STEMDECK_DAWPROJECT_SCHEMAS", ""),
+        str(Path(__file__).resolve().parents[3] / "shared" / "dawproject"),
+    ]
     return next((Path(p) for p in places if p and (Path(p) / "Project.xsd").is_file()), None)
 
 
@@ -49,8 +52,7 @@ def stems(tmp_path: Path) -> dict[str, Path]:
         path = tmp_path / "stems" / f"{name}.npy"
         path.parent.mkdir(exist_ok=True)
         with AudioWriter(path, 2) as writer:
-            writer.write((0.1 * (i + 1) * rng.standard_normal((2, 2 * SR + 11))).astype(
-                np.float32))
+            writer.write((0.1 * (i + 1) * rng.standard_normal((2, 2 * SR + 11))).astype(np.float32))
         result[name] = path
     return result
 
@@ -84,7 +86,8 @@ GRID = {"source": "drums", "tempo": 123.45, "beats": [0.512, 0.998, 1.484], "not
 
 @pytest.mark.parametrize("fmt", ["wav", "mp3"])
 def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
-        tmp_path: Path, stems, fmt: str, monkeypatch) -> None:
+    tmp_path: Path, stems, fmt: str, monkeypatch
+) -> None:
     import rpp
 
     from stemdeck_watch.stages import songfolder
@@ -92,9 +95,14 @@ def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
     monkeypatch.setattr(songfolder, "find_beat_grid", lambda *_a, **_k: GRID)
     staging = tmp_path / "outbox" / "song"
     info = SongInfo('Song "1"', tags={"title": "Blue in Green", "artist": "Miles Davis"})
-    folder = make_song_folder(staging, stems, SR, info, SeparationSettings(),
-                              out(format=fmt, session=("dawproject", "reaper"),
-                                  layout="{title}/{stem}.{ext}"))
+    folder = make_song_folder(
+        staging,
+        stems,
+        SR,
+        info,
+        SeparationSettings(),
+        out(format=fmt, session=("dawproject", "reaper"), layout="{title}/{stem}.{ext}"),
+    )
     session = folder.manifest["session"]
     assert session["files"] == {"dawproject": "Song _1_.dawproject", "reaper": "Song _1_.rpp"}
     assert session["tempo"] == 123.45 and session["first_beat"] == 0.512
@@ -118,11 +126,12 @@ def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
         assert muted == (entry["name"] == "mix")
         colour = int(rpp_field(track, "PEAKCOL")[1])
         red, green, blue = colour & 0xFF, colour >> 8 & 0xFF, colour >> 16 & 0xFF
-        assert colour & 0x1000000 and (red, green, blue) == COLOURS.get(entry["name"],
-                                                                         (200, 200, 205))
-        item, = rpp_children(track, "ITEM")
+        assert colour & 0x1000000 and (red, green, blue) == COLOURS.get(
+            entry["name"], (200, 200, 205)
+        )
+        (item,) = rpp_children(track, "ITEM")
         assert float(rpp_field(item, "POSITION")[1]) == 0.0
-        source, = rpp_children(item, "SOURCE")
+        (source,) = rpp_children(item, "SOURCE")
         assert source.attrib[0] == {"wav": "WAVE", "mp3": "MP3"}[fmt]
         path = rpp_field(source, "FILE")[1]
         assert path == entry["file"] and not Path(path).is_absolute()
@@ -137,8 +146,10 @@ def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
     validate(project_xml, "Project.xsd")
     validate(metadata_xml, "MetaData.xsd")
     metadata = ET.fromstring(metadata_xml)
-    assert (metadata.findtext("Title"), metadata.findtext("Artist")) == ("Blue in Green",
-                                                                         "Miles Davis")
+    assert (metadata.findtext("Title"), metadata.findtext("Artist")) == (
+        "Blue in Green",
+        "Miles Davis",
+    )
     root = ET.fromstring(project_xml)
     assert root.find("Transport/Tempo").get("value") == "123.45"
     marker = root.find("Arrangement/Markers/Marker")
@@ -153,7 +164,8 @@ def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
         assert channel.get("destination") == master.get("id")
         assert channel.find("Mute").get("value") == str(entry["name"] == "mix").lower()
         assert track.get("color") == "#{:02x}{:02x}{:02x}".format(
-            *COLOURS.get(entry["name"], (200, 200, 205)))
+            *COLOURS.get(entry["name"], (200, 200, 205))
+        )
         clip = clips[track.get("id")].find("Clip")
         assert float(clip.get("time")) == 0.0
         file = clip.find("Audio/File")
@@ -163,26 +175,38 @@ def test_a_song_folder_opens_as_a_session_in_reaper_and_dawproject_daws(
 
 
 def test_a_mix_of_every_stem_is_the_sessions_reference_and_no_other_is_written(
-        tmp_path: Path, stems) -> None:
-    folder = make_song_folder(tmp_path / "s", stems, SR, SongInfo("song"),
-                              SeparationSettings(two_stems="vocals"),
-                              out(session=("reaper",), mixes={"all": list(SOURCES)}))
+    tmp_path: Path, stems
+) -> None:
+    folder = make_song_folder(
+        tmp_path / "s",
+        stems,
+        SR,
+        SongInfo("song"),
+        SeparationSettings(two_stems="vocals"),
+        out(session=("reaper",), mixes={"all": list(SOURCES)}),
+    )
     assert [e["name"] for e in folder.entries] == ["vocals", "no_vocals", "all"]
     assert folder.manifest["session"]["files"] == {"reaper": "song.rpp"}
     assert not (tmp_path / "s" / "song.dawproject").exists()
 
 
-def test_without_a_beat_the_session_has_a_default_tempo_and_no_marker(tmp_path: Path,
-                                                                      stems,
-                                                                      monkeypatch) -> None:
+def test_without_a_beat_the_session_has_a_default_tempo_and_no_marker(
+    tmp_path: Path, stems, monkeypatch
+) -> None:
     import rpp
 
     from stemdeck_watch.stages import songfolder
 
     silent = {"source": "drums", "tempo": None, "beats": [], "notes": ["no beat found"]}
     monkeypatch.setattr(songfolder, "find_beat_grid", lambda *_a, **_k: silent)
-    folder = make_song_folder(tmp_path / "s", stems, SR, SongInfo("song"),
-                              SeparationSettings(), out(session=("reaper", "dawproject")))
+    folder = make_song_folder(
+        tmp_path / "s",
+        stems,
+        SR,
+        SongInfo("song"),
+        SeparationSettings(),
+        out(session=("reaper", "dawproject")),
+    )
     assert folder.manifest["session"]["first_beat"] is None
     assert "beat_grid" not in folder.manifest  # found for the project, beats.json is off
     project = rpp.loads((tmp_path / "s" / "song.rpp").read_text())
@@ -197,14 +221,18 @@ def test_without_a_beat_the_session_has_a_default_tempo_and_no_marker(tmp_path: 
 def test_session_names_the_projects_it_knows() -> None:
     assert settings_from_dict({"output": {"session": ["reaper"]}}).output.session == ("reaper",)
     assert settings_from_dict({}).output.session == ()
-    with pytest.raises(ConfigError, match=r'output.session = .* expected a list of projects '
-                                          r'from "dawproject", "reaper" \(unknown: "ableton"\)'):
+    with pytest.raises(
+        ConfigError,
+        match=r"output.session = .* expected a list of projects "
+        r'from "dawproject", "reaper" \(unknown: "ableton"\)',
+    ):
         settings_from_dict({"output": {"session": ["ableton"]}})
 
 
 @pytest.mark.slow
-def test_a_dropped_song_is_published_with_its_daw_projects(make_settings, service_factory,
-                                                           tmp_path: Path) -> None:
+def test_a_dropped_song_is_published_with_its_daw_projects(
+    make_settings, service_factory, tmp_path: Path
+) -> None:
     """Through the real service and worker, the beat grid found for the projects only."""
     import rpp
 
@@ -216,7 +244,7 @@ def test_a_dropped_song_is_published_with_its_daw_projects(make_settings, servic
     _service, jobs = service_factory(settings)
     made = write_song(tmp_path / "made" / "Groove.flac", 6.0)
     made.replace(settings.paths.inbox / "Groove.flac")
-    job, = jobs.wait_final(1)
+    (job,) = jobs.wait_final(1)
     assert job.state is JobState.DONE, job.error
     folder = Path(job.output)
     manifest = read_manifest(folder)
@@ -227,8 +255,10 @@ def test_a_dropped_song_is_published_with_its_daw_projects(make_settings, servic
     assert verify_folder(folder) == []  # the projects are listed with their sha256
     project = rpp.loads((folder / "Groove.rpp").read_text(encoding="utf-8"))
     assert float(rpp_field(project, "TEMPO")[1]) == session["tempo"]
-    files = [rpp_field(rpp_children(rpp_children(t, "ITEM")[0], "SOURCE")[0], "FILE")[1]
-             for t in rpp_children(project, "TRACK")]
+    files = [
+        rpp_field(rpp_children(rpp_children(t, "ITEM")[0], "SOURCE")[0], "FILE")[1]
+        for t in rpp_children(project, "TRACK")
+    ]
     assert files == [e["file"] for e in manifest["stems"]] and files[-1] == "mix.flac"
     assert all((folder / f).is_file() for f in files)
     with zipfile.ZipFile(folder / "Groove.dawproject") as archive:

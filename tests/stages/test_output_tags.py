@@ -1,4 +1,5 @@
 """Tags read from the input (PyAV), names from tags (sanitised), tags written into stems."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,7 @@ from stemdeck_watch.stages.scratch import AudioWriter
 from stemdeck_watch.util.synth import write_song as synth_song
 
 SR = 44100
-TAGS = {"title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue",
-        "track": "3/5"}
+TAGS = {"title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": "3/5"}
 
 
 def tag_input(path: Path, tags: dict[str, str]) -> Path:
@@ -55,7 +55,11 @@ def test_tags_are_read_from_flac_mp3_and_m4a_while_decoding(tmp_path: Path, ext:
     source = tag_input(synth_song(tmp_path / f"song.{ext}", 1.0), TAGS)
     decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
     assert decoded.tags == {
-        "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
+        "title": "Blue in Green",
+        "artist": "Miles Davis",
+        "album": "Kind of Blue",
+        "track": 3,
+    }
 
 
 def test_tags_behind_a_cover_larger_than_the_quick_probe_are_read(tmp_path: Path) -> None:
@@ -65,18 +69,30 @@ def test_tags_behind_a_cover_larger_than_the_quick_probe_are_read(tmp_path: Path
 
     source = tag_input(synth_song(tmp_path / "song.mp3", 1.0), TAGS)
     tags = ID3(source)
-    tags.add(APIC(encoding=3, mime="image/jpeg", type=3, desc="cover",
-                  data=b"\xff\xd8" + np.random.default_rng(0).bytes(600_000)))
+    tags.add(
+        APIC(
+            encoding=3,
+            mime="image/jpeg",
+            type=3,
+            desc="cover",
+            data=b"\xff\xd8" + np.random.default_rng(0).bytes(600_000),
+        )
+    )
     tags.save(source)
     decoded = decode_to_file(source, tmp_path / "input.npy", SR, 2)
     assert decoded.tags == {
-        "title": "Blue in Green", "artist": "Miles Davis", "album": "Kind of Blue", "track": 3}
+        "title": "Blue in Green",
+        "artist": "Miles Davis",
+        "album": "Kind of Blue",
+        "track": 3,
+    }
     assert decoded.source_codec.startswith("mp3") and decoded.source_samplerate == SR
     assert abs(decoded.frames - SR) <= 1152
 
 
 def test_an_untagged_input_has_no_tags_and_an_unreadable_one_fails_its_decode(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     plain = synth_song(tmp_path / "plain.wav", 1.0)
     assert decode_to_file(plain, tmp_path / "plain.npy", SR, 2).tags == {}
     junk = tmp_path / "junk.mp3"
@@ -106,30 +122,48 @@ def out(**kw) -> OutputSettings:
 def test_flac_and_mp3_stems_carry_the_songs_tags(tmp_path: Path, stems, fmt: str) -> None:
     import mutagen
 
-    info = SongInfo("blue", tags={"title": "Blue in Green", "artist": "Miles Davis",
-                                  "album": "Kind of Blue", "track": 3})
-    entries = write_song(tmp_path / "s", stems, SR, "blue", SeparationSettings(),
-                         out(format=fmt, bit_depth=16), info=info)
+    info = SongInfo(
+        "blue",
+        tags={
+            "title": "Blue in Green",
+            "artist": "Miles Davis",
+            "album": "Kind of Blue",
+            "track": 3,
+        },
+    )
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        SR,
+        "blue",
+        SeparationSettings(),
+        out(format=fmt, bit_depth=16),
+        info=info,
+    )
     for entry in entries:
         tagged = mutagen.File(tmp_path / "s" / entry["file"], easy=True)
         assert tagged["title"] == [f"Blue in Green ({entry['name']})"]
         assert tagged["artist"] == ["Miles Davis"] and tagged["album"] == ["Kind of Blue"]
         assert tagged["tracknumber"] == ["3"]
-    untagged = write_song(tmp_path / "u", stems, SR, "My Song", SeparationSettings(),
-                          out(format=fmt, bit_depth=16))
+    untagged = write_song(
+        tmp_path / "u", stems, SR, "My Song", SeparationSettings(), out(format=fmt, bit_depth=16)
+    )
     tagged = mutagen.File(tmp_path / "u" / untagged[0]["file"], easy=True)
     assert tagged["title"] == ["My Song (drums)"] and "artist" not in tagged
 
 
 def test_names_come_from_tags_with_the_file_name_as_fallback(tmp_path: Path, stems) -> None:
     layout = "{artist}/{album}/{title} - {stem} [{preset}].{ext}"
-    info = SongInfo("file name", tags={"title": "Blue in Green", "artist": "Miles Davis"},
-                    preset="karaoke")
-    entries = write_song(tmp_path / "s", stems, SR, "file name", SeparationSettings(),
-                         out(layout=layout), info=info)
+    info = SongInfo(
+        "file name", tags={"title": "Blue in Green", "artist": "Miles Davis"}, preset="karaoke"
+    )
+    entries = write_song(
+        tmp_path / "s", stems, SR, "file name", SeparationSettings(), out(layout=layout), info=info
+    )
     assert entries[0]["file"] == "Miles Davis/file name/Blue in Green - drums [karaoke].wav"
-    bare = write_song(tmp_path / "b", stems, SR, "file name", SeparationSettings(),
-                      out(layout=layout))
+    bare = write_song(
+        tmp_path / "b", stems, SR, "file name", SeparationSettings(), out(layout=layout)
+    )
     assert bare[0]["file"] == "file name/file name/file name - drums [default].wav"
     assert (tmp_path / "b" / bare[0]["file"]).is_file()
 
@@ -138,27 +172,34 @@ HOSTILE = [
     {"title": "../../../etc/passwd", "artist": "..", "album": "/"},
     {"title": "line one\nline two\r\n\x00", "artist": "AC/DC", "album": "C:\\Windows\\x"},
     {"title": "x" * 400, "artist": "é" * 400, "album": ".hidden"},
-    {"title": "CON", "artist": "  ", "album": "a?b*c<d>e|f:\"g\""},
+    {"title": "CON", "artist": "  ", "album": 'a?b*c<d>e|f:"g"'},
 ]
 
 
 @pytest.mark.parametrize("tags", HOSTILE, ids=["dots", "newlines", "long", "reserved"])
-def test_hostile_tags_never_place_a_file_outside_the_song_folder(tmp_path: Path, stems,
-                                                                 tags) -> None:
+def test_hostile_tags_never_place_a_file_outside_the_song_folder(
+    tmp_path: Path, stems, tags
+) -> None:
     import mutagen
 
     layout = "{artist}/{album}/{title} - {stem}.{ext}"
     folder = tmp_path / "outbox" / "song"
-    entries = write_song(folder, stems, SR, "song", SeparationSettings(),
-                         out(layout=layout, format="flac"), info=SongInfo("song", tags=tags))
+    entries = write_song(
+        folder,
+        stems,
+        SR,
+        "song",
+        SeparationSettings(),
+        out(layout=layout, format="flac"),
+        info=SongInfo("song", tags=tags),
+    )
     written = sorted(p for p in (tmp_path / "outbox").rglob("*") if p.is_file())
     assert len(written) == 4 and all(folder in p.parents for p in written)
     for entry in entries:
         path = folder / entry["file"]
         parts = Path(entry["file"]).parts
         assert len(parts) == 3  # artist/album/file: no tag added or removed a level
-        assert all(len(p.encode()) <= MAX_COMPONENT_BYTES and not p.startswith(".")
-                   for p in parts)
+        assert all(len(p.encode()) <= MAX_COMPONENT_BYTES and not p.startswith(".") for p in parts)
         assert not any(c in entry["file"] for c in '\\:*?"<>|\n\r\x00')
         assert path.suffix == ".flac"
         title = mutagen.File(path, easy=True)["title"][0]
@@ -174,10 +215,12 @@ def test_safe_name_keeps_ordinary_names_and_cleans_the_rest() -> None:
     assert len(safe_name("y" * 400, "x")) == 80
 
 
-@pytest.mark.parametrize("fmt,tags", [("flac", True), ("mp3", True), ("wav", True),
-                                      ("flac", False)])
-def test_every_stem_reaches_the_disk_once_after_its_last_write(tmp_path: Path, stems, fmt: str,
-                                                               tags: bool, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "fmt,tags", [("flac", True), ("mp3", True), ("wav", True), ("flac", False)]
+)
+def test_every_stem_reaches_the_disk_once_after_its_last_write(
+    tmp_path: Path, stems, fmt: str, tags: bool, monkeypatch
+) -> None:
     """A stem is flushed to disk after its tags, not also before them: on a slow disk or a
     NAS each flush is a wait, and the one before the tags protects nothing."""
     import os
@@ -192,7 +235,13 @@ def test_every_stem_reaches_the_disk_once_after_its_last_write(tmp_path: Path, s
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc to name the file behind a descriptor")
     monkeypatch.setattr(os, "fsync", recorded_fsync)
-    entries = write_song(tmp_path / "s", stems, SR, "blue", SeparationSettings(),
-                         out(format=fmt, bit_depth=16, tags=tags))
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        SR,
+        "blue",
+        SeparationSettings(),
+        out(format=fmt, bit_depth=16, tags=tags),
+    )
     files = [e["file"] for e in entries]
     assert sorted(flushed) == sorted(files), flushed

@@ -1,4 +1,5 @@
 """Stems, mixes and the manifest are written into staging and published in one rename."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,13 @@ import soundfile
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import PublishError
-from stemdeck_watch.stages.publish import (pcm, publish_folder, read_manifest, write_manifest,
-                                             write_song)
+from stemdeck_watch.stages.publish import (
+    pcm,
+    publish_folder,
+    read_manifest,
+    write_manifest,
+    write_song,
+)
 from stemdeck_watch.stages.scratch import AudioWriter
 
 SR = 44100
@@ -39,11 +45,19 @@ def sep(**kw) -> SeparationSettings:
     return dataclasses.replace(SeparationSettings(), **kw)
 
 
-@pytest.mark.parametrize("fmt, depth, subtype", [
-    ("wav", 16, "PCM_16"), ("wav", 24, "PCM_24"), ("wav", 32, "FLOAT"), ("flac", 24, "PCM_24"),
-])
+@pytest.mark.parametrize(
+    "fmt, depth, subtype",
+    [
+        ("wav", 16, "PCM_16"),
+        ("wav", 24, "PCM_24"),
+        ("wav", 32, "FLOAT"),
+        ("flac", 24, "PCM_24"),
+    ],
+)
 def test_stems_are_written_in_the_configured_format(tmp_path: Path, stems, fmt, depth, subtype):
-    entries = write_song(tmp_path / "stage", stems, SR, "song", sep(), out(format=fmt, bit_depth=depth))
+    entries = write_song(
+        tmp_path / "stage", stems, SR, "song", sep(), out(format=fmt, bit_depth=depth)
+    )
     assert [e["name"] for e in entries] == list(SOURCES)
     for entry in entries:
         info = soundfile.info(tmp_path / "stage" / entry["file"])
@@ -72,8 +86,14 @@ def test_rescale_keeps_peaks_below_full_scale_and_clamp_clips(tmp_path: Path, st
 
 
 def test_two_stems_and_mixes(tmp_path: Path, stems) -> None:
-    entries = write_song(tmp_path / "s", stems, SR, "song", sep(two_stems="vocals"),
-                         out(bit_depth=32, mixes={"instrumental": ("drums", "bass", "other")}))
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        SR,
+        "song",
+        sep(two_stems="vocals"),
+        out(bit_depth=32, mixes={"instrumental": ("drums", "bass", "other")}),
+    )
     assert [e["name"] for e in entries] == ["vocals", "no_vocals", "instrumental"]
     no_vocals, _ = soundfile.read(tmp_path / "s" / "no_vocals.wav", dtype="float32")
     expected = sum(np.load(stems[s]) for s in ("drums", "bass", "other")).T
@@ -88,8 +108,14 @@ def test_a_two_stem_name_the_model_lacks_is_a_clear_error(tmp_path: Path, stems)
 
 
 def test_layout_template_names_the_files(tmp_path: Path, stems) -> None:
-    entries = write_song(tmp_path / "s", stems, SR, "My Song", sep(model="tiny"),
-                         out(layout="{name} - {stem} ({model}).{ext}"))
+    entries = write_song(
+        tmp_path / "s",
+        stems,
+        SR,
+        "My Song",
+        sep(model="tiny"),
+        out(layout="{name} - {stem} ({model}).{ext}"),
+    )
     assert entries[0]["file"] == "My Song - drums (tiny).wav"
     assert (tmp_path / "s" / "My Song - drums (tiny).wav").is_file()
 
@@ -119,8 +145,12 @@ def _whole_output(stems: dict[str, Path], members: list[str]) -> np.ndarray:
     return audio
 
 
-def _whole_song_reference(stems: dict[str, Path], members: list[str], o: OutputSettings,
-                          song: list[list[str]] | None = None) -> np.ndarray:
+def _whole_song_reference(
+    stems: dict[str, Path],
+    members: list[str],
+    o: OutputSettings,
+    song: list[list[str]] | None = None,
+) -> np.ndarray:
     """What publish writes, from the whole song in memory: one clip rule, and with rescale
     one divisor for every output of the song (`song`: the members of each output)."""
     audio = _whole_output(stems, members)
@@ -145,7 +175,7 @@ def worker_stems(tmp_path: Path) -> dict[str, Path]:
         audio[:, -5] = 2.5 + i  # the peak comes late: every earlier block must wait for it
         with AudioWriter(path, 2) as writer:
             for start in range(0, audio.shape[1], SR // 3):
-                writer.write(audio[:, start:start + SR // 3])
+                writer.write(audio[:, start : start + SR // 3])
         result[name] = path
     return result
 
@@ -156,13 +186,15 @@ def test_integer_stems_hold_the_rounded_samples_in_every_format(tmp_path, fmt, b
     scale (+1.0 becomes the largest sample, not a wrapped-around negative one)."""
     rng = np.random.default_rng(5)
     audio = rng.uniform(-1, 1, (2, SR)).astype(np.float32)
-    audio[:, :6] = [[1.0, -1.0, 0.0, 0.5 / 2 ** (bits - 1), 1.5 / 2 ** (bits - 1), 0.99999994],
-                    [-1.0, 1.0, -0.0, -0.5 / 2 ** (bits - 1), -1.5 / 2 ** (bits - 1), -0.5]]
+    audio[:, :6] = [
+        [1.0, -1.0, 0.0, 0.5 / 2 ** (bits - 1), 1.5 / 2 ** (bits - 1), 0.99999994],
+        [-1.0, 1.0, -0.0, -0.5 / 2 ** (bits - 1), -1.5 / 2 ** (bits - 1), -0.5],
+    ]
     stem = tmp_path / "vocals.npy"
     with AudioWriter(stem, 2) as writer:
         writer.write(audio)
     o = out(format=fmt, bit_depth=bits, clip="clamp")
-    entry, = write_song(tmp_path / "s", {"vocals": stem}, SR, "song", sep(), o)
+    (entry,) = write_song(tmp_path / "s", {"vocals": stem}, SR, "song", sep(), o)
     got, _ = soundfile.read(tmp_path / "s" / entry["file"], dtype="int32")
     full = 2 ** (bits - 1)
     want = np.clip(np.rint(audio.T.astype(np.float64) * full), -full, full - 1)
@@ -170,27 +202,41 @@ def test_integer_stems_hold_the_rounded_samples_in_every_format(tmp_path, fmt, b
     assert got[0, 0] >> (32 - bits) == full - 1 and got[0, 1] >> (32 - bits) == -full
 
 
-@pytest.mark.parametrize("o", [
-    out(format="wav", bit_depth=16), out(format="wav", bit_depth=24, clip="clamp"),
-    out(format="wav", bit_depth=32), out(format="flac", bit_depth=16),
-    out(format="flac", bit_depth=24, clip="clamp"),
-], ids=["wav16-rescale", "wav24-clamp", "wav32", "flac16-rescale", "flac24-clamp"])
+@pytest.mark.parametrize(
+    "o",
+    [
+        out(format="wav", bit_depth=16),
+        out(format="wav", bit_depth=24, clip="clamp"),
+        out(format="wav", bit_depth=32),
+        out(format="flac", bit_depth=16),
+        out(format="flac", bit_depth=24, clip="clamp"),
+    ],
+    ids=["wav16-rescale", "wav24-clamp", "wav32", "flac16-rescale", "flac24-clamp"],
+)
 def test_streamed_outputs_equal_the_whole_song_written_at_once(tmp_path, worker_stems, o):
     o = dataclasses.replace(o, mixes={"instrumental": ("drums", "bass", "other")})
-    entries = write_song(tmp_path / "s", worker_stems, SR, "song", sep(two_stems="vocals"), o,
-                         block_frames=10_000)  # many blocks, the last one short
-    plan = {"vocals": ["vocals"], "no_vocals": ["drums", "bass", "other"],
-            "instrumental": ["drums", "bass", "other"]}
+    entries = write_song(
+        tmp_path / "s", worker_stems, SR, "song", sep(two_stems="vocals"), o, block_frames=10_000
+    )  # many blocks, the last one short
+    plan = {
+        "vocals": ["vocals"],
+        "no_vocals": ["drums", "bass", "other"],
+        "instrumental": ["drums", "bass", "other"],
+    }
     assert [e["name"] for e in entries] == list(plan)
     loudest = 0.0
     for entry in entries:
         assert entry["frames"] == 3 * SR + 77 and entry["channels"] == 2
-        expected = _whole_song_reference(worker_stems, plan[entry["name"]], o,
-                                         list(plan.values()))
+        expected = _whole_song_reference(worker_stems, plan[entry["name"]], o, list(plan.values()))
         reference = tmp_path / f"ref-{entry['file']}"
         samples = expected.T if o.bit_depth == 32 else pcm(expected, o.bit_depth)
-        soundfile.write(reference, samples, SR, format=o.format.upper(),
-                        subtype={16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[o.bit_depth])
+        soundfile.write(
+            reference,
+            samples,
+            SR,
+            format=o.format.upper(),
+            subtype={16: "PCM_16", 24: "PCM_24", 32: "FLOAT"}[o.bit_depth],
+        )
         got, _ = soundfile.read(tmp_path / "s" / entry["file"], dtype="float32")
         want, _ = soundfile.read(reference, dtype="float32")
         assert np.array_equal(got, want), entry["name"]
@@ -216,7 +262,8 @@ def test_streamed_mp3_is_the_same_encoding_as_the_whole_song_at_once(tmp_path, w
 
 @pytest.mark.parametrize("fmt", ["wav", "flac"])
 def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
-        tmp_path: Path, stems, fmt, monkeypatch) -> None:
+    tmp_path: Path, stems, fmt, monkeypatch
+) -> None:
     import errno
 
     from stemdeck_watch.stages import publish
@@ -230,7 +277,7 @@ def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
         def write(self, data) -> int:
             if self._left <= 0:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            n = self._handle.write(memoryview(data)[:self._left])
+            n = self._handle.write(memoryview(data)[: self._left])
             self._left -= n
             return n
 

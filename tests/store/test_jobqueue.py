@@ -1,4 +1,5 @@
 """The queue: order, pause, one consumer, and cancels wherever the job is."""
+
 from __future__ import annotations
 
 import threading
@@ -64,7 +65,7 @@ def test_cancel_in_the_gap_is_finalised_by_the_consumer() -> None:
     control = queue.take(timeout=0)
     assert control is not None
     assert queue.cancel("a", "removed") == "claimed"  # neither queued nor running
-    assert queue.set_running(control) is False        # the consumer must close it out
+    assert queue.set_running(control) is False  # the consumer must close it out
     assert control.reason == "removed"
 
 

@@ -1,4 +1,5 @@
 """The registry on disk, and what a restart makes of the jobs the last run left behind."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,17 @@ from support.helpers import add_job, open_scheduler, run_restore
 def test_registry_survives_reopening(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     registry = Registry.open(path)
-    job = registry.add(Job(id="a", name="a", kind=JobKind.FILE, state=JobState.QUEUED,
-                           source="/x/a.wav", rel_path="a.wav",
-                           signature=FileSignature(1, 2, 3)))
+    job = registry.add(
+        Job(
+            id="a",
+            name="a",
+            kind=JobKind.FILE,
+            state=JobState.QUEUED,
+            source="/x/a.wav",
+            rel_path="a.wav",
+            signature=FileSignature(1, 2, 3),
+        )
+    )
     updated = registry.update("a", state=JobState.SEPARATING, progress=0.5)
     assert updated.version == job.version + 1 and updated.progress == 0.5
     registry.save_order(["a"])
@@ -41,8 +50,9 @@ def test_a_job_published_before_the_crash_is_done_not_separated_again(settings: 
     folder = settings.paths.outbox / "song (2)"
     folder.mkdir()
     (folder / "vocals.wav").write_bytes(b"x")
-    (folder / "stemdeck.json").write_text(json.dumps(
-        {"job_id": job.id, "stems": [{"file": "vocals.wav"}]}))
+    (folder / "stemdeck.json").write_text(
+        json.dumps({"job_id": job.id, "stems": [{"file": "vocals.wav"}]})
+    )
     scheduler.registry.close()
 
     scheduler, restored = run_restore(settings)
@@ -121,10 +131,14 @@ def test_a_pause_the_user_chose_survives_a_restart(settings: Settings) -> None:
     scheduler.registry.close()
 
 
-def test_capacity_lane_holds_files_back_in_arrival_order(settings: Settings, tmp_path: Path) -> None:
+def test_capacity_lane_holds_files_back_in_arrival_order(
+    settings: Settings, tmp_path: Path
+) -> None:
     data = default_toml()
-    data["folders"] = {n: str(getattr(settings.paths, n)) for n in
-                       ("inbox", "outbox", "processed", "failed", "state")}
+    data["folders"] = {
+        n: str(getattr(settings.paths, n))
+        for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["queue"]["max_pending_files"] = 2
     small = settings_from_dict(data)
     scheduler = open_scheduler(small)
@@ -132,8 +146,9 @@ def test_capacity_lane_holds_files_back_in_arrival_order(settings: Settings, tmp
     for name in ("a", "b", "c", "d"):
         path = small.paths.inbox / f"{name}.wav"
         path.write_bytes(b"x")
-        jobs.append(scheduler.submit_file(path, PurePosixPath(path.name),
-                                          FileSignature.of(path.stat())))
+        jobs.append(
+            scheduler.submit_file(path, PurePosixPath(path.name), FileSignature.of(path.stat()))
+        )
     assert [j is not None for j in jobs] == [True, True, False, False]
     assert [Path(s).name for s in scheduler.waiting()] == ["c.wav", "d.wav"]
     assert [Path(s).name for s, _, _ in scheduler.registry.waiting()] == ["c.wav", "d.wav"]
@@ -192,8 +207,9 @@ def test_a_crash_after_the_input_moved_but_before_done_was_stored(settings: Sett
     folder = settings.paths.outbox / "song"
     folder.mkdir()
     (folder / "vocals.wav").write_bytes(b"x")
-    (folder / "stemdeck.json").write_text(json.dumps(
-        {"job_id": job.id, "stems": [{"file": "vocals.wav"}]}))
+    (folder / "stemdeck.json").write_text(
+        json.dumps({"job_id": job.id, "stems": [{"file": "vocals.wav"}]})
+    )
     Path(job.source).rename(settings.paths.processed / "song.wav")  # moved; then the crash
     scheduler.registry.close()
 
@@ -212,8 +228,10 @@ def drop(settings: Settings, name: str) -> tuple[Path, FileSignature]:
 
 def test_a_new_file_starts_a_restored_queue_even_when_the_lane_is_full(settings: Settings) -> None:
     data = default_toml()
-    data["folders"] = {n: str(getattr(settings.paths, n)) for n in
-                       ("inbox", "outbox", "processed", "failed", "state")}
+    data["folders"] = {
+        n: str(getattr(settings.paths, n))
+        for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["queue"]["max_pending_files"] = 2
     small = settings_from_dict(data)
     scheduler = open_scheduler(small)
@@ -233,12 +251,14 @@ def test_a_new_file_starts_a_restored_queue_even_when_the_lane_is_full(settings:
 def published_folder(folder: Path, job_id: str) -> None:
     folder.mkdir()
     (folder / "vocals.wav").write_bytes(b"x")
-    (folder / "stemdeck.json").write_text(json.dumps(
-        {"job_id": job_id, "stems": [{"file": "vocals.wav"}]}))
+    (folder / "stemdeck.json").write_text(
+        json.dumps({"job_id": job_id, "stems": [{"file": "vocals.wav"}]})
+    )
 
 
 def test_a_song_published_to_a_numbered_folder_is_not_separated_again_when_the_first_is_gone(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     scheduler = open_scheduler(settings)
     job = add_job(scheduler, settings, "song", JobState.PUBLISHING)
     # it published to "song (2)" because "song" existed; then "song" was moved away
@@ -269,8 +289,9 @@ def test_a_move_cut_off_after_the_hard_link_is_finished_not_duplicated(settings:
 def test_a_job_quarantined_just_before_a_crash_is_failed_with_its_report(settings) -> None:
     scheduler = open_scheduler(settings)
     job = add_job(scheduler, settings, "song", JobState.SEPARATING)
-    scheduler.registry.update(job.id, error="the separation worker stopped unexpectedly",
-                              stage="separating")  # recorded before the move
+    scheduler.registry.update(
+        job.id, error="the separation worker stopped unexpectedly", stage="separating"
+    )  # recorded before the move
     os.replace(job.source, settings.paths.failed / "song.wav")  # moved; then the power went
     scheduler.registry.close()
 

@@ -11,6 +11,7 @@ every Chromium process; the folder is removed after it.
 Locally the tests skip, with the reason, when the browser, the driver or selenium is missing;
 under CI=true they fail instead (`.ci/run` installs what they need).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,10 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-INSTALL = ("apt-get install --no-install-recommends chromium chromium-driver; "
-           "pip install 'selenium>=4.20' (or `pip install -e '.[test]'`)")
+INSTALL = (
+    "apt-get install --no-install-recommends chromium chromium-driver; "
+    "pip install 'selenium>=4.20' (or `pip install -e '.[test]'`)"
+)
 DESKTOP = (1100, 900)
 PHONE = (390, 844)
 
@@ -53,8 +56,10 @@ def require() -> None:
 
 def set_viewport(driver: Any, width: int, height: int) -> None:
     """An exact viewport (--window-size sets the outer window)."""
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-        "width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+    )
 
 
 @contextlib.contextmanager
@@ -70,16 +75,24 @@ def chromium(logs: Path, size: tuple[int, int] = DESKTOP) -> Iterator[Any]:
     try:
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)
-        for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                         "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , "
-                         "EXCLUDE localhost",
-                         f"--window-size={size[0]},{size[1]}"):
+        for argument in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-dev-shm-usage",
+            "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost",
+            f"--window-size={size[0]},{size[1]}",
+        ):
             options.add_argument(argument)
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": str(home),
-               "HOME": str(home), "LANG": "C.UTF-8"}
-        service = DriverService(executable_path=str(CHROMEDRIVER), env=env,
-                                log_output=str(logs / "chromedriver.log"))
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "TMPDIR": str(home),
+            "HOME": str(home),
+            "LANG": "C.UTF-8",
+        }
+        service = DriverService(
+            executable_path=str(CHROMEDRIVER), env=env, log_output=str(logs / "chromedriver.log")
+        )
         driver = webdriver.Chrome(options=options, service=service)
         try:
             set_viewport(driver, *size)
@@ -94,5 +107,8 @@ def page_errors(driver: Any) -> list[str]:
     """Errors the page's own code caused: uncaught exceptions, CSP violations. Not the
     browser's network lines ("Failed to load resource: … 409"): a refused request is part of
     what the tests do, and so is the favicon the page does not have."""
-    return [entry["message"] for entry in driver.get_log("browser")
-            if entry["level"] == "SEVERE" and entry.get("source") != "network"]
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and entry.get("source") != "network"
+    ]

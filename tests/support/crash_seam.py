@@ -11,6 +11,7 @@ STEMDECK_SEAM_PROCESSED (the processed/ folder). STEMDECK_SEAM_FAKE_EXDEV=1 make
 and renames into processed/ fail with EXDEV, as they do when processed/ is on another
 filesystem (used where no second filesystem is at hand).
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,7 @@ WINDOWS = {
     "moved": "the input is in processed/; `done` is not stored",
     "done": "`done` is stored (the input moved before it)",
     "copying": "half the input is copied to processed/.NAME.<random>.stemdeck-tmp (across "
-               "filesystems)",
+    "filesystems)",
     "copied": "the copy is renamed into processed/; the inbox original is not yet removed",
     "taken": "the dispatcher took the head of the queue; its state is not yet written",
 }
@@ -111,7 +112,7 @@ def install(window: str, processed: Path, fake_exdev: bool) -> None:
             if not _under(getattr(writer, "name", ""), processed):
                 return real_copy(reader, writer, length)
             data = reader.read()
-            writer.write(data[:len(data) // 2])
+            writer.write(data[: len(data) // 2])
             writer.flush()
             os.fsync(writer.fileno())
             die()
@@ -142,8 +143,11 @@ def install(window: str, processed: Path, fake_exdev: bool) -> None:
 
 def main() -> int:
     window, argv = sys.argv[1], sys.argv[2:]
-    install(window, Path(os.environ["STEMDECK_SEAM_PROCESSED"]),
-            os.environ.get("STEMDECK_SEAM_FAKE_EXDEV") == "1")
+    install(
+        window,
+        Path(os.environ["STEMDECK_SEAM_PROCESSED"]),
+        os.environ.get("STEMDECK_SEAM_FAKE_EXDEV") == "1",
+    )
     from stemdeck_watch.cli.main import main as cli_main
 
     return cli_main(argv)

@@ -7,6 +7,7 @@ Locally the tests skip, with the reason, when any of it is missing; under CI=tru
 instead (`.ci/run` installs the system packages, and `make test` with the extras `.ci/run` sets
 installs PyGObject and dbus-python). Every process started here is ended and reaped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,17 +23,21 @@ from typing import Iterator
 
 import pytest
 
-APT = ("apt-get install xvfb xauth xdotool imagemagick trayer gir1.2-gtk-3.0 "
-       "libgirepository1.0-dev libcairo2-dev pkg-config dbus libdbus-1-dev libglib2.0-dev; "
-       "pip install 'PyGObject<3.51' dbus-python (or `make test EXTRAS=test,tray,dbus`)")
+APT = (
+    "apt-get install xvfb xauth xdotool imagemagick trayer gir1.2-gtk-3.0 "
+    "libgirepository1.0-dev libcairo2-dev pkg-config dbus libdbus-1-dev libglib2.0-dev; "
+    "pip install 'PyGObject<3.51' dbus-python (or `make test EXTRAS=test,tray,dbus`)"
+)
 TRAY_TOOLS = ("Xvfb", "xdotool", "import", "trayer", "dbus-run-session")
 NOTIFY_TOOLS = ("dbus-run-session", "dbus-daemon")
 
 
 def _gtk_importable() -> bool:
     code = "import gi; gi.require_version('Gtk', '3.0'); from gi.repository import Gtk"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          timeout=60).returncode == 0
+    return (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode
+        == 0
+    )
 
 
 def missing(tools: tuple[str, ...], modules: tuple[str, ...], gtk: bool = False) -> str | None:
@@ -64,6 +69,7 @@ def require_desktop_notifications() -> None:
 
 # ---------------------------------------------------------------- processes
 
+
 def end(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
     """Signal `proc` (if still running) and reap it; SIGKILL after `timeout`."""
     if proc.poll() is None:
@@ -87,9 +93,12 @@ def children(pid: int) -> list[int]:
 def xvfb(size: str = "640x480x24") -> Iterator[str]:
     """A fresh X server; yields its DISPLAY (":N")."""
     read, write = os.pipe()
-    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", size,
-                             "-nolisten", "tcp"], pass_fds=(write,),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp"],
+        pass_fds=(write,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(write)
     try:
         with os.fdopen(read) as pipe:
@@ -105,8 +114,9 @@ def xvfb(size: str = "640x480x24") -> Iterator[str]:
 def started(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
     """A process with its output in `log`; ended (SIGTERM) and reaped on exit."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         try:
             yield proc
         finally:
@@ -117,18 +127,28 @@ def screenshot(display: str):
     """The whole screen as a Pillow image (ImageMagick's `import`)."""
     from PIL import Image
 
-    png = subprocess.run(["import", "-display", display, "-window", "root", "png:-"],
-                         capture_output=True, check=True, timeout=30).stdout
+    png = subprocess.run(
+        ["import", "-display", display, "-window", "root", "png:-"],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return Image.open(io.BytesIO(png)).convert("RGB")
 
 
 def xdotool(display: str, *args: str) -> None:
-    subprocess.run(["xdotool", *args], env=dict(os.environ, DISPLAY=display), check=True,
-                   capture_output=True, timeout=30)
+    subprocess.run(
+        ["xdotool", *args],
+        env=dict(os.environ, DISPLAY=display),
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
-def bbox(image, match, region: tuple[int, int, int, int] | None = None
-         ) -> tuple[int, int, int, int] | None:
+def bbox(
+    image, match, region: tuple[int, int, int, int] | None = None
+) -> tuple[int, int, int, int] | None:
     """Bounding box (x0, y0, x1, y1) of the pixels for which `match(rgb)` holds, and how many
     there are must be at least 20; None otherwise."""
     x0, y0, x1, y1 = region or (0, 0, *image.size)

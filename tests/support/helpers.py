@@ -1,6 +1,7 @@
 """Helpers the tests share: waiting on conditions, settings and config files on temporary
 folders, a scheduler on disk, a log of job events, a gate that holds a separation back,
 the process table."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ from stemdeck_watch.engine.scheduler import Scheduler
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0,
-             what: str | Callable[[], str] = "condition", interval: float = 0.05) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 60.0,
+    what: str | Callable[[], str] = "condition",
+    interval: float = 0.05,
+) -> Any:
     """Poll `predicate` until it returns something truthy; fail after `timeout` seconds.
     `what` may be a callable, so the failure can say what was seen instead."""
     deadline = time.monotonic() + timeout
@@ -43,15 +48,19 @@ def outbox_entries(outbox: Path) -> set[str]:
     """What the outbox holds besides the service's own STATUS.txt (and its hidden temporary
     copy while it is rewritten, a moment at a time): song folders, and any hidden leftovers
     (which must not be there)."""
-    return {p.name for p in outbox.iterdir()
-            if p.name != STATUS_FILE and not is_status_temp(p.name)}
+    return {
+        p.name for p in outbox.iterdir() if p.name != STATUS_FILE and not is_status_temp(p.name)
+    }
 
 
 def on_worker_side(states: dict[str, JobState]) -> list[str]:
     """The jobs taken and not yet publishing (one publishes behind the next one's
     separation): more than one is two songs shown separating at once."""
-    return [job_id for job_id, state in states.items()
-            if state.is_running and state is not JobState.PUBLISHING]
+    return [
+        job_id
+        for job_id, state in states.items()
+        if state.is_running and state is not JobState.PUBLISHING
+    ]
 
 
 class SeparationGate:
@@ -121,8 +130,9 @@ def config_data(folder: Path, model_repo: Path, **sections: dict[str, Any]) -> d
     """A complete config on folders under `folder` with the tiny model; keyword args
     override sections, e.g. config_data(tmp, repo, watch={"settle_seconds": 1.0})."""
     data = default_toml()
-    data["folders"] = {name: str(folder / name)
-                       for name in ("inbox", "outbox", "processed", "failed", "state")}
+    data["folders"] = {
+        name: str(folder / name) for name in ("inbox", "outbox", "processed", "failed", "state")
+    }
     data["separation"].update(model="tiny", model_repo=str(model_repo), device="cpu")
     data["watch"]["settle_seconds"] = 0.3
     data["notify"]["urls"] = []  # no desktop notifications from the tests (they set their own)
@@ -166,8 +176,11 @@ class JobLog:
             return list(self.latest.values())
 
     def wait_final(self, count: int, timeout: float = 120.0) -> list[Job]:
-        return wait_for(lambda: len(self.final()) >= count and self.final(), timeout,
-                        f"{count} job(s) to finish")
+        return wait_for(
+            lambda: len(self.final()) >= count and self.final(),
+            timeout,
+            f"{count} job(s) to finish",
+        )
 
 
 def open_scheduler(settings: Settings) -> Scheduler:
@@ -175,15 +188,25 @@ def open_scheduler(settings: Settings) -> Scheduler:
     return Scheduler(registry, JobQueue(), EventBus(), settings)
 
 
-def add_job(scheduler: Scheduler, settings: Settings, name: str, state: JobState,
-            attempts: int = 0) -> Job:
+def add_job(
+    scheduler: Scheduler, settings: Settings, name: str, state: JobState, attempts: int = 0
+) -> Job:
     """A job as a previous run left it, with a (fake) input file in the inbox."""
     source = settings.paths.inbox / f"{name}.wav"
     source.write_bytes(b"RIFF....WAVE")
     sig = FileSignature.of(source.stat())
-    return scheduler.registry.add(Job(
-        id=f"job-{name}", name=name, kind=JobKind.FILE, state=state, source=str(source),
-        rel_path=f"{name}.wav", signature=sig, attempts=attempts))
+    return scheduler.registry.add(
+        Job(
+            id=f"job-{name}",
+            name=name,
+            kind=JobKind.FILE,
+            state=state,
+            source=str(source),
+            rel_path=f"{name}.wav",
+            signature=sig,
+            attempts=attempts,
+        )
+    )
 
 
 def run_restore(settings: Settings) -> tuple[Scheduler, int]:

@@ -2,6 +2,7 @@
 SQLite registry, no worker. What a writer test checks is what the user would see in
 `status`: which songs became jobs, with which content, and what is still waiting to be seen.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ class IntakeRig:
         self.settings = settings
         self.inbox = settings.paths.inbox
         self.scheduler = open_scheduler(settings)
-        self.intake = InboxWatcher(settings.watch, self.inbox, self.scheduler,
-                             mount_table=mount_table)
+        self.intake = InboxWatcher(
+            settings.watch, self.inbox, self.scheduler, mount_table=mount_table
+        )
 
     def __enter__(self) -> IntakeRig:
         self.intake.start()
@@ -43,8 +45,9 @@ class IntakeRig:
         return found
 
     def wait_jobs(self, count: int, timeout: float = 30.0) -> list[Job]:
-        return wait_for(lambda: len(self.jobs()) >= count and self.jobs(), timeout,
-                        f"{count} job(s) queued")
+        return wait_for(
+            lambda: len(self.jobs()) >= count and self.jobs(), timeout, f"{count} job(s) queued"
+        )
 
     def quiet(self, timeout: float = 30.0) -> None:
         """Wait until the intake tracks nothing more: every file it saw was decided."""

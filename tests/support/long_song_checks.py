@@ -23,6 +23,7 @@ here), so this changes no sample; it halves the time and adds a check of its own
 misses, the chunked path fed the model exactly the inputs of the whole-song pass, segment for
 segment. `--no-memo` computes everything twice.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,11 @@ class Memo:
         def memo_forward(mix: torch.Tensor) -> torch.Tensor:
             if not self.enabled:
                 return forward(mix)
-            key = (index, tuple(mix.shape),
-                   hashlib.sha1(mix.detach().cpu().contiguous().numpy().tobytes()).digest())
+            key = (
+                index,
+                tuple(mix.shape),
+                hashlib.sha1(mix.detach().cpu().contiguous().numpy().tobytes()).digest(),
+            )
             if self.replaying:
                 if key in self.store:
                     self.hits += 1
@@ -79,11 +83,19 @@ class Memo:
             self.store[key] = out.clone()
             self.recorded += 1
             return out
+
         return memo_forward
 
 
-def whole_song(model: Any, audio: np.ndarray, *, shifts: int, overlap: float,
-               segment: float | None, stats: tuple[float, float] | None = None) -> np.ndarray:
+def whole_song(
+    model: Any,
+    audio: np.ndarray,
+    *,
+    shifts: int,
+    overlap: float,
+    segment: float | None,
+    stats: tuple[float, float] | None = None,
+) -> np.ndarray:
     """The worker before chunking: the whole song in memory, normalised (with torch's own
     statistics unless `stats` is given), one `apply_model`."""
     mix = torch.from_numpy(np.ascontiguousarray(audio))
@@ -97,9 +109,16 @@ def whole_song(model: Any, audio: np.ndarray, *, shifts: int, overlap: float,
         std = torch.tensor(1.0)
     random.seed(SEED)
     with torch.inference_mode():
-        sources = apply_model(model, ((mix - mean) / std)[None], shifts=shifts, split=True,
-                              overlap=overlap, segment=segment, progress=False,
-                              device="cpu")[0]
+        sources = apply_model(
+            model,
+            ((mix - mean) / std)[None],
+            shifts=shifts,
+            split=True,
+            overlap=overlap,
+            segment=segment,
+            progress=False,
+            device="cpu",
+        )[0]
     return (sources * std + mean).numpy()
 
 
@@ -116,15 +135,20 @@ def snr_db(reference: np.ndarray, estimate: np.ndarray) -> float:
 
 
 def compare(model: Any, reference: np.ndarray, result: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {"snr_db": {name: snr_db(reference[i], result[name])
-                       for i, name in enumerate(model.sources)},
-            "identical": all(np.array_equal(reference[i], result[name])
-                             for i, name in enumerate(model.sources)),
-            "shapes": {name: list(result[name].shape) for name in model.sources}}
+    return {
+        "snr_db": {
+            name: snr_db(reference[i], result[name]) for i, name in enumerate(model.sources)
+        },
+        "identical": all(
+            np.array_equal(reference[i], result[name]) for i, name in enumerate(model.sources)
+        ),
+        "shapes": {name: list(result[name].shape) for name in model.sources},
+    }
 
 
-def decode_song(work: Path, name: str, seconds: float,
-                seed: int = 0) -> tuple[DecodedAudio, np.ndarray]:
+def decode_song(
+    work: Path, name: str, seconds: float, seed: int = 0
+) -> tuple[DecodedAudio, np.ndarray]:
     source = work / f"{name}.wav"
     soundfile.write(source, song(seconds, seed=seed), SR, subtype="PCM_16")
     decoded = decode_to_file(source, work / f"{name}.npy", SR, 2)
@@ -138,8 +162,11 @@ def jumps(result: dict[str, np.ndarray], window_frames: int) -> dict[str, Any]:
         step = np.abs(np.diff(audio.astype(np.float64), axis=1)).max(axis=0)
         boundaries = np.arange(window_frames, audio.shape[1], window_frames) - 1
         elsewhere = np.delete(step, boundaries)
-        report[name] = {"boundary": float(step[boundaries].max()),
-                        "elsewhere": float(elsewhere.max()), "boundaries": len(boundaries)}
+        report[name] = {
+            "boundary": float(step[boundaries].max()),
+            "elsewhere": float(elsewhere.max()),
+            "boundaries": len(boundaries),
+        }
     return report
 
 
@@ -178,18 +205,26 @@ def main(argv: list[str] | None = None) -> int:
         reference = whole_song(model, audio, stats=decoded.stats, **settings)
         t1 = time.monotonic()
         memo.replaying = True
-        result = chunked(model, decoded, work / "long-stems", stats=decoded.stats,
-                         window=args.window, **settings)
+        result = chunked(
+            model, decoded, work / "long-stems", stats=decoded.stats, window=args.window, **settings
+        )
         t2 = time.monotonic()
-        report["long"] = {**compare(model, reference, result), "seconds": args.seconds,
-                          "input_frames": decoded.frames, "window": args.window,
-                          "jumps": jumps(result, int(args.window * SR)),
-                          "reference_jumps": jumps({n: reference[i] for i, n in
-                                                    enumerate(model.sources)},
-                                                   int(args.window * SR)),
-                          "recorded": memo.recorded, "hits": memo.hits, "misses": memo.misses,
-                          "time_whole": t1 - t0, "time_chunked": t2 - t1,
-                          "time_total": time.monotonic() - started}
+        report["long"] = {
+            **compare(model, reference, result),
+            "seconds": args.seconds,
+            "input_frames": decoded.frames,
+            "window": args.window,
+            "jumps": jumps(result, int(args.window * SR)),
+            "reference_jumps": jumps(
+                {n: reference[i] for i, n in enumerate(model.sources)}, int(args.window * SR)
+            ),
+            "recorded": memo.recorded,
+            "hits": memo.hits,
+            "misses": memo.misses,
+            "time_whole": t1 - t0,
+            "time_chunked": t2 - t1,
+            "time_total": time.monotonic() - started,
+        }
         memo.store.clear()
         del reference, result
 
@@ -199,17 +234,29 @@ def main(argv: list[str] | None = None) -> int:
         memo.replaying = False
         reference = whole_song(model, audio, shifts=1, overlap=0.25, segment=None)
         memo.replaying = True
-        result = chunked(model, decoded, work / "short-stems", stats=decoded.stats,
-                         shifts=1, overlap=0.25, segment=None)
-        report["short"] = {**compare(model, reference, result), "hits": memo.hits,
-                           "misses": memo.misses, "input_frames": decoded.frames}
+        result = chunked(
+            model,
+            decoded,
+            work / "short-stems",
+            stats=decoded.stats,
+            shifts=1,
+            overlap=0.25,
+            segment=None,
+        )
+        report["short"] = {
+            **compare(model, reference, result),
+            "hits": memo.hits,
+            "misses": memo.misses,
+            "input_frames": decoded.frames,
+        }
         memo.store.clear()
 
     if "bag" in args.only:
         second = save_tiny_model(work / "models", "tinyb", seed=1)
-        bag = BagOfModels([get_model("tiny", repo=args.repo),
-                           get_model("tinyb", repo=second.parent)],
-                          weights=[[1., 2., 1., 1.], [1., 1., 3., 0.5]])
+        bag = BagOfModels(
+            [get_model("tiny", repo=args.repo), get_model("tinyb", repo=second.parent)],
+            weights=[[1.0, 2.0, 1.0, 1.0], [1.0, 1.0, 3.0, 0.5]],
+        )
         bag_memo = Memo(bag, memo_on)
         decoded, audio = decode_song(work, "bag", 8.0, seed=4)
         settings = {"shifts": 2, "overlap": 0.4, "segment": 3.0}
@@ -218,24 +265,39 @@ def main(argv: list[str] | None = None) -> int:
         exact = (float(mix.mean()), float(mix.std()))
         reference = whole_song(bag, audio, **settings)
         bag_memo.replaying = True
-        result = chunked(bag, decoded, work / "bag-stems", stats=exact, window=3.0,
-                         **settings)
-        report["bag"] = {**compare(bag, reference, result), "hits": bag_memo.hits,
-                         "misses": bag_memo.misses, "input_frames": decoded.frames,
-                         "jumps": jumps(result, 3 * SR)}
+        result = chunked(bag, decoded, work / "bag-stems", stats=exact, window=3.0, **settings)
+        report["bag"] = {
+            **compare(bag, reference, result),
+            "hits": bag_memo.hits,
+            "misses": bag_memo.misses,
+            "input_frames": decoded.frames,
+            "jumps": jumps(result, 3 * SR),
+        }
 
     if "stats" in args.only:
         memo.enabled = False  # the inputs differ in the last bits: nothing to replay
         decoded, audio = decode_song(work, "stats", 12.0, seed=5)
         reference = whole_song(model, audio, shifts=1, overlap=0.25, segment=None)
-        result = chunked(model, decoded, work / "stats-stems", stats=decoded.stats,
-                         window=4.0, shifts=1, overlap=0.25, segment=None)
+        result = chunked(
+            model,
+            decoded,
+            work / "stats-stems",
+            stats=decoded.stats,
+            window=4.0,
+            shifts=1,
+            overlap=0.25,
+            segment=None,
+        )
         mix = torch.from_numpy(np.ascontiguousarray(audio)).mean(0)
-        report["stats"] = {**compare(model, reference, result),
-                           "decoded": list(decoded.stats or ()),
-                           "torch": [float(mix.mean()), float(mix.std())],
-                           "numpy64": [float(mix.numpy().astype(np.float64).mean()),
-                                       float(mix.numpy().astype(np.float64).std(ddof=1))]}
+        report["stats"] = {
+            **compare(model, reference, result),
+            "decoded": list(decoded.stats or ()),
+            "torch": [float(mix.mean()), float(mix.std())],
+            "numpy64": [
+                float(mix.numpy().astype(np.float64).mean()),
+                float(mix.numpy().astype(np.float64).std(ddof=1)),
+            ],
+        }
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -1,5 +1,6 @@
 """Link files and a loopback media server for the link tests: real audio, a throttled and a
 stalling download, errors and HTML, all on 127.0.0.1."""
+
 from __future__ import annotations
 
 import http.server
@@ -57,15 +58,18 @@ class MediaServer:
             h.wfile.write(body)
             return
         kind, _, file = name.partition("-")
-        data = (self.folder / (file or name)).read_bytes() if kind in (
-            "slow", "stall", "octet") else (self.folder / name).read_bytes()
+        data = (
+            (self.folder / (file or name)).read_bytes()
+            if kind in ("slow", "stall", "octet")
+            else (self.folder / name).read_bytes()
+        )
         self._head(h, "application/octet-stream" if kind == "octet" else "audio/wav", len(data))
         if h.command == "HEAD":
             return
         try:
             if kind == "slow":  # ~64 KB per 0.1 s
                 for i in range(0, len(data), 65536):
-                    h.wfile.write(data[i:i + 65536])
+                    h.wfile.write(data[i : i + 65536])
                     h.wfile.flush()
                     if self.release.wait(0.1):
                         break

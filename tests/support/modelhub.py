@@ -7,6 +7,7 @@ folder on 127.0.0.1 with HEAD and Range requests, and can hold a transfer at a b
 `release()` (a gate: "the download is under way" without timing), cut the connection at a
 byte once, or serve damaged bytes. It records every request.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,13 @@ from typing import Any
 CHUNK = 16 * 1024
 
 
-def build_mirror(folder: Path, model_file: Path, name: str = "htdemucs", sig: str = "0a1b2c3d",
-                 root: str = "hybrid_transformer/") -> Path:
+def build_mirror(
+    folder: Path,
+    model_file: Path,
+    name: str = "htdemucs",
+    sig: str = "0a1b2c3d",
+    root: str = "hybrid_transformer/",
+) -> Path:
     """`folder` as the hub lays out `model_file` for the model `name`; returns the file."""
     data = model_file.read_bytes()
     served = folder / root / f"{sig}-{hashlib.sha256(data).hexdigest()[:8]}.th"
@@ -97,7 +103,7 @@ class ModelHub:
         model = target.suffix == ".th"
         if model and self.damaged:
             middle = len(data) // 2
-            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
+            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
         start = 0
         match = re.fullmatch(r"bytes=(\d+)-", record.range or "")
         if match:
@@ -119,8 +125,14 @@ class ModelHub:
         except OSError:  # the client went away (Ctrl-C, a killed worker)
             pass
 
-    def _send(self, handler: http.server.BaseHTTPRequestHandler, record: Request, data: bytes,
-              start: int, model: bool) -> None:
+    def _send(
+        self,
+        handler: http.server.BaseHTTPRequestHandler,
+        record: Request,
+        data: bytes,
+        start: int,
+        model: bool,
+    ) -> None:
         position = start
         while position < len(data):
             end = min(position + CHUNK, len(data))

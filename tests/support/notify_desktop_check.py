@@ -7,6 +7,7 @@ JSON object: the URL "desktop" resolved to and the notifications received.
 
     dbus-run-session -- python tests/support/notify_desktop_check.py WORKDIR [SONG NAME]
 """
+
 from __future__ import annotations
 
 import json
@@ -35,23 +36,35 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def main(workdir: Path, name: str = "Desk Song") -> None:
-    standin = subprocess.Popen([sys.executable, str(HERE / "notify_standin.py")],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    standin = subprocess.Popen(
+        [sys.executable, str(HERE / "notify_standin.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     result: dict = {"received": []}
     try:
         assert read_line(standin, 20) == "ready"
-        folders = {k: str(workdir / k) for k in ("inbox", "outbox", "processed", "failed",
-                                                 "state")}
+        folders = {k: str(workdir / k) for k in ("inbox", "outbox", "processed", "failed", "state")}
         settings = settings_from_dict({"folders": folders, "notify": {"urls": ["desktop"]}})
         bus = EventBus()
         notifier = Notifier(bus, settings, window=0)
         notifier.start()
         try:
             result["labels"] = [c.target.label for c in notifier.channels]
-            bus.publish(JobChanged(Job(
-                id="j1", name=name, kind=JobKind.FILE, state=JobState.DONE,
-                source=str(workdir / "processed" / f"{name}.wav"), rel_path=f"{name}.wav",
-                output=str(workdir / "outbox" / name))))
+            bus.publish(
+                JobChanged(
+                    Job(
+                        id="j1",
+                        name=name,
+                        kind=JobKind.FILE,
+                        state=JobState.DONE,
+                        source=str(workdir / "processed" / f"{name}.wav"),
+                        rel_path=f"{name}.wav",
+                        output=str(workdir / "outbox" / name),
+                    )
+                )
+            )
             result["received"].append(json.loads(read_line(standin, 20)))
         finally:
             notifier.stop()

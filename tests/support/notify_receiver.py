@@ -2,6 +2,7 @@
 notification (`{"title", "message", "type", "version"}`) with the time it arrived. Used by the
 notification tests and benchmarks/bench_notify.py. Also `closed_port()`: a port nothing listens
 on (a dead target)."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ class Receiver:
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self.url = f"json://127.0.0.1:{self.port}/"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        name="test-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="test-receiver", daemon=True
+        )
 
     def __enter__(self) -> Receiver:
         self._thread.start()
@@ -53,8 +55,10 @@ class Receiver:
         """At least `count` messages (all of them), or AssertionError after `timeout`."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self.messages) >= count, timeout):
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {count} "
-                                     f"notification(s); got {self.messages!r}")
+                raise AssertionError(
+                    f"timed out after {timeout:.0f} s waiting for {count} "
+                    f"notification(s); got {self.messages!r}"
+                )
             return list(self.messages)
 
     def snapshot(self) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ Runs until stdin closes or it is terminated.
 
     python tests/support/notify_standin.py
 """
+
 from __future__ import annotations
 
 import json
@@ -60,10 +61,20 @@ def main() -> None:
     def on_bus(conn, _name):
         conn.register_object(PATH, info.interfaces[0], on_call, None, None)
 
-    Gio.bus_own_name(Gio.BusType.SESSION, NAME, Gio.BusNameOwnerFlags.NONE, on_bus,
-                     lambda *_: print("ready", flush=True), lambda *_: loop.quit())
-    GLib.io_add_watch(GLib.IOChannel.unix_new(sys.stdin.fileno()), GLib.PRIORITY_DEFAULT,
-                      GLib.IOCondition.HUP | GLib.IOCondition.IN, lambda *_: loop.quit())
+    Gio.bus_own_name(
+        Gio.BusType.SESSION,
+        NAME,
+        Gio.BusNameOwnerFlags.NONE,
+        on_bus,
+        lambda *_: print("ready", flush=True),
+        lambda *_: loop.quit(),
+    )
+    GLib.io_add_watch(
+        GLib.IOChannel.unix_new(sys.stdin.fileno()),
+        GLib.PRIORITY_DEFAULT,
+        GLib.IOCondition.HUP | GLib.IOCondition.IN,
+        lambda *_: loop.quit(),
+    )
     loop.run()
 
 

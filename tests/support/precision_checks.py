@@ -16,6 +16,7 @@ only the seconds it reports (and, for "far", the candidate's output) are the cas
 - "slower": reported 0.8× the speed, real output → float32
 - "small":  the small-model skip without STEMDECK_CALIBRATE=always → float32, nothing measured
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def main() -> int:
     results: dict[str, Any] = {}
 
     for case, factor in speed.items():
-        def measure(m: Any, device: str, dtype: str, signal: Any, case: str = case,
-                    factor: float = factor) -> tuple[float, Any]:
+
+        def measure(
+            m: Any, device: str, dtype: str, signal: Any, case: str = case, factor: float = factor
+        ) -> tuple[float, Any]:
             _seconds, out = precision.run_once(m, device, dtype, signal)  # the real model
             calls.append(dtype)
             if dtype == "float32":

@@ -1,4 +1,5 @@
 """Checks on published song folders shared by the kill and fault-injection tests."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +22,8 @@ def damaged_stems(folder: Path) -> list[str]:
             continue
         expected = (entry.get("frames", info.frames), entry.get("channels", info.channels))
         if (info.frames, info.channels) != expected:
-            bad.append(f"{entry['file']} holds {info.frames} frames x {info.channels}, the "
-                       f"manifest says {expected[0]} x {expected[1]}")
+            bad.append(
+                f"{entry['file']} holds {info.frames} frames x {info.channels}, the "
+                f"manifest says {expected[0]} x {expected[1]}"
+            )
     return bad

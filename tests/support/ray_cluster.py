@@ -6,6 +6,7 @@ cluster only; it is shut down by its own handle (never `ray stop`, which would s
 Ray process on the machine). This test process is the cluster's driver: a service started
 in it uses that connection.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,7 @@ def two_node_cluster() -> Iterator[Any]:
     env = pytest.MonkeyPatch()
     env.setenv("RAY_USAGE_STATS_ENABLED", "0")
     env.setenv("RAY_AUTH_MODE", "disabled")  # only this test cluster runs without a token
-    made = Cluster(initialize_head=True,
-                   head_node_args={"num_cpus": 1, "include_dashboard": False})
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         made.add_node(num_cpus=1)
         made.wait_for_nodes()

@@ -13,6 +13,7 @@ Nothing outside the test's folder is touched: the server's host key, the client 
 sshfs is missing, `require()` skips the test with the reason, except under `CI=true`, where it
 fails: CI installs both (.ci/run).
 """
+
 from __future__ import annotations
 
 import getpass
@@ -29,8 +30,10 @@ from pathlib import Path
 import pytest
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-SSHFS_OPTIONS = ("reconnect,ServerAliveInterval=2,ServerAliveCountMax=2,cache=no,"
-                 "StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,LogLevel=ERROR")
+SSHFS_OPTIONS = (
+    "reconnect,ServerAliveInterval=2,ServerAliveCountMax=2,cache=no,"
+    "StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,LogLevel=ERROR"
+)
 
 
 def missing() -> str | None:
@@ -158,17 +161,30 @@ class Share:
 
     def _setup(self) -> None:
         for name in ("host_key", "client_key"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
-                            str(self.keys / name)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.keys / name)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         shutil.copy(self.keys / "client_key.pub", self.keys / "authorized_keys")
         self.config = self.keys / "sshd_config"
-        self.config.write_text("\n".join([
-            f"Port {self.port}", "ListenAddress 127.0.0.1",
-            f"HostKey {self.keys / 'host_key'}",
-            "PermitRootLogin prohibit-password", "PasswordAuthentication no",
-            f"AuthorizedKeysFile {self.keys / 'authorized_keys'}",
-            "UsePAM no", f"PidFile {self.keys / 'sshd.pid'}",
-            "Subsystem sftp internal-sftp", "StrictModes no", ""]))
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {self.keys / 'host_key'}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    f"AuthorizedKeysFile {self.keys / 'authorized_keys'}",
+                    "UsePAM no",
+                    f"PidFile {self.keys / 'sshd.pid'}",
+                    "Subsystem sftp internal-sftp",
+                    "StrictModes no",
+                    "",
+                ]
+            )
+        )
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation folder
 
@@ -177,7 +193,8 @@ class Share:
     def start_server(self) -> None:
         self._sshd = subprocess.Popen(
             [SSHD, "-D", "-f", str(self.config), "-E", str(self.root / "sshd.log")],
-            start_new_session=True)
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -185,9 +202,10 @@ class Share:
                 return
             except OSError:
                 if self._sshd.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"sshd did not start: "
-                                       f"{(self.root / 'sshd.log').read_text(errors='replace')}"
-                                       ) from None
+                    raise RuntimeError(
+                        f"sshd did not start: "
+                        f"{(self.root / 'sshd.log').read_text(errors='replace')}"
+                    ) from None
                 time.sleep(0.05)
 
     def kill_server(self) -> None:
@@ -209,10 +227,18 @@ class Share:
             self._proxy = _Proxy(self.port)
         user = getpass.getuser()
         subprocess.run(
-            ["sshfs", f"{user}@127.0.0.1:{self.export}", str(self.mount_point),
-             "-p", str(self._proxy.port),
-             "-o", f"IdentityFile={self.keys / 'client_key'},{SSHFS_OPTIONS}"],
-            check=True, timeout=30)
+            [
+                "sshfs",
+                f"{user}@127.0.0.1:{self.export}",
+                str(self.mount_point),
+                "-p",
+                str(self._proxy.port),
+                "-o",
+                f"IdentityFile={self.keys / 'client_key'},{SSHFS_OPTIONS}",
+            ],
+            check=True,
+            timeout=30,
+        )
         deadline = time.monotonic() + 10
         while not os.path.ismount(self.mount_point):
             if time.monotonic() > deadline:
@@ -222,8 +248,13 @@ class Share:
     def unmount(self) -> None:
         """Lazily, as a desktop does when the network goes: the mount point is an empty
         local folder at once, whatever still holds files open on the share."""
-        subprocess.run(["fusermount", "-u", "-z", str(self.mount_point)], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        subprocess.run(
+            ["fusermount", "-u", "-z", str(self.mount_point)],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
 
     def wait_answering(self, timeout: float = 30.0) -> None:
         """Until the mount answers again (sshfs reconnects on the next call)."""

@@ -3,6 +3,7 @@
 Plus the event stream's broadcaster on its own (fake snapshots at a rate no real job reaches),
 which is what proves the progress rate limit and the latest-state rule.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -35,9 +36,16 @@ class Api:
     def __init__(self, service: Any):
         self.port, self.token = service.api.port, service.api.token
 
-    def call(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-             token: Any = None, headers: dict[str, str] | None = None
-             ) -> tuple[int, Any, http.client.HTTPMessage]:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        token: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any, http.client.HTTPMessage]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         try:
             sent = {"Host": f"127.0.0.1:{self.port}"}
@@ -72,8 +80,10 @@ class Stream:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(10)
         self.sock.connect(("127.0.0.1", port))
-        self.sock.sendall(f"GET /api/queue/events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                          f"Authorization: Bearer {token}\r\n\r\n".encode())
+        self.sock.sendall(
+            f"GET /api/queue/events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n".encode()
+        )
         self.buffer = b""
 
     def headers(self) -> str:
@@ -121,8 +131,13 @@ class Stream:
 
 def queue_state(api: Api) -> tuple[Any, ...]:
     q = api.queue()
-    return (q["paused"], q["pause_reason"], [j["id"] for j in q["queued"]],
-            q["running"] and q["running"]["id"], {j["id"]: j["state"] for j in q["jobs"]})
+    return (
+        q["paused"],
+        q["pause_reason"],
+        [j["id"] for j in q["queued"]],
+        q["running"] and q["running"]["id"],
+        {j["id"]: j["state"] for j in q["jobs"]},
+    )
 
 
 def drop(settings: Any, tmp_path: Path, name: str, seconds: float, seed: int = 0) -> None:
@@ -134,11 +149,18 @@ def drop(settings: Any, tmp_path: Path, name: str, seconds: float, seed: int = 0
 
 
 def job_named(api: Api, name: str, state: str | None = None) -> dict[str, Any] | None:
-    return next((j for j in api.queue()["jobs"]
-                 if j["name"] == name and (state is None or j["state"] == state)), None)
+    return next(
+        (
+            j
+            for j in api.queue()["jobs"]
+            if j["name"] == name and (state is None or j["state"] == state)
+        ),
+        None,
+    )
 
 
 # ------------------------------------------------------------------ the real service
+
 
 @pytest.mark.slow
 def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings, service_factory):
@@ -147,8 +169,12 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
     service, _ = service_factory(settings)
     info = json.loads((state / discovery.API_FILE).read_text())
     port = service.api.port
-    assert info == {"host": "127.0.0.1", "port": port, "pid": os.getpid(),
-                    "url": f"http://127.0.0.1:{port}/"}
+    assert info == {
+        "host": "127.0.0.1",
+        "port": port,
+        "pid": os.getpid(),
+        "url": f"http://127.0.0.1:{port}/",
+    }
     token_file = state / discovery.TOKEN_FILE
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     first_token = token_file.read_text().strip()
@@ -162,8 +188,7 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
 
 
 @pytest.mark.slow
-def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_settings,
-                                                                   service_factory):
+def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_settings, service_factory):
     settings = make_settings()
     service, _ = service_factory(settings)
     api = Api(service)
@@ -181,28 +206,40 @@ def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_setting
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
         status, _, headers = api.call("GET", f"/{name}", token=NO_TOKEN)
         assert status == 200 and headers["Content-Type"].startswith(kind)
-    for path in ("/../api.py", "/%2e%2e/api.py", "/..%2fapi.py", "/api.py", "/.hidden",
-                 "/nothing.js", "/page/index.html"):
+    for path in (
+        "/../api.py",
+        "/%2e%2e/api.py",
+        "/..%2fapi.py",
+        "/api.py",
+        "/.hidden",
+        "/nothing.js",
+        "/page/index.html",
+    ):
         assert api.call("GET", path, token=NO_TOKEN)[0] == 404, path
     assert api.call("POST", "/", token=NO_TOKEN)[0] == 405
-    status, reply, headers = api.call("GET", "/api/queue",
-                                      headers={"Origin": f"http://127.0.0.1:{api.port}"})
+    status, reply, headers = api.call(
+        "GET", "/api/queue", headers={"Origin": f"http://127.0.0.1:{api.port}"}
+    )
     assert status == 200  # the page's own origin
     assert not [h for h in headers if h.lower().startswith("access-control-")]
     assert "Set-Cookie" not in headers
 
 
 @pytest.mark.slow
-def test_every_refused_request_gets_its_status_and_changes_nothing(make_settings,
-                                                                   service_factory, tmp_path):
+def test_every_refused_request_gets_its_status_and_changes_nothing(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     api = Api(service)
     drop(settings, tmp_path, "finished.wav", 1.0)
     wait_for(lambda: job_named(api, "finished", "done"), 120, "a finished job")
     drop(settings, tmp_path, "long.wav", 60.0, seed=1)
-    running = wait_for(lambda: (r := api.queue()["running"]) and r["state"] == "separating" and r,
-                       90, "the long song to be separating")
+    running = wait_for(
+        lambda: (r := api.queue()["running"]) and r["state"] == "separating" and r,
+        90,
+        "the long song to be separating",
+    )
     for i, name in enumerate(("one/twin.wav", "two/twin.wav", "last.wav")):
         drop(settings, tmp_path, name, 1.0, seed=2 + i)
     wait_for(lambda: len(api.queue()["queued"]) == 3, 30, "three queued songs")
@@ -215,15 +252,24 @@ def test_every_refused_request_gets_its_status_and_changes_nothing(make_settings
         (401, "GET", "/api/queue", None, {"token": NO_TOKEN}),
         (401, "POST", "/api/queue/pause", None, {"token": NO_TOKEN}),
         (401, "POST", "/api/queue/pause", None, {"token": "x" * 43}),
-        (401, "POST", "/api/queue/pause", None,
-         {"headers": {"Authorization": f"Basic {api.token}"}}),
+        (
+            401,
+            "POST",
+            "/api/queue/pause",
+            None,
+            {"headers": {"Authorization": f"Basic {api.token}"}},
+        ),
         (403, "POST", "/api/queue/pause", None, {"headers": {"Host": f"evil.example:{port}"}}),
         (403, "POST", "/api/queue/pause", None, {"headers": {"Host": f"127.0.0.1:{port + 1}"}}),
         (403, "GET", "/", None, {"headers": {"Host": "attacker.test"}, "token": NO_TOKEN}),
-        (403, "POST", "/api/queue/pause", None,
-         {"headers": {"Origin": "http://evil.example"}}),
-        (403, "POST", "/api/queue/pause", None,
-         {"headers": {"Origin": f"http://127.0.0.1:{port + 1}"}}),
+        (403, "POST", "/api/queue/pause", None, {"headers": {"Origin": "http://evil.example"}}),
+        (
+            403,
+            "POST",
+            "/api/queue/pause",
+            None,
+            {"headers": {"Origin": f"http://127.0.0.1:{port + 1}"}},
+        ),
         (400, "POST", f"/api/jobs/{last}/move", None, {"raw": b'{"first": tru'}),
         (400, "POST", f"/api/jobs/{last}/move", None, {"raw": b'["first"]'}),
         (400, "POST", f"/api/jobs/{last}/move", {}, {}),
@@ -231,8 +277,13 @@ def test_every_refused_request_gets_its_status_and_changes_nothing(make_settings
         (400, "POST", f"/api/jobs/{last}/move", {"first": "yes"}, {}),
         (400, "POST", "/api/queue/pause", {"reason": "disk"}, {}),
         (400, "POST", "/api/queue/reorder", {"first": True}, {}),
-        (413, "POST", f"/api/jobs/{last}/move", None,
-         {"raw": json.dumps({"first": True, "pad": "x" * 70_000}).encode()}),
+        (
+            413,
+            "POST",
+            f"/api/jobs/{last}/move",
+            None,
+            {"raw": json.dumps({"first": True, "pad": "x" * 70_000}).encode()},
+        ),
         (404, "POST", "/api/jobs/nosuchjob/cancel", None, {}),
         (404, "GET", "/api/jobs/nosuchjob", None, {}),
         (404, "POST", "/api/queue/shuffle", None, {}),
@@ -256,8 +307,9 @@ def test_every_refused_request_gets_its_status_and_changes_nothing(make_settings
 
 
 @pytest.mark.slow
-def test_controls_pause_move_cancel_retry_and_a_vanished_anchor(make_settings, service_factory,
-                                                               tmp_path):
+def test_controls_pause_move_cancel_retry_and_a_vanished_anchor(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, _ = service_factory(settings)
     api = Api(service)
@@ -286,13 +338,15 @@ def test_controls_pause_move_cancel_retry_and_a_vanished_anchor(make_settings, s
     assert [j["id"] for j in api.queue()["queued"]][-1] == retried["job"]["id"]
     started = api.ok("POST", "/api/queue/start")
     assert started["paused"] is False
-    wait_for(lambda: [j["state"] for j in api.queue()["jobs"]].count("done") == 3, 120,
-             "a, b (retried) and c separated")
+    wait_for(
+        lambda: [j["state"] for j in api.queue()["jobs"]].count("done") == 3,
+        120,
+        "a, b (retried) and c separated",
+    )
 
 
 @pytest.mark.slow
-def test_stream_sends_one_frame_per_change_and_nothing_while_idle(make_settings,
-                                                                  service_factory):
+def test_stream_sends_one_frame_per_change_and_nothing_while_idle(make_settings, service_factory):
     service, _ = service_factory(make_settings())
     api = Api(service)
     api.ok("POST", "/api/queue/pause")
@@ -326,9 +380,9 @@ def test_stream_sends_one_frame_per_change_and_nothing_while_idle(make_settings,
 
 
 @pytest.mark.slow
-def test_stream_serves_two_clients_while_one_stalls_and_limits_progress(make_settings,
-                                                                        service_factory,
-                                                                        tmp_path):
+def test_stream_serves_two_clients_while_one_stalls_and_limits_progress(
+    make_settings, service_factory, tmp_path
+):
     settings = make_settings()
     service, jobs = service_factory(settings)
     api = Api(service)
@@ -352,8 +406,11 @@ def test_stream_serves_two_clients_while_one_stalls_and_limits_progress(make_set
         progress = {f["running"]["progress"] for _, f in seen if f["running"]}
         assert len(progress) >= 3, progress  # the bar moved
         # a frame whose only news is progress comes at least ~0.25 s after the one before
-        gaps = [b[0] - a[0] for a, b in zip(seen, seen[1:])
-                if fingerprints(a[1])[1] == fingerprints(b[1])[1]]
+        gaps = [
+            b[0] - a[0]
+            for a, b in zip(seen, seen[1:])
+            if fingerprints(a[1])[1] == fingerprints(b[1])[1]
+        ]
         assert gaps and min(gaps) > 0.15, gaps
         others = other.frames_within(1.0)
         assert others and any(j["state"] == "done" for j in others[-1][1]["jobs"])
@@ -365,6 +422,7 @@ def test_stream_serves_two_clients_while_one_stalls_and_limits_progress(make_set
 
 
 # ------------------------------------------------------------------ the broadcaster alone
+
 
 def fake_job(progress: float, state: str = "separating") -> dict[str, Any]:
     return {"id": "j1", "name": "song", "state": state, "progress": progress}
@@ -378,8 +436,14 @@ class FakeQueue:
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"paused": self.paused, "pause_reason": None, "running": self.running,
-                    "queued": [], "waiting": [], "jobs": [self.running] if self.running else []}
+            return {
+                "paused": self.paused,
+                "pause_reason": None,
+                "running": self.running,
+                "queued": [],
+                "waiting": [],
+                "jobs": [self.running] if self.running else [],
+            }
 
 
 class Collector:
@@ -402,8 +466,9 @@ def test_progress_frames_are_rate_limited_and_carry_the_latest_state():
     broadcaster = Broadcaster(queue.snapshot, bus, progress_interval=0.25)
     broadcaster.start()
     collector = Collector(broadcaster)
-    job = Job(id="j1", name="song", kind=JobKind.FILE, state=JobState.SEPARATING, source="x",
-              rel_path="x")
+    job = Job(
+        id="j1", name="song", kind=JobKind.FILE, state=JobState.SEPARATING, source="x", rel_path="x"
+    )
     try:
         wait_for(lambda: collector.frames, 2, "the first frame")
         start = time.monotonic()
@@ -412,8 +477,9 @@ def test_progress_frames_are_rate_limited_and_carry_the_latest_state():
                 queue.running = fake_job(i / 200)
             bus.publish(JobChanged(job))
             threading.Event().wait(0.01)
-        wait_for(lambda: collector.frames[-1][1]["running"]["progress"] == 1.0, 2,
-                 "the latest progress")
+        wait_for(
+            lambda: collector.frames[-1][1]["running"]["progress"] == 1.0, 2, "the latest progress"
+        )
         progress_frames = [t for t, _ in collector.frames[1:]]
         assert len(progress_frames) <= 4 * (time.monotonic() - start) + 1, len(progress_frames)
         assert all(b - a >= 0.2 for a, b in zip(progress_frames, progress_frames[1:]))
@@ -442,11 +508,13 @@ def test_progress_frames_are_rate_limited_and_carry_the_latest_state():
 def test_with_no_page_open_events_take_no_snapshots_and_the_next_page_sees_the_latest():
     bus, queue = EventBus(), FakeQueue()
     snapshots = []
-    broadcaster = Broadcaster(lambda: snapshots.append(1) or queue.snapshot(), bus,
-                              progress_interval=0.25, settle=0.0)
+    broadcaster = Broadcaster(
+        lambda: snapshots.append(1) or queue.snapshot(), bus, progress_interval=0.25, settle=0.0
+    )
     broadcaster.start()
-    job = Job(id="j1", name="song", kind=JobKind.FILE, state=JobState.SEPARATING, source="x",
-              rel_path="x")
+    job = Job(
+        id="j1", name="song", kind=JobKind.FILE, state=JobState.SEPARATING, source="x", rel_path="x"
+    )
     try:
         taken = len(snapshots)
         for i in range(1, 51):
@@ -484,10 +552,17 @@ def test_fingerprint_tells_progress_from_state():
 
 # ------------------------------------------------------------------ binding
 
+
 class IdleScheduler:
     def snapshot(self) -> dict[str, Any]:
-        return {"paused": False, "pause_reason": None, "running": None, "queued": [],
-                "waiting": [], "jobs": []}
+        return {
+            "paused": False,
+            "pause_reason": None,
+            "running": None,
+            "queued": [],
+            "waiting": [],
+            "jobs": [],
+        }
 
 
 def ipv6_loopback() -> bool:
@@ -499,12 +574,19 @@ def ipv6_loopback() -> bool:
         return False
 
 
-@pytest.mark.parametrize("host, bound, url_host", [
-    ("127.0.0.1", "127.0.0.1", "127.0.0.1"),
-    ("localhost", "127.0.0.1", "127.0.0.1"),  # never whatever a resolver says localhost is
-    pytest.param("::1", "::1", "[::1]", marks=pytest.mark.skipif(not ipv6_loopback(),
-                                                                  reason="no IPv6 loopback")),
-])
+@pytest.mark.parametrize(
+    "host, bound, url_host",
+    [
+        ("127.0.0.1", "127.0.0.1", "127.0.0.1"),
+        ("localhost", "127.0.0.1", "127.0.0.1"),  # never whatever a resolver says localhost is
+        pytest.param(
+            "::1",
+            "::1",
+            "[::1]",
+            marks=pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback"),
+        ),
+    ],
+)
 def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
     from stemdeck_watch.core.config import ApiSettings
     from stemdeck_watch.ui.api import ApiServer
@@ -515,8 +597,10 @@ def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
         assert server.url == f"http://{url_host}:{server.port}/"
         family = socket.AF_INET6 if ":" in bound else socket.AF_INET
         with socket.create_connection((bound, server.port), timeout=5) as conn:
-            conn.sendall(f"GET /api/queue HTTP/1.1\r\nHost: {url_host}:{server.port}\r\n"
-                         f"Authorization: Bearer {server.token}\r\n\r\n".encode())
+            conn.sendall(
+                f"GET /api/queue HTTP/1.1\r\nHost: {url_host}:{server.port}\r\n"
+                f"Authorization: Bearer {server.token}\r\n\r\n".encode()
+            )
             assert conn.family == family
             assert conn.recv(100).startswith(b"HTTP/1.0 200")
         assert discovery.read(tmp_path).url == server.url
@@ -552,6 +636,7 @@ def test_a_taken_port_fails_to_start_and_leaves_nothing_behind(tmp_path):
 
 # ------------------------------------------------------------------ the real API and scheduler, no worker
 
+
 @pytest.fixture
 def api_on_registry(settings: Any) -> Any:
     """The real API over the real scheduler and registry (no watcher, no worker): what the
@@ -575,22 +660,51 @@ def api_on_registry(settings: Any) -> Any:
 
 def history(count: int, start: float = 1.7e9) -> list[Job]:
     """`count` songs separated one after the other, the last one newest."""
-    return [Job(id=f"old{i:06d}", name=f"Song {i}", kind=JobKind.FILE, state=JobState.DONE,
-                source=f"/music/processed/Song {i}.flac", rel_path=f"Song {i}.flac",
-                output=f"/music/outbox/Song {i}", created_at=start + i,
-                finished_at=start + i + 0.5) for i in range(count)]
+    return [
+        Job(
+            id=f"old{i:06d}",
+            name=f"Song {i}",
+            kind=JobKind.FILE,
+            state=JobState.DONE,
+            source=f"/music/processed/Song {i}.flac",
+            rel_path=f"Song {i}.flac",
+            output=f"/music/outbox/Song {i}",
+            created_at=start + i,
+            finished_at=start + i + 0.5,
+        )
+        for i in range(count)
+    ]
 
 
 def test_a_long_history_keeps_the_queue_small_and_every_job_can_be_paged(api_on_registry):
     scheduler = api_on_registry.scheduler
     scheduler.registry.add_all(history(20_000))
-    failed = scheduler.registry.add(Job(
-        id="failedlong", name="Broken", kind=JobKind.FILE, state=JobState.FAILED,
-        source="/music/failed/Broken.wav", rel_path="Broken.wav", error="not audio",
-        created_at=1.0, finished_at=2.0e9))  # created long ago, failed just now
-    queued = [scheduler.registry.add(Job(
-        id=f"queued{i}", name=f"Next {i}", kind=JobKind.FILE, state=JobState.QUEUED,
-        source=f"/music/inbox/Next {i}.wav", rel_path=f"Next {i}.wav")) for i in range(3)]
+    failed = scheduler.registry.add(
+        Job(
+            id="failedlong",
+            name="Broken",
+            kind=JobKind.FILE,
+            state=JobState.FAILED,
+            source="/music/failed/Broken.wav",
+            rel_path="Broken.wav",
+            error="not audio",
+            created_at=1.0,
+            finished_at=2.0e9,
+        )
+    )  # created long ago, failed just now
+    queued = [
+        scheduler.registry.add(
+            Job(
+                id=f"queued{i}",
+                name=f"Next {i}",
+                kind=JobKind.FILE,
+                state=JobState.QUEUED,
+                source=f"/music/inbox/Next {i}.wav",
+                rel_path=f"Next {i}.wav",
+            )
+        )
+        for i in range(3)
+    ]
     scheduler.enqueue_restored([job.id for job in queued])
     api = Api(api_on_registry)
 
@@ -600,7 +714,7 @@ def test_a_long_history_keeps_the_queue_small_and_every_job_can_be_paged(api_on_
     shown = [job["id"] for job in raw["jobs"]]
     assert [job["id"] for job in raw["queued"]] == [job.id for job in queued]
     assert {job.id for job in queued} | {failed.id} <= set(shown)
-    assert shown[len(queued):len(queued) + 3] == ["old019999", "old019998", "old019997"]
+    assert shown[len(queued) : len(queued) + 3] == ["old019999", "old019998", "old019997"]
     finished = [job for job in raw["jobs"] if job["state"] in ("done", "failed")]
     assert raw["older_jobs"] == 20_001 - len(finished) > 19_000
 
@@ -626,8 +740,14 @@ def test_a_long_history_keeps_the_queue_small_and_every_job_can_be_paged(api_on_
     everyone = [job.id for job in scheduler.registry.jobs()]
     assert seen == everyone and len(seen) == 20_004  # every job once, newest first
     assert len(api.ok("GET", "/api/jobs")["jobs"]) == 100  # the default page
-    for bad in ("?limit=0", "?limit=1001", "?limit=x", "?before=yesterday", "?limit=5&limit=6",
-                "?page=2"):
+    for bad in (
+        "?limit=0",
+        "?limit=1001",
+        "?limit=x",
+        "?before=yesterday",
+        "?limit=5&limit=6",
+        "?page=2",
+    ):
         status, reply, _ = api.call("GET", "/api/jobs" + bad)
         assert status == 400 and reply["error"], bad
 
@@ -641,9 +761,13 @@ def test_the_status_command_lists_recent_jobs_and_says_how_many_are_older(settin
     scheduler.registry.add_all(history(500))
     scheduler.registry.close()
     config = settings.paths.state.parent / "stemdeck.toml"
-    config.write_text("[folders]\n" + "".join(f'{name} = "{getattr(settings.paths, name)}"\n'
-                                              for name in ("inbox", "outbox", "processed",
-                                                           "failed", "state")))
+    config.write_text(
+        "[folders]\n"
+        + "".join(
+            f'{name} = "{getattr(settings.paths, name)}"\n'
+            for name in ("inbox", "outbox", "processed", "failed", "state")
+        )
+    )
     assert main(["status", "--config", str(config)]) == 0
     text = capsys.readouterr().out
     assert "Song 499" in text and "Song 489" not in text

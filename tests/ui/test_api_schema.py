@@ -6,6 +6,7 @@ The event stream never ends, so Schemathesis cannot call it; it is checked here 
 against the same document. Locally the module skips when Schemathesis is missing; under
 CI=true it fails instead.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -25,8 +26,7 @@ try:
 except ImportError:
     if os.environ.get("CI") == "true":
         raise
-    pytest.skip("schemathesis is not installed (pip install -e '.[test]')",
-                allow_module_level=True)
+    pytest.skip("schemathesis is not installed (pip install -e '.[test]')", allow_module_level=True)
 
 EVENTS = "/api/queue/events"
 DOCUMENT = "/api/openapi.json"  # Schemathesis leaves out the document it was loaded from
@@ -36,8 +36,7 @@ DOCUMENT = "/api/openapi.json"  # Schemathesis leaves out the document it was lo
 def live(make_settings: Any, service_factory: Any) -> Iterator[Any]:
     # links off: a schema-valid POST /api/links would otherwise have the service fetch
     # whatever address Schemathesis made up (and uploads stay small)
-    service, _ = service_factory(make_settings(links={"enabled": False},
-                                               api={"max_upload_mb": 4}))
+    service, _ = service_factory(make_settings(links={"enabled": False}, api={"max_upload_mb": 4}))
     yield service
 
 
@@ -54,16 +53,25 @@ def test_every_endpoint_answers_as_documented_and_malformed_input_gets_a_4xx(liv
         if operation.path == EVENTS:
             continue  # endless: see the next test
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=20, deadline=None, database=None,
-                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+            @settings(
+                max_examples=20,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            )
             def check(case: Any) -> None:
                 case.call_and_validate(headers=auth, timeout=15)
 
             check()
         tested.add((operation.method.upper(), operation.path))
-    served = {(method, path) for path, item in schema.raw_schema["paths"].items()
-              for method in map(str.upper, item) if path not in (EVENTS, DOCUMENT)}
+    served = {
+        (method, path)
+        for path, item in schema.raw_schema["paths"].items()
+        for method in map(str.upper, item)
+        if path not in (EVENTS, DOCUMENT)
+    }
     assert tested == served and len(tested) == 19
 
 
@@ -89,7 +97,8 @@ def validator(document: dict[str, Any], name: str) -> Any:
     import jsonschema
 
     return jsonschema.Draft202012Validator(
-        {"$ref": f"#/components/schemas/{name}", "components": document["components"]})
+        {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    )
 
 
 @pytest.mark.slow
@@ -115,12 +124,20 @@ def test_the_document_describes_every_route_and_no_other() -> None:
     document = openapi.document("http://127.0.0.1:8765/")
     assert document["openapi"].startswith("3.1")
     assert document["servers"] == [{"url": "http://127.0.0.1:8765"}]
-    assert document["components"]["securitySchemes"]["bearer"] == {"type": "http",
-                                                                  "scheme": "bearer"}
-    described = {(method.upper(), re.sub(r"\{[^}]+\}", "x", path))
-                 for path, item in document["paths"].items() for method in item}
-    served = {(method, re.sub(r"\(\?P<\w+>\[\^/\]\+\)", "x", pattern.pattern).replace("\\.", "."))
-              for pattern, methods in api_module.ROUTES for method in methods}
+    assert document["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+    }
+    described = {
+        (method.upper(), re.sub(r"\{[^}]+\}", "x", path))
+        for path, item in document["paths"].items()
+        for method in item
+    }
+    served = {
+        (method, re.sub(r"\(\?P<\w+>\[\^/\]\+\)", "x", pattern.pattern).replace("\\.", "."))
+        for pattern, methods in api_module.ROUTES
+        for method in methods
+    }
     assert described == served
     for path, item in document["paths"].items():
         for method, operation in item.items():
@@ -147,22 +164,27 @@ def test_a_finished_songs_files_answer_as_documented(live: Any) -> None:
     auth = {"Authorization": f"Bearer {live.api.token}"}
     ranges = [None, "bytes=0-99", "bytes=-10", "bytes=100-"]  # (416: tests/ui/test_player.py)
     seen: set[int] = set()
-    calls = iter(range(10 ** 6))
+    calls = iter(range(10**6))
     for result in schema.get_all_operations():
         operation = result.ok()
         if not operation.path.startswith("/api/jobs/{ref}/") or operation.method != "get":
             continue
 
         @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
-        @settings(max_examples=15, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+        @settings(
+            max_examples=15,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )
         def check(case: Any) -> None:
             case.path_parameters["ref"] = job.id
             if "stem" in case.path_parameters and len(case.path_parameters["stem"]) % 2:
                 case.path_parameters["stem"] = "vocals"
             picked = ranges[next(calls) % len(ranges)]
             response = case.call_and_validate(
-                headers={**auth, **({"Range": picked} if picked else {})}, timeout=15)
+                headers={**auth, **({"Range": picked} if picked else {})}, timeout=15
+            )
             seen.add(response.status_code)
 
         check()

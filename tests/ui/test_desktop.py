@@ -10,6 +10,7 @@ service cleanly (exit 0, discovery file withdrawn).
 Desktop notifications: a stand-in org.freedesktop.Notifications service on a private session
 bus receives what the service's notifier sends for `"desktop"` (and through `glib://`).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def highlighted(rgb) -> bool:
 
 
 def menu_shown(image) -> bool:
-    return desktop.bbox(image, lambda rgb: rgb == (255, 255, 255),
-                        (0, TRAY_HEIGHT, 320, 320)) is not None
+    return (
+        desktop.bbox(image, lambda rgb: rgb == (255, 255, 255), (0, TRAY_HEIGHT, 320, 320))
+        is not None
+    )
 
 
 class Screen:
@@ -60,8 +63,11 @@ class Screen:
         desktop.xdotool(self.display, "mousemove", str(icon_at[0]), str(icon_at[1]), "click", "3")
         wait_for(lambda: menu_shown(self.shot()), 10, "the menu to open")
         desktop.xdotool(self.display, "key", key)
-        box = wait_for(lambda: desktop.bbox(self.shot(), highlighted, (0, TRAY_HEIGHT, 320, 320)),
-                       10, "the selected menu item")
+        box = wait_for(
+            lambda: desktop.bbox(self.shot(), highlighted, (0, TRAY_HEIGHT, 320, 320)),
+            10,
+            "the selected menu item",
+        )
         x, y = (box[0] + box[2]) // 2, (box[1] + box[3]) // 2
         desktop.xdotool(self.display, "mousemove", str(x), str(y), "click", "1")
         wait_for(lambda: not menu_shown(self.shot()), 10, "the menu to close")
@@ -75,16 +81,45 @@ def test_real_tray_icon_menu_pause_start_and_quit(tmp_path, model_repo):
     home = tmp_path / "home"
     home.mkdir()
     with desktop.xvfb() as display:
-        env = dict(os.environ, DISPLAY=display, HOME=str(home), NO_AT_BRIDGE="1",
-                   PYSTRAY_BACKEND="gtk")
+        env = dict(
+            os.environ, DISPLAY=display, HOME=str(home), NO_AT_BRIDGE="1", PYSTRAY_BACKEND="gtk"
+        )
         env.pop("DBUS_SESSION_BUS_ADDRESS", None)
-        trayer = ["trayer", "--edge", "top", "--align", "left", "--widthtype", "pixel",
-                  "--width", "120", "--heighttype", "pixel", "--height", str(TRAY_HEIGHT),
-                  "--SetDockType", "true", "--transparent", "false", "--tint", "0x000000"]
-        run = ["dbus-run-session", "--", sys.executable, "-m", "stemdeck_watch", "--config",
-               str(config), "run"]
-        with desktop.started(trayer, env, tmp_path / "trayer.log"), \
-                desktop.started(run, env, tmp_path / "run.log") as service:
+        trayer = [
+            "trayer",
+            "--edge",
+            "top",
+            "--align",
+            "left",
+            "--widthtype",
+            "pixel",
+            "--width",
+            "120",
+            "--heighttype",
+            "pixel",
+            "--height",
+            str(TRAY_HEIGHT),
+            "--SetDockType",
+            "true",
+            "--transparent",
+            "false",
+            "--tint",
+            "0x000000",
+        ]
+        run = [
+            "dbus-run-session",
+            "--",
+            sys.executable,
+            "-m",
+            "stemdeck_watch",
+            "--config",
+            str(config),
+            "run",
+        ]
+        with (
+            desktop.started(trayer, env, tmp_path / "trayer.log"),
+            desktop.started(run, env, tmp_path / "run.log") as service,
+        ):
             try:
                 client = wait_for(lambda: _connect(state), 60, "the service's API")
                 screen = Screen(display)
@@ -137,13 +172,26 @@ def _interrupt(service: subprocess.Popen) -> None:
 def test_desktop_notifications_reach_the_session_bus(tmp_path):
     desktop.require_desktop_notifications()
     env = {k: v for k, v in os.environ.items() if k != "DBUS_SESSION_BUS_ADDRESS"}
-    result = subprocess.run(["dbus-run-session", "--", sys.executable,
-                             str(SUPPORT / "notify_desktop_check.py"), str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            "dbus-run-session",
+            "--",
+            sys.executable,
+            str(SUPPORT / "notify_desktop_check.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["labels"] == ["desktop (dbus://)"]
     first, second = got["received"]
-    assert first == {"app": "stemdeck-watch", "summary": "Stems ready: Desk Song",
-                     "body": f"Desk Song is separated. Stems: {tmp_path / 'outbox' / 'Desk Song'}"}
+    assert first == {
+        "app": "stemdeck-watch",
+        "summary": "Stems ready: Desk Song",
+        "body": f"Desk Song is separated. Stems: {tmp_path / 'outbox' / 'Desk Song'}",
+    }
     assert got["glib_sent"] is True and second["summary"] == "Through glib"

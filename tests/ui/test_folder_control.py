@@ -1,4 +1,5 @@
 """Control from the synced folder: a PAUSE file in the inbox, STATUS.txt in the outbox."""
+
 from __future__ import annotations
 
 
@@ -57,8 +58,11 @@ def test_status_txt_shows_the_queue_waiting_files_and_failures(make_settings, se
     service.scheduler.pause("user")
     for i, name in enumerate(("first", "second", "third")):
         write_song(inbox / f"{name}.wav", 1.0, seed=i)
-        wait_for(lambda: len(service.queue.order()) + len(service.scheduler.waiting()) == i + 1,
-                 30, f"{name} admitted")
+        wait_for(
+            lambda: len(service.queue.order()) + len(service.scheduler.waiting()) == i + 1,
+            30,
+            f"{name} admitted",
+        )
     status_file = settings.paths.outbox / "STATUS.txt"
 
     def current() -> str:
@@ -75,7 +79,8 @@ def test_status_txt_shows_the_queue_waiting_files_and_failures(make_settings, se
 
 
 def test_a_failed_status_rewrite_keeps_the_last_status_and_leaves_no_temp_file(
-        settings, monkeypatch, caplog):
+    settings, monkeypatch, caplog
+):
     """A sync client uploads whatever is in the outbox: a rewrite that fails (disk full, a
     network share gone) must leave the previous STATUS.txt whole and no hidden temp file."""
     scheduler = open_scheduler(settings)

@@ -2,6 +2,7 @@
 bursts coalesced, a dead target (a closed port) that costs the publisher nothing and is logged
 once per failure streak, bad URLs and event names as config errors, and the running service
 announcing done and failed songs."""
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,14 @@ import pytest
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.ui.notify import Channel, Notifier, Target, check_urls
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.core.events import (DiskLow, EventBus, JobChanged, JobsRestored, QueueDrained,
-                                   QueueFull)
+from stemdeck_watch.core.events import (
+    DiskLow,
+    EventBus,
+    JobChanged,
+    JobsRestored,
+    QueueDrained,
+    QueueFull,
+)
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.util.synth import write_song
 
@@ -33,15 +40,21 @@ def job(settings, name: str, state: JobState = JobState.DONE, **fields) -> Job:
     else:
         fields.setdefault("error", f"{name}.wav is not an audio or video file that can be read")
         fields.setdefault("source", str(folders.failed / f"{name}.wav"))
-    return Job(id=f"id-{name}", name=name, kind=JobKind.FILE, state=state,
-               rel_path=f"{name}.wav", **fields)
+    return Job(
+        id=f"id-{name}", name=name, kind=JobKind.FILE, state=state, rel_path=f"{name}.wav", **fields
+    )
 
 
-def notifier(settings, bus: EventBus, urls: list[str], window: float = 60.0,
-             events: list[str] | None = None) -> Notifier:
-    data = {"folders": {k: str(getattr(settings.paths, k)) for k in
-                        ("inbox", "outbox", "processed", "failed", "state")},
-            "notify": {"urls": urls, **({"events": events} if events is not None else {})}}
+def notifier(
+    settings, bus: EventBus, urls: list[str], window: float = 60.0, events: list[str] | None = None
+) -> Notifier:
+    data = {
+        "folders": {
+            k: str(getattr(settings.paths, k))
+            for k in ("inbox", "outbox", "processed", "failed", "state")
+        },
+        "notify": {"urls": urls, **({"events": events} if events is not None else {})},
+    }
     n = Notifier(bus, settings_from_dict(data), window=window)
     n.start()
     return n
@@ -144,15 +157,23 @@ def test_a_dead_target_costs_the_publisher_nothing_and_is_logged_once(settings, 
             receiver.wait(20)
             channel = next(c for c in n.channels if str(port) in c.target.label)
             wait_for(lambda: channel.failed == 20, 10, "20 failed sends to the dead target")
-            warnings = [r for r in caplog.records if r.levelno == logging.WARNING
-                        and r.name.startswith("stemdeck_watch")]
+            warnings = [
+                r
+                for r in caplog.records
+                if r.levelno == logging.WARNING and r.name.startswith("stemdeck_watch")
+            ]
             assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
             assert "Connection error" in warnings[0].getMessage()
             with Receiver(port) as revived:
                 bus.publish(JobChanged(job(settings, "after")))
                 revived.wait(1)
-                wait_for(lambda: any("work again (20 failed meanwhile)" in r.getMessage()
-                                     for r in caplog.records), 5, "the 'works again' line")
+                wait_for(
+                    lambda: any(
+                        "work again (20 failed meanwhile)" in r.getMessage() for r in caplog.records
+                    ),
+                    5,
+                    "the 'works again' line",
+                )
         finally:
             n.stop()
     # the listener only composes and hands over: far below a millisecond per event
@@ -172,32 +193,41 @@ def test_bad_urls_and_event_names_are_config_errors(tmp_path, model_repo):
     with pytest.raises(ConfigError, match='not a URL: "desktp"'):
         settings_from_dict({"notify": {"urls": ["desktp"]}})
     bad = settings_from_dict({"notify": {"urls": ["desktop", "nosuchservice://x/y"]}})
-    with pytest.raises(ConfigError, match="notify.urls: 'nosuchservice://x/y' is not a URL "
-                                          "apprise can use"):
+    with pytest.raises(
+        ConfigError, match="notify.urls: 'nosuchservice://x/y' is not a URL apprise can use"
+    ):
         check_urls(bad.notify)
-    check_urls(settings_from_dict({"notify": {"urls": ["json://127.0.0.1:9/",
-                                                       "desktop"]}}).notify)
+    check_urls(settings_from_dict({"notify": {"urls": ["json://127.0.0.1:9/", "desktop"]}}).notify)
     # `run` refuses it before anything starts: exit 2, the key and the URL named
     config = write_config(tmp_path, model_repo, notify={"urls": ["json://"]})
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "run", "--no-tray"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert "configuration error: notify.urls: 'json://'" in result.stderr
     assert not (tmp_path / "state" / "registry.sqlite3").exists()
 
 
-def test_a_bad_notify_url_is_reported_without_its_password(settings, tmp_path, model_repo,
-                                                          caplog):
+def test_a_bad_notify_url_is_reported_without_its_password(settings, tmp_path, model_repo, caplog):
     secrets = ("hunter2", "s3cret", "Abc123Def456Ghi789", "pw0rd")
     bad = "nosuchservice://admin:s3cret@example.invalid/x?token=Abc123Def456Ghi789&mode=a"
     good = "json://user:hunter2@127.0.0.1:9/"
     # `run` refuses it before anything starts: the entry is named, its secrets are not
     config = write_config(tmp_path, model_repo, notify={"urls": [good, bad]})
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "run", "--no-tray"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run", "--no-tray"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
-    assert ("configuration error: notify.urls: 'nosuchservice://admin:***@example.invalid/x?"
-            "token=***&mode=a' is not a URL apprise can use") in result.stderr
+    assert (
+        "configuration error: notify.urls: 'nosuchservice://admin:***@example.invalid/x?"
+        "token=***&mode=a' is not a URL apprise can use"
+    ) in result.stderr
     # a value the configuration refuses (no scheme) is shown with the list it is in
     with pytest.raises(ConfigError) as info:
         settings_from_dict({"notify": {"urls": [good, "mailto:me:pw0rd@example.org"]}})

@@ -4,6 +4,7 @@ Each test starts its own Chromium (about a second) after its own service, and qu
 the service stops. Set STEMDECK_SCREENSHOTS=/some/dir to keep screenshots of the page at
 desktop and phone size.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,9 @@ def page(driver: Any) -> dict[str, Any]:
     return driver.execute_script(PAGE_STATE)
 
 
-def wait_page(driver: Any, predicate: Callable[[dict[str, Any]], Any], what: str,
-              timeout: float = 20.0) -> dict[str, Any]:
+def wait_page(
+    driver: Any, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = 20.0
+) -> dict[str, Any]:
     """Wait until the page's state satisfies `predicate`; returns that state."""
     seen: dict[str, Any] = {}
 
@@ -126,8 +128,7 @@ def start(make_settings: Any, service_factory: Any, tmp_path: Path) -> Callable[
     return run
 
 
-def drop(service: Any, name: str, seconds: float = 1.0, seed: int = 0,
-         suffix: str = ".wav") -> str:
+def drop(service: Any, name: str, seconds: float = 1.0, seed: int = 0, suffix: str = ".wav") -> str:
     """Write a song beside the inbox, move it in whole, and wait until it is a job; its id."""
     inbox = service.settings.paths.inbox
     staging = inbox.parent / "staging"
@@ -163,8 +164,11 @@ def test_the_queue_appears_live_in_order_and_the_token_leaves_the_address(start,
     assert shown["running"] is None and shown["waiting"] == 0
 
     driver.refresh()  # the token was kept for this tab: a reload works without it in the URL
-    shown = wait_page(driver, lambda p: p["connection"] == "live" and p["queue"] == ids,
-                      "the page to come back after a reload")
+    shown = wait_page(
+        driver,
+        lambda p: p["connection"] == "live" and p["queue"] == ids,
+        "the page to come back after a reload",
+    )
     assert shown["hash"] == ""
     screenshot(driver, "queue-desktop")
 
@@ -173,19 +177,30 @@ def test_the_progress_bar_moves_while_a_song_separates_and_cancel_stops_it(start
     service = start()
     open_page(driver, service)
     job = drop(service, "long song", seconds=40.0)
-    first = wait_page(driver, lambda p: p["running"] == job and p["runningState"] == "separating"
-                      and p["progress"] > 0, "the song to separate on the page", timeout=60)
+    first = wait_page(
+        driver,
+        lambda p: p["running"] == job and p["runningState"] == "separating" and p["progress"] > 0,
+        "the song to separate on the page",
+        timeout=60,
+    )
     assert first["stage"].startswith("Separating")
-    later = wait_page(driver, lambda p: p["progress"] > first["progress"] + 0.02,
-                      "the progress bar to move", timeout=30)
+    later = wait_page(
+        driver,
+        lambda p: p["progress"] > first["progress"] + 0.02,
+        "the progress bar to move",
+        timeout=30,
+    )
     assert later["running"] == job
     assert state_of(service, job) is JobState.SEPARATING
     screenshot(driver, "running-desktop")
 
     click(driver, "#running-cancel")
     wait_for(lambda: state_of(service, job) is JobState.CANCELLED, 10, "the song to be cancelled")
-    wait_page(driver, lambda p: p["running"] is None and p["recent"].get(job, [None])[0]
-              == "cancelled", "the cancelled song under Recent")
+    wait_page(
+        driver,
+        lambda p: p["running"] is None and p["recent"].get(job, [None])[0] == "cancelled",
+        "the cancelled song under Recent",
+    )
     assert (service.settings.paths.inbox / "long song.wav").exists()
     assert not outbox_entries(service.settings.paths.outbox), "a cancelled song has no output"
 
@@ -220,14 +235,22 @@ def test_cancel_really_cancels_and_retry_queues_the_song_again(start, driver):
     wait_for(lambda: state_of(service, first) is JobState.CANCELLED, 10, "the cancel")
     assert service.queue.order() == [second]
     assert (service.settings.paths.inbox / "first song.wav").exists(), "cancel keeps the input"
-    shown = wait_page(driver, lambda p: p["queue"] == [second] and first in p["recent"],
-                      "the song to move from the queue to Recent")
+    shown = wait_page(
+        driver,
+        lambda p: p["queue"] == [second] and first in p["recent"],
+        "the song to move from the queue to Recent",
+    )
     assert shown["recent"][first][0] == "cancelled"
 
     click(driver, 'button[aria-label="Retry first song"]')
-    again = wait_for(lambda: job_for(service, service.settings.paths.inbox / "first song.wav")
-                     != first and job_for(service, service.settings.paths.inbox /
-                                          "first song.wav"), 10, "the retry")
+    again = wait_for(
+        lambda: (
+            job_for(service, service.settings.paths.inbox / "first song.wav") != first
+            and job_for(service, service.settings.paths.inbox / "first song.wav")
+        ),
+        10,
+        "the retry",
+    )
     assert service.queue.order() == [second, again]
     wait_page(driver, lambda p: p["queue"] == [second, again], "the retried song queued last")
 
@@ -264,7 +287,8 @@ def test_moving_songs_changes_the_real_order(start, driver):
 def drag_and_drop(driver: Any, source_id: str, target_id: str, upper: bool) -> None:
     """HTML5 drag and drop as the browser dispatches it (WebDriver's pointer actions do not
     start a native drag in headless Chromium): dragstart, dragover, drop, dragend."""
-    driver.execute_script("""
+    driver.execute_script(
+        """
         const [sourceId, targetId, upper] = arguments;
         const source = document.querySelector(`#queue > li[data-job-id="${sourceId}"]`);
         const target = document.querySelector(`#queue > li[data-job-id="${targetId}"]`);
@@ -278,7 +302,11 @@ def drag_and_drop(driver: Any, source_id: str, target_id: str, upper: bool) -> N
         fire(target, 'dragover', at);
         fire(target, 'drop', at);
         fire(source, 'dragend');
-    """, source_id, target_id, upper)
+    """,
+        source_id,
+        target_id,
+        upper,
+    )
 
 
 def test_a_refused_action_shows_the_reason_in_a_dismissable_notice(start, driver):
@@ -305,20 +333,35 @@ def test_a_phone_sized_window_has_no_horizontal_scroll(start, driver):
     (inbox / "not really a song.mp3").write_bytes(b"\0garbage" * 512)  # fails to decode
     done = drop(service, "a short song that finishes")
     wait_for(lambda: state_of(service, done) is JobState.DONE, 60, "the short song to finish")
-    wait_for(lambda: [job for job in service.registry.jobs() if job.name == "not really a song"
-                      and job.state is JobState.FAILED], 30, "the bad file to fail")
+    wait_for(
+        lambda: [
+            job
+            for job in service.registry.jobs()
+            if job.name == "not really a song" and job.state is JobState.FAILED
+        ],
+        30,
+        "the bad file to fail",
+    )
     service.scheduler.pause()
-    drop(service, "an-extremely-long-song-file-name-without-any-spaces-that-must-wrap-"
-                  "somewhere-on-a-phone-2024-remaster-final-FINAL-v2", seed=3)
+    drop(
+        service,
+        "an-extremely-long-song-file-name-without-any-spaces-that-must-wrap-"
+        "somewhere-on-a-phone-2024-remaster-final-FINAL-v2",
+        seed=3,
+    )
 
     chrome.set_viewport(driver, *chrome.PHONE)
     shown = open_page(driver, service)
-    shown = wait_page(driver, lambda p: len(p["queue"]) == 1 and len(p["recent"]) == 2,
-                      "the queued, done and failed songs")
+    shown = wait_page(
+        driver,
+        lambda p: len(p["queue"]) == 1 and len(p["recent"]) == 2,
+        "the queued, done and failed songs",
+    )
     assert shown["recent"][done][1].startswith("→ outbox/")
     scroll, client, inner = driver.execute_script(
         "return [document.documentElement.scrollWidth, document.documentElement.clientWidth,"
-        " window.innerWidth]")
+        " window.innerWidth]"
+    )
     assert inner == chrome.PHONE[0]
     # clientWidth is the viewport less a (desktop-style) vertical scrollbar, if there is one
     assert scroll <= client, f"horizontal overflow at phone size: {scroll} > {client} px"

@@ -2,6 +2,7 @@
 fetches them: HTTP Range requests against a real service's published folder, and every way a
 file that is not this job's published output is refused.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -22,8 +23,9 @@ from support.helpers import wait_for
 NO_TOKEN = object()
 
 
-def call(service: Any, path: str, *, token: Any = None,
-         headers: dict[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPMessage]:
+def call(
+    service: Any, path: str, *, token: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes, http.client.HTTPMessage]:
     conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
     try:
         sent = {"Host": f"127.0.0.1:{service.api.port}"}
@@ -50,8 +52,9 @@ def finished_song(service: Any, name: str = "song", seconds: float = 4.0) -> Any
     os.replace(path, inbox / path.name)
 
     def done() -> Any:  # the input has moved to processed/ by then
-        return next((job for job in service.registry.jobs([JobState.DONE])
-                     if job.name == name), None)
+        return next(
+            (job for job in service.registry.jobs([JobState.DONE]) if job.name == name), None
+        )
 
     return wait_for(done, 90, f"{name} to be separated")
 
@@ -83,14 +86,14 @@ def test_every_stem_is_served_in_byte_ranges_as_the_player_asks(song: tuple[Any,
         assert body == data[100:1100]
         status, body, headers = call(service, stem["url"], headers={"Range": "bytes=-10"})
         assert (status, body) == (206, data[-10:])
-        status, body, headers = call(service, stem["url"],
-                                     headers={"Range": f"bytes={len(data) - 5}-"})
+        status, body, headers = call(
+            service, stem["url"], headers={"Range": f"bytes={len(data) - 5}-"}
+        )
         assert (status, body) == (206, data[-5:])
         assert headers["Content-Range"] == f"bytes {len(data) - 5}-{len(data) - 1}/{len(data)}"
         status, body, headers = call(service, stem["url"])  # no Range: the whole file
         assert (status, body) == (200, data) and headers["Accept-Ranges"] == "bytes"
-        status, body, headers = call(service, stem["url"],
-                                     headers={"Range": f"bytes={len(data)}-"})
+        status, body, headers = call(service, stem["url"], headers={"Range": f"bytes={len(data)}-"})
         assert status == 416 and headers["Content-Range"] == f"bytes */{len(data)}"
         assert "past the end" in error_of(body)
 
@@ -105,33 +108,36 @@ def test_every_stem_is_served_in_byte_ranges_as_the_player_asks(song: tuple[Any,
 
 def test_a_stem_without_the_token_or_with_a_wrong_one_is_refused(song: tuple[Any, Any]) -> None:
     service, job = song
-    for path in (f"/api/jobs/{job.id}/stems/vocals", f"/api/jobs/{job.id}/player",
-                 f"/api/jobs/{job.id}/preview"):
-        status, body, headers = call(service, path, token=NO_TOKEN,
-                                     headers={"Range": "bytes=0-99"})
+    for path in (
+        f"/api/jobs/{job.id}/stems/vocals",
+        f"/api/jobs/{job.id}/player",
+        f"/api/jobs/{job.id}/preview",
+    ):
+        status, body, headers = call(service, path, token=NO_TOKEN, headers={"Range": "bytes=0-99"})
         assert status == 401 and "missing token" in error_of(body), path
         assert headers["WWW-Authenticate"].startswith("Bearer")
         status, body, _ = call(service, path, token="not-the-token")
         assert status == 401 and "wrong token" in error_of(body), path
 
 
-def test_a_song_folder_outside_the_outbox_is_refused(song: tuple[Any, Any],
-                                                     tmp_path: Path) -> None:
+def test_a_song_folder_outside_the_outbox_is_refused(song: tuple[Any, Any], tmp_path: Path) -> None:
     """The outbox was moved in the config since the song was separated, or the record points
     anywhere else: its files are not served, whatever the folder holds."""
     service, job = song
     elsewhere = tmp_path / "elsewhere" / "song"
     shutil.copytree(job.output, elsewhere)
     service.registry.update(job.id, output=str(elsewhere))
-    status, body, _ = call(service, f"/api/jobs/{job.id}/stems/vocals",
-                           headers={"Range": "bytes=0-99"})
+    status, body, _ = call(
+        service, f"/api/jobs/{job.id}/stems/vocals", headers={"Range": "bytes=0-99"}
+    )
     assert status == 403 and "outside the outbox" in error_of(body)
     status, body, _ = call(service, f"/api/jobs/{job.id}/player")
     assert status == 403 and "outside the outbox" in error_of(body)
 
 
-def test_a_stem_or_song_folder_replaced_by_a_link_is_refused(song: tuple[Any, Any],
-                                                             tmp_path: Path) -> None:
+def test_a_stem_or_song_folder_replaced_by_a_link_is_refused(
+    song: tuple[Any, Any], tmp_path: Path
+) -> None:
     """Someone who can write the shared outbox swaps in links to files of the user's: the
     player never reads through one, at any level."""
     service, job = song
@@ -140,18 +146,19 @@ def test_a_stem_or_song_folder_replaced_by_a_link_is_refused(song: tuple[Any, An
     shutil.copy(folder / "vocals.wav", secret)
     (folder / "vocals.wav").unlink()
     (folder / "vocals.wav").symlink_to(secret)
-    status, body, _ = call(service, f"/api/jobs/{job.id}/stems/vocals",
-                           headers={"Range": "bytes=0-99"})
+    status, body, _ = call(
+        service, f"/api/jobs/{job.id}/stems/vocals", headers={"Range": "bytes=0-99"}
+    )
     assert status == 403 and "through a link" in error_of(body)
-    status, _, _ = call(service, f"/api/jobs/{job.id}/stems/drums",
-                        headers={"Range": "bytes=0-99"})
+    status, _, _ = call(service, f"/api/jobs/{job.id}/stems/drums", headers={"Range": "bytes=0-99"})
     assert status == 206  # the other stems are still this song's own files
 
     away = tmp_path / "away"
     shutil.move(str(folder), away)
     folder.symlink_to(away, target_is_directory=True)  # the folder itself is now a link
-    status, body, _ = call(service, f"/api/jobs/{job.id}/stems/drums",
-                           headers={"Range": "bytes=0-99"})
+    status, body, _ = call(
+        service, f"/api/jobs/{job.id}/stems/drums", headers={"Range": "bytes=0-99"}
+    )
     assert status == 403 and "through a link" in error_of(body)
 
 
@@ -176,8 +183,11 @@ def test_an_unpublished_or_foreign_folder_is_refused(song: tuple[Any, Any]) -> N
     inbox = service.settings.paths.inbox
     write_song(inbox.parent / "queued.wav", 1.0, seed=9)
     os.replace(inbox.parent / "queued.wav", inbox / "queued.wav")
-    queued = wait_for(lambda: service.registry.latest_for_source(str(inbox / "queued.wav")), 20,
-                      "the song to be queued")
+    queued = wait_for(
+        lambda: service.registry.latest_for_source(str(inbox / "queued.wav")),
+        20,
+        "the song to be queued",
+    )
     status, body, _ = call(service, f"/api/jobs/{queued.id}/stems/vocals")
     assert status == 409 and "no stems to play: it is queued" in error_of(body)
     status, body, _ = call(service, "/api/jobs/nosuchjob/stems/vocals")

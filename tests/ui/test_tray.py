@@ -3,6 +3,7 @@ subclass that implements pystray's backend hooks and records what it was asked t
 pystray's `dummy` backend, whose run() raises and leaves a thread behind). Against a live
 service: labels and the icon follow it, Pause/Start really pause and start its queue, the
 folders and the page open, Quit stops it cleanly. Also: where a tray can run, and why not."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,16 @@ import pytest
 
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.ui import discovery
-from stemdeck_watch.ui.tray import (COLOURS, Tray, build_view, choose, detect, draw_icon,
-                                         load_pystray, run_with_tray)
+from stemdeck_watch.ui.tray import (
+    COLOURS,
+    Tray,
+    build_view,
+    choose,
+    detect,
+    draw_icon,
+    load_pystray,
+    run_with_tray,
+)
 from stemdeck_watch.cli.doctor import check_tray
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import QueueDrained
@@ -74,8 +83,10 @@ class RecordingIcon(base.Icon):
         return self.icon.getpixel((self.icon.width // 2, self.icon.height - 4))[:3]
 
     def badge(self) -> bool:
-        return self.icon.getpixel((self.icon.width - 8, 8))[:3] in (COLOURS["error"],
-                                                                   (255, 255, 255))
+        return self.icon.getpixel((self.icon.width - 8, 8))[:3] in (
+            COLOURS["error"],
+            (255, 255, 255),
+        )
 
 
 @pytest.mark.slow
@@ -89,8 +100,15 @@ def test_menu_and_icon_follow_the_live_service(make_settings, service_factory, t
     icon.visible = True
     tray.start()
     try:
-        assert icon.labels() == ["Idle · nothing queued", "Pause", "Open queue page",
-                                 "Open inbox", "Open outbox", "Open failed", "Quit"]
+        assert icon.labels() == [
+            "Idle · nothing queued",
+            "Pause",
+            "Open queue page",
+            "Open inbox",
+            "Open outbox",
+            "Open failed",
+            "Quit",
+        ]
         assert icon.colour() == COLOURS["idle"] and icon.title.startswith("stemdeck-watch: Idle")
         assert not icon.item(icon.labels()[0]).enabled  # the status line is not an action
 
@@ -108,8 +126,11 @@ def test_menu_and_icon_follow_the_live_service(make_settings, service_factory, t
         icon.item("Start")(icon)
         assert not service.scheduler.queue.paused
         wait_for(lambda: icon.colour() == COLOURS["separating"], 60, "the separating icon")
-        wait_for(lambda: "Tray Song — " in icon.title and "%" in icon.title, 10,
-                 "the running song and its progress in the title")
+        wait_for(
+            lambda: "Tray Song — " in icon.title and "%" in icon.title,
+            10,
+            "the running song and its progress in the title",
+        )
         assert icon.labels()[1] == "Pause"
         jobs.wait_final(1)
         wait_for(lambda: icon.colour() == COLOURS["idle"], 10, "idle again")
@@ -167,12 +188,18 @@ def test_quit_stops_the_service_exactly_like_ctrl_c(make_settings):
         made.append(tray)
         return tray
 
-    runner = threading.Thread(target=run_with_tray, args=(service, stop, None),
-                              kwargs={"icon_class": RecordingIcon, "tray_factory": factory})
+    runner = threading.Thread(
+        target=run_with_tray,
+        args=(service, stop, None),
+        kwargs={"icon_class": RecordingIcon, "tray_factory": factory},
+    )
     runner.start()
     try:
-        wait_for(lambda: made and made[0].icon is not None and made[0].icon.visible, 30,
-                 "the icon to be shown")
+        wait_for(
+            lambda: made and made[0].icon is not None and made[0].icon.visible,
+            30,
+            "the icon to be shown",
+        )
         assert discovery.read(settings.paths.state) is not None
         icon = made[0].icon
         icon.item("Quit")(icon)
@@ -188,16 +215,22 @@ def test_quit_stops_the_service_exactly_like_ctrl_c(make_settings):
 
 
 def test_the_view_says_what_the_service_does():
-    snap = {"paused": False, "pause_reason": None, "queued": [{}, {}], "waiting": [{}],
-            "running": {"name": "Song", "state": "separating", "progress": 0.421}}
+    snap = {
+        "paused": False,
+        "pause_reason": None,
+        "queued": [{}, {}],
+        "waiting": [{}],
+        "running": {"name": "Song", "state": "separating", "progress": 0.421},
+    }
     view = build_view(snap, None)
     assert (view.state, view.shown_state) == ("separating", "separating")
     assert view.title == "stemdeck-watch: Song — separating 42% · 2 queued, 1 waiting"
     view = build_view(dict(snap, paused=True, pause_reason="restore"), ("Bad", "not audio"))
     assert view.shown_state == "error" and view.state == "paused"
     assert view.status.startswith("Paused (restored jobs wait for Start); finishing Song")
-    view = build_view(dict(snap, running=None, paused=True, pause_reason="user"),
-                      ("Bad", "not audio"))
+    view = build_view(
+        dict(snap, running=None, paused=True, pause_reason="user"), ("Bad", "not audio")
+    )
     assert view.title == "stemdeck-watch: Paused (by you) · 2 queued, 1 waiting · failed: Bad"
     long = build_view(dict(snap, running=dict(snap["running"], name="x" * 300)), None)
     assert len(long.title) == 120 and long.title.endswith("…")
@@ -212,8 +245,13 @@ def test_a_hostile_song_name_reaches_the_tray_escaped():
     failure: a name's newline would add a line of its own there, a direction override would
     make it read as something else. They show escaped, as in status and the log."""
     name = "evil\nstemdeck-watch: Idle\u202egnp.exe"
-    snap = {"paused": False, "pause_reason": None, "queued": [], "waiting": [],
-            "running": {"name": name, "state": "separating", "progress": 0.5}}
+    snap = {
+        "paused": False,
+        "pause_reason": None,
+        "queued": [],
+        "waiting": [],
+        "running": {"name": name, "state": "separating", "progress": 0.5},
+    }
     view = build_view(snap, (name, "not audio"))
     for text in (view.title, view.status):
         assert "\n" not in text and "\u202e" not in text, text
@@ -231,19 +269,31 @@ def test_where_a_tray_can_run():
     no_gi = detect("auto", env={"DISPLAY": ":0"}, probe=lambda _e: {"gi": False})
     assert no_gi.backend is None and "PyGObject is not installed" in no_gi.reason
     assert "gir1.2-gtk-3.0" in no_gi.reason and "stemdeck-watch[tray]" in no_gi.reason
-    bad = detect("auto", env={"DISPLAY": ":9"}, probe=lambda _e: {
-        "gi": True, "gtk": False, "error": "GTK could not open the display"})
+    bad = detect(
+        "auto",
+        env={"DISPLAY": ":9"},
+        probe=lambda _e: {"gi": True, "gtk": False, "error": "GTK could not open the display"},
+    )
     assert bad.backend is None and "could not open the display" in bad.reason
     ok = {"gi": True, "gtk": True, "appindicator": False}
     assert detect("auto", env={"DISPLAY": ":0"}, probe=lambda _e: ok).backend == "gtk"
-    assert detect(True, env={"DISPLAY": ":0"}, probe=lambda _e: dict(
-        ok, appindicator=True)).backend == "appindicator"
-    assert detect("auto", env={"DISPLAY": ":0", "PYSTRAY_BACKEND": "gtk"}, probe=lambda _e: dict(
-        ok, appindicator=True)).backend == "gtk"
+    assert (
+        detect(True, env={"DISPLAY": ":0"}, probe=lambda _e: dict(ok, appindicator=True)).backend
+        == "appindicator"
+    )
+    assert (
+        detect(
+            "auto",
+            env={"DISPLAY": ":0", "PYSTRAY_BACKEND": "gtk"},
+            probe=lambda _e: dict(ok, appindicator=True),
+        ).backend
+        == "gtk"
+    )
     assert detect("auto", env={}, platform="darwin", probe=no_probe).backend == "darwin"
     assert detect("auto", env={}, platform="win32", probe=no_probe).backend == "win32"
-    with pytest.raises(ConfigError, match="tray.enabled = true, but no tray icon can be shown: "
-                                          "no display"):
+    with pytest.raises(
+        ConfigError, match="tray.enabled = true, but no tray icon can be shown: no display"
+    ):
         choose(True, env={}, platform="linux", probe=no_probe)
     assert choose(True, no_tray=True, env={}, probe=no_probe).backend is None
 
@@ -263,8 +313,13 @@ def test_doctor_says_why_there_is_no_tray(monkeypatch, tmp_path):
 def test_run_with_tray_enabled_and_no_display_exits_2(tmp_path, model_repo):
     config = write_config(tmp_path, model_repo, tray={"enabled": True}, notify={"urls": []})
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    result = subprocess.run([sys.executable, "-m", "stemdeck_watch", "--config", str(config),
-                             "run"], capture_output=True, text=True, timeout=60, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "stemdeck_watch", "--config", str(config), "run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert result.returncode == 2, result.stderr
     assert "tray.enabled = true, but no tray icon can be shown: no display" in result.stderr
     assert not (tmp_path / "state" / "registry.sqlite3").exists()

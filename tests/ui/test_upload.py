@@ -1,6 +1,7 @@
 """Songs and links added through the API (what the page's drop zone and link box send), against
 a real service: streamed to disk with flat memory, named safely, refused with a reason.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,12 +38,21 @@ class Upload:
     """One POST /api/uploads on a raw socket: headers first, then the body as it is given,
     so a test decides what is sent when (and the sender never holds the file whole)."""
 
-    def __init__(self, service: Any, name: str, length: int, *, preset: str | None = None,
-                 token: str | None = None):
+    def __init__(
+        self,
+        service: Any,
+        name: str,
+        length: int,
+        *,
+        preset: str | None = None,
+        token: str | None = None,
+    ):
         self.sock = socket.create_connection(("127.0.0.1", service.api.port), timeout=60)
         query = f"name={quote(name, safe='')}" + (f"&preset={quote(preset)}" if preset else "")
-        head = (f"POST /api/uploads?{query} HTTP/1.1\r\nHost: 127.0.0.1:{service.api.port}\r\n"
-                f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n")
+        head = (
+            f"POST /api/uploads?{query} HTTP/1.1\r\nHost: 127.0.0.1:{service.api.port}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n"
+        )
         if token != "":
             head += f"Authorization: Bearer {token or service.api.token}\r\n"
         self.sock.sendall((head + "\r\n").encode())
@@ -67,14 +77,18 @@ def upload(service: Any, name: str, data: bytes, **kwargs: Any) -> tuple[int, di
 def inbox_entries(service: Any) -> set[str]:
     """Everything in the inbox, hidden files and subfolders' files too."""
     inbox = service.settings.paths.inbox
-    return {p.relative_to(inbox).as_posix() for p in inbox.rglob("*")
-            if p.is_file() and ".stemdeck" not in p.parts}
+    return {
+        p.relative_to(inbox).as_posix()
+        for p in inbox.rglob("*")
+        if p.is_file() and ".stemdeck" not in p.parts
+    }
 
 
 @pytest.fixture
 def paused(make_settings: Any, service_factory: Any) -> Iterator[Any]:
-    service, _ = service_factory(make_settings(
-        api={"max_upload_mb": 300}, presets={"karaoke": {"two_stems": "vocals"}}))
+    service, _ = service_factory(
+        make_settings(api={"max_upload_mb": 300}, presets={"karaoke": {"two_stems": "vocals"}})
+    )
     service.scheduler.pause()
     yield service
 
@@ -94,7 +108,7 @@ def test_a_200_mb_upload_is_streamed_to_disk_with_flat_service_memory(paused: An
     try:
         sender = Upload(paused, "big song.wav", size)
         for i in range(size // MB):
-            block = piece[i % 7:] + piece[:i % 7]  # every megabyte different
+            block = piece[i % 7 :] + piece[: i % 7]  # every megabyte different
             digest.update(block)
             sender.send(block)
         status, reply = sender.reply()
@@ -104,7 +118,9 @@ def test_a_200_mb_upload_is_streamed_to_disk_with_flat_service_memory(paused: An
     assert status == 200, reply
     assert reply == {"file": "big song.wav", "bytes": size, "preset": None}
     growth = peak[0] - baseline
-    assert growth < 40 * MB, f"the service's memory grew by {growth / MB:.0f} MB for a 200 MB upload"
+    assert growth < 40 * MB, (
+        f"the service's memory grew by {growth / MB:.0f} MB for a 200 MB upload"
+    )
     written = paused.settings.paths.inbox / "big song.wav"
     check = hashlib.sha256()
     with open(written, "rb") as handle:
@@ -114,8 +130,9 @@ def test_a_200_mb_upload_is_streamed_to_disk_with_flat_service_memory(paused: An
     assert inbox_entries(paused) == {"big song.wav"}  # no temporary file left beside it
 
 
-def test_a_hostile_name_is_cut_to_one_clean_file_name_in_the_inbox(paused: Any,
-                                                                    tmp_path: Path) -> None:
+def test_a_hostile_name_is_cut_to_one_clean_file_name_in_the_inbox(
+    paused: Any, tmp_path: Path
+) -> None:
     song = write_song(tmp_path / "src.wav", 1.0).read_bytes()
     names = {
         "../../escape\x1b[31m\n.wav": "escape [31m.wav",
@@ -135,13 +152,19 @@ def test_a_hostile_name_is_cut_to_one_clean_file_name_in_the_inbox(paused: Any,
     # the same name again is a second file, never written over the first
     status, reply = upload(paused, "etc-passwd.wav", song)
     assert reply["file"] == "etc-passwd (2).wav"
-    wait_for(lambda: paused.registry.latest_for_source(str(inbox / "escape [31m.wav")), 20,
-             "the uploaded song to be queued")
+    wait_for(
+        lambda: paused.registry.latest_for_source(str(inbox / "escape [31m.wav")),
+        20,
+        "the uploaded song to be queued",
+    )
 
     status, reply = upload(paused, "karaoke song.mp3", song, preset="karaoke")
     assert status == 200 and reply["file"] == "karaoke/karaoke song.mp3"
-    job = wait_for(lambda: paused.registry.latest_for_source(
-        str(inbox / "karaoke" / "karaoke song.mp3")), 20, "the preset's song to be queued")
+    job = wait_for(
+        lambda: paused.registry.latest_for_source(str(inbox / "karaoke" / "karaoke song.mp3")),
+        20,
+        "the preset's song to be queued",
+    )
     assert job.preset == "karaoke"
 
 
@@ -162,8 +185,9 @@ def test_an_upload_is_refused_with_a_reason_and_leaves_nothing(paused: Any) -> N
     wait_for(lambda: not inbox_entries(paused), 10, "the partial upload to be removed")
 
 
-def test_an_upload_over_the_cap_is_refused_before_a_byte_is_read(make_settings: Any,
-                                                                 service_factory: Any) -> None:
+def test_an_upload_over_the_cap_is_refused_before_a_byte_is_read(
+    make_settings: Any, service_factory: Any
+) -> None:
     service, _ = service_factory(make_settings(api={"max_upload_mb": 1}))
     sender = Upload(service, "huge.wav", 3 * MB)  # the body is never sent
     status, reply = sender.reply()
@@ -175,9 +199,15 @@ def test_an_upload_over_the_cap_is_refused_before_a_byte_is_read(make_settings: 
 def post_link(service: Any, body: Any) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", service.api.port, timeout=10)
     try:
-        conn.request("POST", "/api/links", body=json.dumps(body),
-                     headers={"Authorization": f"Bearer {service.api.token}",
-                              "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/api/links",
+            body=json.dumps(body),
+            headers={
+                "Authorization": f"Bearer {service.api.token}",
+                "Content-Type": "application/json",
+            },
+        )
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -190,17 +220,20 @@ def test_a_pasted_link_becomes_a_url_file_and_a_link_job(paused: Any) -> None:
     assert status == 200 and reply["file"] == "127.0.0.1 a song.url", reply
     written = paused.settings.paths.inbox / reply["file"]
     assert written.read_bytes() == f"[InternetShortcut]\r\nURL={url}\r\n".encode()
-    job = wait_for(lambda: paused.registry.latest_for_source(str(written)), 20,
-                   "the link to be queued")
+    job = wait_for(
+        lambda: paused.registry.latest_for_source(str(written)), 20, "the link to be queued"
+    )
     assert job.kind is JobKind.LINK
 
     status, reply = post_link(paused, {"url": url, "name": "../up\x1b", "preset": "karaoke"})
     assert status == 200 and reply["file"] == "karaoke/up.url", reply
 
-    for bad, reason in (({"url": "file:///etc/passwd"}, "not a web address"),
-                        ({"url": "http://x/a b"}, "without spaces"),
-                        ({"url": url, "preset": "nope"}, "no preset"),
-                        ({"url": url, "extra": 1}, "unexpected field")):
+    for bad, reason in (
+        ({"url": "file:///etc/passwd"}, "not a web address"),
+        ({"url": "http://x/a b"}, "without spaces"),
+        ({"url": url, "preset": "nope"}, "no preset"),
+        ({"url": url, "extra": 1}, "unexpected field"),
+    ):
         status, reply = post_link(paused, bad)
         assert status == 400 and reason in reply["error"], (bad, reply)
 

@@ -4,6 +4,7 @@ The equivalence checks run in one torch subprocess (tests/support/long_song_chec
 tiny model) and are asserted here one property per test; the scratch-file helpers are tested
 directly; the service test cancels a job in the middle of a window.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,14 @@ import numpy as np
 import pytest
 
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.scratch import (HEADER_BYTES, AudioReader, AudioWriter,
-                                             RunningStats, estimate_scratch_bytes, stats_of)
+from stemdeck_watch.stages.scratch import (
+    HEADER_BYTES,
+    AudioReader,
+    AudioWriter,
+    RunningStats,
+    estimate_scratch_bytes,
+    stats_of,
+)
 from stemdeck_watch.workers.worker import WINDOW_ENV
 from stemdeck_watch.util.synth import write_song
 
@@ -31,6 +38,7 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 # ------------------------------------------------------------------ scratch files (no torch)
 
+
 @pytest.mark.parametrize("channels", [1, 2])
 def test_scratch_files_are_written_in_blocks_and_read_back_in_ranges(tmp_path, channels):
     rng = np.random.default_rng(0)
@@ -38,7 +46,7 @@ def test_scratch_files_are_written_in_blocks_and_read_back_in_ranges(tmp_path, c
     path = tmp_path / "a.npy"
     with AudioWriter(path, channels) as writer:
         for start in range(0, audio.shape[1], 999):
-            writer.write(audio[:, start:start + 999])
+            writer.write(audio[:, start : start + 999])
     assert np.array_equal(np.load(path), audio)  # an ordinary .npy, (channels, frames)
     assert path.stat().st_size == HEADER_BYTES + audio.size * 4
     reader = AudioReader(path)
@@ -52,8 +60,7 @@ def test_scratch_files_are_written_in_blocks_and_read_back_in_ranges(tmp_path, c
     c_order = tmp_path / "c.npy"
     np.save(c_order, audio)  # what np.save writes (C order) reads the same
     assert np.array_equal(AudioReader(c_order).read(17, 4000), audio[:, 17:4000])
-    assert np.array_equal(AudioReader(c_order).read(17, 4000, interleaved=True),
-                          audio[:, 17:4000])
+    assert np.array_equal(AudioReader(c_order).read(17, 4000, interleaved=True), audio[:, 17:4000])
 
 
 def test_a_scratch_file_cut_short_is_an_error_naming_it(tmp_path):
@@ -84,7 +91,7 @@ def test_running_statistics_match_the_whole_signal_however_it_is_cut(tmp_path):
     for size in (1, 4_096, 65_536, 300_001):
         stats = RunningStats()
         for start in range(0, audio.shape[1], size if size > 1 else 77_777):
-            stats.add_audio(audio[:, start:start + (size if size > 1 else 77_777)])
+            stats.add_audio(audio[:, start : start + (size if size > 1 else 77_777)])
         assert stats.count == audio.shape[1]
         assert stats.mean == pytest.approx(mono.mean(), rel=1e-12, abs=1e-15)
         assert stats.std == pytest.approx(mono.std(ddof=1), rel=1e-12)
@@ -104,18 +111,25 @@ def test_the_scratch_estimate_is_input_plus_stems_in_float32():
 
 # ------------------------------------------------------------- chunked vs whole-song demucs
 
+
 @pytest.fixture(scope="module")
 def checks(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("long-song-checks")
-    proc = subprocess.run([sys.executable, str(SUPPORT / "long_song_checks.py"), str(model_repo),
-                           str(work)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "long_song_checks.py"), str(model_repo), str(work)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _figures(snr: dict[str, float]) -> str:
-    return ", ".join(f"{stem} {'inf (bit-identical)' if math.isinf(v) else f'{v:.1f}'} dB"
-                     for stem, v in snr.items())
+    return ", ".join(
+        f"{stem} {'inf (bit-identical)' if math.isinf(v) else f'{v:.1f}'} dB"
+        for stem, v in snr.items()
+    )
 
 
 @pytest.mark.slow
@@ -166,8 +180,9 @@ def test_a_song_shorter_than_a_window_gives_the_same_samples_as_before(checks):
 @pytest.mark.timeout(900)
 def test_shifts_segment_overlap_and_a_bag_of_models_match_across_windows(checks):
     bag = checks["bag"]
-    assert bag["identical"], \
+    assert bag["identical"], (
         f"bag of 2, shifts 2, segment 3 s, overlap 0.4: {_figures(bag['snr_db'])}"
+    )
 
 
 @pytest.mark.slow
@@ -181,16 +196,21 @@ def test_the_decoders_statistics_give_the_whole_song_result(checks):
 
 # ------------------------------------------------------------------------------ the service
 
+
 @pytest.mark.slow
-def test_cancel_in_the_middle_of_a_window_leaves_nothing_behind(make_settings, service_factory,
-                                                                tmp_path, monkeypatch):
+def test_cancel_in_the_middle_of_a_window_leaves_nothing_behind(
+    make_settings, service_factory, tmp_path, monkeypatch
+):
     monkeypatch.setenv(WINDOW_ENV, "6")  # the worker's windows: 6 s
     settings = make_settings()
     service, jobs = service_factory(settings)
     song = write_song(tmp_path / "long.wav", 30.0)  # five windows
     os.replace(song, settings.paths.inbox / "long.wav")
-    job = wait_for(lambda: next((j for j in jobs.jobs() if j.state is JobState.SEPARATING),
-                                None), 60, "separation to start")
+    job = wait_for(
+        lambda: next((j for j in jobs.jobs() if j.state is JobState.SEPARATING), None),
+        60,
+        "separation to start",
+    )
     stems = settings.paths.scratch / job.id / "stems"
 
     def first_window_written() -> bool:

@@ -1,5 +1,6 @@
 """The measured pace of a worker: the stall limit and the Ray cancel grace follow the time per
 segment measured on it."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The fastest safe precision: the measured rule, its figures, and the path end to end."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,16 @@ from stemdeck_watch.cli import status
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.workers.precision import (CALIBRATE_ENV, MIN_SNR_DB, MIN_SPEEDUP, Choice,
-                                               Measurement, decide, physical_cores, threads_for)
+from stemdeck_watch.workers.precision import (
+    CALIBRATE_ENV,
+    MIN_SNR_DB,
+    MIN_SPEEDUP,
+    Choice,
+    Measurement,
+    decide,
+    physical_cores,
+    threads_for,
+)
 from stemdeck_watch.workers.worker import ONEDNN_ENV
 from stemdeck_watch.util.synth import write_song
 
@@ -35,13 +44,16 @@ def measured(speedup: float, snr: float) -> Measurement:
     return Measurement("bfloat16", speedup, snr, seconds_float32=2.0, seconds=2.0 / speedup)
 
 
-@pytest.mark.parametrize("speedup, snr, chosen, why", [
-    (1.7, 45.0, "bfloat16", "1.70× faster than float32 and matches it to 45.0 dB"),
-    (1.7, 30.0, "float32", "30.0 dB SNR on its worst stem (needs 35 dB)"),
-    (0.6, 45.0, "float32", "only 0.60× as fast (needs 1.2×)"),
-    (1.1, 20.0, "float32", "only 1.10× as fast (needs 1.2×) and 20.0 dB SNR"),
-    (MIN_SPEEDUP, MIN_SNR_DB, "bfloat16", "1.20× faster"),  # the bounds are inclusive
-])
+@pytest.mark.parametrize(
+    "speedup, snr, chosen, why",
+    [
+        (1.7, 45.0, "bfloat16", "1.70× faster than float32 and matches it to 45.0 dB"),
+        (1.7, 30.0, "float32", "30.0 dB SNR on its worst stem (needs 35 dB)"),
+        (0.6, 45.0, "float32", "only 0.60× as fast (needs 1.2×)"),
+        (1.1, 20.0, "float32", "only 1.10× as fast (needs 1.2×) and 20.0 dB SNR"),
+        (MIN_SPEEDUP, MIN_SNR_DB, "bfloat16", "1.20× faster"),  # the bounds are inclusive
+    ],
+)
 def test_a_candidate_is_kept_only_if_faster_and_close(speedup, snr, chosen, why):
     choice = decide("auto", "cpu", [measured(speedup, snr)], calibration_seconds=3.0)
     assert choice.precision == chosen and why in choice.reason, choice
@@ -53,8 +65,10 @@ def test_the_fastest_good_candidate_wins_and_nothing_to_try_is_float32():
     fp16 = Measurement("float16", 3.0, 40.0, 2.0, 0.67)
     bf16 = Measurement("bfloat16", 2.0, 50.0, 2.0, 1.0)
     assert decide("auto", "cuda", [bf16, fp16]).precision == "float16"
-    assert decide("auto", "cuda", [bf16, Measurement("float16", 3.0, 20.0, 2.0, 0.67)]
-                  ).precision == "bfloat16"
+    assert (
+        decide("auto", "cuda", [bf16, Measurement("float16", 3.0, 20.0, 2.0, 0.67)]).precision
+        == "bfloat16"
+    )
     nothing = decide("auto", "mps", [])
     assert nothing.precision == "float32" and "no reduced precision" in nothing.reason
 
@@ -70,10 +84,13 @@ def test_threads_default_to_physical_cores_and_can_be_set():
     assert threads_for(0) == physical_cores() and threads_for(3) == 3
 
 
-@pytest.mark.parametrize("values, words", [
-    ({"precision": "fp8"}, ["separation.precision", "fp8", "bfloat16"]),
-    ({"threads": -1}, ["separation.threads", "-1"]),
-])
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"precision": "fp8"}, ["separation.precision", "fp8", "bfloat16"]),
+        ({"threads": -1}, ["separation.threads", "-1"]),
+    ],
+)
 def test_bad_precision_or_threads_name_the_key(tmp_path, model_repo, values, words):
     with pytest.raises(ConfigError) as info:
         settings_from_dict(config_data(tmp_path, model_repo, separation=values))
@@ -83,8 +100,12 @@ def test_bad_precision_or_threads_name_the_key(tmp_path, model_repo, values, wor
 
 @pytest.mark.slow
 def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo):
-    proc = subprocess.run([sys.executable, str(SUPPORT / "precision_checks.py"), str(model_repo)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "precision_checks.py"), str(model_repo)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     close, far, slower = result["close"], result["far"], result["slower"]
@@ -98,8 +119,11 @@ def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo
     # the tiny model is skipped unless forced: nothing measured, and the reason says so
     assert result["small"]["precision"] == "float32" and result["small_measured"] == []
     assert "small model" in result["small"]["reason"]
-    assert result["set"] == {**result["set"], "precision": "bfloat16",
-                             "reason": "set in the configuration"}
+    assert result["set"] == {
+        **result["set"],
+        "precision": "bfloat16",
+        "reason": "set in the configuration",
+    }
 
 
 @pytest.mark.slow
@@ -118,9 +142,9 @@ def test_a_real_calibration_and_bfloat16_end_to_end(make_settings, service_facto
     auto = json.loads((settings.paths.outbox / "auto" / "stemdeck.json").read_text())
     measured_choice = auto["precision"]
     assert measured_choice["setting"] == "auto" and measured_choice["calibration_seconds"] > 0
-    keep = (measured_choice["speedup"] >= MIN_SPEEDUP
-            and (measured_choice["worst_snr_db"] is None
-                 or measured_choice["worst_snr_db"] >= MIN_SNR_DB))
+    keep = measured_choice["speedup"] >= MIN_SPEEDUP and (
+        measured_choice["worst_snr_db"] is None or measured_choice["worst_snr_db"] >= MIN_SNR_DB
+    )
     assert measured_choice["precision"] == ("bfloat16" if keep else "float32"), measured_choice
 
     half = json.loads((settings.paths.outbox / "bf16" / "half" / "stemdeck.json").read_text())

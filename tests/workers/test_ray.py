@@ -2,6 +2,7 @@
 tiny model: placement, one job per actor, data through the object store, cancel, an actor
 death, the cluster watch. One cluster (tests/support/ray_cluster.py) serves the module.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ import pytest
 if os.environ.get("CI") == "true":  # .ci/run installs the extra: nothing may skip there
     import ray
 else:
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed "
-                                            "(pip install 'stemdeck-watch[ray]')")
+    ray = pytest.importorskip(
+        "ray", reason="the ray extra is not installed (pip install 'stemdeck-watch[ray]')"
+    )
 
 from stemdeck_watch.core.errors import Cancelled, WorkerDied  # noqa: E402
 from stemdeck_watch.workers.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
@@ -64,21 +66,39 @@ def song(path: Path, seconds: float, seed: int = 0) -> Path:
     return path
 
 
-def run(client: RayWorkerClient, job: str, model_repo: Path, source: Path, out: Path,
-        control: JobControl | None = None, on_progress: Any = None, shifts: int = 1) -> Any:
-    return client.separate(job, "tiny", str(model_repo), source, out, shifts=shifts,
-                           overlap=0.25, segment=None, control=control or JobControl(job),
-                           on_progress=on_progress or (lambda _v: None), window=4.0,
-                           precision="float32")
+def run(
+    client: RayWorkerClient,
+    job: str,
+    model_repo: Path,
+    source: Path,
+    out: Path,
+    control: JobControl | None = None,
+    on_progress: Any = None,
+    shifts: int = 1,
+) -> Any:
+    return client.separate(
+        job,
+        "tiny",
+        str(model_repo),
+        source,
+        out,
+        shifts=shifts,
+        overlap=0.25,
+        segment=None,
+        control=control or JobControl(job),
+        on_progress=on_progress or (lambda _v: None),
+        window=4.0,
+        precision="float32",
+    )
 
 
 def actor_stats(client: RayWorkerClient) -> dict[str, Any]:
     return ray.get(client.actor.stats.remote())
 
 
-def test_two_workers_on_two_nodes_one_job_each_at_a_time(workers: list[RayWorkerClient],
-                                                         model_repo: Path,
-                                                         tmp_path: Path) -> None:
+def test_two_workers_on_two_nodes_one_job_each_at_a_time(
+    workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """Each worker runs on its own node; jobs run on both at once, never two on one actor,
     and the stems come back whole, window by window."""
     assert len({w.info()["node_id"] for w in workers}) == 2, [w.info() for w in workers]
@@ -90,8 +110,10 @@ def test_two_workers_on_two_nodes_one_job_each_at_a_time(workers: list[RayWorker
         for job in jobs:
             results[job] = run(client, job, model_repo, source, tmp_path / job)
 
-    threads = [threading.Thread(target=serve, args=(w, [f"w{w.index}j{k}" for k in range(2)]))
-               for w in workers]
+    threads = [
+        threading.Thread(target=serve, args=(w, [f"w{w.index}j{k}" for k in range(2)]))
+        for w in workers
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -108,8 +130,9 @@ def test_two_workers_on_two_nodes_one_job_each_at_a_time(workers: list[RayWorker
     assert {w.nodes[-1] for w in workers} == {w.info()["node_id"] for w in workers}
 
 
-def test_an_actor_refuses_a_second_job_while_one_runs(workers: list[RayWorkerClient],
-                                                      model_repo: Path, tmp_path: Path) -> None:
+def test_an_actor_refuses_a_second_job_while_one_runs(
+    workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """The actor itself holds to one job at a time, whatever a caller does."""
     worker = workers[0]
     source = song(tmp_path / "in.npy", 30.0)
@@ -130,9 +153,9 @@ def test_an_actor_refuses_a_second_job_while_one_runs(workers: list[RayWorkerCli
     assert actor_stats(worker)["overlaps"] == overlaps + 1
 
 
-def test_cancel_of_a_running_job_on_a_remote_actor(cluster: Any,
-                                                   workers: list[RayWorkerClient],
-                                                   model_repo: Path, tmp_path: Path) -> None:
+def test_cancel_of_a_running_job_on_a_remote_actor(
+    cluster: Any, workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """A cancel stops the job on the worker node at its next segment: no output is left,
     the actor keeps its process and model, and serves the next job."""
     head = cluster.head_node.node_id
@@ -157,9 +180,9 @@ def test_cancel_of_a_running_job_on_a_remote_actor(cluster: Any,
     assert done.worker_pid == pid and sorted(done.stems) == ["bass", "drums", "other", "vocals"]
 
 
-def test_an_actor_killed_mid_job_fails_it_and_is_restarted(workers: list[RayWorkerClient],
-                                                           model_repo: Path,
-                                                           tmp_path: Path) -> None:
+def test_an_actor_killed_mid_job_fails_it_and_is_restarted(
+    workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """The worker process dies under a job: the job fails like a local worker death (with a
     diagnosis naming the machine), Ray restarts the actor, the model is loaded again and
     the next job runs."""
@@ -188,8 +211,9 @@ def test_an_actor_killed_mid_job_fails_it_and_is_restarted(workers: list[RayWork
     assert done.worker_pid == worker.pid
 
 
-def test_stems_equal_the_local_workers(workers: list[RayWorkerClient], model_repo: Path,
-                                       tmp_path: Path) -> None:
+def test_stems_equal_the_local_workers(
+    workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """The same model code on either executor gives the same samples (shifts=0: no random
     shift; the normalisation statistics given, as the pipeline always gives decode's), so
     the pipeline cannot tell the executors apart by their output."""
@@ -197,17 +221,36 @@ def test_stems_equal_the_local_workers(workers: list[RayWorkerClient], model_rep
     from stemdeck_watch.workers.local import WorkerClient
 
     source = song(tmp_path / "in.npy", 9.0, seed=3)
-    options: dict[str, Any] = dict(shifts=0, overlap=0.25, segment=None, window=4.0,
-                                   precision="float32", stats=stats_of(source),
-                                   on_progress=lambda _v: None)
-    remote = workers[0].separate("ray", "tiny", str(model_repo), source, tmp_path / "ray",
-                                 control=JobControl("ray"), **options)
+    options: dict[str, Any] = dict(
+        shifts=0,
+        overlap=0.25,
+        segment=None,
+        window=4.0,
+        precision="float32",
+        stats=stats_of(source),
+        on_progress=lambda _v: None,
+    )
+    remote = workers[0].separate(
+        "ray",
+        "tiny",
+        str(model_repo),
+        source,
+        tmp_path / "ray",
+        control=JobControl("ray"),
+        **options,
+    )
     local_client = WorkerClient("cpu", threads=1, precision="float32")
     try:
         local_client.ensure_model("tiny", str(model_repo), precision="float32")
-        local = local_client.separate("local", "tiny", str(model_repo), source,
-                                      tmp_path / "local", control=JobControl("local"),
-                                      **options)
+        local = local_client.separate(
+            "local",
+            "tiny",
+            str(model_repo),
+            source,
+            tmp_path / "local",
+            control=JobControl("local"),
+            **options,
+        )
     finally:
         local_client.close()
     for stem, path in local.stems.items():
@@ -225,34 +268,43 @@ def worker_temp(tmp_path: Path) -> Path:
 def own_worker(temp: Path, model_repo: Path) -> RayWorkerClient:
     """A worker of its own whose machine's temp folder is `temp` (no CPU of the cluster's
     two reserved: the module's two workers hold those)."""
-    client = RayWorkerClient("cpu", threads=1, cpus=0.0, index=7,
-                             env={"TMPDIR": str(temp), ONEDNN_ENV: "0"})
+    client = RayWorkerClient(
+        "cpu", threads=1, cpus=0.0, index=7, env={"TMPDIR": str(temp), ONEDNN_ENV: "0"}
+    )
     client.ensure_model("tiny", str(model_repo), precision="float32")
     return client
 
 
 def left_in(temp: Path) -> list[str]:
     """Files the actors left in their temp folder (a live actor's lock file aside)."""
-    return sorted(str(p.relative_to(temp)) for p in temp.rglob("*")
-                  if p.is_file() and p.name != ALIVE)
+    return sorted(
+        str(p.relative_to(temp)) for p in temp.rglob("*") if p.is_file() and p.name != ALIVE
+    )
 
 
 def test_a_failed_write_during_a_job_fails_only_that_job_on_its_worker(
-        cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path) -> None:
+    cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path
+) -> None:
     """A write on the service's side fails while the worker separates (the registry's
     progress write, say): that job fails, and the worker lets go of it at once, so the next
     song runs there instead of being refused as "busy" with the abandoned one."""
     worker = own_worker(worker_temp, model_repo)
     try:
+
         def failing_write(value: float) -> None:
             if value > 0.05:
                 raise OSError(28, "database or disk is full")
 
         with pytest.raises(OSError, match="disk is full"):
-            run(worker, "broken", model_repo, song(tmp_path / "in.npy", 12.0),
-                tmp_path / "broken", on_progress=failing_write)
-        done = run(worker, "next", model_repo, song(tmp_path / "short.npy", 3.0),
-                   tmp_path / "next")
+            run(
+                worker,
+                "broken",
+                model_repo,
+                song(tmp_path / "in.npy", 12.0),
+                tmp_path / "broken",
+                on_progress=failing_write,
+            )
+        done = run(worker, "next", model_repo, song(tmp_path / "short.npy", 3.0), tmp_path / "next")
         assert sorted(done.stems) == ["bass", "drums", "other", "vocals"]
         assert actor_stats(worker)["overlaps"] == 0
         assert left_in(worker_temp) == []
@@ -261,7 +313,8 @@ def test_a_failed_write_during_a_job_fails_only_that_job_on_its_worker(
 
 
 def test_a_worker_leaves_no_scratch_after_a_refused_upload_a_kill_or_a_close(
-        cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path) -> None:
+    cluster: Any, worker_temp: Path, model_repo: Path, tmp_path: Path
+) -> None:
     """A worker's songs in its machine's temp folder do not outlive it: an upload refused
     because the worker is busy is removed; the folder of a worker killed mid-job is removed
     when it restarts; a worker closed mid-job (the service stopping) removes its own."""
@@ -278,8 +331,14 @@ def test_a_worker_leaves_no_scratch_after_a_refused_upload_a_kill_or_a_close(
                     ray.get(next(actor.separate.remote("intruder", {"model": "tiny"})))
                 refused.append(str(caught.value))
 
-        run(worker, "first", model_repo, song(tmp_path / "in.npy", 12.0), tmp_path / "first",
-            on_progress=intrude)
+        run(
+            worker,
+            "first",
+            model_repo,
+            song(tmp_path / "in.npy", 12.0),
+            tmp_path / "first",
+            on_progress=intrude,
+        )
         assert "busy with job first" in refused[0]
         assert left_in(worker_temp) == []
 
@@ -293,8 +352,14 @@ def test_a_worker_leaves_no_scratch_after_a_refused_upload_a_kill_or_a_close(
                 os.kill(old, signal.SIGKILL)
 
         with pytest.raises(WorkerDied):
-            run(worker, "victim", model_repo, song(tmp_path / "in.npy", 12.0),
-                tmp_path / "victim", on_progress=kill)
+            run(
+                worker,
+                "victim",
+                model_repo,
+                song(tmp_path / "in.npy", 12.0),
+                tmp_path / "victim",
+                on_progress=kill,
+            )
         worker.ensure_model("tiny", str(model_repo), precision="float32")  # restarted
         assert worker.pid != old and left_in(worker_temp) == []
 
@@ -303,8 +368,14 @@ def test_a_worker_leaves_no_scratch_after_a_refused_upload_a_kill_or_a_close(
 
         def abandoned() -> None:
             try:
-                run(worker, "abandoned", model_repo, song(tmp_path / "in.npy", 40.0),
-                    tmp_path / "abandoned", on_progress=lambda v: v > 0.1 and closing.set())
+                run(
+                    worker,
+                    "abandoned",
+                    model_repo,
+                    song(tmp_path / "in.npy", 40.0),
+                    tmp_path / "abandoned",
+                    on_progress=lambda v: v > 0.1 and closing.set(),
+                )
             except BaseException as exc:  # the close cuts it off
                 ended.append(exc)
 
@@ -346,7 +417,8 @@ def test_a_lost_cluster_pauses_the_queue_until_it_is_back(cluster: Any, settings
 
 
 def test_a_machine_leaving_mid_job_fails_the_job_and_its_worker_moves(
-        cluster: Any, workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path) -> None:
+    cluster: Any, workers: list[RayWorkerClient], model_repo: Path, tmp_path: Path
+) -> None:
     """The worker node disappears under a job (the module's last test: the node stays
     gone): the job fails with a diagnosis, the actor is restarted on the machine that is
     left, loads its model again and serves the next job there."""

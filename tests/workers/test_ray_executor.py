@@ -1,5 +1,6 @@
 """The executor seam without a cluster: `[executor]` settings, one queue slot per worker,
 status and doctor views, and Ray never imported with `kind = "local"`."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def executor(**values: Any) -> Any:
 
 def fresh_python(code: str) -> Any:
     """Run `code` in a new interpreter; the JSON its last output line holds."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -39,7 +41,12 @@ def fresh_python(code: str) -> Any:
 def test_executor_defaults_to_local_with_one_worker() -> None:
     ex = executor().executor
     assert (ex.kind, ex.address, ex.workers, ex.gpus_per_worker, ex.cpus_per_worker) == (
-        "local", "auto", 1, 0.0, 1.0)
+        "local",
+        "auto",
+        1,
+        0.0,
+        1.0,
+    )
 
 
 @pytest.mark.parametrize("address", ["auto", "local", "ray://head.lan:10001", "10.0.0.5:6379"])
@@ -47,14 +54,17 @@ def test_cluster_addresses_accepted(address: str) -> None:
     assert executor(kind="ray", address=address).executor.address == address
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("kind", "dask", 'executor.kind = "dask" is not allowed'),
-    ("address", "head.lan", "ray://HOST:PORT"),
-    ("address", "ray://head:port", "ray://HOST:PORT"),
-    ("workers", 0, "executor.workers = 0"),
-    ("workers", "all", '"auto" or a whole number'),
-    ("gpus_per_worker", -1, "executor.gpus_per_worker"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("kind", "dask", 'executor.kind = "dask" is not allowed'),
+        ("address", "head.lan", "ray://HOST:PORT"),
+        ("address", "ray://head:port", "ray://HOST:PORT"),
+        ("workers", 0, "executor.workers = 0"),
+        ("workers", "all", '"auto" or a whole number'),
+        ("gpus_per_worker", -1, "executor.gpus_per_worker"),
+    ],
+)
 def test_bad_executor_values_name_the_key(key: str, value: Any, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:
         executor(**{key: value})
@@ -67,14 +77,16 @@ def test_several_local_workers_are_refused(workers: Any) -> None:
         pool.build(executor(workers=workers))
 
 
-@pytest.mark.parametrize("resources,expected", [
-    ({"CPU": 8.0}, (4, 0.0)),  # a CPU machine: one worker per cpus_per_worker cores
-    ({"CPU": 1.0}, (0, 0.0)),  # too small for one
-    ({"CPU": 16.0, "GPU": 2.0}, (2, 1.0)),  # one per GPU
-    ({"CPU": 2.0, "GPU": 4.0}, (1, 1.0)),  # … as far as its cores go
-])
-def test_auto_workers_per_machine(resources: dict[str, float],
-                                  expected: tuple[int, float]) -> None:
+@pytest.mark.parametrize(
+    "resources,expected",
+    [
+        ({"CPU": 8.0}, (4, 0.0)),  # a CPU machine: one worker per cpus_per_worker cores
+        ({"CPU": 1.0}, (0, 0.0)),  # too small for one
+        ({"CPU": 16.0, "GPU": 2.0}, (2, 1.0)),  # one per GPU
+        ({"CPU": 2.0, "GPU": 4.0}, (1, 1.0)),  # … as far as its cores go
+    ],
+)
+def test_auto_workers_per_machine(resources: dict[str, float], expected: tuple[int, float]) -> None:
     """`workers = "auto"`: what each machine of the cluster holds (2 cores a worker here)."""
     from stemdeck_watch.workers.cluster import workers_for
 
@@ -96,7 +108,8 @@ def test_local_executor_never_imports_ray() -> None:
         "print(json.dumps([type(c).__name__ for c in ex.clients]))\n"
         "doctor.check_executor(s)\n"
         "ex.close()\n"
-        "assert 'ray' not in sys.modules, 'ray was imported'\n")
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
     assert fresh_python(code) == ["WorkerClient"]
 
 
@@ -108,14 +121,28 @@ def test_doctor_names_the_executor_and_the_recorded_workers(settings: Any) -> No
     else:
         assert not finding.ok and "pip install 'stemdeck-watch[ray]'" in finding.detail
     registry = Registry.open(settings.paths.state / REGISTRY_FILE)
-    registry.set_meta(WORKERS_META, json.dumps([
-        {"index": i, "hostname": f"box{i}", "node_ip": f"10.0.0.{i}", "device": "cuda",
-         "threads": 4, "pid": 70 + i} for i in range(2)]))
+    registry.set_meta(
+        WORKERS_META,
+        json.dumps(
+            [
+                {
+                    "index": i,
+                    "hostname": f"box{i}",
+                    "node_ip": f"10.0.0.{i}",
+                    "device": "cuda",
+                    "threads": 4,
+                    "pid": 70 + i,
+                }
+                for i in range(2)
+            ]
+        ),
+    )
     registry.close()
     lines = [f.line() for f in check_executor(settings)]
     assert lines[1:] == [
         "[ok  ] worker 0: box0 (10.0.0.0), cuda, 4 thread(s), pid 70 (as last recorded)",
-        "[ok  ] worker 1: box1 (10.0.0.1), cuda, 4 thread(s), pid 71 (as last recorded)"]
+        "[ok  ] worker 1: box1 (10.0.0.1), cuda, 4 thread(s), pid 71 (as last recorded)",
+    ]
 
 
 def test_one_queue_slot_per_worker() -> None:
@@ -142,18 +169,42 @@ def test_one_queue_slot_per_worker() -> None:
 
 
 def test_status_lists_every_worker(settings: Any) -> None:
-    workers = [{"executor": "ray", "index": i, "pid": 100 + i, "node_ip": f"10.0.0.{i + 1}",
-                "hostname": f"box{i}", "device": "cuda", "job": "song" if i else None}
-               for i in range(2)]
-    status = build([], [], [], "cluster", settings.paths, {"running": True, "pid": 1},
-                   worker=workers[0], workers=workers)
+    workers = [
+        {
+            "executor": "ray",
+            "index": i,
+            "pid": 100 + i,
+            "node_ip": f"10.0.0.{i + 1}",
+            "hostname": f"box{i}",
+            "device": "cuda",
+            "job": "song" if i else None,
+        }
+        for i in range(2)
+    ]
+    status = build(
+        [],
+        [],
+        [],
+        "cluster",
+        settings.paths,
+        {"running": True, "pid": 1},
+        worker=workers[0],
+        workers=workers,
+    )
     assert status["workers"] == workers and status["pause_reason"] == "cluster"
     text = render(status)
     assert "the Ray cluster is unreachable" in text
     assert "worker 0: box0 (10.0.0.1), cuda, pid 100, idle" in text
     assert "worker 1: box1 (10.0.0.2), cuda, pid 101, song" in text
-    local = build([], [], [], None, settings.paths, {"running": False, "pid": None},
-                  worker={"pid": 5, "device": "cpu"})
+    local = build(
+        [],
+        [],
+        [],
+        None,
+        settings.paths,
+        {"running": False, "pid": None},
+        worker={"pid": 5, "device": "cpu"},
+    )
     assert local["workers"] == [{"pid": 5, "device": "cpu"}]
 
 
@@ -178,10 +229,13 @@ def test_connecting_a_private_cluster_and_a_dead_address() -> None:
         "c.close()\n"
         "import ray\n"
         "out['after'] = ray.is_initialized()\n"
-        "print(json.dumps(out))\n")
+        "print(json.dumps(out))\n"
+    )
     out = fresh_python(code)
-    assert "could not connect to the Ray cluster at executor.address = '127.0.0.1:1'" in \
-        out["dead"] and "ray start --head" in out["dead"]
+    assert (
+        "could not connect to the Ray cluster at executor.address = '127.0.0.1:1'" in out["dead"]
+        and "ray start --head" in out["dead"]
+    )
     assert out["probe"] is None and out["nodes"] == 1 and out["owned"] is True
     assert out["after"] is False
 
@@ -197,7 +251,7 @@ def test_windows_of_a_song_arriving_out_of_order_are_stored_in_order(tmp_path: P
     from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 
     song = np.arange(2 * 30, dtype=np.float32).reshape(2, 30)
-    windows = [song[:, i:i + 10] for i in range(0, 30, 10)]
+    windows = [song[:, i : i + 10] for i in range(0, 30, 10)]
     upload = _Upload(tmp_path, AudioWriter(tmp_path / "input.npy", 2))
     for index in (2, 0, 1):
         upload.add(index, windows[index])

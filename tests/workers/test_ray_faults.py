@@ -4,6 +4,7 @@ model: a cancel on a slow worker waits for its cooperative stop, `workers = "aut
 machine that joins to work without a restart, and a machine that leaves mid-song costs the
 song an attempt, not the song.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ import pytest
 if os.environ.get("CI") == "true":  # .ci/run installs the extra: nothing may skip there
     import ray
 else:
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed "
-                                            "(pip install 'stemdeck-watch[ray]')")
+    ray = pytest.importorskip(
+        "ray", reason="the ray extra is not installed (pip install 'stemdeck-watch[ray]')"
+    )
 
 from stemdeck_watch.core.errors import Cancelled  # noqa: E402
 from stemdeck_watch.core.jobs import JobState  # noqa: E402
@@ -52,7 +54,8 @@ def noise(path: Path, seconds: float) -> Path:
 
 
 def test_a_cancel_on_a_slow_worker_waits_for_its_stop_instead_of_killing_it(
-        cluster: Any, model_repo: Path, tmp_path: Path) -> None:
+    cluster: Any, model_repo: Path, tmp_path: Path
+) -> None:
     """A worker whose segments take SLOW seconds (a full-size model on a CPU): once a song
     measured its pace, a cancel waits the segment out and the worker stops on its own — its
     process and model stay — where a fixed grace shorter than a segment would kill it."""
@@ -64,12 +67,26 @@ def test_a_cancel_on_a_slow_worker_waits_for_its_stop_instead_of_killing_it(
     try:
         worker.ensure_model("tiny", str(model_repo), precision="float32")
 
-        def run(job: str, seconds: float, control: JobControl,
-                progress: Callable[[float], None] = lambda _v: None) -> Any:
-            return worker.separate(job, "tiny", str(model_repo),
-                                   noise(tmp_path / f"{job}.npy", seconds), tmp_path / job,
-                                   shifts=1, overlap=0.25, segment=None, control=control,
-                                   on_progress=progress, window=4.0, precision="float32")
+        def run(
+            job: str,
+            seconds: float,
+            control: JobControl,
+            progress: Callable[[float], None] = lambda _v: None,
+        ) -> Any:
+            return worker.separate(
+                job,
+                "tiny",
+                str(model_repo),
+                noise(tmp_path / f"{job}.npy", seconds),
+                tmp_path / job,
+                shifts=1,
+                overlap=0.25,
+                segment=None,
+                control=control,
+                on_progress=progress,
+                window=4.0,
+                precision="float32",
+            )
 
         run("measured", 5.0, JobControl("measured"))  # two segments of SLOW seconds
         assert worker.pace().segment_seconds is not None
@@ -91,7 +108,8 @@ def test_a_cancel_on_a_slow_worker_waits_for_its_stop_instead_of_killing_it(
 
 
 def test_auto_workers_follow_machines_joining_and_leaving(
-        cluster: Any, make_settings: Any, service_factory: Any) -> None:
+    cluster: Any, make_settings: Any, service_factory: Any
+) -> None:
     """`executor.workers = "auto"`: one worker per machine of one CPU. A machine added while
     songs wait gets a worker without a restart, and songs run on it; removing it while it
     separates a song sends that song back to the queue — it is done on another machine,
@@ -99,17 +117,24 @@ def test_auto_workers_follow_machines_joining_and_leaving(
     settings = make_settings(executor={"kind": "ray", "address": "auto", "workers": "auto"})
     service, jobs = service_factory(settings)
     scheduler = service.scheduler
-    wait_for(lambda: all(c.model_info for c in service.executor.clients), 120,
-             "both workers to load the model")
+    wait_for(
+        lambda: all(c.model_info for c in service.executor.clients),
+        120,
+        "both workers to load the model",
+    )
     assert len(service.executor.clients) == 2
     scheduler.pause()
     for i in range(3):
         drop(settings, f"s{i}.wav", 6.0, seed=i)
     wait_for(lambda: len(scheduler.queue.order()) == 3, 30, "the songs to be queued")
     added = cluster.add_node(num_cpus=1)
-    new = wait_for(lambda: next((c for c in service.executor.clients
-                                 if c.node == added.node_id and c.model_info), None), 120,
-                   "a worker on the machine that joined")
+    new = wait_for(
+        lambda: next(
+            (c for c in service.executor.clients if c.node == added.node_id and c.model_info), None
+        ),
+        120,
+        "a worker on the machine that joined",
+    )
     assert len(service.scheduler.snapshot()["workers"]) == 3
     scheduler.start()
     first = jobs.wait_final(3, 240)
@@ -121,9 +146,18 @@ def test_auto_workers_follow_machines_joining_and_leaving(
         drop(settings, f"long{i}.wav", 40.0, seed=10 + i)
     wait_for(lambda: len(scheduler.queue.order()) == 3, 30, "the long songs to be queued")
     scheduler.start()
-    victim = wait_for(lambda: next((j for j in jobs.jobs() if j.id == new.current
-                                    and j.state is JobState.SEPARATING and j.progress > 0.2),
-                                   None), 120, "a song separating on the added machine")
+    victim = wait_for(
+        lambda: next(
+            (
+                j
+                for j in jobs.jobs()
+                if j.id == new.current and j.state is JobState.SEPARATING and j.progress > 0.2
+            ),
+            None,
+        ),
+        120,
+        "a song separating on the added machine",
+    )
     cluster.remove_node(added)
     done = jobs.wait_final(6, 300)
     assert [j.state for j in done] == [JobState.DONE] * 6, [(j.name, j.error) for j in done]
@@ -131,8 +165,11 @@ def test_auto_workers_follow_machines_joining_and_leaving(
     [again] = [j for j in done if j.id == victim.id]
     [fault] = again.faults
     assert fault.kind == "died" and fault.worker.startswith(f"ray worker {new.index}"), fault
-    wait_for(lambda: len(service.scheduler.snapshot()["workers"]) == 2, 60,
-             "status to list two workers again")
+    wait_for(
+        lambda: len(service.scheduler.snapshot()["workers"]) == 2,
+        60,
+        "status to list two workers again",
+    )
     assert new not in service.executor.clients
 
 

@@ -5,6 +5,7 @@ One cluster (tests/support/ray_cluster.py: two nodes of one CPU each, so two one
 two nodes) serves the module. A service in this process uses the test's Ray connection; the
 service killed in the restore test is a child process that joins the same cluster.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ import pytest
 if os.environ.get("CI") == "true":  # .ci/run installs the extra: nothing may skip there
     import ray
 else:
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed "
-                                            "(pip install 'stemdeck-watch[ray]')")
+    ray = pytest.importorskip(
+        "ray", reason="the ray extra is not installed (pip install 'stemdeck-watch[ray]')"
+    )
 
 from stemdeck_watch.core.config import settings_from_dict  # noqa: E402
 from stemdeck_watch.core.events import JobChanged  # noqa: E402
@@ -67,21 +69,29 @@ def started_order(service: Any) -> list[str]:
     return order
 
 
-def test_songs_run_on_workers_on_both_nodes_one_job_each(cluster: Any, make_settings: Any,
-                                                         service_factory: Any) -> None:
+def test_songs_run_on_workers_on_both_nodes_one_job_each(
+    cluster: Any, make_settings: Any, service_factory: Any
+) -> None:
     """Two workers, one per node, take the songs from the one queue in order, never two on
     one worker; stems are published as with the local worker; status shows the workers."""
     settings = ray_settings(make_settings, 2)
     service, jobs = service_factory(settings)
     order = started_order(service)
-    wait_for(lambda: all(c.model_info for c in service.executor.clients), 120,
-             "both workers to load the model")
+    wait_for(
+        lambda: all(c.model_info for c in service.executor.clients),
+        120,
+        "both workers to load the model",
+    )
     for i, name in enumerate(("a.wav", "b.wav", "c.wav", "d.wav")):
         drop(settings, name, 6.0, seed=i)
     done = jobs.wait_final(4, 240)
     assert sorted(j.state for j in done) == [JobState.DONE] * 4, [(j.name, j.error) for j in done]
     assert sorted(p.name for p in settings.paths.outbox.iterdir() if p.is_dir()) == [
-        "a", "b", "c", "d"]
+        "a",
+        "b",
+        "c",
+        "d",
+    ]
     assert set(order[:2]) == {"a", "b"} and set(order[2:]) == {"c", "d"}, order
     clients = service.executor.clients
     assert len({node for c in clients for node in c.nodes}) == 2, [c.nodes for c in clients]
@@ -89,12 +99,12 @@ def test_songs_run_on_workers_on_both_nodes_one_job_each(cluster: Any, make_sett
     assert sum(s["jobs_run"] for s in stats) == 4 and all(s["overlaps"] == 0 for s in stats)
     workers = service.scheduler.snapshot()["workers"]
     assert [w["index"] for w in workers] == [0, 1]
-    assert len({w["node_id"] for w in workers}) == 2 and all(w["device"] == "cpu"
-                                                             for w in workers)
+    assert len({w["node_id"] for w in workers}) == 2 and all(w["device"] == "cpu" for w in workers)
 
 
-def test_pause_start_cancel_and_a_worker_death(cluster: Any, make_settings: Any,
-                                               service_factory: Any) -> None:
+def test_pause_start_cancel_and_a_worker_death(
+    cluster: Any, make_settings: Any, service_factory: Any
+) -> None:
     """Pause holds new songs; Start runs them; a cancel stops a running job on its worker
     (the input stays, nothing in the outbox); a worker killed mid-job is a machine fault: Ray
     restarts it and the song, back at the head of the queue, is done on the next attempt
@@ -112,57 +122,94 @@ def test_pause_start_cancel_and_a_worker_death(cluster: Any, make_settings: Any,
 
     client = service.executor.clients[0]
     long_song = drop(settings, "long.wav", 40.0, seed=1)
-    running = wait_for(lambda: next((j for j in jobs.jobs() if j.name == "long"
-                                     and j.state is JobState.SEPARATING and j.progress > 0.3),
-                                    None), 120, "the long song to be separating")
+    running = wait_for(
+        lambda: next(
+            (
+                j
+                for j in jobs.jobs()
+                if j.name == "long" and j.state is JobState.SEPARATING and j.progress > 0.3
+            ),
+            None,
+        ),
+        120,
+        "the long song to be separating",
+    )
     scheduler.cancel_job(running.id)
-    final = wait_for(lambda: next((j for j in jobs.final() if j.name == "long"), None), 30,
-                     "the cancel")
+    final = wait_for(
+        lambda: next((j for j in jobs.final() if j.name == "long"), None), 30, "the cancel"
+    )
     assert final.state is JobState.CANCELLED and long_song.exists()
     assert not (settings.paths.outbox / "long").exists()
 
     victim = drop(settings, "victim.wav", 40.0, seed=2)
-    wait_for(lambda: next((j for j in jobs.jobs() if j.name == "victim"
-                           and j.state is JobState.SEPARATING and j.progress > 0.3), None),
-             120, "the victim to be separating")
+    wait_for(
+        lambda: next(
+            (
+                j
+                for j in jobs.jobs()
+                if j.name == "victim" and j.state is JobState.SEPARATING and j.progress > 0.3
+            ),
+            None,
+        ),
+        120,
+        "the victim to be separating",
+    )
     pid = client.pid
     os.kill(pid, signal.SIGKILL)
-    again = wait_for(lambda: next((j for j in jobs.final() if j.name == "victim"), None), 180,
-                     "the victim to be done on its second attempt")
+    again = wait_for(
+        lambda: next((j for j in jobs.final() if j.name == "victim"), None),
+        180,
+        "the victim to be done on its second attempt",
+    )
     assert again.state is JobState.DONE, again.error
     [fault] = again.faults
     assert "stopped unexpectedly" in fault.reason and fault.worker.startswith("ray worker 0")
     assert not victim.exists() and list(settings.paths.failed.iterdir()) == []
     drop(settings, "after.wav", 3.0, seed=3)
-    after = wait_for(lambda: next((j for j in jobs.final() if j.name == "after"), None), 120,
-                     "the next song")
+    after = wait_for(
+        lambda: next((j for j in jobs.final() if j.name == "after"), None), 120, "the next song"
+    )
     assert after.state is JobState.DONE and client.pid not in (None, pid)
 
 
 def test_restore_after_a_service_kill_with_the_cluster_still_up(
-        cluster: Any, tmp_path: Path, model_repo: Path, service_factory: Any) -> None:
+    cluster: Any, tmp_path: Path, model_repo: Path, service_factory: Any
+) -> None:
     """A service (a child process on the same cluster) is killed mid-job; the next service
     finds the job cut off, puts it back at the head of a restore-paused queue, and after
     Start it is separated on a fresh worker."""
-    config = write_config(tmp_path, model_repo,
-                          executor={"kind": "ray", "address": cluster.address, "workers": 1})
-    settings = settings_from_dict(config_data(
-        tmp_path, model_repo, executor={"kind": "ray", "address": "auto", "workers": 1}),
-        source=config)
+    config = write_config(
+        tmp_path, model_repo, executor={"kind": "ray", "address": cluster.address, "workers": 1}
+    )
+    settings = settings_from_dict(
+        config_data(
+            tmp_path, model_repo, executor={"kind": "ray", "address": "auto", "workers": 1}
+        ),
+        source=config,
+    )
     settings.paths.inbox.mkdir(parents=True)
     drop(settings, "cut.wav", 40.0)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     with open(tmp_path / "service.log", "wb") as log:
-        child = subprocess.Popen([sys.executable, "-m", "stemdeck_watch", "run", "--no-tray",
-                                  "--config", str(config)], cwd=REPO, env=env, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "stemdeck_watch", "run", "--no-tray", "--config", str(config)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
+
         def separating() -> bool:
             jobs = collect(settings)["jobs"]
             return bool(jobs) and jobs[0]["state"] == "separating" and jobs[0]["progress"] > 0.2
 
-        wait_for(lambda: separating() or child.poll() is not None, 180,
-                 "the child service to be separating")
+        wait_for(
+            lambda: separating() or child.poll() is not None,
+            180,
+            "the child service to be separating",
+        )
         assert child.poll() is None, (tmp_path / "service.log").read_text()[-3000:]
     finally:
         os.killpg(child.pid, signal.SIGKILL)

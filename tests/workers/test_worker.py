@@ -1,4 +1,5 @@
 """The resident worker process with the tiny model, over its real protocol."""
+
 from __future__ import annotations
 
 import os
@@ -34,11 +35,26 @@ def mix(tmp_path: Path, seconds: float) -> Path:
     return path
 
 
-def separate(client: WorkerClient, model_repo: Path, source: Path, out: Path,
-             control: JobControl, progress: list[float] | None = None):
-    return client.separate("job", "tiny", str(model_repo), source, out, shifts=1, overlap=0.25,
-                           segment=None, control=control,
-                           on_progress=(progress.append if progress is not None else lambda v: None))
+def separate(
+    client: WorkerClient,
+    model_repo: Path,
+    source: Path,
+    out: Path,
+    control: JobControl,
+    progress: list[float] | None = None,
+):
+    return client.separate(
+        "job",
+        "tiny",
+        str(model_repo),
+        source,
+        out,
+        shifts=1,
+        overlap=0.25,
+        segment=None,
+        control=control,
+        on_progress=(progress.append if progress is not None else lambda v: None),
+    )
 
 
 def test_one_worker_serves_every_request_and_reports_progress(client, model_repo, tmp_path):
@@ -102,8 +118,12 @@ def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
     assert time.monotonic() - cancelled_at < 1.0
     assert len(errors) == 1 and isinstance(errors[0], Cancelled)
     assert client.pid is None  # the worker is gone; the next request starts a new one
-    assert separate(client, model_repo, mix(tmp_path, 2.0), tmp_path / "next",
-                    JobControl("job")).worker_pid != pid
+    assert (
+        separate(
+            client, model_repo, mix(tmp_path, 2.0), tmp_path / "next", JobControl("job")
+        ).worker_pid
+        != pid
+    )
 
 
 def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_repo, tmp_path):
@@ -111,8 +131,18 @@ def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_
     source = mix(tmp_path, 240.0)
     progress: list[float] = []
     errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _capture(
-        errors, separate, client, model_repo, source, tmp_path / "o", JobControl("job"), progress))
+    thread = threading.Thread(
+        target=lambda: _capture(
+            errors,
+            separate,
+            client,
+            model_repo,
+            source,
+            tmp_path / "o",
+            JobControl("job"),
+            progress,
+        )
+    )
     thread.start()
     wait_for(lambda: progress, 60, "separation progress")
     os.kill(client.pid, signal.SIGKILL)  # what the OOM killer does
@@ -136,12 +166,29 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
     client.ensure_model("tiny", str(model_repo))
     source = mix(tmp_path, 12.0)
     kwargs = dict(shifts=0, overlap=0.25, segment=None)  # no random shifts: comparable runs
-    whole = client.separate("job", "tiny", str(model_repo), source, tmp_path / "whole",
-                            control=JobControl("job"), on_progress=lambda v: None, **kwargs)
+    whole = client.separate(
+        "job",
+        "tiny",
+        str(model_repo),
+        source,
+        tmp_path / "whole",
+        control=JobControl("job"),
+        on_progress=lambda v: None,
+        **kwargs,
+    )
     progress: list[float] = []
-    windows = client.separate("job", "tiny", str(model_repo), source, tmp_path / "win",
-                              control=JobControl("job"), on_progress=progress.append,
-                              stats=stats_of(source), window=2.5, **kwargs)  # 5 windows
+    windows = client.separate(
+        "job",
+        "tiny",
+        str(model_repo),
+        source,
+        tmp_path / "win",
+        control=JobControl("job"),
+        on_progress=progress.append,
+        stats=stats_of(source),
+        window=2.5,
+        **kwargs,
+    )  # 5 windows
     assert len(progress) >= 4 and progress == sorted(progress)  # one per 4 s segment
     assert progress[-1] == pytest.approx(1.0)
     for name, path in windows.stems.items():
