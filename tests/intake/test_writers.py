@@ -372,7 +372,10 @@ def replace_atomically(path: Path, seconds: float, seed: int, scratch: Path) -> 
 def test_a_new_version_saved_while_its_job_fails_stays_in_the_inbox_and_is_separated(
     make_settings, service_factory, tmp_path: Path
 ) -> None:
-    settings = make_settings(watch={"rescan_seconds": 0}, separation={"shifts": 4})
+    # no second attempt after a machine fault: the worker's death fails the job
+    settings = make_settings(
+        watch={"rescan_seconds": 0}, separation={"shifts": 4}, queue={"worker_retries": 0}
+    )
     service, jobs = service_factory(settings)
     song = settings.paths.inbox / "song.wav"
     write_song(song, 12.0, seed=1)
@@ -384,7 +387,7 @@ def test_a_new_version_saved_while_its_job_fails_stays_in_the_inbox_and_is_separ
         "the song to be separating",
     )
     replace_atomically(song, 3.0, seed=2, scratch=tmp_path)
-    os.kill(service.client.pid, signal.SIGKILL)  # the old version's job fails
+    os.kill(service.client.pid, signal.SIGTERM)  # the old version's job fails
 
     wait_for(
         lambda: jobs.latest.get(first.id) and jobs.latest[first.id].state.is_final,
