@@ -54,11 +54,14 @@ docs:
 
 # the model-based seams test (tests/seams/test_model_based.py) for an hour: long random
 # sequences, a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
-# SOAK_SECONDS changes how long
+# SOAK_SECONDS changes how long; then the kill test with 20 kills and a minute's randomised
+# afternoon (the suite runs 8 kills and 20 s)
 SOAK_SECONDS ?= 3600
 soak: install
 	STEMDECK_SOAK=1 STEMDECK_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -x \
 		-p no:cacheprovider tests/seams/test_model_based.py $(PYTEST_ARGS)
+	STEMDECK_KILLS=20 STEMDECK_STRESS_SECONDS=60 $(BIN)/python -m pytest -s -x \
+		-p no:cacheprovider tests/service/test_kill.py tests/service/test_stress.py $(PYTEST_ARGS)
 
 # every benchmark is benchmarks/bench_NAME.py, run by `make bench-NAME` (hyphens for
 # underscores: bench-work-beside); BENCH_ARGS go to it, e.g. BENCH_ARGS="--runs 3".

@@ -251,7 +251,7 @@ def transitions(root: Path, pristine: Path, updates: int) -> list[float]:
 
 
 def kill_test(seed: int | None) -> tuple[dict[str, Any] | None, int]:
-    env = {**os.environ, "STEMDECK_KILL_SUMMARY": "1"}
+    env = {"STEMDECK_KILLS": "20", **os.environ, "STEMDECK_KILL_SUMMARY": "1"}
     if seed is not None:
         env["STEMDECK_KILL_SEED"] = str(seed)
     KILL_SUMMARY.unlink(missing_ok=True)
