@@ -24,9 +24,14 @@ import logging
 import os
 import re
 import stat
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 from stemdeck_watch.core.config import (
     OutputSettings,
