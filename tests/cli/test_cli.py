@@ -104,7 +104,9 @@ def test_a_killed_service_restores_its_job_paused_until_a_new_file_arrives(confi
     inbox, outbox = tmp_path / "inbox", tmp_path / "outbox"
     first = RunningService(config)
     try:
-        os.replace(write_song(tmp_path / "long.wav", 25.0), inbox / "long.wav")
+        song = write_song(tmp_path / "long.wav", 25.0)
+        wait_for(inbox.is_dir, 60, "the service to make its inbox")
+        os.replace(song, inbox / "long.wav")
         job = wait_for(lambda: separating(config), 90, "the job to start separating")
         worker = first.worker_pids()[-1]
         first.stop(signal.SIGKILL)  # power cut, OOM killer, kill -9
