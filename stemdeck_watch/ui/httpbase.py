@@ -130,7 +130,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._handle("OPTIONS")  # a CORS preflight gets no CORS headers: refused
 
     def _handle(self, method: str) -> None:
-        raise NotImplementedError
+        """Route one request; a handler with no routes of its own has nothing to serve."""
+        self.close_connection = True
+        self._refuse(404, f"not found: {urlsplit(self.path).path[:200]}")
 
     # ------------------------------------------------------------ requests
 
