@@ -67,8 +67,9 @@ def build(args: Any) -> dict[str, Any]:
         use_inductor_cache,
     )
     from stemdeck_watch.workers.precision import threads_for
-    from stemdeck_watch.workers.worker import load_model
+    from stemdeck_watch.workers.worker import apply_onednn_setting, load_model
 
+    apply_onednn_setting()
     torch.set_num_threads(threads_for(args.threads))
     model = load_model(args.model, args.repo)
     model.to(args.device)

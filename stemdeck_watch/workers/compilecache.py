@@ -194,6 +194,18 @@ class CompileCache:
         folder = self.entry_dir(key)
         if not folder.is_dir() or folder.is_symlink():
             return None
+        problem = self.problem(key)
+        if problem:
+            log.warning("compiled-model cache %s is not usable (%s): removed", folder, problem)
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        return _read_json(folder / ENTRY)
+
+    def problem(self, key: CompileKey) -> str | None:
+        """What is wrong with the entry for `key` (None: it is whole and names `key`)."""
+        folder = self.entry_dir(key)
+        if not folder.is_dir() or folder.is_symlink():
+            return "there is no entry"
         data = _read_json(folder / ENTRY)
         problem = None
         if not isinstance(data, dict) or CompileKey.from_dict(data.get("key")) != key:
@@ -210,11 +222,7 @@ class CompileCache:
                     problem = f"{name} is missing"
                 if problem:
                     break
-        if problem:
-            log.warning("compiled-model cache %s is not usable (%s): removed", folder, problem)
-            shutil.rmtree(folder, ignore_errors=True)
-            return None
-        return data
+        return problem
 
     def verdict(self, key: CompileKey) -> Verdict | None:
         data = _read_json(self.verdict_path(key))

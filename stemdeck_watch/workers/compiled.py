@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from stemdeck_watch.workers.compilecache import (
     INDUCTOR,
@@ -59,7 +59,6 @@ from stemdeck_watch.workers.precision import (
 
 log = logging.getLogger(__name__)
 
-SETTINGS = ("auto", "off", "on")
 MIN_SPEEDUP = 1.15
 
 
@@ -78,20 +77,16 @@ def members(model: Any) -> list[Any]:
 def fingerprint(model: Any) -> str:
     """A digest of the model's classes, sizes and weights: what the compile and its verdict
     were made for."""
+    import torch
+
     digest = hashlib.sha256()
     for member in members(model):
         digest.update(type(member).__qualname__.encode())
         for name, tensor in sorted(member.state_dict().items()):
             data = tensor.detach().cpu().contiguous()
             digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
-            digest.update(data.view(-1).view(dtype=_bytes_dtype()).numpy().tobytes())
+            digest.update(data.view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:24]
-
-
-def _bytes_dtype() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
@@ -118,8 +113,9 @@ def use_inductor_cache(folder: Path) -> None:
 
 
 def compile_members(model: Any) -> list[tuple[Any, Any]]:
-    """Compile each network of `model` (on first call) with its STFTs left eager; returns
-    (member, compiled call) pairs for `using`. The eager model is unchanged until `using`."""
+    """Compile each network of `model` (on first call), with the parts the module docstring
+    names left eager; returns (member, compiled call) pairs for `using`. The model runs
+    eager as before until `using` puts the compiled calls in place."""
     import demucs.transformer
     import torch
 
@@ -137,19 +133,52 @@ def compile_members(model: Any) -> list[tuple[Any, Any]]:
 
 
 @contextlib.contextmanager
-def using(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
-    """While inside, the networks run their compiled code; never compiled again (a shape it
-    was not built for runs eager)."""
+def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
+    """While inside, the networks run their compiled code, and the calls are counted. Never
+    compiled again in the worker: a call its guards refuse (another shape, another mode than
+    it was built for) runs eager, counted as such, and the first is logged with the reason."""
     import torch
 
+    calls = Calls()
     for member, compiled in pairs:
-        member._compiled_call_impl = compiled
+        member._compiled_call_impl = calls.guarded(member, compiled)
     try:
-        with torch.compiler.set_stance("eager_on_recompile"):
-            yield
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield calls
     finally:
         for member, _ in pairs:
             member._compiled_call_impl = None
+
+
+RECOMPILE_REFUSED = "fail_on_recompile"  # in the error torch raises for a refused recompile
+
+
+class Calls:
+    """How many segments ran compiled, and how many eager because the guards refused them."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.eager = 0
+
+    @property
+    def all_compiled(self) -> bool:
+        return self.compiled > 0 and self.eager == 0
+
+    def guarded(self, member: Any, compiled: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = compiled(*args, **kwargs)
+            except RuntimeError as exc:
+                if RECOMPILE_REFUSED not in str(exc):
+                    raise
+                if not self.eager:
+                    log.warning("a segment ran eager: %s", str(exc).splitlines()[-1].strip())
+                self.eager += 1
+                return member._call_impl(*args, **kwargs)
+            self.compiled += 1
+            return out
+
+        return call
 
 
 def first_call(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Any:
@@ -170,19 +199,27 @@ def first_call(model: Any, pairs: list[tuple[Any, Any]], device: str, precision:
     return out
 
 
+def cache_misses() -> int:
+    """Graphs Inductor compiled in this process because its cache did not have them."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("fxgraph_cache_miss", 0))
+
+
 def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> None:
     """Load each compiled network from the cache by calling it directly on silence of the
-    shape `apply_model` gives it (one segment), in the grad and autocast state separation
-    runs in: the compiled code's guards check both."""
+    shape `apply_model` gives it (one segment), made and run as separation makes and runs
+    its input (an inference tensor, under inference mode and autocast): the compiled code's
+    guards check all of it, and a call that fails them runs eager."""
     import torch
 
     for member, compiled in pairs:
         frames = int(float(member.segment) * int(member.samplerate))
         if hasattr(member, "valid_length"):
             frames = int(member.valid_length(frames))
-        silence = torch.zeros(1, int(member.audio_channels), frames, device=device)
         with torch.inference_mode(), autocast(device, precision):
-            out = compiled(silence)
+            # made here: separation hands the model inference tensors, and the guards check
+            out = compiled(torch.zeros(1, int(member.audio_channels), frames, device=device))
         if not bool(torch.isfinite(out).all()):
             raise ValueError("the compiled model's output is not finite")
 
@@ -303,6 +340,9 @@ class CompiledSlot:
         if self.key is None:
             self.key = key_for(model, name, precision, self.device)
         verdict = self.cache.verdict(self.key)
+        if verdict is not None and verdict.speedup is not None:  # this setting's rule, again
+            snr = math.inf if verdict.worst_snr_db is None else verdict.worst_snr_db
+            verdict = decide(self.setting, Measured(verdict.speedup, snr, 0.0, 0.0))
         if verdict is not None and not verdict.use and self.setting == "auto":
             self.state, self.reason = "not used", verdict.reason
             self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
@@ -342,11 +382,20 @@ class CompiledSlot:
         try:
             use_inductor_cache(self.cache.entry_dir(self.key) / INDUCTOR)
             pairs = compile_members(model)
+            misses = cache_misses()
             if verdict is not None and verdict.use:
                 warm(model, pairs, self.device, precision)
             else:
                 first_call(model, pairs, self.device, precision)
             load_seconds = time.monotonic() - started
+            if cache_misses() > misses:  # correct, but compiled afresh: say why it was slow
+                log.warning(
+                    "the compiled model for %s was not all in its cache: %d graph(s) compiled "
+                    "afresh in the worker (%.0f s)",
+                    self.key.model,
+                    cache_misses() - misses,
+                    load_seconds,
+                )
             if verdict is None or (verdict.use is False and self.setting == "on"):
                 verdict = decide(self.setting, measure(model, pairs, self.device, precision))
                 self.cache.record_verdict(self.key, verdict)

@@ -232,17 +232,24 @@ def _built(store: Any, name: str) -> Any:
         ) from None
 
 
+def apply_onednn_setting() -> None:
+    """Turn oneDNN off where $STEMDECK_ONEDNN says so (tests): in the worker, a Ray actor's
+    worker, and the background compile, which must build what the worker runs."""
+    if os.environ.get(ONEDNN_ENV) == "0":
+        import torch
+
+        torch.backends.mkldnn.enabled = False
+
+
 class Worker:
     def __init__(self, device: str, out: TextIO):
-        if os.environ.get(ONEDNN_ENV) == "0":  # here: a Ray actor's worker too
-            import torch
-
-            torch.backends.mkldnn.enabled = False
+        apply_onednn_setting()
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
         self._choices: dict[tuple[str, str | None, str], Choice] = {}
         self._compiled: dict[tuple[str, str | None, str], CompiledSlot] = {}
+        self.ran_compiled = False  # the latest separation ran the compiled model throughout
 
     def model(self, name: str, repo: str | None) -> Any:
         key = (name, repo)
@@ -329,7 +336,7 @@ class Worker:
             "op": "separate",
             "id": job_id,
             "ok": True,
-            "compiled": self._compiled_for(request) is not None,
+            "compiled": self.ran_compiled,
             "stems": {name: str(path) for name, path in paths.items()},
             "samplerate": int(model.samplerate),
             "seconds": time.monotonic() - started,
@@ -380,12 +387,13 @@ class Worker:
             stats = (float(request["mean"]), float(request["std"]))
         sizes = self.sizes(request, model)
         slot = self._compiled_for(request)
+        self.ran_compiled = False
         with (
             autocast(self.device, request.get("precision") or "float32"),
             segments_of(model, sizes["segment"] if sizes["shrink"] else None),
-            using(slot.pairs) if slot is not None else contextlib.nullcontext(),
+            using(slot.pairs) if slot is not None else contextlib.nullcontext() as calls,
         ):
-            return separate_to_files(
+            paths = separate_to_files(
                 model,
                 input_path,
                 output_dir,
@@ -397,6 +405,8 @@ class Worker:
                 window=sizes["window"],
                 on_progress=on_progress,
             )
+        self.ran_compiled = calls is not None and calls.all_compiled
+        return paths
 
 
 def own_segment(model: Any) -> float:

@@ -19,7 +19,7 @@ from stemdeck_watch.workers.compilecache import CompileCache, CompileKey, Compil
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.workers.precision import CALIBRATE_ENV
 
-from support.compiled import BuiltCompile
+from support.compiled import BuiltCompile, require_compiler
 from support.helpers import wait_for
 
 pytestmark = [
@@ -161,6 +161,7 @@ def test_auto_skips_a_small_model_and_says_so_without_a_cxx_compiler(
 def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
     model_repo: Path, tmp_path: Path
 ) -> None:
+    require_compiler()
     cache = tmp_path / "compiled"
     client = client_for(cache)
     try:
