@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             p: precision_round(repo, clips, again, work, p, q) for p in ("float32", "bfloat16")
         }
         # the defaults, on the caches both rounds built and measured
+        write_results(args.out, {"machine": machine(), "rounds": rounds, "partial": True})
         root = work / "defaults"
-        (root / "state").mkdir(parents=True)
+        (root / "state" / "compiled").mkdir(parents=True)
         for p in rounds:
             for entry in (work / f"on-{p}" / "state" / "compiled").iterdir():
                 if entry.is_dir():
