@@ -1,9 +1,12 @@
 """The background compile: `python -m stemdeck_watch.workers.compilebuild`, and its keeper.
 
 Building a compiled model costs minutes of CPU (workers/compiled.py says why it is worth it),
-so it runs in its own process at idle priority (SCHED_IDLE on Linux, else nice 19): it takes
-only the CPU the worker leaves, never holds the worker's GIL or the service's threads, and the
-queue goes on with the eager model meanwhile. It loads the model as the worker does, compiles
+so it runs in its own process group at idle priority (SCHED_IDLE on Linux, else nice 19),
+never holding the worker's GIL or the service's threads, and the queue goes on with the eager
+model meanwhile. Idle priority is not enough on its own: torch's threads leave the cores idle
+for moments many times a second, a build slips into each, and a song separated beside one
+took 2.4× as long here. So while the worker separates, the build (its compiler processes too)
+is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do. It loads the model as the worker does, compiles
 it into a build folder with a random name in the compiled-model cache, runs the synthetic song
 through it once (that is when Inductor builds), checks the stems are finite and makes the
 build an entry (compilecache.py: manifest written and read back, one rename). The worker
@@ -22,6 +25,7 @@ reports that the compiled model it wants is not built, stopped with the service.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -30,11 +34,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
+PID_FILE = "build.pid"  # in the cache: the process group of the build a service started
 
 
 def lower_priority(pid: int = 0) -> str:
@@ -53,6 +58,45 @@ def lower_priority(pid: int = 0) -> str:
     except OSError:
         pass
     return f"nice {os.nice(0)}"
+
+
+def die_with_parent() -> None:
+    """Be killed when the service dies, also while stopped (Linux; elsewhere the parent
+    watch ends a running build, and the next service reaps a stopped one)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def reap(cache: Path) -> None:
+    """Kill what is left of a build an earlier service started and could not end (it was
+    SIGKILLed while the build was stopped): the members of its process group that are
+    still a build or its compiler."""
+    import signal
+
+    try:
+        group = int((cache / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue
+        ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
+        if int(fields[2]) == group and ours:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(int(stat.parent.name), sig)
+                except OSError:
+                    pass
 
 
 def build(args: Any) -> dict[str, Any]:
@@ -103,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     priority = lower_priority()  # first: everything after, torch's threads too, inherits it
+    die_with_parent()
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
     parser.add_argument("--model", required=True)
     parser.add_argument("--repo", default=None)
@@ -148,6 +193,8 @@ class CompileBuilder:
         with self._lock:
             if self._closed or self._building is not None or key in self._ended:
                 return
+            self.cache.mkdir(parents=True, exist_ok=True)
+            reap(self.cache)
             command = [
                 sys.executable,
                 "-m",
@@ -179,6 +226,7 @@ class CompileBuilder:
                 start_new_session=sys.platform != "win32",
             )
             lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
+            (self.cache / PID_FILE).write_text(str(proc.pid))
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
                 "building the compiled model for %s (%s) in the background (pid %d)",
@@ -231,6 +279,30 @@ class CompileBuilder:
             self._building = None
             self._proc = None
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While inside (the worker separates), the build in progress is stopped."""
+        proc = self._proc
+        stopped = proc is not None and self._signal(proc, "SIGSTOP")
+        try:
+            yield
+        finally:
+            if stopped and proc is not None:
+                self._signal(proc, "SIGCONT")
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[str], name: str) -> bool:
+        """Send signal `name` to the build's process group (its compiler processes too)."""
+        import signal
+
+        if sys.platform == "win32" or proc.poll() is not None:
+            return False
+        try:
+            os.killpg(proc.pid, getattr(signal, name))
+            return True
+        except OSError:
+            return False
+
     def result(self, key: str) -> dict[str, Any] | None:
         """How the build of `key` ended in this service's life (None: not ended)."""
         with self._lock:
@@ -247,11 +319,12 @@ class CompileBuilder:
             self._closed = True
             proc = self._proc
         if proc is not None and proc.poll() is None:
-            proc.terminate()
+            self._signal(proc, "SIGTERM")
+            self._signal(proc, "SIGCONT")  # a stopped build could not act on it
             try:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                self._signal(proc, "SIGKILL")
                 proc.wait()
 
 

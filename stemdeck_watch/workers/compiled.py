@@ -285,8 +285,8 @@ def _finite(value: float) -> float | None:
 
 class CompiledSlot:
     """The compiled model for the model a worker holds, in one precision: its state (off,
-    unavailable, building, loading, used, not used, failed), why, and its figures, as the load reply
-    reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
+    unavailable, building, loading, used, not used, failed), why, and its figures, as the
+    load reply reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
 
     def __init__(self, setting: str, cache: CompileCache | None, device: str):
         self.setting = setting

@@ -300,27 +300,30 @@ class WorkerClient:
     def _compile(self, model: ModelInfo, device: str) -> None:
         """Start the background build the worker asked for ("building"); one that failed in
         this service's life is reported, not tried again."""
-        compiled, builder = model.compiled, self.builder
-        if builder is None or compiled.get("state") != "building" or not compiled.get("key"):
+        if self.builder is None:
             return
-        ended = builder.result(compiled["key"])
-        if ended is not None and not ended.get("ok"):
-            compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
-            return
-        builder.request(compiled["key"], model.name, model.repo, model.dtype, device)
+        if self._build_ended(model) is None and model.compiled.get("state") == "building":
+            key = model.compiled["key"]
+            self.builder.request(key, model.name, model.repo, model.dtype, device)
 
     def _compile_news(self, model: ModelInfo) -> bool:
         """Whether the worker may have news of its compiled model: it was loading it, or the
         build it waited for has ended well (then the next load request adopts it)."""
-        state, key = model.compiled.get("state"), model.compiled.get("key")
-        if state == "loading":
+        if model.compiled.get("state") == "loading":
             return True
+        ended = self._build_ended(model)
+        return bool(ended and ended.get("ok"))
+
+    def _build_ended(self, model: ModelInfo) -> dict[str, Any] | None:
+        """How the build the worker waits for ended (None: it has not, or none is awaited);
+        a failed one is written into the model's compiled state."""
+        state, key = model.compiled.get("state"), model.compiled.get("key")
         if self.builder is None or state != "building" or not key:
-            return False
+            return None
         ended = self.builder.result(key)
         if ended is not None and not ended.get("ok"):
             model.compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
-        return bool(ended and ended.get("ok"))
+        return ended
 
     def leaves_room(self) -> bool:
         """Whether other work can run beside a separation without slowing it: the worker
@@ -438,7 +441,9 @@ class WorkerClient:
             proc.on_progress = progress
             started = time.monotonic()
             try:
-                reply = self._call(proc, request, control, watch)
+                # a background compile only runs while the worker has nothing to do
+                with self.builder.held() if self.builder else contextlib.nullcontext():
+                    reply = self._call(proc, request, control, watch)
             finally:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))

@@ -76,7 +76,7 @@ def test_the_build_runs_beside_at_idle_priority_and_the_worker_adopts_it(
     assert after["speedup"] > 0 and (after["worst_snr_db"] is None or after["worst_snr_db"] >= 35)
     assert after["compile_seconds"] > 0 and after["load_seconds"] > 0
     names = sorted(p.name for p in compiled_tiny.root.iterdir())
-    assert names == [compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"], names
+    assert names == ["build.pid", compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"], names
 
 
 def test_a_restarted_worker_loads_it_beside_the_songs_and_separates_with_it(
@@ -170,10 +170,18 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
         info = client.builder.info()
         assert info is not None
         wait_for(lambda: list(cache.glob(".build-*/inductor")), 120, "the build to start")
+        with client.builder.held():  # as while the worker separates: the build is stopped
+            assert process_state(info["pid"]) == "T"
+        assert process_state(info["pid"]) != "T"
         os.kill(info["pid"], signal.SIGKILL)
         wait_for(lambda: client.builder.info() is None, 30, "the builder to see it end")  # type: ignore[union-attr]
         compiled = client.ensure_model("tiny", str(model_repo)).compiled
         assert compiled["state"] == "failed" and "build failed" in compiled["reason"]
     finally:
         client.close()
-    assert [p.name.startswith(".build-") for p in cache.iterdir()] == [True]
+    assert sorted(p.name[:7] for p in cache.iterdir()) == [".build-", "build.p"]
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process `pid` (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
