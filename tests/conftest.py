@@ -21,6 +21,7 @@ from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers.worker import ONEDNN_ENV
 from stemdeck_watch.service import Service
 
+from support.compiled import BuiltCompile, build_tiny
 from support.helpers import JobLog, child_pids, config_data, wait_for
 
 # every worker the tests start (directly, through a service, or a service the CLI starts)
@@ -58,6 +59,13 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
             stdout=subprocess.DEVNULL,
         )
     return folder
+
+
+@pytest.fixture(scope="session")
+def compiled_tiny(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> BuiltCompile:
+    """The tiny model's compiled form (float32, CPU), built and measured once per session as
+    the service does it (tests/support/compiled.py): minutes of CPU, so shared."""
+    return build_tiny(model_repo, tmp_path_factory.mktemp("compiled"))
 
 
 @pytest.fixture

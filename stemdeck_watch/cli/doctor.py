@@ -169,10 +169,19 @@ def check_models(settings: Settings) -> list[Finding]:
         sep, _ = settings.for_preset(preset)
         repo = settings.resolve_model_repo(sep)
         wanted.setdefault((sep.model, str(repo) if repo else None), preset)
+    from stemdeck_watch.workers.compilecache import CompileSettings
+
     findings = []
     sep = settings.separation
     client = WorkerClient(
-        sep.device, worker_env_for(settings), threads=sep.threads, precision=sep.precision
+        sep.device,
+        worker_env_for(settings),
+        threads=sep.threads,
+        precision=sep.precision,
+        compiling=CompileSettings(
+            sep.compile, settings.paths.state / "compiled", sep.compile_cache_mb
+        ),
+        builds=False,  # doctor reports; the service builds
     )
     try:
         for (model, repo), preset in wanted.items():
@@ -197,6 +206,7 @@ def check_models(settings: Settings) -> list[Finding]:
                 )
             )
             findings.append(precision_finding(title, info.precision, client.info()))
+            findings.append(compiled_finding(title, info.compiled))
     finally:
         client.close()
     return findings
@@ -244,6 +254,27 @@ def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
         f"{choice.get('precision', 'float32')} on {worker.get('device')} with "
         f"{worker.get('threads')} thread(s) — {choice.get('reason')}{figures}{cpu}",
     )
+
+
+def compiled_finding(title: str, compiled: dict) -> Finding:
+    """Whether the worker separates a model with its compiled form, and the figures."""
+    state = compiled.get("state", "off")
+    if state == "off":
+        return Finding(True, f"{title} compiled", 'off (separation.compile = "off")')
+    if state == "building":
+        return Finding(
+            True,
+            f"{title} compiled",
+            "not built yet: `run` builds it in the background at idle priority (minutes, "
+            "once per machine and model) and separates with the eager model meanwhile",
+        )
+    figures = []
+    if compiled.get("load_seconds") is not None:
+        figures.append(f"loaded from the cache in {compiled['load_seconds']:.1f} s")
+    if compiled.get("compile_seconds") is not None:
+        figures.append(f"built in {compiled['compile_seconds']:.0f} s")
+    detail = f"{state} — {compiled.get('reason')}" + (f"; {', '.join(figures)}" if figures else "")
+    return Finding(True, f"{title} compiled", detail, warning=state in ("unavailable", "failed"))
 
 
 def check_tray(settings: Settings) -> Finding:

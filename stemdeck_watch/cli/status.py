@@ -147,6 +147,9 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
             f"on {worker.get('device')}, {worker.get('threads')} thread(s) — "
             f"{worker['precision'].get('reason')}"
         )
+    compiled = worker.get("compiled") or {}
+    if compiled.get("state") not in (None, "off"):
+        lines.append(f"compiled: {compiled['state']} — {compiled.get('reason')}")
     for each in status.get("workers") or []:
         if each.get("executor") == "ray":  # where each Ray worker runs
             lines.append(

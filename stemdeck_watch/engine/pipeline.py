@@ -337,6 +337,8 @@ class Pipeline:
                 "versions": self.client.versions,
                 # the precision the worker separated in, and the figures that chose it
                 "precision": dict(model.precision) or {"precision": model.dtype},
+                # whether the compiled model separated it, and where the compile stands
+                "compiled": {**model.compiled, "used": result.compiled},
                 # this was attempt N: the ones before it were cut off by the machine (the worker
                 # died, stalled, ran out of memory), each recorded with its reason
                 "attempts": len(job.faults) + 1,

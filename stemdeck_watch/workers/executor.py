@@ -278,8 +278,22 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
             )
         from stemdeck_watch.workers.local import WorkerClient
 
+        from stemdeck_watch.workers.compilecache import CompileSettings
+
+        compiling = CompileSettings(
+            sep.compile, settings.paths.state / "compiled", sep.compile_cache_mb
+        )
         return Executor(
-            "local", [WorkerClient(sep.device, env, threads=sep.threads, precision=sep.precision)]
+            "local",
+            [
+                WorkerClient(
+                    sep.device,
+                    env,
+                    threads=sep.threads,
+                    precision=sep.precision,
+                    compiling=compiling,
+                )
+            ],
         )
     from stemdeck_watch.workers.cluster import connect
 

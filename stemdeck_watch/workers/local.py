@@ -33,6 +33,8 @@ from stemdeck_watch.core.errors import (
     WorkerStalled,
 )
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.compilebuild import CompileBuilder
+from stemdeck_watch.workers.compilecache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
@@ -183,6 +185,8 @@ class WorkerClient:
         env: dict[str, str] | None = None,
         threads: int = 0,
         precision: str = "auto",
+        compiling: CompileSettings | None = None,
+        builds: bool = True,
     ):
         self.device = device
         self.threads = threads  # separation.threads: 0 = one per physical core
@@ -191,6 +195,15 @@ class WorkerClient:
         # after a cancel reuses them instead of calibrating again
         self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # separation.compile: the worker adopts a compiled model that a background process
+        # builds (workers/compilebuild.py)
+        self.compiling = compiling if compiling and compiling.setting != "off" else None
+        # `builds`: start the build the worker asks for (not where only reporting, as doctor)
+        self.builder = (
+            CompileBuilder(self.compiling.cache, self.compiling.cap_mb, self._env, threads)
+            if self.compiling and builds
+            else None
+        )
         self._lock = threading.Lock()
         self._proc: _Process | None = None
         self._shut = False
@@ -245,7 +258,8 @@ class WorkerClient:
             proc = self._ensure_process(control, device)
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
-                return model
+                if not self._compile_news(model):
+                    return model
             self._loading = True
             try:
                 reply = self._call(
@@ -256,12 +270,14 @@ class WorkerClient:
                         "repo": repo,
                         "precision": setting,
                         "decided": self._decided.get(key),
+                        "compile": self.compiling.request() if self.compiling else None,
                     },
                     control,
                 )
             finally:
                 self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
+            self._compile(proc.model, str((proc.ready or {}).get("device") or "cpu"))
             choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
                 log.info(
@@ -280,6 +296,34 @@ class WorkerClient:
                 choice.get("reason"),
             )
             return proc.model
+
+    def _compile(self, model: ModelInfo, device: str) -> None:
+        """Start the background build the worker asked for ("building"); one that failed in
+        this service's life is reported, not tried again."""
+        if self.builder is None:
+            return
+        if self._build_ended(model) is None and model.compiled.get("state") == "building":
+            key = model.compiled["key"]
+            self.builder.request(key, model.name, model.repo, model.dtype, device)
+
+    def _compile_news(self, model: ModelInfo) -> bool:
+        """Whether the worker may have news of its compiled model: it was loading it, or the
+        build it waited for has ended well (then the next load request adopts it)."""
+        if model.compiled.get("state") == "loading":
+            return True
+        ended = self._build_ended(model)
+        return bool(ended and ended.get("ok"))
+
+    def _build_ended(self, model: ModelInfo) -> dict[str, Any] | None:
+        """How the build the worker waits for ended (None: it has not, or none is awaited);
+        a failed one is written into the model's compiled state."""
+        state, key = model.compiled.get("state"), model.compiled.get("key")
+        if self.builder is None or state != "building" or not key:
+            return None
+        ended = self.builder.result(key)
+        if ended is not None and not ended.get("ok"):
+            model.compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
+        return ended
 
     def leaves_room(self) -> bool:
         """Whether other work can run beside a separation without slowing it: the worker
@@ -305,8 +349,20 @@ class WorkerClient:
             "threads": ready.get("threads"),
             "model": model.name if model else None,
             "precision": dict(model.precision) if model else None,
+            "compiled": self._compiled_info(model),
             "download": dict(self.download) if self.download else None,
         }
+
+    def _compiled_info(self, model: ModelInfo | None) -> dict[str, Any] | None:
+        """The compiled model's state for `status --json` (worker.compiled), with the build
+        in progress."""
+        if model is None or not model.compiled:
+            return None
+        info = dict(model.compiled)
+        building = self.builder.info() if self.builder else None
+        if building and building.get("key") == info.get("key"):
+            info["build"] = {"pid": building["pid"], "started": building["started"]}
+        return info
 
     def _downloading(self, report: dict[str, Any] | None, ended: bool = False) -> None:
         """The worker's download report, passed on (under the lock, so the end is never
@@ -385,7 +441,9 @@ class WorkerClient:
             proc.on_progress = progress
             started = time.monotonic()
             try:
-                reply = self._call(proc, request, control, watch)
+                # a background compile only runs while the worker has nothing to do
+                with self.builder.held() if self.builder else contextlib.nullcontext():
+                    reply = self._call(proc, request, control, watch)
             finally:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
@@ -412,9 +470,13 @@ class WorkerClient:
     def shutdown(self) -> None:
         """Stop the worker and start no new one (the service is stopping)."""
         self._shut = True
+        if self.builder is not None:
+            self.builder.close()
         self.stop()
 
     def close(self) -> None:
+        if self.builder is not None:
+            self.builder.close()
         with self._lock:
             if self._proc is not None:
                 self._proc.close()

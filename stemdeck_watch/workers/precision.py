@@ -180,11 +180,14 @@ def run_once(model: Any, device: str, precision: str, signal: Any) -> tuple[floa
 
 
 def snr_db(reference: Any, estimate: Any) -> float:
-    """Worst per-stem SNR (dB) of `estimate` against `reference`, both (sources, ...)."""
+    """Worst per-stem SNR (dB) of `estimate` against `reference`, both (sources, ...); a stem
+    that is not finite (NaN, infinity) is -inf, never a pass."""
     worst = math.inf
     for ref, est in zip(reference, estimate):
         signal = float((ref.double() ** 2).sum())
         noise = float(((ref.double() - est.double()) ** 2).sum())
+        if not math.isfinite(noise):
+            return -math.inf
         if noise == 0.0:
             continue
         worst = min(worst, 10 * math.log10(max(signal, 1e-30) / noise))

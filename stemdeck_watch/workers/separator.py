@@ -28,6 +28,8 @@ class ModelInfo:
     sources: tuple[str, ...]
     # precision.py's Choice as a dict: the precision in use, why, measured figures
     precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    # compiled.py's CompiledSlot as a dict: whether the compiled model is used, why, figures
+    compiled: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def dtype(self) -> str:
@@ -49,6 +51,7 @@ class ModelInfo:
             reply["audio_channels"],
             tuple(reply["sources"]),
             dict(reply.get("precision") or {}),
+            dict(reply.get("compiled") or {}),
         )
 
 
@@ -63,6 +66,7 @@ class Separation:
     window: float | None = None
     segment: float | None = None
     device: str | None = None
+    compiled: bool = False  # the compiled model separated it
 
     def sizes(self) -> dict[str, Any]:
         """The window, segment and device, for the manifest."""
@@ -70,11 +74,13 @@ class Separation:
 
     @staticmethod
     def from_reply(reply: dict[str, Any]) -> dict[str, Any]:
-        """The window, segment and device fields of a worker's (local or Ray) answer."""
+        """The window, segment, device and compiled fields of a worker's (local or Ray)
+        answer."""
         return {
             "window": reply.get("window"),
             "segment": reply.get("segment"),
             "device": reply.get("device"),
+            "compiled": bool(reply.get("compiled")),
         }
 
 

@@ -5,16 +5,17 @@ loads the model once and serves every job. Protocol (one JSON object per line):
 
 stdin, requests (each may carry "req": N, which its reply echoes):
     {"op": "load", "model": NAME, "repo": PATH|null,
-     "precision": "auto"|"float32"|"bfloat16"|"float16", "decided": CHOICE|null}
+     "precision": "auto"|"float32"|"bfloat16"|"float16", "decided": CHOICE|null,
+     "compile": {"setting": "auto"|"on"|"off", "cache": DIR, "cap_mb": F}|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
      "precision": P, "mean": F, "std": F, "window": F, "shrink": N}  (the last five optional)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
-     "sources": [...], "precision": CHOICE}
+     "sources": [...], "precision": CHOICE, "compiled": COMPILED}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
-     "window": F, "segment": F|null, "device": D, "shrink": N}
+     "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines, `@@download {"model": NAME, "done": BYTES,
@@ -37,6 +38,10 @@ After loading a model the worker chooses its precision (workers/precision.py): w
 "auto" it calibrates once per model load, unless the client passes "decided" (a choice this
 machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 `precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
+COMPILED is `compiled.CompiledSlot.to_dict()`: whether the compiled model is used, why, and
+its figures; "building" asks the service to build it in the background (compilebuild.py), and
+a later load request adopts it once built. "compiled" in a separate reply: whether this song
+ran the compiled code.
 `--threads N` sets torch's thread count (0: one per physical core).
 
 The worker exits when stdin closes or its parent dies, so a killed service never leaves a
@@ -56,6 +61,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from stemdeck_watch.workers.compilecache import CompileCache
+from stemdeck_watch.workers.compiled import CompiledSlot, using
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
 
 PROGRESS_PREFIX = "@@progress "
@@ -85,7 +92,8 @@ def _progress(job_id: str, value: float) -> None:
     sys.stderr.flush()
 
 
-def _watch_parent() -> None:
+def watch_parent() -> None:
+    """Exit when the process that started this one is gone (a killed service)."""
     parent = os.getppid()
     while True:
         time.sleep(1.0)
@@ -224,22 +232,31 @@ def _built(store: Any, name: str) -> Any:
         ) from None
 
 
+def apply_onednn_setting() -> None:
+    """Turn oneDNN off where $STEMDECK_ONEDNN says so (tests): in the worker, a Ray actor's
+    worker, and the background compile, which must build what the worker runs."""
+    if os.environ.get(ONEDNN_ENV) == "0":
+        import torch
+
+        torch.backends.mkldnn.enabled = False
+
+
 class Worker:
     def __init__(self, device: str, out: TextIO):
-        if os.environ.get(ONEDNN_ENV) == "0":  # here: a Ray actor's worker too
-            import torch
-
-            torch.backends.mkldnn.enabled = False
+        apply_onednn_setting()
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
         self._choices: dict[tuple[str, str | None, str], Choice] = {}
+        self._compiled: dict[tuple[str, str | None, str], CompiledSlot] = {}
+        self.ran_compiled = False  # the latest separation ran the compiled model throughout
 
     def model(self, name: str, repo: str | None) -> Any:
         key = (name, repo)
         if key not in self._models:
             self._models.clear()  # one model resident at a time: memory matters more
             self._choices.clear()  # a fresh load is measured afresh
+            self._compiled.clear()
             model = load_model(name, repo)
             model.to(self.device)
             _warm_up(model, self.device)
@@ -261,6 +278,23 @@ class Worker:
             self._choices[key] = choice
         return self._choices[key]
 
+    def compiled(
+        self, name: str, repo: str | None, precision: str, wanted: dict[str, Any] | None
+    ) -> CompiledSlot:
+        """The compiled model for the loaded model in `precision`, as `wanted` (the load
+        request's "compile") asks: adopted from the cache once it is built there."""
+        model = self.model(name, repo)
+        key = (name, repo, precision)
+        slot = self._compiled.get(key)
+        setting = str((wanted or {}).get("setting") or "off")
+        if slot is None or slot.setting != setting:
+            cache = None
+            if wanted and wanted.get("cache"):
+                cache = CompileCache(Path(wanted["cache"]), float(wanted.get("cap_mb") or 2048))
+            slot = self._compiled[key] = CompiledSlot(setting, cache, self.device)
+        slot.refresh(model, name, precision)
+        return slot
+
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "load":
@@ -271,6 +305,9 @@ class Worker:
                 request.get("precision") or "float32",
                 request.get("decided"),
             )
+            slot = self.compiled(
+                request["model"], request.get("repo"), choice.precision, request.get("compile")
+            )
             return {
                 "op": "load",
                 "ok": True,
@@ -279,6 +316,7 @@ class Worker:
                 "audio_channels": int(model.audio_channels),
                 "sources": list(model.sources),
                 "precision": choice.to_dict(),
+                "compiled": slot.to_dict(),
             }
         if op == "separate":
             return self.separate(request)
@@ -298,12 +336,23 @@ class Worker:
             "op": "separate",
             "id": job_id,
             "ok": True,
+            "compiled": self.ran_compiled,
             "stems": {name: str(path) for name, path in paths.items()},
             "samplerate": int(model.samplerate),
             "seconds": time.monotonic() - started,
             "precision": request.get("precision") or "float32",
             **self.sizes(request, model),
         }
+
+    def _compiled_for(self, request: dict[str, Any]) -> CompiledSlot | None:
+        """The compiled model in use for this request's model and precision, unless the
+        request runs another input shape than it was built for (its own segment, or the
+        window and segment shrunk after the memory ran out)."""
+        key = (request["model"], request.get("repo"), request.get("precision") or "float32")
+        slot = self._compiled.get(key)
+        if slot is None or not slot.active or request.get("segment") or request.get("shrink"):
+            return None
+        return slot
 
     def sizes(self, request: dict[str, Any], model: Any) -> dict[str, Any]:
         """The window and segment (seconds) a separate request runs with: as asked, or
@@ -337,11 +386,14 @@ class Worker:
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
         sizes = self.sizes(request, model)
+        slot = self._compiled_for(request)
+        self.ran_compiled = False
         with (
             autocast(self.device, request.get("precision") or "float32"),
             segments_of(model, sizes["segment"] if sizes["shrink"] else None),
+            using(slot.pairs) if slot is not None else contextlib.nullcontext() as calls,
         ):
-            return separate_to_files(
+            paths = separate_to_files(
                 model,
                 input_path,
                 output_dir,
@@ -353,6 +405,8 @@ class Worker:
                 window=sizes["window"],
                 on_progress=on_progress,
             )
+        self.ran_compiled = calls is not None and calls.all_compiled
+        return paths
 
 
 def own_segment(model: Any) -> float:
@@ -472,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     # the protocol owns stdout; anything a library prints goes to stderr instead
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr
-    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
     import demucs
     import torch

@@ -30,8 +30,8 @@ _names = itertools.count()
 
 def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
     """The config of one example: folders under `root` (the outbox given), the tiny model,
-    work beside the worker on, a preset folder, restores not paused, no job failed for
-    being cut off by the test's kills."""
+    compiled, work beside the worker on, a preset folder, restores not paused, no job failed
+    for being cut off by the test's kills."""
     # the link server is on loopback; a link's length is unknown until it is downloaded, so
     # the disk check sizes its download at links.max_duration: at the default 30 minutes that
     # is 72 MB, which the rules' 96 MB disk (less the check's 64 MB margin) rightly has no
@@ -52,6 +52,8 @@ def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
             "on_duplicate": "skip",
         },
     )
+    # the worker adopts the tiny model's compiled form ("on": "auto" skips a model that small)
+    data["separation"]["compile"] = "on"
     data["presets"] = {PRESET: {"two_stems": "vocals"}}
     config = root / "stemdeck.toml"
     config.write_text(tomli_w.dumps(data))

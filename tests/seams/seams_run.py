@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from stemdeck_watch.util.synth import write_song
 
 from seams_service import MediaServer, SmallDisk
+from support.compiled import BuiltCompile
 
 
 @dataclasses.dataclass
@@ -38,12 +39,13 @@ class World:
     songs: list[bytes]
     media: MediaServer
     small_disk: str | None  # why no small disk can be had here (None: it can)
+    compiled: BuiltCompile  # the tiny model's compiled form, built once, for "cached" examples
     # what the examples did (printed after each run: a soak shows what it covered)
     tally: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 @contextlib.contextmanager
-def make_world(tmp: Path, model_repo: Path, songs: int) -> Iterator[World]:
+def make_world(tmp: Path, model_repo: Path, songs: int, compiled: BuiltCompile) -> Iterator[World]:
     """`songs` distinct songs of 1.2 s (one size: `cp -p` can keep size and mtime), served
     for links on loopback too."""
     data = [
@@ -57,7 +59,7 @@ def make_world(tmp: Path, model_repo: Path, songs: int) -> Iterator[World]:
             if os.environ.get("STEMDECK_MODEL_NO_MOUNT")
             else SmallDisk.unavailable(tmp / "probe")
         )
-        yield World(tmp, model_repo, data, media, no_disk)
+        yield World(tmp, model_repo, data, media, no_disk, compiled)
     finally:
         media.close()
 

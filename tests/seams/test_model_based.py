@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stemdeck_watch.stages.publish import MANIFEST
+from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
 from seams_folders import (
     LINK_SLOT,
@@ -54,6 +56,7 @@ from seams_folders import (
 from seams_model import Model, order_kept, outstanding, wait_quiet
 from seams_run import World, make_world, run_profiles
 from seams_service import RegistryView, ServiceProcess, SmallDisk, read_registry
+from support.compiled import BuiltCompile
 
 pytestmark = pytest.mark.slow
 
@@ -117,11 +120,17 @@ class SeamsMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ setup and teardown
 
-    @initialize(small=st.booleans(), first=st.lists(st.integers(0, SONGS - 1), max_size=2))
+    @initialize(
+        small=st.booleans(),
+        first=st.lists(st.integers(0, SONGS - 1), max_size=2),
+        compiled=st.sampled_from(["cached", "cached", "building"]),
+    )
     @guarded
-    def begin(self, small: bool, first: list[int]) -> None:
+    def begin(self, small: bool, first: list[int], compiled: str) -> None:
         """A service on fresh folders (the outbox on a small disk, where one can be had),
-        with up to two songs dropped at once (the same one twice, at times)."""
+        with up to two songs dropped at once (the same one twice, at times). The worker runs
+        the compiled model: found in the cache (loaded beside the first songs), or not built
+        yet (built in the background while the example runs, and stopped with it)."""
         self.root = root = Path(tempfile.mkdtemp(prefix="ex-", dir=self.world.tmp)).resolve()
         for name in ("inbox", "processed", "failed", "state", "trash", "away"):
             (root / name).mkdir()
@@ -133,6 +142,9 @@ class SeamsMachine(RuleBasedStateMachine):
         self.taken = outbox.parent / "taken"  # on the outbox's filesystem: a rename
         self.taken.mkdir()
         config = write_example_config(root, outbox, self.world.model_repo)
+        if compiled == "cached":
+            self.world.compiled.copy_to(root / "state")
+        self.world.tally[f"compiled model {compiled}"] += 1
         self.hands = Hands(root / "inbox", root / "trash", root / "away")
         self.model = Model(root, outbox, self.world.songs)
         self.service = ServiceProcess(config, root / "state", root / "logs")
@@ -436,14 +448,37 @@ class SeamsMachine(RuleBasedStateMachine):
             if not self.service.alive():
                 raise AssertionError(f"the service exited:\n{self.service.tail()}")
             self.check(self.model.check_step(self.view()))
+            assert self.root is not None
+            self.check(whole_compiles(self.root / "state" / "compiled"))
 
 
 # ---------------------------------------------------------------- running it
 
 
+def whole_compiles(root: Path) -> list[str]:
+    """[compiled] every compiled model in the cache is whole: what the build wrote is what
+    its entry lists (a kill, a restart, a worker loading it never leave half of one)."""
+    problems = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        if not folder.is_dir() or folder.name.startswith(BUILD_PREFIX):
+            continue
+        try:
+            data = json.loads((folder / ENTRY).read_text())
+        except (OSError, ValueError) as exc:
+            problems.append(f"[compiled] {folder.name} has no readable entry: {exc}")
+            continue
+        key = CompileKey.from_dict(data.get("key"))
+        problem = "it names no key" if key is None else CompileCache(root).problem(key)
+        if key is not None and key.digest() != folder.name:
+            problem = f"it names {key.digest()}"
+        if problem:
+            problems.append(f"[compiled] {folder.name} is not whole: {problem}")
+    return problems
+
+
 @pytest.fixture
-def world(tmp_path: Path, model_repo: Path) -> Iterator[World]:
-    with make_world(tmp_path, model_repo, SONGS) as made:
+def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iterator[World]:
+    with make_world(tmp_path, model_repo, SONGS, compiled_tiny) as made:
         yield made
 
 

@@ -1,0 +1,335 @@
+"""The background compile: `python -m stemdeck_watch.workers.compilebuild`, and its keeper.
+
+Building a compiled model costs minutes of CPU (workers/compiled.py says why it is worth it),
+so it runs in its own process group at idle priority (SCHED_IDLE on Linux, else nice 19),
+never holding the worker's GIL or the service's threads, and the queue goes on with the eager
+model meanwhile. Idle priority is not enough on its own: torch's threads leave the cores idle
+for moments many times a second, a build slips into each, and a song separated beside one
+took 2.4× as long here. So while the worker separates, the build (its compiler processes too)
+is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do. It loads the model as the worker does, compiles
+it into a build folder with a random name in the compiled-model cache, runs the synthetic song
+through it once (that is when Inductor builds), checks the stems are finite and makes the
+build an entry (compilecache.py: manifest written and read back, one rename). The worker
+adopts the entry between two songs.
+
+    python -m stemdeck_watch.workers.compilebuild --model NAME [--repo DIR] --precision P
+        --device cpu --cache DIR [--cap-mb N] [--threads N]
+
+stdout: one JSON line at the end, {"ok": true, "key": K, "compile_seconds": F, "bytes": N} or
+{"ok": false, "error": TEXT}. It exits when its parent dies.
+
+`CompileBuilder` is the service's side: at most one build at a time, started when the worker
+reports that the compiled model it wants is not built, stopped with the service.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 20
+PID_FILE = "build.pid"  # in the cache: the process group of the build a service started
+
+
+def lower_priority(pid: int = 0) -> str:
+    """Run process `pid` (0: this one), and the compiler processes it starts, only on CPU
+    nobody else wants."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+            return "SCHED_IDLE"
+        except OSError:
+            pass
+    if pid:
+        return "its own"  # nice can only be set for oneself portably: the child does it
+    try:
+        os.nice(19 - os.nice(0))
+    except OSError:
+        pass
+    return f"nice {os.nice(0)}"
+
+
+def die_with_parent() -> None:
+    """Be killed when the service dies, also while stopped (Linux; elsewhere the parent
+    watch ends a running build, and the next service reaps a stopped one)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def reap(cache: Path) -> None:
+    """Kill what is left of a build an earlier service started and could not end (it was
+    SIGKILLed while the build was stopped): the members of its process group that are
+    still a build or its compiler."""
+    import signal
+
+    try:
+        group = int((cache / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue
+        ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
+        if int(fields[2]) == group and ours:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(int(stat.parent.name), sig)
+                except OSError:
+                    pass
+
+
+def build(args: Any) -> dict[str, Any]:
+    """Build the compiled model `args` describes into the cache; what to print."""
+    import torch
+
+    from stemdeck_watch.workers.compilecache import INDUCTOR, CompileCache, folder_bytes
+    from stemdeck_watch.workers.compiled import (
+        compile_members,
+        first_call,
+        key_for,
+        use_inductor_cache,
+    )
+    from stemdeck_watch.workers.precision import threads_for
+    from stemdeck_watch.workers.worker import apply_onednn_setting, load_model
+
+    apply_onednn_setting()
+    torch.set_num_threads(threads_for(args.threads))
+    model = load_model(args.model, args.repo)
+    model.to(args.device)
+    key = key_for(model, args.model, args.precision, args.device)
+    cache = CompileCache(Path(args.cache), args.cap_mb)
+    if cache.entry(key) is not None:
+        return {"ok": True, "key": key.digest(), "already": True}
+    cache.remove_builds()  # a stopped or killed build before this one: never an entry
+    folder = cache.new_build(key)
+    try:
+        use_inductor_cache(folder / INDUCTOR)
+        started = time.monotonic()
+        first_call(model, compile_members(model), args.device, args.precision)
+        seconds = time.monotonic() - started
+        size = folder_bytes(folder)
+        if size > cache.cap_bytes:
+            raise ValueError(
+                f"the compiled model takes {size / 2**20:.0f} MB, more than "
+                f"separation.compile_cache_mb ({cache.cap_bytes / 2**20:.0f} MB)"
+            )
+        cache.commit(folder, key, {"compile_seconds": round(seconds, 1), "bytes": size})
+    finally:
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+    return {"ok": True, "key": key.digest(), "compile_seconds": round(seconds, 1), "bytes": size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    priority = lower_priority()  # first: everything after, torch's threads too, inherits it
+    die_with_parent()
+    parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--repo", default=None)
+    parser.add_argument("--precision", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--cap-mb", type=float, default=2048.0)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
+    from stemdeck_watch.workers.worker import watch_parent
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+    log.info("building at %s", priority)
+    try:
+        result = build(args)
+    except Exception as exc:
+        log.exception("the compile failed")
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    protocol.write(json.dumps(result) + "\n")
+    protocol.flush()
+    return 0 if result["ok"] else 1
+
+
+class CompileBuilder:
+    """At most one background compile at a time; what became of each, by key."""
+
+    def __init__(self, cache: Path, cap_mb: float, env: dict[str, str], threads: int = 0):
+        self.cache = cache
+        self.cap_mb = cap_mb
+        self.env = env
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._building: dict[str, Any] | None = None
+        self._ended: dict[str, dict[str, Any]] = {}  # key → the build's result
+        self._closed = False
+
+    def request(self, key: str, model: str, repo: str | None, precision: str, device: str) -> None:
+        """Build `key` unless it is being built, was built, or failed in this service's life."""
+        with self._lock:
+            if self._closed or self._building is not None or key in self._ended:
+                return
+            self.cache.mkdir(parents=True, exist_ok=True)
+            reap(self.cache)
+            command = [
+                sys.executable,
+                "-m",
+                "stemdeck_watch.workers.compilebuild",
+                "--model",
+                model,
+                "--precision",
+                precision,
+                "--device",
+                device,
+                "--cache",
+                str(self.cache),
+                "--cap-mb",
+                str(self.cap_mb),
+                "--threads",
+                str(self.threads),
+            ]
+            if repo:
+                command += ["--repo", repo]
+            self._proc = proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self.env,
+                text=True,
+                encoding="utf-8",
+                errors="replace",
+                start_new_session=sys.platform != "win32",
+            )
+            lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
+            (self.cache / PID_FILE).write_text(str(proc.pid))
+            self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
+            log.info(
+                "building the compiled model for %s (%s) in the background (pid %d)",
+                model,
+                precision,
+                proc.pid,
+            )
+            threading.Thread(
+                target=self._follow, args=(proc, key), name="compile-build", daemon=True
+            ).start()
+
+    def _follow(self, proc: subprocess.Popen[str], key: str) -> None:
+        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        try:
+            assert proc.stderr is not None and proc.stdout is not None
+            reader = threading.Thread(
+                target=lambda: tail.extend(line.rstrip() for line in proc.stderr or []),
+                daemon=True,
+            )
+            reader.start()
+            with proc.stdout:
+                lines = proc.stdout.read().splitlines()
+            proc.wait()
+            reader.join(5.0)
+            proc.stderr.close()
+            try:
+                result = json.loads(lines[-1]) if lines else {}
+            except ValueError:
+                result = {}
+            if not result:
+                result = {"ok": False, "error": f"the build stopped (exit code {proc.returncode})"}
+            elif result.get("ok") and result.get("key") != key:
+                result = {"ok": False, "error": f"it built {result.get('key')}, not {key}"}
+            if result.get("ok"):
+                log.info(
+                    "compiled model built in %s s (%s)",
+                    result.get("compile_seconds", "?"),
+                    key,
+                )
+            elif not self._closed:
+                log.warning(
+                    "the background compile failed: %s\n%s", result.get("error"), "\n".join(tail)
+                )
+        except Exception:  # a keeper thread never takes the service down
+            log.exception("following the background compile failed")
+            result = {"ok": False, "error": "following the build failed"}
+        with self._lock:
+            if not self._closed:
+                self._ended[key] = result
+            self._building = None
+            self._proc = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While inside (the worker separates), the build in progress is stopped."""
+        proc = self._proc
+        stopped = proc is not None and self._signal(proc, "SIGSTOP")
+        try:
+            yield
+        finally:
+            if stopped and proc is not None:
+                self._signal(proc, "SIGCONT")
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[str], name: str) -> bool:
+        """Send signal `name` to the build's process group (its compiler processes too)."""
+        import signal
+
+        if sys.platform == "win32" or proc.poll() is not None:
+            return False
+        try:
+            os.killpg(proc.pid, getattr(signal, name))
+            return True
+        except OSError:
+            return False
+
+    def result(self, key: str) -> dict[str, Any] | None:
+        """How the build of `key` ended in this service's life (None: not ended)."""
+        with self._lock:
+            return self._ended.get(key)
+
+    def info(self) -> dict[str, Any] | None:
+        """The build in progress, if one runs: key, model, pid, started (time.time())."""
+        with self._lock:
+            return dict(self._building) if self._building else None
+
+    def close(self) -> None:
+        """Stop a build in progress (its folder is never an entry) and start no more."""
+        with self._lock:
+            self._closed = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self._signal(proc, "SIGTERM")
+            self._signal(proc, "SIGCONT")  # a stopped build could not act on it
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._signal(proc, "SIGKILL")
+                proc.wait()
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,421 @@
+"""The compiled model, on the worker's side: prepare it, load it from the cache, measure it.
+
+`torch.compile` (Inductor) makes a full-size HTDemucs about 1.5× faster on a CPU, but
+building it costs minutes, so it never happens in the worker: a background process at idle
+priority builds it into the compiled-model cache (compilebuild.py, compilecache.py) while the
+worker goes on separating with the eager model. Once the build is there the worker adopts it
+between two songs: it loads it (Inductor reads its caches: seconds, not minutes), measures it
+once on the built-in synthetic song exactly as the precision choice measures (precision.py),
+and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
+precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so
+a later worker loads a compile that paid without measuring it again, and never tries one
+that did not until torch, the model or the CPU changes.
+
+Three parts of the model stay eager. The STFT and inverse STFT: Inductor has no kernels for
+complex numbers, and the inverse STFT's overlap-add, traced through, becomes one C++ kernel
+of thousands of loops that takes the compiler longer than the rest of the model together
+(with it a full-size build took 751 s here, without it about two minutes). And the
+transformer's sinusoidal position embeddings, which depend on shapes only: compiled under
+bfloat16 autocast they come out NaN.
+
+The compiled code shares the eager model's weights (no second copy in memory) and is used
+only for the input shape it was built for: a request with its own segment, or one shrunk
+after the memory ran out, runs eager, and torch is told never to compile again in the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from stemdeck_watch.workers.compilecache import (
+    INDUCTOR,
+    CompileCache,
+    CompileKey,
+    Verdict,
+    cpu_identity,
+)
+from stemdeck_watch.workers.precision import (
+    CALIBRATE_ENV,
+    MIN_SNR_DB,
+    SMALL_MODEL_PARAMETERS,
+    autocast,
+    parameter_count,
+    run_once,
+    snr_db,
+    synthetic_signal,
+)
+
+log = logging.getLogger(__name__)
+
+MIN_SPEEDUP = 1.15
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler Inductor would use on a CPU ($CXX, else g++; clang++ on macOS), if it
+    is installed."""
+    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return shutil.which(name)
+
+
+def members(model: Any) -> list[Any]:
+    """The networks of a model or of a bag of models."""
+    return list(getattr(model, "models", None) or [model])
+
+
+def fingerprint(model: Any) -> str:
+    """A digest of the model's classes, sizes and weights: what the compile and its verdict
+    were made for."""
+    import torch
+
+    digest = hashlib.sha256()
+    for member in members(model):
+        digest.update(type(member).__qualname__.encode())
+        for name, tensor in sorted(member.state_dict().items()):
+            data = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
+            digest.update(data.view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
+    import torch
+
+    return CompileKey(
+        model=name,
+        fingerprint=fingerprint(model),
+        precision=precision,
+        device=device.split(":")[0],
+        torch=torch.__version__,
+        python=f"{platform.python_implementation()}-{sys.version_info[0]}.{sys.version_info[1]}",
+        cpu=cpu_identity(),
+    )
+
+
+def use_inductor_cache(folder: Path) -> None:
+    """Have Inductor read and write its caches in `folder` from now on in this process."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()  # paths it worked out for an earlier folder
+
+
+def compile_members(model: Any) -> list[tuple[Any, Any]]:
+    """Compile each network of `model` (on first call), with the parts the module docstring
+    names left eager; returns (member, compiled call) pairs for `using`. The model runs
+    eager as before until `using` puts the compiled calls in place."""
+    import demucs.transformer
+    import torch
+
+    for name in ("create_sin_embedding", "create_2d_sin_embedding"):
+        function = getattr(demucs.transformer, name, None)
+        if function is not None and not hasattr(function, "_torchdynamo_disable"):
+            setattr(demucs.transformer, name, torch.compiler.disable(function))
+    pairs = []
+    for member in members(model):
+        for method in ("_spec", "_ispec"):
+            if hasattr(member, method) and method not in vars(member):
+                setattr(member, method, torch.compiler.disable(getattr(member, method)))
+        pairs.append((member, torch.compile(member._call_impl, dynamic=False)))
+    return pairs
+
+
+@contextlib.contextmanager
+def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
+    """While inside, the networks run their compiled code, and the calls are counted. Never
+    compiled again in the worker: a call its guards refuse (another shape, another mode than
+    it was built for) runs eager, counted as such, and the first is logged with the reason."""
+    import torch
+
+    calls = Calls()
+    for member, compiled in pairs:
+        member._compiled_call_impl = calls.guarded(member, compiled)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield calls
+    finally:
+        for member, _ in pairs:
+            member._compiled_call_impl = None
+
+
+RECOMPILE_REFUSED = "fail_on_recompile"  # in the error torch raises for a refused recompile
+
+
+class Calls:
+    """How many segments ran compiled, and how many eager because the guards refused them."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.eager = 0
+
+    @property
+    def all_compiled(self) -> bool:
+        return self.compiled > 0 and self.eager == 0
+
+    def guarded(self, member: Any, compiled: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = compiled(*args, **kwargs)
+            except RuntimeError as exc:
+                if RECOMPILE_REFUSED not in str(exc):
+                    raise
+                if not self.eager:
+                    log.warning("a segment ran eager: %s", str(exc).splitlines()[-1].strip())
+                self.eager += 1
+                return member._call_impl(*args, **kwargs)
+            self.compiled += 1
+            return out
+
+        return call
+
+
+def first_call(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Any:
+    """Run the synthetic song through the compiled model once (this is when Inductor builds
+    it or reads it from its cache): the stems, float32."""
+    import torch
+
+    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+    for member, compiled in pairs:
+        member._compiled_call_impl = compiled
+    try:
+        _, out = run_once(model, device, precision, signal)
+    finally:
+        for member, _ in pairs:
+            member._compiled_call_impl = None
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("the compiled model's stems are not finite")
+    return out
+
+
+def cache_misses() -> int:
+    """Graphs Inductor compiled in this process because its cache did not have them."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("fxgraph_cache_miss", 0))
+
+
+def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> None:
+    """Load each compiled network from the cache by calling it directly on silence of the
+    shape `apply_model` gives it (one segment), made and run as separation makes and runs
+    its input (an inference tensor, under inference mode and autocast): the compiled code's
+    guards check all of it, and a call that fails them runs eager."""
+    import torch
+
+    for member, compiled in pairs:
+        frames = int(float(member.segment) * int(member.samplerate))
+        if hasattr(member, "valid_length"):
+            frames = int(member.valid_length(frames))
+        with torch.inference_mode(), autocast(device, precision):
+            # made here: separation hands the model inference tensors, and the guards check
+            out = compiled(torch.zeros(1, int(member.audio_channels), frames, device=device))
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError("the compiled model's output is not finite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    speedup: float  # eager seconds / compiled seconds, in the same precision
+    worst_snr_db: float  # compiled against float32
+    seconds_eager: float
+    seconds_compiled: float
+
+
+def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Measured:
+    """The compiled model against the eager one in `precision` on the synthetic song, and its
+    stems against float32. Eager and compiled runs alternate (twice each, the faster of each
+    kept), so a burst of other work on the machine hits both alike."""
+    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+    eager, compiled = [], []
+    out = None
+    for _ in range(2):
+        eager.append(run_once(model, device, precision, signal)[0])
+        with using(pairs):
+            seconds, out = run_once(model, device, precision, signal)
+        compiled.append(seconds)
+    _, reference = run_once(model, device, "float32", signal)
+    return Measured(
+        min(eager) / max(min(compiled), 1e-9), snr_db(reference, out), min(eager), min(compiled)
+    )
+
+
+def decide(setting: str, measured: Measured) -> Verdict:
+    """The measured rule: used if ≥ MIN_SPEEDUP× faster and ≥ MIN_SNR_DB on every stem
+    (`on`: whatever its speed, never less accurate)."""
+    fast = measured.speedup >= MIN_SPEEDUP
+    accurate = measured.worst_snr_db >= MIN_SNR_DB
+    snr = "identical" if math.isinf(measured.worst_snr_db) else f"{measured.worst_snr_db:.1f} dB"
+    figures = f"{measured.speedup:.2f}× the eager model's speed, worst stem {snr} against float32"
+    if accurate and (fast or setting == "on"):
+        return Verdict(
+            True,
+            f"compiled: {figures}",
+            measured.speedup,
+            _finite(measured.worst_snr_db),
+            time.time(),
+        )
+    why = []
+    if not fast:
+        why.append(f"needs {MIN_SPEEDUP}×")
+    if not accurate:
+        why.append(f"needs {MIN_SNR_DB:.0f} dB")
+    return Verdict(
+        False,
+        f"not worth it: {figures} ({', '.join(why)})",
+        measured.speedup,
+        _finite(measured.worst_snr_db),
+        time.time(),
+    )
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no infinity
+
+
+class CompiledSlot:
+    """The compiled model for the model a worker holds, in one precision: its state (off,
+    unavailable, building, loading, used, not used, failed), why, and its figures, as the
+    load reply reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
+
+    def __init__(self, setting: str, cache: CompileCache | None, device: str):
+        self.setting = setting
+        self.cache = cache
+        self.device = device
+        self.state = "off"
+        self.reason = "separation.compile is off"
+        self.key: CompileKey | None = None
+        self.pairs: list[tuple[Any, Any]] = []
+        self.figures: dict[str, Any] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.state == "used"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "setting": self.setting,
+            "state": self.state,
+            "reason": self.reason,
+            "key": self.key.digest() if self.key else None,
+            **self.figures,
+        }
+
+    def refresh(self, model: Any, name: str, precision: str) -> dict[str, Any]:
+        """Where the compiled model stands now; adopts a build that has appeared since."""
+        if self.setting == "off" or self.cache is None:
+            return self.to_dict()
+        if self.state in ("used", "loading", "unavailable", "failed", "not used"):
+            return self.to_dict()
+        if not self.device.startswith("cpu"):
+            self.state, self.reason = "unavailable", f"compiling is for the CPU, not {self.device}"
+            return self.to_dict()
+        if cxx_compiler() is None:
+            self.state = "unavailable"
+            self.reason = (
+                "no C++ compiler (Inductor needs one on a CPU: install g++, or set $CXX); "
+                "separating with the eager model"
+            )
+            log.warning("compiled model: %s", self.reason)
+            return self.to_dict()
+        params = parameter_count(model)
+        if (
+            self.setting == "auto"
+            and params < SMALL_MODEL_PARAMETERS
+            and os.environ.get(CALIBRATE_ENV) != "always"
+        ):
+            self.state = "not used"
+            self.reason = f"a small model ({params:,} parameters) cannot pay for a compile"
+            return self.to_dict()
+        if self.key is None:
+            self.key = key_for(model, name, precision, self.device)
+        verdict = self.cache.verdict(self.key)
+        if verdict is not None and verdict.speedup is not None:  # this setting's rule, again
+            snr = math.inf if verdict.worst_snr_db is None else verdict.worst_snr_db
+            verdict = decide(self.setting, Measured(verdict.speedup, snr, 0.0, 0.0))
+        if verdict is not None and not verdict.use and self.setting == "auto":
+            self.state, self.reason = "not used", verdict.reason
+            self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
+            return self.to_dict()
+        entry = self.cache.entry(self.key)
+        if entry is None:
+            self.state = "building"
+            self.reason = "being built in the background; separating with the eager model"
+            return self.to_dict()
+        if verdict is not None and verdict.use:  # measured before: load it beside the songs
+            self.state = "loading"
+            self.reason = (
+                f"loading from the cache (measured before: {verdict.reason}); separating "
+                f"with the eager model meanwhile"
+            )
+            self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
+            threading.Thread(
+                target=self._adopt,
+                args=(model, precision, entry, verdict),
+                name="compiled-load",
+                daemon=True,
+            ).start()
+            return self.to_dict()
+        self._adopt(model, precision, entry, verdict)
+        return self.to_dict()
+
+    def _adopt(
+        self, model: Any, precision: str, entry: dict[str, Any], verdict: Verdict | None
+    ) -> None:
+        """Load the compiled model from its entry; measure it unless a verdict says whether
+        it pays. Without a verdict this runs between two songs (the measure must have the
+        machine to itself); with one, in a thread beside the songs, which run eager until
+        the compiled model is in place: it is called directly, never through the model the
+        songs run, so neither sees the other's half-built state."""
+        assert self.cache is not None and self.key is not None
+        started = time.monotonic()
+        try:
+            use_inductor_cache(self.cache.entry_dir(self.key) / INDUCTOR)
+            pairs = compile_members(model)
+            misses = cache_misses()
+            if verdict is not None and verdict.use:
+                warm(model, pairs, self.device, precision)
+            else:
+                first_call(model, pairs, self.device, precision)
+            load_seconds = time.monotonic() - started
+            if cache_misses() > misses:  # correct, but compiled afresh: say why it was slow
+                log.warning(
+                    "the compiled model for %s was not all in its cache: %d graph(s) compiled "
+                    "afresh in the worker (%.0f s)",
+                    self.key.model,
+                    cache_misses() - misses,
+                    load_seconds,
+                )
+            if verdict is None or (verdict.use is False and self.setting == "on"):
+                verdict = decide(self.setting, measure(model, pairs, self.device, precision))
+                self.cache.record_verdict(self.key, verdict)
+        except Exception as exc:  # a compile that fails is never worth a failed song
+            log.exception("compiled model could not be loaded; separating with the eager model")
+            self.state, self.reason, self.pairs = "failed", f"could not be loaded: {exc}", []
+            return
+        self.cache.touch(self.key)
+        self.figures = {
+            "speedup": verdict.speedup,
+            "worst_snr_db": verdict.worst_snr_db,
+            "load_seconds": round(load_seconds, 2),
+            "compile_seconds": entry.get("compile_seconds"),
+        }
+        self.pairs = pairs if verdict.use else []
+        self.reason = verdict.reason
+        self.state = "used" if verdict.use else "not used"  # last: the songs read it
+        log.info(
+            "compiled model for %s: %s (loaded in %.1f s)",
+            self.key.model,
+            self.reason,
+            load_seconds,
+        )

@@ -1,0 +1,70 @@
+"""The tiny model's compiled form, built once per test session the way the service builds it:
+a worker reports it missing, its client starts the background build (a process at idle
+priority: Inductor and a C++ compiler), and the worker adopts and measures it. Tests copy the
+cache into their own state folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stemdeck_watch.workers.compilecache import CompileSettings
+from stemdeck_watch.workers.compiled import cxx_compiler
+from stemdeck_watch.workers.local import WorkerClient
+
+BUILD_TIMEOUT = 900.0  # a cold build of the tiny model: about 90 s on 2 quiet cores
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltCompile:
+    root: Path  # a compiled-model cache: tiny, float32, CPU, built and measured
+    key: str
+    policies: frozenset[int]  # the scheduling policies the build process was seen in
+    before: dict[str, Any]  # the worker's report while it was being built
+    after: dict[str, Any]  # ...and once it adopted it
+
+    def copy_to(self, state: Path) -> Path:
+        """This cache as `<state>/compiled` (where the service keeps it)."""
+        target = state / "compiled"
+        shutil.copytree(self.root, target, symlinks=True)
+        return target
+
+
+def require_compiler() -> None:
+    """Skip (locally) or fail (CI=true) where Inductor has no C++ compiler."""
+    if cxx_compiler() is not None:
+        return
+    reason = "no C++ compiler for Inductor (apt install g++, or set $CXX)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI must run the compiled-model tests")
+    pytest.skip(reason)
+
+
+def build_tiny(model_repo: Path, root: Path) -> BuiltCompile:
+    require_compiler()
+    client = WorkerClient("cpu", precision="float32", compiling=CompileSettings("on", root))
+    try:
+        before = dict(client.ensure_model("tiny", str(model_repo)).compiled)
+        assert client.builder is not None
+        policies = set()
+        deadline = time.monotonic() + BUILD_TIMEOUT
+        while (info := client.builder.info()) is not None:
+            try:
+                policies.add(os.sched_getscheduler(info["pid"]))
+            except OSError:
+                pass  # it ended meanwhile
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the tiny model's compile took over {BUILD_TIMEOUT} s")
+            time.sleep(0.2)
+        result = client.builder.result(before["key"])
+        assert result and result.get("ok"), f"the tiny model's compile failed: {result}"
+        after = dict(client.ensure_model("tiny", str(model_repo)).compiled)
+    finally:
+        client.close()
+    return BuiltCompile(root, before["key"], frozenset(policies), before, after)

@@ -1,0 +1,187 @@
+"""The compiled model for real: Inductor, a C++ compiler, the background build at idle
+priority, the worker adopting it, measuring it and separating with it (the tiny model, float32;
+built once per session: tests/support/compiled.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.compilecache import CompileCache, CompileKey, CompileSettings, Verdict
+from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.workers.precision import CALIBRATE_ENV
+
+from support.compiled import BuiltCompile, require_compiler
+from support.helpers import wait_for
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="Inductor's CPU compile, tried on Linux"),
+]
+SR = 44100
+
+
+def song(folder: Path, seconds: float = 6.0) -> Path:
+    path = folder / "mix.npy"
+    rng = np.random.default_rng(1)
+    np.save(path, (0.1 * rng.standard_normal((2, int(seconds * SR)))).astype(np.float32))
+    return path
+
+
+def separate(client: WorkerClient, repo: Path, source: Path, out: Path, segment=None):
+    result = client.separate(
+        "job",
+        "tiny",
+        str(repo),
+        source,
+        out,
+        shifts=0,
+        overlap=0.25,
+        segment=segment,
+        control=JobControl("job"),
+        on_progress=lambda v: None,
+        precision="float32",
+    )
+    return result, {k: np.load(v) for k, v in result.stems.items()}
+
+
+def worst_snr(reference: dict, estimate: dict) -> float:
+    worst = math.inf
+    for name, ref in reference.items():
+        noise = float(((ref.astype(np.float64) - estimate[name]) ** 2).sum())
+        if noise:
+            worst = min(worst, 10 * math.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
+    return worst
+
+
+def client_for(cache: Path, setting: str = "on", env: dict | None = None) -> WorkerClient:
+    return WorkerClient("cpu", env, precision="float32", compiling=CompileSettings(setting, cache))
+
+
+def test_the_build_runs_beside_at_idle_priority_and_the_worker_adopts_it(
+    compiled_tiny: BuiltCompile,
+) -> None:
+    before, after = compiled_tiny.before, compiled_tiny.after
+    assert before["state"] == "building" and "background" in before["reason"]
+    assert compiled_tiny.policies == {os.SCHED_IDLE}, "the build only takes idle CPU"
+    assert after["state"] == "used", after
+    assert after["speedup"] > 0 and (after["worst_snr_db"] is None or after["worst_snr_db"] >= 35)
+    assert after["compile_seconds"] > 0 and after["load_seconds"] > 0
+    names = sorted(p.name for p in compiled_tiny.root.iterdir())
+    assert names == ["build.pid", compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"], names
+
+
+def test_a_restarted_worker_loads_it_beside_the_songs_and_separates_with_it(
+    compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
+) -> None:
+    cache = compiled_tiny.copy_to(tmp_path)
+    source = song(tmp_path)
+    eager = WorkerClient("cpu", precision="float32")
+    client = client_for(cache)
+    try:
+        _, reference = separate(eager, model_repo, source, tmp_path / "eager")
+        first = client.ensure_model("tiny", str(model_repo)).compiled
+        assert first["state"] == "loading", "measured before: loaded beside the songs"
+        # killed while it loads: nothing of the cache changes; the next worker loads it again
+        os.kill(client.pid or 0, signal.SIGKILL)
+        wait_for(lambda: client.pid is None, 10, "the killed worker to be gone")
+        result, _ = separate(client, model_repo, source, tmp_path / "during")
+        wait_for(
+            lambda: client.ensure_model("tiny", str(model_repo)).compiled["state"] == "used",
+            300,
+            "the restarted worker to load the compiled model",
+        )
+        result, stems = separate(client, model_repo, source, tmp_path / "compiled")
+        assert result.compiled, "the song ran the compiled code"
+        assert worst_snr(reference, stems) >= 35
+        # another input shape than it was built for runs eager, never compiles again
+        result, _ = separate(client, model_repo, source, tmp_path / "segment", segment=2.0)
+        assert not result.compiled
+        assert client.info()["compiled"]["state"] == "used"
+    finally:
+        client.close()
+        eager.close()
+    key = CompileKey.from_dict(
+        json.loads((cache / compiled_tiny.key / "entry.json").read_text())["key"]
+    )
+    assert key is not None and CompileCache(cache).entry(key) is not None, "still whole"
+
+
+def test_a_compile_that_did_not_pay_is_never_tried_again(
+    compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
+) -> None:
+    cache = compiled_tiny.copy_to(tmp_path)
+    store = CompileCache(cache)
+    key = CompileKey.from_dict(
+        json.loads((cache / compiled_tiny.key / "entry.json").read_text())["key"]
+    )
+    assert key is not None
+    store.record_verdict(key, Verdict(False, "not worth it: 1.02× (needs 1.15×)", 1.02, 60.0))
+    client = client_for(cache, "auto", {CALIBRATE_ENV: "always"})
+    try:
+        compiled = client.ensure_model("tiny", str(model_repo)).compiled
+        assert compiled["state"] == "not used" and "1.02×" in compiled["reason"]
+        assert client.builder is not None and client.builder.info() is None, "no new build"
+        result, _ = separate(client, model_repo, song(tmp_path), tmp_path / "out")
+        assert not result.compiled
+    finally:
+        client.close()
+    assert not (cache / compiled_tiny.key).exists()
+
+
+def test_auto_skips_a_small_model_and_says_so_without_a_cxx_compiler(
+    model_repo: Path, tmp_path: Path
+) -> None:
+    small = client_for(tmp_path / "a", "auto")
+    missing = client_for(
+        tmp_path / "b", "auto", {"CXX": str(tmp_path / "no-such-c++"), CALIBRATE_ENV: "always"}
+    )
+    try:
+        compiled = small.ensure_model("tiny", str(model_repo)).compiled
+        assert compiled["state"] == "not used" and "small model" in compiled["reason"]
+        compiled = missing.ensure_model("tiny", str(model_repo)).compiled
+        assert compiled["state"] == "unavailable" and "C++ compiler" in compiled["reason"]
+        result, _ = separate(missing, model_repo, song(tmp_path), tmp_path / "out")
+        assert not result.compiled
+        assert small.builder.info() is None and missing.builder.info() is None  # type: ignore[union-attr]
+    finally:
+        small.close()
+        missing.close()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
+    model_repo: Path, tmp_path: Path
+) -> None:
+    require_compiler()
+    cache = tmp_path / "compiled"
+    client = client_for(cache)
+    try:
+        assert client.ensure_model("tiny", str(model_repo)).compiled["state"] == "building"
+        assert client.builder is not None
+        info = client.builder.info()
+        assert info is not None
+        wait_for(lambda: list(cache.glob(".build-*/inductor")), 120, "the build to start")
+        with client.builder.held():  # as while the worker separates: the build is stopped
+            assert process_state(info["pid"]) == "T"
+        assert process_state(info["pid"]) != "T"
+        os.kill(info["pid"], signal.SIGKILL)
+        wait_for(lambda: client.builder.info() is None, 30, "the builder to see it end")  # type: ignore[union-attr]
+        compiled = client.ensure_model("tiny", str(model_repo)).compiled
+        assert compiled["state"] == "failed" and "build failed" in compiled["reason"]
+    finally:
+        client.close()
+    assert sorted(p.name[:7] for p in cache.iterdir()) == [".build-", "build.p"]
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process `pid` (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
