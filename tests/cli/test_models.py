@@ -148,7 +148,7 @@ def test_a_pull_interrupted_by_ctrl_c_resumes_where_it_stopped(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaped, its pipes closed (left open, a later test sees them)
     assert proc.returncode == 1, out + err
     assert "interrupted at 0.2 / 0.5 MB" in err and "again to resume" in err
     assert model_files(cache) == set()  # a partial download is never a model file
