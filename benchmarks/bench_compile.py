@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -37,8 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_precision import MODEL, STEMS, build_model
-from harness import machine, parser as bench_parser, wait_quiet, write_results
+from bench_precision import MODEL, build_model, stems_snr
+from harness import machine, parser as bench_parser, wait_quiet, wait_until, write_results
+
+from stemdeck_watch.util.safefile import open_new, temp_name
+
+BUILD_TIMEOUT = 3600.0  # seconds: a cold build of the full-size model took about 2 minutes
+LOAD_TIMEOUT = 600.0  # ...and loading it from the cache about 20 s
 
 
 def in_process(repo: Path, clips: list[Path], precision: str, out: Path) -> None:
@@ -123,11 +127,21 @@ class Run:
     def model(self) -> Any:
         return self.service.client.ensure_model(MODEL, str(self.repo), precision=self.precision)
 
+    def wait_loaded(self) -> float:
+        """Seconds until the worker has loaded its compiled model from the cache."""
+        return wait_until(
+            lambda: self.model().compiled.get("state") != "loading",
+            LOAD_TIMEOUT,
+            "the compiled model to load",
+            interval=0.25,
+        )
+
     def drop(self, clip: Path) -> tuple[float, dict[str, Any]]:
         """Rename `clip` into the inbox; seconds until its stems folder is published, and
         its manifest."""
-        staged = self.root / f".{clip.name}"
-        shutil.copyfile(clip, staged)
+        staged = self.root / temp_name(clip.name)
+        with clip.open("rb") as source, open_new(staged) as target:
+            shutil.copyfileobj(source, target)
         event = self.ended.setdefault(clip.stem, threading.Event())
         started = time.monotonic()
         os.replace(staged, self.settings.paths.inbox / clip.name)
@@ -143,21 +157,6 @@ class Run:
         if self.service is not None:
             self.service.shutdown()
             self.service = None
-
-
-def stems_snr(a: Path, b: Path, clips: list[Path]) -> float:
-    import numpy as np
-    import soundfile
-
-    worst = math.inf
-    for clip in clips:
-        for stem in STEMS:
-            ref, _ = soundfile.read(a / clip.stem / f"{stem}.wav", dtype="float64")
-            est, _ = soundfile.read(b / clip.stem / f"{stem}.wav", dtype="float64")
-            noise = float(np.sum((ref - est) ** 2))
-            if noise > 0:
-                worst = min(worst, 10 * math.log10(float(np.sum(ref**2)) / noise))
-    return worst
 
 
 def service_clips(run: Run, clips: list[Path]) -> dict[str, Any]:
@@ -210,8 +209,7 @@ def precision_round(
         result["cold_start"] = run.start()
         first = service_clips(run, clips[:1])  # with the build running beside it
         builder = run.service.client.builder
-        while builder.info() is not None:
-            time.sleep(0.5)
+        wait_until(lambda: builder.info() is None, BUILD_TIMEOUT, "the background build")
         key = result["cold_start"]["compiled"].get("key")
         result["build"] = builder.result(key)
         result["cold_first_clip"] = first
@@ -224,10 +222,7 @@ def precision_round(
     q()
     try:
         restart = run.start()
-        started = time.monotonic()
-        while run.model().compiled.get("state") == "loading":
-            time.sleep(0.25)
-        restart["until_compiled"] = time.monotonic() - started + restart["load_seconds"]
+        restart["until_compiled"] = run.wait_loaded() + restart["load_seconds"]
         restart["compiled"] = dict(run.model().compiled)
         result["restart"] = restart
         result["on"] = service_clips(run, again)
@@ -289,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(repo, root, "auto", "auto")
         try:
             defaults = run.start()
-            while run.model().compiled.get("state") == "loading":
-                time.sleep(0.25)
+            run.wait_loaded()
             defaults["compiled"] = dict(run.model().compiled)
             defaults["precision"] = dict(run.model().precision)
             defaults.update(service_clips(run, clips))

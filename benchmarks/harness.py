@@ -98,6 +98,19 @@ def wait_quiet(limit: float, patience: float) -> float | None:
             return other
 
 
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1
+) -> float:
+    """Poll `predicate` until it is true; the seconds it took. RuntimeError after `timeout`
+    seconds, naming `what` was awaited."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
 def with_load(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """fn(*args) and the cores other processes kept busy meanwhile."""
     t, cpu = time.monotonic(), cpu_snapshot()

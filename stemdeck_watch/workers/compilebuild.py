@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from stemdeck_watch.util.safefile import read_regular_text, write_replacing
+
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
@@ -81,7 +83,7 @@ def reap(cache: Path) -> None:
     import signal
 
     try:
-        group = int((cache / PID_FILE).read_text())
+        group = int(read_regular_text(cache / PID_FILE, 64))
     except (OSError, ValueError):
         return
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -226,7 +228,7 @@ class CompileBuilder:
                 start_new_session=sys.platform != "win32",
             )
             lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
-            (self.cache / PID_FILE).write_text(str(proc.pid))
+            write_replacing(self.cache / PID_FILE, str(proc.pid))
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
                 "building the compiled model for %s (%s) in the background (pid %d)",

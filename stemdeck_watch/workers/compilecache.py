@@ -30,12 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stemdeck_watch.util.safefile import read_json, write_replacing
+
 log = logging.getLogger(__name__)
 
 ENTRY = "entry.json"
 INDUCTOR = "inductor"  # TORCHINDUCTOR_CACHE_DIR of an entry
 BUILD_PREFIX = ".build-"
 VERDICT_SUFFIX = ".verdict.json"
+JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
 # how the model is prepared for the compiler (workers/compiled.py): a change of it makes every
 # entry foreign
 RECIPE = 1
@@ -109,25 +112,17 @@ def cpu_identity() -> str:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `path` whole or not at all: a random temporary name, fsync, read back, rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    text = json.dumps(data, indent=1, sort_keys=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if json.loads(tmp.read_text(encoding="utf-8")) != json.loads(text):
-            raise OSError(f"{tmp} did not read back as written")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write `path` whole or not at all (util/safefile.py: a random name created with
+    O_EXCL|O_NOFOLLOW, fsync, rename), then read it back: a cache entry is only ever
+    trusted as written."""
+    write_replacing(path, json.dumps(data, indent=1, sort_keys=True))
+    if _read_json(path) != json.loads(json.dumps(data)):
+        raise OSError(f"{path} did not read back as written")
 
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path, JSON_LIMIT)
     except (OSError, ValueError):
         return None
 
@@ -194,35 +189,35 @@ class CompileCache:
         folder = self.entry_dir(key)
         if not folder.is_dir() or folder.is_symlink():
             return None
-        problem = self.problem(key)
+        problem, data = self._check(key)
         if problem:
             log.warning("compiled-model cache %s is not usable (%s): removed", folder, problem)
             shutil.rmtree(folder, ignore_errors=True)
             return None
-        return _read_json(folder / ENTRY)
+        return data
 
     def problem(self, key: CompileKey) -> str | None:
         """What is wrong with the entry for `key` (None: it is whole and names `key`)."""
+        return self._check(key)[0]
+
+    def _check(self, key: CompileKey) -> tuple[str | None, dict[str, Any]]:
+        """What is wrong with the entry for `key`, if anything, and its entry.json."""
         folder = self.entry_dir(key)
         if not folder.is_dir() or folder.is_symlink():
-            return "there is no entry"
+            return "there is no entry", {}
         data = _read_json(folder / ENTRY)
-        problem = None
         if not isinstance(data, dict) or CompileKey.from_dict(data.get("key")) != key:
-            problem = "it was built for something else"
-        else:
-            for name, (size, digest) in dict(data.get("files") or {}).items():
-                path = folder / name
-                try:
-                    if path.is_symlink() or path.stat().st_size != size:
-                        problem = f"{name} changed"
-                    elif file_digest(path) != digest:
-                        problem = f"{name} is damaged"
-                except OSError:
-                    problem = f"{name} is missing"
-                if problem:
-                    break
-        return problem
+            return "it was built for something else", {}
+        for name, (size, digest) in dict(data.get("files") or {}).items():
+            path = folder / name
+            try:
+                if path.is_symlink() or path.stat().st_size != size:
+                    return f"{name} changed", data
+                if file_digest(path) != digest:
+                    return f"{name} is damaged", data
+            except OSError:
+                return f"{name} is missing", data
+        return None, data
 
     def verdict(self, key: CompileKey) -> Verdict | None:
         data = _read_json(self.verdict_path(key))

@@ -187,13 +187,8 @@ def first_call(model: Any, pairs: list[tuple[Any, Any]], device: str, precision:
     import torch
 
     signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
-    for member, compiled in pairs:
-        member._compiled_call_impl = compiled
-    try:
+    with using(pairs):  # a first compile, not a recompile: the stance lets it happen
         _, out = run_once(model, device, precision, signal)
-    finally:
-        for member, _ in pairs:
-            member._compiled_call_impl = None
     if not bool(torch.isfinite(out).all()):
         raise ValueError("the compiled model's stems are not finite")
     return out

@@ -5,10 +5,10 @@ cache into their own state folder."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ import pytest
 from stemdeck_watch.workers.compilecache import CompileSettings
 from stemdeck_watch.workers.compiled import cxx_compiler
 from stemdeck_watch.workers.local import WorkerClient
+
+from support.helpers import wait_for
 
 BUILD_TIMEOUT = 900.0  # a cold build of the tiny model: about 90 s on 2 quiet cores
 
@@ -52,16 +54,18 @@ def build_tiny(model_repo: Path, root: Path) -> BuiltCompile:
     try:
         before = dict(client.ensure_model("tiny", str(model_repo)).compiled)
         assert client.builder is not None
-        policies = set()
-        deadline = time.monotonic() + BUILD_TIMEOUT
-        while (info := client.builder.info()) is not None:
-            try:
+        builder, policies = client.builder, set()
+
+        def ended() -> bool:
+            """Whether the build ended; until then, the scheduling policy it runs in."""
+            info = builder.info()
+            if info is None:
+                return True
+            with contextlib.suppress(OSError):  # it ended meanwhile
                 policies.add(os.sched_getscheduler(info["pid"]))
-            except OSError:
-                pass  # it ended meanwhile
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the tiny model's compile took over {BUILD_TIMEOUT} s")
-            time.sleep(0.2)
+            return False
+
+        wait_for(ended, BUILD_TIMEOUT, "the tiny model's compile", interval=0.2)
         result = client.builder.result(before["key"])
         assert result and result.get("ok"), f"the tiny model's compile failed: {result}"
         after = dict(client.ensure_model("tiny", str(model_repo)).compiled)

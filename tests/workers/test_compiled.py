@@ -62,6 +62,13 @@ def worst_snr(reference: dict, estimate: dict) -> float:
     return worst
 
 
+def entry_key(cache: Path, digest: str) -> CompileKey:
+    """The key the entry `digest` in `cache` names."""
+    key = CompileKey.from_dict(json.loads((cache / digest / "entry.json").read_text())["key"])
+    assert key is not None
+    return key
+
+
 def client_for(cache: Path, setting: str = "on", env: dict | None = None) -> WorkerClient:
     return WorkerClient("cpu", env, precision="float32", compiling=CompileSettings(setting, cache))
 
@@ -109,10 +116,7 @@ def test_a_restarted_worker_loads_it_beside_the_songs_and_separates_with_it(
     finally:
         client.close()
         eager.close()
-    key = CompileKey.from_dict(
-        json.loads((cache / compiled_tiny.key / "entry.json").read_text())["key"]
-    )
-    assert key is not None and CompileCache(cache).entry(key) is not None, "still whole"
+    assert CompileCache(cache).entry(entry_key(cache, compiled_tiny.key)) is not None, "whole"
 
 
 def test_a_compile_that_did_not_pay_is_never_tried_again(
@@ -120,10 +124,7 @@ def test_a_compile_that_did_not_pay_is_never_tried_again(
 ) -> None:
     cache = compiled_tiny.copy_to(tmp_path)
     store = CompileCache(cache)
-    key = CompileKey.from_dict(
-        json.loads((cache / compiled_tiny.key / "entry.json").read_text())["key"]
-    )
-    assert key is not None
+    key = entry_key(cache, compiled_tiny.key)
     store.record_verdict(key, Verdict(False, "not worth it: 1.02× (needs 1.15×)", 1.02, 60.0))
     client = client_for(cache, "auto", {CALIBRATE_ENV: "always"})
     try:
