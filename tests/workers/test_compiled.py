@@ -27,6 +27,9 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Inductor's CPU compile, tried on Linux"),
 ]
 SR = 44100
+# a generous bound on loading the saved tiny model (about 1 s on 2 quiet cores); tracing it
+# again, as torch.compile alone does in every process, took several times as long
+LOAD_SECONDS = 10.0
 
 
 def song(folder: Path, seconds: float = 6.0) -> Path:
@@ -82,11 +85,11 @@ def test_the_build_runs_beside_at_idle_priority_and_the_worker_adopts_it(
     assert after["state"] == "used", after
     assert after["speedup"] > 0 and (after["worst_snr_db"] is None or after["worst_snr_db"] >= 35)
     assert after["compile_seconds"] > 0 and after["load_seconds"] > 0
-    names = sorted(p.name for p in compiled_tiny.root.iterdir())
-    assert names == ["build.pid", compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"], names
+    names = {p.name for p in compiled_tiny.root.iterdir()}
+    assert names == {"build.pid", compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"}, names
 
 
-def test_a_restarted_worker_loads_it_beside_the_songs_and_separates_with_it(
+def test_a_restarted_worker_loads_it_in_seconds_and_separates_with_it(
     compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
 ) -> None:
     cache = compiled_tiny.copy_to(tmp_path)
@@ -96,20 +99,21 @@ def test_a_restarted_worker_loads_it_beside_the_songs_and_separates_with_it(
     try:
         _, reference = separate(eager, model_repo, source, tmp_path / "eager")
         first = client.ensure_model("tiny", str(model_repo)).compiled
-        assert first["state"] == "loading", "measured before: loaded beside the songs"
-        # killed while it loads: nothing of the cache changes; the next worker loads it again
+        # measured before: loaded (not traced, not compiled) before the first song
+        assert first["state"] == "used", first
+        assert first["load_seconds"] < LOAD_SECONDS, first
+        result, stems = separate(client, model_repo, source, tmp_path / "first")
+        assert result.compiled, "the first song ran the compiled code"
+        assert worst_snr(reference, stems) >= 35
+        # killed: nothing of the cache changes; the next worker loads it again
         os.kill(client.pid or 0, signal.SIGKILL)
         wait_for(lambda: client.pid is None, 10, "the killed worker to be gone")
-        result, _ = separate(client, model_repo, source, tmp_path / "during")
-        wait_for(
-            lambda: client.ensure_model("tiny", str(model_repo)).compiled["state"] == "used",
-            300,
-            "the restarted worker to load the compiled model",
-        )
+        restarted = client.ensure_model("tiny", str(model_repo)).compiled  # as the service does
+        assert restarted["state"] == "used" and restarted["load_seconds"] < LOAD_SECONDS
         result, stems = separate(client, model_repo, source, tmp_path / "compiled")
-        assert result.compiled, "the song ran the compiled code"
+        assert result.compiled, "the restarted worker's first song ran the compiled code"
         assert worst_snr(reference, stems) >= 35
-        # another input shape than it was built for runs eager, never compiles again
+        # another input shape than it was built for fails the guards and runs eager
         result, _ = separate(client, model_repo, source, tmp_path / "segment", segment=2.0)
         assert not result.compiled
         assert client.info()["compiled"]["state"] == "used"
