@@ -322,7 +322,7 @@ class CompiledSlot:
         verdict = self.cache.verdict(self.key)
         if verdict is not None and verdict.speedup is not None:  # this setting's rule, again
             verdict = decide(self.setting, remeasured(verdict))
-        if verdict is not None and not verdict.use and self.setting == "auto":
+        if verdict is not None and not verdict.use:  # under this setting's rule: never again
             self.state, self.reason = "not used", verdict.reason
             self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
             return self.to_dict()
@@ -348,7 +348,7 @@ class CompiledSlot:
                 if not warm(pairs, self.device, precision):
                     raise ValueError("the compiled model's output is not finite")
             load_seconds = time.monotonic() - started
-            if verdict is None or (verdict.use is False and self.setting == "on"):
+            if verdict is None:
                 verdict = decide(self.setting, measure(model, pairs, self.device, precision))
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
