@@ -158,13 +158,20 @@ class Calls:
                 if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    log.warning("a segment ran eager: %s", str(exc).splitlines()[-1].strip())
+                    log.warning("a segment ran eager: %s", refusal(str(exc)))
                 self.eager += 1
                 return member._call_impl(*args, **kwargs)
             self.compiled += 1
             return out
 
         return call
+
+
+def refusal(message: str) -> str:
+    """The guard that refused a call, from the message torch raises (the whole debug dump
+    when it names none)."""
+    lines = [line.strip() for line in message.splitlines()]
+    return next((line for line in lines if line.startswith("verbose_code_parts")), message)
 
 
 def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:

@@ -190,3 +190,34 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
 def process_state(pid: int) -> str:
     """The state letter of process `pid` (T: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
+    compiled_tiny: BuiltCompile,
+    model_repo: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    tqdm = pytest.importorskip("tqdm")
+    # in this process, not a worker's: tqdm's monitor thread (Inductor's progress) stays off
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
+    from stemdeck_watch.workers.compiled import open_compiled, using
+    from stemdeck_watch.workers.compiledgraph import modes, segment_input
+    from stemdeck_watch.workers.worker import load_model
+
+    cache = compiled_tiny.copy_to(tmp_path)
+    model = load_model("tiny", str(model_repo))
+    pairs = open_compiled(model, cache / compiled_tiny.key, "cpu", "float32")
+    fits = segment_input(model, "cpu")
+    with torch.inference_mode():
+        shorter = fits[..., : fits.shape[-1] // 2].clone()
+    with using(pairs) as calls, modes("cpu", "float32"):
+        model(fits)
+        assert (calls.compiled, calls.eager) == (1, 0)
+        out = model(shorter)  # another shape than it was built for
+        assert (calls.compiled, calls.eager) == (1, 1)
+    with modes("cpu", "float32"):
+        assert torch.allclose(out, model(shorter))  # the eager model's own answer
+    assert "a segment ran eager: verbose_code_parts" in caplog.text
