@@ -6,11 +6,13 @@ never holding the worker's GIL or the service's threads, and the queue goes on w
 model meanwhile. Idle priority is not enough on its own: torch's threads leave the cores idle
 for moments many times a second, a build slips into each, and a song separated beside one
 took 2.4× as long here. So while the worker separates, the build (its compiler processes too)
-is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do. It loads the model as the worker does, compiles
-it into a build folder with a random name in the compiled-model cache, runs the synthetic song
-through it once (that is when Inductor builds), checks the stems are finite and makes the
-build an entry (compilecache.py: manifest written and read back, one rename). The worker
-adopts the entry between two songs.
+is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do.
+
+It loads the model as the worker does, compiles each network ahead of time into a build
+folder with a random name in the compiled-model cache (compiledgraph.py: the saved networks,
+and Inductor's code in the folder's own cache), loads them back and calls them once as the
+worker will, and makes the build an entry (compilecache.py: manifest written and read back,
+one rename). The worker adopts the entry between two songs.
 
     python -m stemdeck_watch.workers.compilebuild --model NAME [--repo DIR] --precision P
         --device cpu --cache DIR [--cap-mb N] [--threads N]
@@ -107,11 +109,13 @@ def build(args: Any) -> dict[str, Any]:
 
     from stemdeck_watch.workers.compilecache import INDUCTOR, CompileCache, folder_bytes
     from stemdeck_watch.workers.compiled import (
-        compile_members,
-        first_call,
         key_for,
+        members,
+        open_compiled,
         use_inductor_cache,
+        warm,
     )
+    from stemdeck_watch.workers.compiledgraph import build as build_graphs
     from stemdeck_watch.workers.precision import threads_for
     from stemdeck_watch.workers.worker import apply_onednn_setting, load_model
 
@@ -128,8 +132,12 @@ def build(args: Any) -> dict[str, Any]:
     try:
         use_inductor_cache(folder / INDUCTOR)
         started = time.monotonic()
-        first_call(model, compile_members(model), args.device, args.precision)
+        build_graphs(members(model), folder, args.device, args.precision)
         seconds = time.monotonic() - started
+        # loaded back and called as the worker will: a file that does not load, or guards
+        # that refuse a segment, are never an entry (stems that are not finite are the
+        # worker's measure to refuse, and its verdict to keep)
+        warm(open_compiled(model, folder, args.device, args.precision), args.device, args.precision)
         size = folder_bytes(folder)
         if size > cache.cap_bytes:
             raise ValueError(

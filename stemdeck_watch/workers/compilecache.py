@@ -41,7 +41,7 @@ VERDICT_SUFFIX = ".verdict.json"
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
 # how the model is prepared for the compiler (workers/compiled.py): a change of it makes every
 # entry foreign
-RECIPE = 1
+RECIPE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Verdict:
     speedup: float | None = None  # eager seconds / compiled seconds, same precision
     worst_snr_db: float | None = None  # compiled against float32, the worst stem
     measured: float = 0.0  # time.time()
+    finite: bool = True  # False: the compiled stems had NaN or infinite samples
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,26 +1,31 @@
-"""The compiled model, on the worker's side: prepare it, load it from the cache, measure it.
+"""The compiled model, on the worker's side: load it from the cache, measure it, use it.
 
 `torch.compile` (Inductor) makes a full-size HTDemucs about 1.5× faster on a CPU, but
 building it costs minutes, so it never happens in the worker: a background process at idle
 priority builds it into the compiled-model cache (compilebuild.py, compilecache.py) while the
-worker goes on separating with the eager model. Once the build is there the worker adopts it
-between two songs: it loads it (Inductor reads its caches: seconds, not minutes), measures it
-once on the built-in synthetic song exactly as the precision choice measures (precision.py),
-and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
-precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so
-a later worker loads a compile that paid without measuring it again, and never tries one
-that did not until torch, the model or the CPU changes.
+worker goes on separating with the eager model. Each network is compiled ahead of time as one
+graph and saved with its guards (compiledgraph.py), so loading it traces nothing and takes
+seconds. Once a build is there the worker loads it between two songs, measures it once on the
+built-in synthetic song exactly as the precision choice measures (precision.py), and uses it
+only if it is at least MIN_SPEEDUP× faster than the eager model in the same precision and
+every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a later worker
+loads a compile that paid without measuring it again (before its first song), and never tries
+one that did not until torch, the model or the CPU changes.
 
 Three parts of the model stay eager. The STFT and inverse STFT: Inductor has no kernels for
 complex numbers, and the inverse STFT's overlap-add, traced through, becomes one C++ kernel
 of thousands of loops that takes the compiler longer than the rest of the model together
 (with it a full-size build took 751 s here, without it about two minutes). And the
-transformer's sinusoidal position embeddings, which depend on shapes only: compiled under
-bfloat16 autocast they come out NaN.
+transformer's position embedding, which draws a random shift each call.
+
+Under bfloat16 autocast, Inductor's code for a full-size network as one graph comes out NaN
+(torch 2.13; eager bfloat16 and float32 compiled are fine): the accuracy rule refuses it, and
+the verdict says so. On a CPU where bfloat16 does not pay the worker separates in float32,
+where the compiled model does.
 
 The compiled code shares the eager model's weights (no second copy in memory) and is used
-only for the input shape it was built for: a request with its own segment, or one shrunk
-after the memory ran out, runs eager, and torch is told never to compile again in the worker.
+only for the input shape and modes it was built for: a request with its own segment, or one
+shrunk after the memory ran out, fails its guards and runs eager, counted.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import os
 import platform
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -50,7 +54,6 @@ from stemdeck_watch.workers.precision import (
     CALIBRATE_ENV,
     MIN_SNR_DB,
     SMALL_MODEL_PARAMETERS,
-    autocast,
     parameter_count,
     run_once,
     snr_db,
@@ -67,6 +70,13 @@ def cxx_compiler() -> str | None:
     is installed."""
     name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
     return shutil.which(name)
+
+
+def ahead_of_time_unavailable() -> str | None:
+    """Why this torch cannot save a compiled model and load it back, or None."""
+    from stemdeck_watch.workers.compiledgraph import available
+
+    return available()
 
 
 def members(model: Any) -> list[Any]:
@@ -112,45 +122,19 @@ def use_inductor_cache(folder: Path) -> None:
         clear_caches()  # paths it worked out for an earlier folder
 
 
-def compile_members(model: Any) -> list[tuple[Any, Any]]:
-    """Compile each network of `model` (on first call), with the parts the module docstring
-    names left eager; returns (member, compiled call) pairs for `using`. The model runs
-    eager as before until `using` puts the compiled calls in place."""
-    import demucs.transformer
-    import torch
-
-    for name in ("create_sin_embedding", "create_2d_sin_embedding"):
-        function = getattr(demucs.transformer, name, None)
-        if function is not None and not hasattr(function, "_torchdynamo_disable"):
-            setattr(demucs.transformer, name, torch.compiler.disable(function))
-    pairs = []
-    for member in members(model):
-        for method in ("_spec", "_ispec"):
-            if hasattr(member, method) and method not in vars(member):
-                setattr(member, method, torch.compiler.disable(getattr(member, method)))
-        pairs.append((member, torch.compile(member._call_impl, dynamic=False)))
-    return pairs
-
-
 @contextlib.contextmanager
 def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
-    """While inside, the networks run their compiled code, and the calls are counted. Never
-    compiled again in the worker: a call its guards refuse (another shape, another mode than
-    it was built for) runs eager, counted as such, and the first is logged with the reason."""
-    import torch
-
+    """While inside, the networks run their compiled code, and the calls are counted. A call
+    its guards refuse (another shape, another mode than it was built for) runs eager, counted
+    as such, and the first is logged with the reason."""
     calls = Calls()
     for member, compiled in pairs:
         member._compiled_call_impl = calls.guarded(member, compiled)
     try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            yield calls
+        yield calls
     finally:
         for member, _ in pairs:
             member._compiled_call_impl = None
-
-
-RECOMPILE_REFUSED = "fail_on_recompile"  # in the error torch raises for a refused recompile
 
 
 class Calls:
@@ -169,10 +153,12 @@ class Calls:
             try:
                 out = compiled(*args, **kwargs)
             except RuntimeError as exc:
-                if RECOMPILE_REFUSED not in str(exc):
+                from stemdeck_watch.workers.compiledgraph import GUARDS_REFUSED
+
+                if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    log.warning("a segment ran eager: %s", str(exc).splitlines()[-1].strip())
+                    log.warning("a segment ran eager: %s", refusal(str(exc)))
                 self.eager += 1
                 return member._call_impl(*args, **kwargs)
             self.compiled += 1
@@ -181,42 +167,37 @@ class Calls:
         return call
 
 
-def first_call(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Any:
-    """Run the synthetic song through the compiled model once (this is when Inductor builds
-    it or reads it from its cache): the stems, float32."""
+def refusal(message: str) -> str:
+    """The guard that refused a call, from the message torch raises (the whole debug dump
+    when it names none)."""
+    lines = [line.strip() for line in message.splitlines()]
+    return next((line for line in lines if line.startswith("verbose_code_parts")), message)
+
+
+def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
+    """The compiled networks saved in `folder` (an entry, or a build), loaded: (network,
+    compiled call) pairs for `using`. Inductor's code is read from the entry's own cache."""
+    from stemdeck_watch.workers.compiledgraph import load
+
+    use_inductor_cache(folder / INDUCTOR)
+    networks = members(model)
+    return list(zip(networks, load(networks, folder, device, precision), strict=True))
+
+
+def warm(pairs: list[tuple[Any, Any]], device: str, precision: str) -> bool:
+    """Call each compiled network once on a segment of silence, made and run as separation
+    makes and runs its input: the guards must take it (a refusal raises). Whether every
+    output was finite."""
     import torch
 
-    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
-    with using(pairs):  # a first compile, not a recompile: the stance lets it happen
-        _, out = run_once(model, device, precision, signal)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError("the compiled model's stems are not finite")
-    return out
+    from stemdeck_watch.workers.compiledgraph import modes, segment_input
 
-
-def cache_misses() -> int:
-    """Graphs Inductor compiled in this process because its cache did not have them."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"].get("fxgraph_cache_miss", 0))
-
-
-def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> None:
-    """Load each compiled network from the cache by calling it directly on silence of the
-    shape `apply_model` gives it (one segment), made and run as separation makes and runs
-    its input (an inference tensor, under inference mode and autocast): the compiled code's
-    guards check all of it, and a call that fails them runs eager."""
-    import torch
-
+    finite = True
     for member, compiled in pairs:
-        frames = int(float(member.segment) * int(member.samplerate))
-        if hasattr(member, "valid_length"):
-            frames = int(member.valid_length(frames))
-        with torch.inference_mode(), autocast(device, precision):
-            # made here: separation hands the model inference tensors, and the guards check
-            out = compiled(torch.zeros(1, int(member.audio_channels), frames, device=device))
-        if not bool(torch.isfinite(out).all()):
-            raise ValueError("the compiled model's output is not finite")
+        silence = segment_input(member, device)
+        with modes(device, precision):
+            finite = bool(torch.isfinite(compiled(silence)).all()) and finite
+    return finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,40 +228,43 @@ def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: st
 
 def decide(setting: str, measured: Measured) -> Verdict:
     """The measured rule: used if ≥ MIN_SPEEDUP× faster and ≥ MIN_SNR_DB on every stem
-    (`on`: whatever its speed, never less accurate)."""
+    (`on`: whatever its speed, never less accurate). Stems with NaN in them score -inf."""
     fast = measured.speedup >= MIN_SPEEDUP
     accurate = measured.worst_snr_db >= MIN_SNR_DB
-    snr = "identical" if math.isinf(measured.worst_snr_db) else f"{measured.worst_snr_db:.1f} dB"
+    finite = measured.worst_snr_db != -math.inf
+    if math.isinf(measured.worst_snr_db):
+        snr = "identical" if finite else "not finite (NaN)"
+    else:
+        snr = f"{measured.worst_snr_db:.1f} dB"
     figures = f"{measured.speedup:.2f}× the eager model's speed, worst stem {snr} against float32"
-    if accurate and (fast or setting == "on"):
-        return Verdict(
-            True,
-            f"compiled: {figures}",
-            measured.speedup,
-            _finite(measured.worst_snr_db),
-            time.time(),
-        )
+    use = accurate and (fast or setting == "on")
     why = []
     if not fast:
         why.append(f"needs {MIN_SPEEDUP}×")
     if not accurate:
         why.append(f"needs {MIN_SNR_DB:.0f} dB")
     return Verdict(
-        False,
-        f"not worth it: {figures} ({', '.join(why)})",
+        use,
+        f"compiled: {figures}" if use else f"not worth it: {figures} ({', '.join(why)})",
         measured.speedup,
-        _finite(measured.worst_snr_db),
+        measured.worst_snr_db if math.isfinite(measured.worst_snr_db) else None,
         time.time(),
+        finite,
     )
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None  # JSON has no infinity
+def remeasured(verdict: Verdict) -> Measured:
+    """A verdict's figures, to decide again under another setting's rule."""
+    if not verdict.finite:
+        snr = -math.inf
+    else:
+        snr = math.inf if verdict.worst_snr_db is None else verdict.worst_snr_db
+    return Measured(verdict.speedup or 0.0, snr, 0.0, 0.0)
 
 
 class CompiledSlot:
     """The compiled model for the model a worker holds, in one precision: its state (off,
-    unavailable, building, loading, used, not used, failed), why, and its figures, as the
+    unavailable, building, used, not used, failed), why, and its figures, as the
     load reply reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
 
     def __init__(self, setting: str, cache: CompileCache | None, device: str):
@@ -310,10 +294,18 @@ class CompiledSlot:
         """Where the compiled model stands now; adopts a build that has appeared since."""
         if self.setting == "off" or self.cache is None:
             return self.to_dict()
-        if self.state in ("used", "loading", "unavailable", "failed", "not used"):
+        if self.state in ("used", "unavailable", "failed", "not used"):
             return self.to_dict()
         if not self.device.startswith("cpu"):
             self.state, self.reason = "unavailable", f"compiling is for the CPU, not {self.device}"
+            return self.to_dict()
+        unavailable = ahead_of_time_unavailable()
+        if unavailable is not None:
+            self.state, self.reason = (
+                "unavailable",
+                f"{unavailable}; separating with the eager model",
+            )
+            log.warning("compiled model: %s", self.reason)
             return self.to_dict()
         if cxx_compiler() is None:
             self.state = "unavailable"
@@ -336,9 +328,8 @@ class CompiledSlot:
             self.key = key_for(model, name, precision, self.device)
         verdict = self.cache.verdict(self.key)
         if verdict is not None and verdict.speedup is not None:  # this setting's rule, again
-            snr = math.inf if verdict.worst_snr_db is None else verdict.worst_snr_db
-            verdict = decide(self.setting, Measured(verdict.speedup, snr, 0.0, 0.0))
-        if verdict is not None and not verdict.use and self.setting == "auto":
+            verdict = decide(self.setting, remeasured(verdict))
+        if verdict is not None and not verdict.use:  # under this setting's rule: never again
             self.state, self.reason = "not used", verdict.reason
             self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
             return self.to_dict()
@@ -347,51 +338,24 @@ class CompiledSlot:
             self.state = "building"
             self.reason = "being built in the background; separating with the eager model"
             return self.to_dict()
-        if verdict is not None and verdict.use:  # measured before: load it beside the songs
-            self.state = "loading"
-            self.reason = (
-                f"loading from the cache (measured before: {verdict.reason}); separating "
-                f"with the eager model meanwhile"
-            )
-            self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
-            threading.Thread(
-                target=self._adopt,
-                args=(model, precision, entry, verdict),
-                name="compiled-load",
-                daemon=True,
-            ).start()
-            return self.to_dict()
         self._adopt(model, precision, entry, verdict)
         return self.to_dict()
 
     def _adopt(
         self, model: Any, precision: str, entry: dict[str, Any], verdict: Verdict | None
     ) -> None:
-        """Load the compiled model from its entry; measure it unless a verdict says whether
-        it pays. Without a verdict this runs between two songs (the measure must have the
-        machine to itself); with one, in a thread beside the songs, which run eager until
-        the compiled model is in place: it is called directly, never through the model the
-        songs run, so neither sees the other's half-built state."""
+        """Load the compiled model from its entry (seconds); measure it unless a verdict says
+        whether it pays. The worker calls this between two songs, so nothing else runs on the
+        model meanwhile and the measure has the machine to itself."""
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
         try:
-            use_inductor_cache(self.cache.entry_dir(self.key) / INDUCTOR)
-            pairs = compile_members(model)
-            misses = cache_misses()
+            pairs = open_compiled(model, self.cache.entry_dir(self.key), self.device, precision)
             if verdict is not None and verdict.use:
-                warm(model, pairs, self.device, precision)
-            else:
-                first_call(model, pairs, self.device, precision)
+                if not warm(pairs, self.device, precision):
+                    raise ValueError("the compiled model's output is not finite")
             load_seconds = time.monotonic() - started
-            if cache_misses() > misses:  # correct, but compiled afresh: say why it was slow
-                log.warning(
-                    "the compiled model for %s was not all in its cache: %d graph(s) compiled "
-                    "afresh in the worker (%.0f s)",
-                    self.key.model,
-                    cache_misses() - misses,
-                    load_seconds,
-                )
-            if verdict is None or (verdict.use is False and self.setting == "on"):
+            if verdict is None:
                 verdict = decide(self.setting, measure(model, pairs, self.device, precision))
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
@@ -407,7 +371,7 @@ class CompiledSlot:
         }
         self.pairs = pairs if verdict.use else []
         self.reason = verdict.reason
-        self.state = "used" if verdict.use else "not used"  # last: the songs read it
+        self.state = "used" if verdict.use else "not used"
         log.info(
             "compiled model for %s: %s (loaded in %.1f s)",
             self.key.model,

@@ -187,6 +187,7 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
                     if not block:
                         break
                     out.write(block)
+                    out.flush()  # on disk as it arrives: a resume starts from all of it
                     have += len(block)
                     report(have)
             except (http.client.HTTPException, OSError) as exc:

@@ -307,10 +307,8 @@ class WorkerClient:
             self.builder.request(key, model.name, model.repo, model.dtype, device)
 
     def _compile_news(self, model: ModelInfo) -> bool:
-        """Whether the worker may have news of its compiled model: it was loading it, or the
-        build it waited for has ended well (then the next load request adopts it)."""
-        if model.compiled.get("state") == "loading":
-            return True
+        """Whether the worker may have news of its compiled model: the build it waited for has
+        ended well (then the next load request adopts it)."""
         ended = self._build_ended(model)
         return bool(ended and ended.get("ok"))
 

@@ -129,7 +129,7 @@ class SeamsMachine(RuleBasedStateMachine):
     def begin(self, small: bool, first: list[int], compiled: str) -> None:
         """A service on fresh folders (the outbox on a small disk, where one can be had),
         with up to two songs dropped at once (the same one twice, at times). The worker runs
-        the compiled model: found in the cache (loaded beside the first songs), or not built
+        the compiled model: found in the cache (loaded before the first song), or not built
         yet (built in the background while the example runs, and stopped with it)."""
         self.root = root = Path(tempfile.mkdtemp(prefix="ex-", dir=self.world.tmp)).resolve()
         for name in ("inbox", "processed", "failed", "state", "trash", "away"):

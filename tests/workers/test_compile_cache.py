@@ -174,3 +174,20 @@ def test_a_stem_that_is_not_finite_never_passes_the_accuracy_rule() -> None:
     broken[2, 0, 5] = float("nan")
     assert snr_db(reference, broken) == -math.inf
     assert snr_db(reference, reference) == math.inf
+
+
+@pytest.mark.parametrize("setting", ["auto", "on"])
+def test_a_verdict_on_stems_that_were_not_finite_is_refused_again_under_any_setting(
+    tmp_path: Path, setting: str
+) -> None:
+    from stemdeck_watch.workers.compiled import remeasured
+
+    cache = CompileCache(tmp_path)
+    k = KEY
+    cache.record_verdict(k, decide("auto", measured(1.5, -math.inf)))
+    kept = cache.verdict(k)
+    assert kept is not None and kept.finite is False and "not finite" in kept.reason
+    again = decide(setting, remeasured(kept))
+    assert again.use is False and "not finite" in again.reason
+    identical = decide("auto", measured(1.5, math.inf))
+    assert decide(setting, remeasured(identical)).use is True
