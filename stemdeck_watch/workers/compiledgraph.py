@@ -113,9 +113,16 @@ def _pos_embedding_for(owner: int) -> Callable[..., torch.Tensor]:
     return lambda t, b, c, device: _pos_embedding(t, b, c, torch.device(device), owner)
 
 
+ROUTED = ("_spec", "_ispec", "_get_pos_embedding")
+
+
 def prepare(networks: list[Any]) -> None:
     """Route each network's eager parts through the operators. Eager separation gives the
-    same stems through them; the compiled graphs need them, with the same owners."""
+    same stems through them; the compiled graphs need them, with the same owners. Modules an
+    earlier call routed go back to their own methods: their owner numbers are reused."""
+    for module in _OWNERS:
+        for name in ROUTED:
+            vars(module).pop(name, None)
     _OWNERS.clear()
     for network in networks:
         for module in network.modules():

@@ -120,11 +120,17 @@ def test_a_pull_interrupted_by_ctrl_c_resumes_where_it_stopped(
     config: Path, hub: ModelHub, mirror: Path, cache: Path
 ) -> None:
     hub.hold_at = HOLD
+    # Ctrl-C as a terminal delivers it to a command in the foreground: a test runner started
+    # in the background (`make test &`) has SIGINT ignored, and its children would inherit that
+    foreground = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'stemdeck-watch'; runpy.run_module('stemdeck_watch', run_name='__main__')"
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "stemdeck_watch",
+            "-c",
+            foreground,
             "--config",
             str(config),
             "models",

@@ -221,3 +221,23 @@ def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
     with modes("cpu", "float32"):
         assert torch.allclose(out, model(shorter))  # the eager model's own answer
     assert "a segment ran eager: verbose_code_parts" in caplog.text
+
+
+def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from stemdeck_watch.workers.compiledgraph import ROUTED, modes, prepare, segment_input
+    from stemdeck_watch.workers.worker import load_model
+
+    first, second = load_model("tiny", str(model_repo)), load_model("tiny6", str(model_repo))
+    silence = segment_input(first, "cpu")
+    with modes("cpu", "float32"):
+        before = first(silence)
+    prepare([first])
+    assert all(name in vars(first) for name in ("_spec", "_ispec"))
+    with modes("cpu", "float32"):
+        assert torch.equal(first(silence), before), "routed, the same stems"
+    prepare([second])
+    assert not any(name in vars(module) for module in first.modules() for name in ROUTED)
+    assert all(name in vars(second) for name in ("_spec", "_ispec"))
+    with modes("cpu", "float32"):
+        assert torch.equal(first(silence), before)
