@@ -72,13 +72,6 @@ def cxx_compiler() -> str | None:
     return shutil.which(name)
 
 
-def ahead_of_time_unavailable() -> str | None:
-    """Why this torch cannot save a compiled model and load it back, or None."""
-    from stemdeck_watch.workers.compiledgraph import available
-
-    return available()
-
-
 def members(model: Any) -> list[Any]:
     """The networks of a model or of a bag of models."""
     return list(getattr(model, "models", None) or [model])
@@ -299,7 +292,9 @@ class CompiledSlot:
         if not self.device.startswith("cpu"):
             self.state, self.reason = "unavailable", f"compiling is for the CPU, not {self.device}"
             return self.to_dict()
-        unavailable = ahead_of_time_unavailable()
+        from stemdeck_watch.workers.compiledgraph import available
+
+        unavailable = available()
         if unavailable is not None:
             self.state, self.reason = (
                 "unavailable",
