@@ -114,7 +114,7 @@ def parts(network: Any) -> dict[str, Any]:
 
 def segment_input(network: Any, device: str) -> torch.Tensor:
     """Silence of the shape separation hands the network (one segment, batch of one), made
-    as separation makes it (an inference tensor): the shape the compiled graph is for."""
+    as separation makes it (an inference tensor): what the compiled parts are built for."""
     frames = int(float(network.segment) * int(network.samplerate))
     if hasattr(network, "valid_length"):
         frames = int(network.valid_length(frames))
