@@ -8,8 +8,8 @@ for moments many times a second, a build slips into each, and a song separated b
 took 2.4× as long here. So while the worker separates, the build (its compiler processes too)
 is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do.
 
-It loads the model as the worker does, compiles each network ahead of time into a build
-folder with a random name in the compiled-model cache (compiledgraph.py: the saved networks,
+It loads the model as the worker does, compiles each part of each network ahead of time into a
+build folder with a random name in the compiled-model cache (compiledgraph.py: the saved parts,
 and Inductor's code in the folder's own cache), loads them back and calls them once as the
 worker will, and makes the build an entry (compilecache.py: manifest written and read back,
 one rename). The worker adopts the entry between two songs.
@@ -137,7 +137,8 @@ def build(args: Any) -> dict[str, Any]:
         # loaded back and called as the worker will: a file that does not load, or guards
         # that refuse a segment, are never an entry (stems that are not finite are the
         # worker's measure to refuse, and its verdict to keep)
-        warm(open_compiled(model, folder, args.device, args.precision), args.device, args.precision)
+        pairs = open_compiled(model, folder, args.device, args.precision)
+        warm(model, pairs, args.device, args.precision)
         size = folder_bytes(folder)
         if size > cache.cap_bytes:
             raise ValueError(

@@ -41,7 +41,7 @@ VERDICT_SUFFIX = ".verdict.json"
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
 # how the model is prepared for the compiler (workers/compiled.py): a change of it makes every
 # entry foreign
-RECIPE = 2
+RECIPE = 3
 
 
 @dataclasses.dataclass(frozen=True)

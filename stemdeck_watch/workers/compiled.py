@@ -3,29 +3,26 @@
 `torch.compile` (Inductor) makes a full-size HTDemucs about 1.5× faster on a CPU, but
 building it costs minutes, so it never happens in the worker: a background process at idle
 priority builds it into the compiled-model cache (compilebuild.py, compilecache.py) while the
-worker goes on separating with the eager model. Each network is compiled ahead of time as one
-graph and saved with its guards (compiledgraph.py), so loading it traces nothing and takes
-seconds. Once a build is there the worker loads it between two songs, measures it once on the
-built-in synthetic song exactly as the precision choice measures (precision.py), and uses it
-only if it is at least MIN_SPEEDUP× faster than the eager model in the same precision and
-every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a later worker
-loads a compile that paid without measuring it again (before its first song), and never tries
-one that did not until torch, the model or the CPU changes.
+worker goes on separating with the eager model. Each part of each network (its encoder and
+decoder layers, its transformer) is compiled ahead of time as one graph and saved with its
+guards (compiledgraph.py), so loading it traces nothing and takes seconds. Once a build is
+there the worker loads it between two songs, measures it once on the built-in synthetic song
+exactly as the precision choice measures (precision.py), and uses it only if it is at least
+MIN_SPEEDUP× faster than the eager model in the same precision and every stem matches float32
+to MIN_SNR_DB. The verdict is kept in the cache, so a later worker loads a compile that paid
+without measuring it again (before its first song), and never tries one that did not until
+torch, the model or the CPU changes.
 
-Three parts of the model stay eager. The STFT and inverse STFT: Inductor has no kernels for
-complex numbers, and the inverse STFT's overlap-add, traced through, becomes one C++ kernel
-of thousands of loops that takes the compiler longer than the rest of the model together
-(with it a full-size build took 751 s here, without it about two minutes). And the
-transformer's position embedding, which draws a random shift each call.
-
-Under bfloat16 autocast, Inductor's code for a full-size network as one graph comes out NaN
-(torch 2.13; eager bfloat16 and float32 compiled are fine): the accuracy rule refuses it, and
-the verdict says so. On a CPU where bfloat16 does not pay the worker separates in float32,
-where the compiled model does.
+Some of the model stays eager. The network's own forward around its parts, with the STFT and
+inverse STFT: Inductor has no kernels for complex numbers, and the inverse STFT's overlap-add,
+traced through, becomes one C++ kernel of thousands of loops that takes the compiler longer
+than the rest of the model together (with it a full-size build took 751 s here). And, inside
+the transformer, the position embedding, which draws a random shift each call. Why parts and not
+whole networks: compiledgraph.py.
 
 The compiled code shares the eager model's weights (no second copy in memory) and is used
-only for the input shape and modes it was built for: a request with its own segment, or one
-shrunk after the memory ran out, fails its guards and runs eager, counted.
+only for the input shapes and modes it was built for: a request with its own segment, or one
+shrunk after the memory ran out, fails the parts' guards and runs eager, counted.
 """
 
 from __future__ import annotations
@@ -131,7 +128,8 @@ def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
 
 
 class Calls:
-    """How many segments ran compiled, and how many eager because the guards refused them."""
+    """How many calls of a part ran compiled, and how many eager because the guards refused
+    them."""
 
     def __init__(self) -> None:
         self.compiled = 0
@@ -151,7 +149,7 @@ class Calls:
                 if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    log.warning("a segment ran eager: %s", refusal(str(exc)))
+                    log.warning("a part ran eager: %s", refusal(str(exc)))
                 self.eager += 1
                 return member._call_impl(*args, **kwargs)
             self.compiled += 1
@@ -168,28 +166,29 @@ def refusal(message: str) -> str:
 
 
 def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
-    """The compiled networks saved in `folder` (an entry, or a build), loaded: (network,
-    compiled call) pairs for `using`. Inductor's code is read from the entry's own cache."""
+    """The compiled parts saved in `folder` (an entry, or a build), loaded: (part, compiled
+    call) pairs for `using`. Inductor's code is read from the entry's own cache."""
     from stemdeck_watch.workers.compiledgraph import load
 
     use_inductor_cache(folder / INDUCTOR)
-    networks = members(model)
-    return list(zip(networks, load(networks, folder, device, precision), strict=True))
+    return load(members(model), folder, device, precision)
 
 
-def warm(pairs: list[tuple[Any, Any]], device: str, precision: str) -> bool:
-    """Call each compiled network once on a segment of silence, made and run as separation
-    makes and runs its input: the guards must take it (a refusal raises). Whether every
-    output was finite."""
+def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> bool:
+    """Run each network once on a segment of silence, made and run as separation makes and
+    runs its input, with its compiled parts: their guards must take it (a refusal raises).
+    Whether every output was finite."""
     import torch
 
     from stemdeck_watch.workers.compiledgraph import modes, segment_input
 
     finite = True
-    for member, compiled in pairs:
-        silence = segment_input(member, device)
-        with modes(device, precision):
-            finite = bool(torch.isfinite(compiled(silence)).all()) and finite
+    for network in members(model):
+        silence = segment_input(network, device)
+        with using(pairs) as calls, modes(device, precision):
+            finite = bool(torch.isfinite(network(silence)).all()) and finite
+        if not calls.all_compiled:
+            raise ValueError("the guards of a compiled part refused a segment of silence")
     return finite
 
 
@@ -347,7 +346,7 @@ class CompiledSlot:
         try:
             pairs = open_compiled(model, self.cache.entry_dir(self.key), self.device, precision)
             if verdict is not None and verdict.use:
-                if not warm(pairs, self.device, precision):
+                if not warm(model, pairs, self.device, precision):
                     raise ValueError("the compiled model's output is not finite")
             load_seconds = time.monotonic() - started
             if verdict is None:

@@ -1,4 +1,5 @@
-"""Each network of the model as one graph, compiled ahead of time into a file and loaded back.
+"""The parts of each network, each compiled ahead of time as one graph into a file and loaded
+back.
 
 `torch.compile` on its own traces the model with Dynamo in every process that uses it: even
 with all of Inductor's code in its cache, a full-size HTDemucs took about ten seconds to trace
@@ -7,26 +8,31 @@ compiled one was back. torch can instead compile a function that is one whole gr
 time and save it with its guards (`torch.compile(..., fullgraph=True).aot_compile`); loading
 it back (`torch.compiler.load_compiled_function`) traces nothing and takes seconds.
 
-One graph means no graph breaks, yet three parts of the network must stay eager (why:
-compiled.py). They become opaque operators here (torch.library custom ops): the graph calls
-them and they run eager, as the model's own methods. Which module an operator works for is an
-index into `_OWNERS`, written into the graph as a constant, so `prepare` must register the
-same modules in the same order in the process that loads as in the one that built.
+What is compiled is each part of a network: its direct children (a list of layers opened into
+its layers), the encoder and decoder layers and the transformer, where the compute is. The
+network's own forward stays eager: its STFT and inverse STFT (complex numbers, which Inductor
+has no kernels for) and the few cheap steps between the parts. Compiled as one whole graph
+with the STFT as an opaque operator, a full-size HTDemucs under bfloat16 autocast came out NaN
+(torch 2.13), while each part compiled on its own matched eager bfloat16 to 50 dB or more.
 
-- the STFT and the inverse STFT (`_spec`, `_ispec`);
-- the transformer's position embedding (`_get_pos_embedding`), which also draws a random
-  shift: traced, the draw becomes a generated global that a saved function cannot take along.
+One part keeps an eager piece inside: the transformer's position embedding
+(`_get_pos_embedding`) draws a random shift each call; traced, the draw becomes a generated
+global that a saved function cannot take along. It becomes an opaque operator here (a
+torch.library custom op): the graph calls it and it runs eager, as the model's own method.
+Which module it works for is an index into `_OWNERS`, written into the graph as a constant, so
+`prepare` must register the same modules in the same order in the process that loads as in
+the one that built.
 
-A saved function checks its guards on every call: the input's shape, dtype and the modes it
-runs under (inference mode, autocast), as they were when it was loaded, which is why loading
-happens under the separation's modes. A call they refuse raises, and compiled.py runs that
-segment eager.
+A part's inputs in a separation are what one segment of silence gives it in the build, so its
+graph is built from a real forward pass (hooks record what each part is called with). A saved
+function checks its guards on every call: the input's shape, dtype and the modes it runs under
+(inference mode, autocast), as they were when it was loaded, which is why loading happens
+under the separation's modes. A call they refuse raises, and compiled.py runs that part eager.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,35 +64,6 @@ def _real_shape(make: Callable[[], torch.Tensor], device: Any) -> torch.Tensor:
     return torch.empty(out.shape, dtype=out.dtype, device=device)
 
 
-@torch.library.custom_op("stemdeck::spec", mutates_args=())
-def _spec(x: torch.Tensor, owner: int) -> torch.Tensor:
-    module = _OWNERS[owner]
-    return type(module)._spec(module, x).contiguous()
-
-
-@_spec.register_fake
-def _(x: torch.Tensor, owner: int) -> torch.Tensor:
-    module = _OWNERS[owner]
-    return _real_shape(
-        lambda: type(module)._spec(module, torch.zeros(x.shape, dtype=x.dtype)), x.device
-    )
-
-
-@torch.library.custom_op("stemdeck::ispec", mutates_args=())
-def _ispec(z: torch.Tensor, length: int, owner: int) -> torch.Tensor:
-    module = _OWNERS[owner]
-    return type(module)._ispec(module, z, length).contiguous()
-
-
-@_ispec.register_fake
-def _(z: torch.Tensor, length: int, owner: int) -> torch.Tensor:
-    module = _OWNERS[owner]
-    return _real_shape(
-        lambda: type(module)._ispec(module, torch.zeros(z.shape, dtype=z.dtype), length),
-        z.device,
-    )
-
-
 @torch.library.custom_op("stemdeck::pos_embedding", mutates_args=())
 def _pos_embedding(t: int, b: int, c: int, device: torch.device, owner: int) -> torch.Tensor:
     module = _OWNERS[owner]
@@ -101,24 +78,16 @@ def _(t: int, b: int, c: int, device: torch.device, owner: int) -> torch.Tensor:
 
 # The replacements take exactly the arguments the networks pass: a default argument would
 # be a guard the saved function cannot carry.
-def _spec_for(owner: int) -> Callable[..., torch.Tensor]:
-    return lambda x: _spec(x, owner)
-
-
-def _ispec_for(owner: int) -> Callable[..., torch.Tensor]:
-    return lambda z, length: _ispec(z, length, owner)
-
-
 def _pos_embedding_for(owner: int) -> Callable[..., torch.Tensor]:
     return lambda t, b, c, device: _pos_embedding(t, b, c, torch.device(device), owner)
 
 
-ROUTED = ("_spec", "_ispec", "_get_pos_embedding")
+ROUTED = ("_get_pos_embedding",)
 
 
 def prepare(networks: list[Any]) -> None:
-    """Route each network's eager parts through the operators. Eager separation gives the
-    same stems through them; the compiled graphs need them, with the same owners. Modules an
+    """Route each network's position embedding through the operator. Eager separation gives
+    the same stems through it; the compiled graphs need it, with the same owners. Modules an
     earlier call routed go back to their own methods: their owner numbers are reused."""
     for module in _OWNERS:
         for name in ROUTED:
@@ -126,20 +95,26 @@ def prepare(networks: list[Any]) -> None:
     _OWNERS.clear()
     for network in networks:
         for module in network.modules():
-            routes = []
-            if callable(getattr(type(module), "_spec", None)):
-                routes += [("_spec", _spec_for), ("_ispec", _ispec_for)]
             if callable(getattr(type(module), "_get_pos_embedding", None)):
-                routes.append(("_get_pos_embedding", _pos_embedding_for))
-            if routes:
                 _OWNERS.append(module)
-                for name, route in routes:
-                    setattr(module, name, route(len(_OWNERS) - 1))
+                module._get_pos_embedding = _pos_embedding_for(len(_OWNERS) - 1)
+
+
+def parts(network: Any) -> dict[str, Any]:
+    """The parts of a network by name: its direct children, a list of layers opened into its
+    layers (`encoder.0`, `encoder.1`, …)."""
+    found: dict[str, Any] = {}
+    for name, child in network.named_children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            found.update({f"{name}.{key}": layer for key, layer in child.named_children()})
+        else:
+            found[name] = child
+    return found
 
 
 def segment_input(network: Any, device: str) -> torch.Tensor:
     """Silence of the shape separation hands the network (one segment, batch of one), made
-    as separation makes it (an inference tensor): the shape the compiled graph is for."""
+    as separation makes it (an inference tensor): what the compiled parts are built for."""
     frames = int(float(network.segment) * int(network.samplerate))
     if hasattr(network, "valid_length"):
         frames = int(network.valid_length(frames))
@@ -155,34 +130,86 @@ def modes(device: str, precision: str) -> contextlib.ExitStack:
     return stack
 
 
-def saved(folder: Path, index: int) -> Path:
-    """Where the `index`th network is saved in a build or an entry."""
-    return folder / f"network-{index}.bin"
+def saved(folder: Path, index: int, part: str) -> Path:
+    """Where a part of the `index`th network is saved in a build or an entry."""
+    return folder / f"network-{index}.{part}.bin"
+
+
+def part_inputs(network: Any, device: str, precision: str) -> dict[str, tuple[Any, Any]]:
+    """What each part is called with (args, kwargs) when the network separates a segment of
+    silence, by name; a part the forward does not call is left out."""
+    called: dict[str, tuple[Any, Any]] = {}
+
+    def recorder(name: str) -> Callable[..., None]:
+        def record(_: Any, args: Any, kwargs: Any) -> None:
+            called.setdefault(name, (args, kwargs))
+
+        return record
+
+    hooks = [
+        part.register_forward_pre_hook(recorder(name), with_kwargs=True)
+        for name, part in parts(network).items()
+    ]
+    try:
+        with modes(device, precision):
+            network(segment_input(network, device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return called
+
+
+def _laid_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """`args` and `kwargs` with every tensor in the standard (contiguous) layout. Guards check
+    strides too, and a part's input is the output of another, eager or compiled, which lay
+    out the same values differently: one layout at the build and at every call keeps the
+    parts independent of each other."""
+
+    def lay(value: Any) -> Any:
+        return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+    return tuple(map(lay, args)), {key: lay(value) for key, value in kwargs.items()}
+
+
+def _bound(compiled: Callable[..., Any], part: Any) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _laid_out(args, kwargs)
+        return compiled(part, *args, **kwargs)
+
+    return call
 
 
 def build(networks: list[Any], folder: Path, device: str, precision: str) -> None:
-    """Compile each network and save it into `folder` (Inductor writes its code into its
-    cache folder, which the caller sets)."""
+    """Compile each part of each network and save it into `folder` (Inductor writes its code
+    into its cache folder, which the caller sets)."""
     prepare(networks)
     for index, network in enumerate(networks):
-        compile_ = torch.compile(type(network).forward, fullgraph=True, dynamic=False)
-        with modes(device, precision):
-            compiled = compile_.aot_compile(  # type: ignore[attr-defined]
-                ((network, segment_input(network, device)), {})
-            )
-        compiled.save_compiled_function(str(saved(folder, index)))
+        found = parts(network)
+        for name, (args, kwargs) in part_inputs(network, device, precision).items():
+            part = found[name]
+            compile_ = torch.compile(type(part).forward, fullgraph=True, dynamic=False)
+            with modes(device, precision):
+                args, kwargs = _laid_out(args, kwargs)
+                compiled = compile_.aot_compile(((part, *args), kwargs))  # type: ignore[attr-defined]
+            compiled.save_compiled_function(str(saved(folder, index, name)))
 
 
-def load(networks: list[Any], folder: Path, device: str, precision: str) -> list[Any]:
-    """The networks saved in `folder`, each bound to its eager network (the weights are
-    shared, not copied): callables taking what the network takes."""
+def load(networks: list[Any], folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
+    """The parts saved in `folder`: (part, callable) pairs, each callable bound to its eager
+    part (the weights are shared, not copied) and taking what the part takes."""
     prepare(networks)
-    calls = []
+    pairs = []
     with modes(device, precision):  # the guards are made against the modes in force
         for index, network in enumerate(networks):
-            with open(saved(folder, index), "rb") as file:
-                compiled = torch.compiler.load_compiled_function(
-                    file, f_globals=type(network).forward.__globals__
-                )
-            calls.append(functools.partial(compiled, network))
-    return calls
+            for name, part in parts(network).items():
+                path = saved(folder, index, name)
+                if not path.exists():
+                    continue  # a part the forward does not call
+                with open(path, "rb") as file:
+                    compiled = torch.compiler.load_compiled_function(
+                        file, f_globals=type(part).forward.__globals__
+                    )
+                pairs.append((part, _bound(compiled, part)))
+    if not pairs:
+        raise FileNotFoundError(f"no compiled part in {folder}")
+    return pairs

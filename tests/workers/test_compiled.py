@@ -211,16 +211,15 @@ def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
     model = load_model("tiny", str(model_repo))
     pairs = open_compiled(model, cache / compiled_tiny.key, "cpu", "float32")
     fits = segment_input(model, "cpu")
-    with torch.inference_mode():
-        shorter = fits[..., : fits.shape[-1] // 2].clone()
     with using(pairs) as calls, modes("cpu", "float32"):
         model(fits)
-        assert (calls.compiled, calls.eager) == (1, 0)
-        out = model(shorter)  # another shape than it was built for
-        assert (calls.compiled, calls.eager) == (1, 1)
-    with modes("cpu", "float32"):
-        assert torch.allclose(out, model(shorter))  # the eager model's own answer
-    assert "a segment ran eager: verbose_code_parts" in caplog.text
+        assert (calls.compiled, calls.eager) == (len(pairs), 0), "every part, compiled"
+    with using(pairs) as calls, modes("cpu", "bfloat16"):  # another mode than it was built for
+        out = model(fits)
+        assert calls.eager >= 1, "the parts the guards refused ran eager"
+    with modes("cpu", "bfloat16"):
+        assert torch.equal(out, model(fits))  # the eager model's own answer
+    assert "a part ran eager: verbose_code_parts" in caplog.text
 
 
 def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo: Path) -> None:
@@ -233,11 +232,11 @@ def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo:
     with modes("cpu", "float32"):
         before = first(silence)
     prepare([first])
-    assert all(name in vars(first) for name in ("_spec", "_ispec"))
+    assert "_get_pos_embedding" in vars(first.crosstransformer)
     with modes("cpu", "float32"):
         assert torch.equal(first(silence), before), "routed, the same stems"
     prepare([second])
     assert not any(name in vars(module) for module in first.modules() for name in ROUTED)
-    assert all(name in vars(second) for name in ("_spec", "_ispec"))
+    assert "_get_pos_embedding" in vars(second.crosstransformer)
     with modes("cpu", "float32"):
         assert torch.equal(first(silence), before)
