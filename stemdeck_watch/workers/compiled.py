@@ -1,24 +1,20 @@
 """The compiled model, on the worker's side: load it from the cache, measure it, use it.
 
-`torch.compile` (Inductor) makes a full-size HTDemucs about 1.5× faster on a CPU, but
-building it costs minutes, so it never happens in the worker: a background process at idle
-priority builds it into the compiled-model cache (compilebuild.py, compilecache.py) while the
-worker goes on separating with the eager model. Each part of each network (its encoder and
-decoder layers, its transformer) is compiled ahead of time as one graph and saved with its
-guards (compiledgraph.py), so loading it traces nothing and takes seconds. Once a build is
-there the worker loads it between two songs, measures it once on the built-in synthetic song
-exactly as the precision choice measures (precision.py), and uses it only if it is at least
-MIN_SPEEDUP× faster than the eager model in the same precision and every stem matches float32
-to MIN_SNR_DB. The verdict is kept in the cache, so a later worker loads a compile that paid
-without measuring it again (before its first song), and never tries one that did not until
-torch, the model or the CPU changes.
+`torch.compile` (Inductor) makes a full-size HTDemucs 1.2–1.3× faster on a CPU in float32 (less
+where the CPU runs bfloat16 natively), but building it costs minutes, so it never happens in
+the worker: a background process at idle priority builds it into the compiled-model cache
+(compilebuild.py, compilecache.py) while the worker goes on separating with the eager model.
+Each part of each network (its encoder and decoder layers, its transformer) is compiled ahead
+of time as one graph and saved with its guards (compiledgraph.py), so loading it traces nothing
+and takes seconds. Once a build is there the worker loads it between two songs, measures it
+once on the built-in synthetic song exactly as the precision choice measures (precision.py),
+and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
+precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
+later worker loads a compile that paid without measuring it again (before its first song), and
+never tries one that did not until torch, the model or the CPU changes.
 
-Some of the model stays eager. The network's own forward around its parts, with the STFT and
-inverse STFT: Inductor has no kernels for complex numbers, and the inverse STFT's overlap-add,
-traced through, becomes one C++ kernel of thousands of loops that takes the compiler longer
-than the rest of the model together (with it a full-size build took 751 s here). And, inside
-the transformer, the position embedding, which draws a random shift each call. Why parts and not
-whole networks: compiledgraph.py.
+The network's own forward around the parts (its STFTs) and the transformer's position
+embedding stay eager: why, and why parts rather than whole networks, in compiledgraph.py.
 
 The compiled code shares the eager model's weights (no second copy in memory) and is used
 only for the input shapes and modes it was built for: a request with its own segment, or one

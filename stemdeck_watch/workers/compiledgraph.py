@@ -10,8 +10,10 @@ it back (`torch.compiler.load_compiled_function`) traces nothing and takes secon
 
 What is compiled is each part of a network: its direct children (a list of layers opened into
 its layers), the encoder and decoder layers and the transformer, where the compute is. The
-network's own forward stays eager: its STFT and inverse STFT (complex numbers, which Inductor
-has no kernels for) and the few cheap steps between the parts. Compiled as one whole graph
+network's own forward stays eager: its STFT and inverse STFT and the few cheap steps between
+the parts. Inductor has no kernels for complex numbers, and the inverse STFT's overlap-add,
+traced through, becomes one C++ kernel of thousands of loops that takes the compiler longer
+than the rest of the model together (with it a full-size build took 751 s here). Compiled as one whole graph
 with the STFT as an opaque operator, a full-size HTDemucs under bfloat16 autocast came out NaN
 (torch 2.13), while each part compiled on its own matched eager bfloat16 to 50 dB or more.
 
@@ -82,7 +84,7 @@ def _pos_embedding_for(owner: int) -> Callable[..., torch.Tensor]:
     return lambda t, b, c, device: _pos_embedding(t, b, c, torch.device(device), owner)
 
 
-ROUTED = ("_get_pos_embedding",)
+ROUTED = "_get_pos_embedding"  # the method routed through the operator
 
 
 def prepare(networks: list[Any]) -> None:
@@ -90,14 +92,13 @@ def prepare(networks: list[Any]) -> None:
     the same stems through it; the compiled graphs need it, with the same owners. Modules an
     earlier call routed go back to their own methods: their owner numbers are reused."""
     for module in _OWNERS:
-        for name in ROUTED:
-            vars(module).pop(name, None)
+        vars(module).pop(ROUTED, None)
     _OWNERS.clear()
     for network in networks:
         for module in network.modules():
-            if callable(getattr(type(module), "_get_pos_embedding", None)):
+            if callable(getattr(type(module), ROUTED, None)):
                 _OWNERS.append(module)
-                module._get_pos_embedding = _pos_embedding_for(len(_OWNERS) - 1)
+                setattr(module, ROUTED, _pos_embedding_for(len(_OWNERS) - 1))
 
 
 def parts(network: Any) -> dict[str, Any]:
@@ -135,14 +136,14 @@ def saved(folder: Path, index: int, part: str) -> Path:
     return folder / f"network-{index}.{part}.bin"
 
 
-def part_inputs(network: Any, device: str, precision: str) -> dict[str, tuple[Any, Any]]:
-    """What each part is called with (args, kwargs) when the network separates a segment of
-    silence, by name; a part the forward does not call is left out."""
-    called: dict[str, tuple[Any, Any]] = {}
+def part_inputs(network: Any, device: str, precision: str) -> dict[str, tuple[Any, Any, Any]]:
+    """Each part with what it is called with (part, args, kwargs) when the network separates
+    a segment of silence, by name; a part the forward does not call is left out."""
+    called: dict[str, tuple[Any, Any, Any]] = {}
 
     def recorder(name: str) -> Callable[..., None]:
-        def record(_: Any, args: Any, kwargs: Any) -> None:
-            called.setdefault(name, (args, kwargs))
+        def record(part: Any, args: Any, kwargs: Any) -> None:
+            called.setdefault(name, (part, args, kwargs))
 
         return record
 
@@ -184,9 +185,7 @@ def build(networks: list[Any], folder: Path, device: str, precision: str) -> Non
     into its cache folder, which the caller sets)."""
     prepare(networks)
     for index, network in enumerate(networks):
-        found = parts(network)
-        for name, (args, kwargs) in part_inputs(network, device, precision).items():
-            part = found[name]
+        for name, (part, args, kwargs) in part_inputs(network, device, precision).items():
             compile_ = torch.compile(type(part).forward, fullgraph=True, dynamic=False)
             with modes(device, precision):
                 args, kwargs = _laid_out(args, kwargs)
@@ -202,10 +201,11 @@ def load(networks: list[Any], folder: Path, device: str, precision: str) -> list
     with modes(device, precision):  # the guards are made against the modes in force
         for index, network in enumerate(networks):
             for name, part in parts(network).items():
-                path = saved(folder, index, name)
-                if not path.exists():
+                try:
+                    file = open(saved(folder, index, name), "rb")
+                except FileNotFoundError:
                     continue  # a part the forward does not call
-                with open(path, "rb") as file:
+                with file:
                     compiled = torch.compiler.load_compiled_function(
                         file, f_globals=type(part).forward.__globals__
                     )
