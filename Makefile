@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 #   TORCH_SPEC="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124" make demo
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# the suite runs in this many processes (pytest-xdist), a file's tests in one of them (its
+# module fixtures are built once): most of a test is waiting on a real service, so two fit on
+# two cores; 0 runs it in this process
+TEST_PROCESSES ?= 2
 # the project's extras to install; .ci/run adds the Linux desktop ones (tray, dbus), which
 # build from source against system packages, and ray (the Ray executor's tests) — `make demo`
 # never needs them
@@ -34,7 +38,7 @@ demo: install
 	$(BIN)/stemdeck-watch demo
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
 # ruff's lint rules and its format check, and mypy (configured in pyproject.toml: strict on
 # the queue's core and the worker interface, lenient elsewhere)

@@ -21,14 +21,18 @@ from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers.worker import ONEDNN_ENV
 from stemdeck_watch.service import Service
 
-from support.compiled import BuiltCompile, build_tiny
+from support.compiled import BuiltCompile, built_once
 from support.helpers import JobLog, child_pids, config_data, wait_for
 
 # every worker the tests start (directly, through a service, or a service the CLI starts)
 # inherits this: without oneDNN the tiny model's first separation takes 0.4 s instead of 2.5 s
 # (see workers/worker.py); the precision tests turn it back on for themselves
 os.environ.setdefault(ONEDNN_ENV, "0")
-
+# `make test` runs the suite in two processes (pytest-xdist): two workers separating at once
+# on two cores, each with OpenMP threads that spin while they wait for work, took CPU from
+# each other and from the services (the UI tests ran slower in two processes than in one);
+# passive threads sleep instead
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
@@ -64,8 +68,9 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def compiled_tiny(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> BuiltCompile:
     """The tiny model's compiled form (float32, CPU), built and measured once per session as
-    the service does it (tests/support/compiled.py): minutes of CPU, so shared."""
-    return build_tiny(model_repo, tmp_path_factory.mktemp("compiled"))
+    the service does it (tests/support/compiled.py): minutes of CPU, so shared, by every
+    process of the session too."""
+    return built_once(model_repo, tmp_path_factory)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The tiny model's compiled form, built once per test session the way the service builds it:
+"""The tiny model's compiled form, built once per test session (by the first of its processes to ask, under pytest-xdist) the
+way the service builds it:
 a worker reports it missing, its client starts the background build (a process at idle
 priority: Inductor and a C++ compiler), and the worker adopts and measures it. Tests copy the
 cache into their own state folder."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -72,3 +74,39 @@ def build_tiny(model_repo: Path, root: Path) -> BuiltCompile:
     finally:
         client.close()
     return BuiltCompile(root, before["key"], frozenset(policies), before, after)
+
+
+def built_once(model_repo: Path, factory: pytest.TempPathFactory) -> BuiltCompile:
+    """`build_tiny` once for all the processes of a pytest-xdist session: the first to take the
+    lock builds and writes down what it built; the others wait for it (a minute of idle
+    waiting instead of a second build beside the first) and read that. The key is a
+    digest of the model's weights, which every process saves alike, so one cache fits all."""
+    import fcntl
+
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    record = shared / "compiled-tiny.json"
+    with open(shared / "compiled-tiny.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.is_file():
+            data = json.loads(record.read_text())
+            return BuiltCompile(
+                Path(data["root"]),
+                data["key"],
+                frozenset(data["policies"]),
+                data["before"],
+                data["after"],
+            )
+        built = build_tiny(model_repo, shared / "compiled-tiny")
+        record.write_text(
+            json.dumps(
+                {
+                    "root": str(built.root),
+                    "key": built.key,
+                    "policies": sorted(built.policies),
+                    "before": built.before,
+                    "after": built.after,
+                }
+            )
+        )
+        return built

@@ -59,6 +59,7 @@ def test_every_endpoint_answers_as_documented_and_malformed_input_gets_a_4xx(liv
                 max_examples=20,
                 deadline=None,
                 database=None,
+                print_blob=True,  # a failure prints the call that reproduces it
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
             )
             def check(case: Any) -> None:
