@@ -34,6 +34,7 @@ os.environ.setdefault(ONEDNN_ENV, "0")
 # passive threads sleep instead
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     threads_before = set(threading.enumerate())
