@@ -43,7 +43,7 @@ from stemdeck_watch.util.safefile import read_regular_text, write_replacing
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
-PID_FILE = "build.pid"  # in the cache: the process group of the build a service started
+PID_FILE = "build.pid"  # in the cache: the process group of the build running, and its start
 
 
 def lower_priority(pid: int = 0) -> str:
@@ -78,16 +78,32 @@ def die_with_parent() -> None:
         pass
 
 
+def started_at(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux), None if it is gone: a pid
+    and its start time name one process, where a pid alone may be reused."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def reap(cache: Path) -> None:
     """Kill what is left of a build an earlier service started and could not end (it was
     SIGKILLed while the build was stopped): the members of its process group that are
-    still a build or its compiler."""
+    still a build or its compiler and started with it or after. Nothing, if its pid now
+    names another process."""
     import signal
 
     try:
-        group = int(read_regular_text(cache / PID_FILE, 64))
+        recorded = [int(n) for n in read_regular_text(cache / PID_FILE, 64).split()]
     except (OSError, ValueError):
         return
+    if len(recorded) != 2:
+        return  # not a pid and a start time: nothing here names a process for certain
+    group, start = recorded
+    now = started_at(group)
+    if now is not None and now != start:
+        return  # the build's leader is gone and its pid given to another process
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -95,7 +111,7 @@ def reap(cache: Path) -> None:
         except (OSError, IndexError):
             continue
         ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
-        if int(fields[2]) == group and ours:
+        if int(fields[2]) == group and int(fields[19]) >= start and ours:
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 try:
                     os.kill(int(stat.parent.name), sig)
@@ -237,7 +253,7 @@ class CompileBuilder:
                 start_new_session=sys.platform != "win32",
             )
             lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
-            write_replacing(self.cache / PID_FILE, str(proc.pid))
+            write_replacing(self.cache / PID_FILE, f"{proc.pid} {started_at(proc.pid) or ''}")
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
                 "building the compiled model for %s (%s) in the background (pid %d)",
@@ -261,6 +277,7 @@ class CompileBuilder:
             with proc.stdout:
                 lines = proc.stdout.read().splitlines()
             proc.wait()
+            self._end_group(proc.pid)
             reader.join(5.0)
             proc.stderr.close()
             try:
@@ -289,6 +306,17 @@ class CompileBuilder:
                 self._ended[key] = result
             self._building = None
             self._proc = None
+
+    def _end_group(self, pid: int) -> None:
+        """The build ended: end what it left running in its process group (a compiler) and
+        forget it, so nothing reaps that group id once it names something else."""
+        import signal
+
+        if sys.platform != "win32":
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            (self.cache / PID_FILE).unlink()
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

@@ -1,13 +1,14 @@
 """The compiled-model cache in the state folder: what was built, for what, and whether it paid.
 
 A `torch.compile` of a full-size model costs minutes of CPU, so it is built once per machine
-and model and kept: `<state>/compiled/<key>/` holds Inductor's on-disk caches for one
-(model, precision, device, torch, Python, CPU) and `entry.json`, which names that key and
-every file with its size and SHA-256. A build happens in a folder with a random name and
+and model and kept: `<state>/compiled/<key>/` holds the compiled parts of one (model,
+precision, device, torch, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py), the code
+Inductor generated for them, and `entry.json`, which names that key and every file with its
+size and SHA-256. A build happens in a folder with a random name and
 becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
 restart or a killed build never leaves a half entry that looks whole. An entry whose
-`entry.json` names another key (copied from elsewhere), or whose files do not match it, is
-removed and built again.
+`entry.json` names another key (copied from elsewhere), or whose files do not match it (one
+missing, changed, or a part not named in it), is removed and built again.
 
 Whether the compiled model is worth using is measured once by the worker that adopts it and
 kept beside the entry (`<key>.verdict.json`), so a compile that did not pay is not tried again
@@ -38,9 +39,10 @@ ENTRY = "entry.json"
 INDUCTOR = "inductor"  # TORCHINDUCTOR_CACHE_DIR of an entry
 BUILD_PREFIX = ".build-"
 VERDICT_SUFFIX = ".verdict.json"
+PART_SUFFIX = ".bin"  # a compiled part, saved by compiledgraph.py
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
-# how the model is prepared for the compiler (workers/compiled.py): a change of it makes every
-# entry foreign
+# how the model is prepared for the compiler (workers/compiledgraph.py): a change of it makes
+# every entry foreign
 RECIPE = 3
 
 
@@ -209,7 +211,13 @@ class CompileCache:
         data = _read_json(folder / ENTRY)
         if not isinstance(data, dict) or CompileKey.from_dict(data.get("key")) != key:
             return "it was built for something else", {}
-        for name, (size, digest) in dict(data.get("files") or {}).items():
+        files = dict(data.get("files") or {})
+        # a saved part is code the worker loads: one the build did not write is never loaded
+        # (Inductor may add to its own cache folder as it is used, so only the parts count)
+        for path in folder.glob(f"*{PART_SUFFIX}"):
+            if path.name not in files:
+                return f"{path.name} is not named in {ENTRY}", data
+        for name, (size, digest) in files.items():
             path = folder / name
             try:
                 if path.is_symlink() or path.stat().st_size != size:

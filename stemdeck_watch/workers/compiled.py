@@ -18,7 +18,9 @@ embedding stay eager: why, and why parts rather than whole networks, in compiled
 
 The compiled code shares the eager model's weights (no second copy in memory) and is used
 only for the input shapes and modes it was built for: a request with its own segment, or one
-shrunk after the memory ran out, fails the parts' guards and runs eager, counted.
+shrunk after the memory ran out, runs the eager model (worker.py), and a call the parts' guards
+refuse runs that part eager, counted. A compiled model that cannot be loaded is recorded as
+failed, so later workers do not try it again, with the file to delete to build it anew.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class Calls:
     def __init__(self) -> None:
         self.compiled = 0
         self.eager = 0
+        self.refused = ""  # the guard that refused the first call, if one did
 
     @property
     def all_compiled(self) -> bool:
@@ -145,7 +148,8 @@ class Calls:
                 if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    log.warning("a part ran eager: %s", refusal(str(exc)))
+                    self.refused = f"{type(member).__name__}: {refusal(str(exc))}"
+                    log.warning("a part ran eager: %s", self.refused)
                 self.eager += 1
                 return member._call_impl(*args, **kwargs)
             self.compiled += 1
@@ -184,7 +188,7 @@ def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) 
         with using(pairs) as calls, modes(device, precision):
             finite = bool(torch.isfinite(network(silence)).all()) and finite
         if not calls.all_compiled:
-            raise ValueError("the guards of a compiled part refused a segment of silence")
+            raise ValueError(f"the guards of a compiled part refused a segment: {calls.refused}")
     return finite
 
 
@@ -205,8 +209,10 @@ def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: st
     out = None
     for _ in range(2):
         eager.append(run_once(model, device, precision, signal)[0])
-        with using(pairs):
+        with using(pairs) as calls:
             seconds, out = run_once(model, device, precision, signal)
+        if not calls.all_compiled:  # else it would measure the eager model against itself
+            raise ValueError(f"the guards of a compiled part refused the song: {calls.refused}")
         compiled.append(seconds)
     _, reference = run_once(model, device, "float32", signal)
     return Measured(
@@ -287,9 +293,9 @@ class CompiledSlot:
         if not self.device.startswith("cpu"):
             self.state, self.reason = "unavailable", f"compiling is for the CPU, not {self.device}"
             return self.to_dict()
-        from stemdeck_watch.workers.compiledgraph import available
+        from stemdeck_watch.workers.compiledgraph import available, unsupported
 
-        unavailable = available()
+        unavailable = unsupported(members(model)) or available()
         if unavailable is not None:
             self.state, self.reason = (
                 "unavailable",
@@ -320,7 +326,8 @@ class CompiledSlot:
         if verdict is not None and verdict.speedup is not None:  # this setting's rule, again
             verdict = decide(self.setting, remeasured(verdict))
         if verdict is not None and not verdict.use:  # under this setting's rule: never again
-            self.state, self.reason = "not used", verdict.reason
+            self.state = "not used" if verdict.speedup is not None else "failed"
+            self.reason = verdict.reason
             self.figures = {"speedup": verdict.speedup, "worst_snr_db": verdict.worst_snr_db}
             return self.to_dict()
         entry = self.cache.entry(self.key)
@@ -350,7 +357,12 @@ class CompiledSlot:
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
             log.exception("compiled model could not be loaded; separating with the eager model")
-            self.state, self.reason, self.pairs = "failed", f"could not be loaded: {exc}", []
+            self.state, self.pairs = "failed", []
+            self.reason = (
+                f"could not be loaded: {exc}; not tried again until torch, the model or the "
+                f"CPU changes (delete {self.cache.verdict_path(self.key)} to build it anew)"
+            )
+            self.cache.record_verdict(self.key, Verdict(False, self.reason, measured=time.time()))
             return
         self.cache.touch(self.key)
         self.figures = {

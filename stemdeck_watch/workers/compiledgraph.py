@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from stemdeck_watch.workers.compilecache import PART_SUFFIX
 from stemdeck_watch.workers.precision import autocast
 
 GUARDS_REFUSED = "GuardManager check failed"  # in the error a saved function's refusal raises
@@ -87,18 +88,36 @@ def _pos_embedding_for(owner: int) -> Callable[..., torch.Tensor]:
 ROUTED = "_get_pos_embedding"  # the method routed through the operator
 
 
+def release() -> None:
+    """Give every routed module its own method back and forget it, so a model let go is not
+    kept in memory by its owner number."""
+    for module in _OWNERS:
+        vars(module).pop(ROUTED, None)
+    _OWNERS.clear()
+
+
 def prepare(networks: list[Any]) -> None:
     """Route each network's position embedding through the operator. Eager separation gives
     the same stems through it; the compiled graphs need it, with the same owners. Modules an
     earlier call routed go back to their own methods: their owner numbers are reused."""
-    for module in _OWNERS:
-        vars(module).pop(ROUTED, None)
-    _OWNERS.clear()
+    release()
     for network in networks:
         for module in network.modules():
             if callable(getattr(type(module), ROUTED, None)):
                 _OWNERS.append(module)
                 setattr(module, ROUTED, _pos_embedding_for(len(_OWNERS) - 1))
+
+
+def unsupported(networks: list[Any]) -> str | None:
+    """Why these networks are not compiled, or None: only HTDemucs is. The others (HDemucs
+    of `hdemucs_mmi` and `mdx*`, Demucs v2) hold LSTMs, which a whole-part graph refuses, and
+    pad their last segment to another length than the rest, which the guards refuse."""
+    from demucs.htdemucs import HTDemucs
+
+    other = sorted({type(n).__name__ for n in networks if not isinstance(n, HTDemucs)})
+    if other:
+        return f"compiling is for HTDemucs models (htdemucs, htdemucs_ft, htdemucs_6s), not {', '.join(other)}"
+    return None
 
 
 def parts(network: Any) -> dict[str, Any]:
@@ -133,7 +152,7 @@ def modes(device: str, precision: str) -> contextlib.ExitStack:
 
 def saved(folder: Path, index: int, part: str) -> Path:
     """Where a part of the `index`th network is saved in a build or an entry."""
-    return folder / f"network-{index}.{part}.bin"
+    return folder / f"network-{index}.{part}{PART_SUFFIX}"
 
 
 def part_inputs(network: Any, device: str, precision: str) -> dict[str, tuple[Any, Any, Any]]:

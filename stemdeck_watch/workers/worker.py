@@ -256,6 +256,10 @@ class Worker:
         if key not in self._models:
             self._models.clear()  # one model resident at a time: memory matters more
             self._choices.clear()  # a fresh load is measured afresh
+            if self._compiled:
+                from stemdeck_watch.workers.compiledgraph import release
+
+                release()  # the routed modules of the model let go
             self._compiled.clear()
             model = load_model(name, repo)
             model.to(self.device)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def test_the_build_runs_beside_at_idle_priority_and_the_worker_adopts_it(
     assert after["speedup"] > 0 and (after["worst_snr_db"] is None or after["worst_snr_db"] >= 35)
     assert after["compile_seconds"] > 0 and after["load_seconds"] > 0
     names = {p.name for p in compiled_tiny.root.iterdir()}
-    assert names == {"build.pid", compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"}, names
+    # the build's process group is forgotten once it ended: nothing reaps that id later
+    assert names == {compiled_tiny.key, f"{compiled_tiny.key}.verdict.json"}, names
 
 
 def test_a_restarted_worker_loads_it_in_seconds_and_separates_with_it(
@@ -184,7 +186,7 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
         assert compiled["state"] == "failed" and "build failed" in compiled["reason"]
     finally:
         client.close()
-    assert sorted(p.name[:7] for p in cache.iterdir()) == [".build-", "build.p"]
+    assert sorted(p.name[:7] for p in cache.iterdir()) == [".build-"]
 
 
 def process_state(pid: int) -> str:
@@ -219,12 +221,12 @@ def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
         assert calls.eager >= 1, "the parts the guards refused ran eager"
     with modes("cpu", "bfloat16"):
         assert torch.equal(out, model(fits))  # the eager model's own answer
-    assert "a part ran eager: verbose_code_parts" in caplog.text
+    assert "a part ran eager: HEncLayer: verbose_code_parts" in caplog.text  # the part named
 
 
 def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo: Path) -> None:
     torch = pytest.importorskip("torch")
-    from stemdeck_watch.workers.compiledgraph import ROUTED, modes, prepare, segment_input
+    from stemdeck_watch.workers.compiledgraph import ROUTED, modes, prepare, release, segment_input
     from stemdeck_watch.workers.worker import load_model
 
     first, second = load_model("tiny", str(model_repo)), load_model("tiny6", str(model_repo))
@@ -240,3 +242,103 @@ def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo:
     assert "_get_pos_embedding" in vars(second.crosstransformer)
     with modes("cpu", "float32"):
         assert torch.equal(first(silence), before)
+    release()  # the worker lets its model go: nothing routed, no module kept
+    assert not any(ROUTED in vars(module) for module in second.modules())
+
+
+def test_a_part_file_the_build_did_not_name_makes_the_entry_unusable(
+    compiled_tiny: BuiltCompile, tmp_path: Path
+) -> None:
+    """A saved part is code the worker unpickles: one planted beside the built ones is never
+    loaded; the entry is removed and built again."""
+    cache = compiled_tiny.copy_to(tmp_path)
+    key = entry_key(cache, compiled_tiny.key)
+    store = CompileCache(cache)
+    assert store.problem(key) is None
+    (cache / compiled_tiny.key / "network-0.planted.bin").write_bytes(b"not a compiled part")
+    assert store.problem(key) == "network-0.planted.bin is not named in entry.json"
+    assert store.entry(key) is None and not (cache / compiled_tiny.key).exists()
+
+
+def test_a_compiled_model_that_cannot_be_loaded_is_not_tried_again_and_says_what_to_delete(
+    compiled_tiny: BuiltCompile,
+    model_repo: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pytest.importorskip("torch")
+    tqdm = pytest.importorskip("tqdm")
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # as in the guards test above
+    from stemdeck_watch.workers import compiled
+    from stemdeck_watch.workers.worker import load_model
+
+    cache = compiled_tiny.copy_to(tmp_path)
+    model = load_model("tiny", str(model_repo))
+
+    def broken(*_args: object) -> None:
+        raise OSError("the disk said no")
+
+    monkeypatch.setattr(compiled, "open_compiled", broken)
+    first = compiled.CompiledSlot("on", CompileCache(cache), "cpu")
+    report = first.refresh(model, "tiny", "float32")
+    verdict_file = cache / f"{compiled_tiny.key}.verdict.json"
+    assert report["state"] == "failed" and "the disk said no" in report["reason"]
+    assert f"delete {verdict_file} to build it anew" in report["reason"]
+    assert not first.pairs and verdict_file.is_file()
+
+    def never(*_args: object) -> None:
+        raise AssertionError("a later worker loaded it again")
+
+    monkeypatch.setattr(compiled, "open_compiled", never)
+    later = compiled.CompiledSlot("on", CompileCache(cache), "cpu").refresh(
+        model, "tiny", "float32"
+    )
+    assert later["state"] == "failed" and later["reason"] == report["reason"]
+
+
+def test_a_model_other_than_htdemucs_is_not_compiled_and_says_why(tmp_path: Path) -> None:
+    """HDemucs (hdemucs_mmi, the mdx models) has LSTMs and pads its last segment to its own
+    length: it separates eager, and no build is started for it."""
+    torch = pytest.importorskip("torch")
+    from demucs.hdemucs import HDemucs
+
+    torch.manual_seed(0)
+    model = HDemucs(sources=["drums", "bass", "other", "vocals"], channels=4)
+    args, kwargs = model._init_args_kwargs
+    repo = tmp_path / "models"
+    repo.mkdir()
+    state = {"klass": HDemucs, "args": args, "kwargs": kwargs, "state": model.state_dict()}
+    torch.save(state, repo / "hybrid.th")
+    client = client_for(tmp_path / "compiled", "on")
+    try:
+        compiled = client.ensure_model("hybrid", str(repo)).compiled
+        assert compiled["state"] == "unavailable", compiled
+        assert "for HTDemucs models" in compiled["reason"] and "HDemucs" in compiled["reason"]
+        assert client.builder is not None and client.builder.info() is None, "no build"
+    finally:
+        client.close()
+    assert not (tmp_path / "compiled").exists()
+
+
+def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path: Path) -> None:
+    """The pid file of a build an earlier service could not end names a process group and
+    its leader's start time: a process that got the same pid later is not that build."""
+    from stemdeck_watch.workers.compilebuild import PID_FILE, reap, started_at
+
+    # a stand-in with what reap looks for in a command line ("torch"), in a group of its own
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # torch"], start_new_session=True
+    )
+    try:
+        start = started_at(proc.pid)
+        assert start is not None
+        (tmp_path / PID_FILE).write_text(f"{proc.pid} {start - 1}")
+        reap(tmp_path)
+        assert proc.poll() is None, "a process with the same pid, started later, was killed"
+        (tmp_path / PID_FILE).write_text(f"{proc.pid} {start}")
+        reap(tmp_path)
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
