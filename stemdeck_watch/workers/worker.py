@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from stemdeck_watch.workers.compilecache import CompileCache
-from stemdeck_watch.workers.compiled import CompiledSlot, using
+from stemdeck_watch.workers.compiled import CompiledSlot, members, using
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
 
 PROGRESS_PREFIX = "@@progress "
@@ -415,8 +415,7 @@ class Worker:
 
 def own_segment(model: Any) -> float:
     """The segment (seconds) the model separates in when none is asked for."""
-    members = list(getattr(model, "models", None) or [model])
-    found = [float(m.segment) for m in members if getattr(m, "segment", None)]
+    found = [float(m.segment) for m in members(model) if getattr(m, "segment", None)]
     return min(found) if found else 10.0
 
 
@@ -427,10 +426,9 @@ def segments_of(model: Any, segment: float | None) -> Iterator[None]:
     length, as demucs's BagOfModels(segment=…) sets it; restored on the way out."""
     from demucs.htdemucs import HTDemucs
 
-    members = list(getattr(model, "models", None) or [model])
     changed = [
         (m, m.segment)
-        for m in members
+        for m in members(model)
         if segment is not None and isinstance(m, HTDemucs) and segment < m.segment
     ]
     for member, _ in changed:
