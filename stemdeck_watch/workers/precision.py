@@ -31,7 +31,7 @@ SETTINGS = ("auto", "float32", "bfloat16", "float16")
 MIN_SPEEDUP = 1.2
 MIN_SNR_DB = 35.0
 SMALL_MODEL_PARAMETERS = 2_000_000  # below this calibration cannot pay for itself
-CALIBRATION_SECONDS = 4.0  # of synthetic signal (a model pads it to one segment anyway)
+CALIBRATION_SECONDS = 4.0  # of synthetic signal (HTDemucs pads it to one segment)
 CALIBRATE_ENV = "STEMDECK_CALIBRATE"  # "always": calibrate small models too (tests, benches)
 
 
