@@ -104,17 +104,18 @@ def reap(cache: Path) -> None:
     now = started_at(group)
     if now is not None and now != start:
         return  # the build's leader is gone and its pid given to another process
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in (name for name in os.listdir("/proc") if name.isdigit()):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, IndexError):
-            continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            member = int(fields[2]) == group and int(fields[19]) >= start
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not a process's stat
         ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
-        if int(fields[2]) == group and int(fields[19]) >= start and ours:
+        if member and ours:
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 try:
-                    os.kill(int(stat.parent.name), sig)
+                    os.kill(int(pid), sig)
                 except OSError:
                     pass
 

@@ -4,6 +4,7 @@ built once per session: tests/support/compiled.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -326,11 +327,15 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
     its leader's start time: a process that got the same pid later is not that build."""
     from stemdeck_watch.workers.compilebuild import PID_FILE, reap, started_at
 
-    # a stand-in with what reap looks for in a command line ("torch"), in a group of its own
+    # a stand-in with what reap looks for in a command line ("torch"), in a group of its own,
+    # looked at once it runs (it says so)
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)  # torch"], start_new_session=True
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)  # torch"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         start = started_at(proc.pid)
         assert start is not None
         (tmp_path / PID_FILE).write_text(f"{proc.pid} {start - 1}")
@@ -338,7 +343,15 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
         assert proc.poll() is None, "a process with the same pid, started later, was killed"
         (tmp_path / PID_FILE).write_text(f"{proc.pid} {start}")
         reap(tmp_path)
-        assert proc.wait(10) == -signal.SIGKILL
+
+        def seen() -> str:
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{proc.pid}/stat").read_text()
+            return "gone"
+
+        wait_for(lambda: proc.poll() is not None, 30, f"the build's stand-in to die ({seen()})")
+        assert proc.returncode == -signal.SIGKILL
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
