@@ -78,11 +78,17 @@ def die_with_parent() -> None:
         pass
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, … starttime at
+    19); OSError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def started_at(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, Linux), None if it is gone: a pid
     and its start time name one process, where a pid alone may be reused."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return int(proc_stat(pid)[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -106,7 +112,7 @@ def reap(cache: Path) -> None:
         return  # the build's leader is gone and its pid given to another process
     for pid in (name for name in os.listdir("/proc") if name.isdigit()):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat(pid)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             member = int(fields[2]) == group and int(fields[19]) >= start
         except (OSError, IndexError, ValueError):

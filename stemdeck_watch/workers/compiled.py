@@ -138,6 +138,12 @@ class Calls:
     def all_compiled(self) -> bool:
         return self.compiled > 0 and self.eager == 0
 
+    def require_all(self, what: str) -> None:
+        """Raise unless every call ran compiled: a measure or warm-up of `what` that ran
+        eager would time or check the eager model in its place."""
+        if not self.all_compiled:
+            raise ValueError(f"the guards of a compiled part refused {what}: {self.refused}")
+
     def guarded(self, member: Any, compiled: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -187,8 +193,7 @@ def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) 
         silence = segment_input(network, device)
         with using(pairs) as calls, modes(device, precision):
             finite = bool(torch.isfinite(network(silence)).all()) and finite
-        if not calls.all_compiled:
-            raise ValueError(f"the guards of a compiled part refused a segment: {calls.refused}")
+        calls.require_all("a segment")
     return finite
 
 
@@ -211,8 +216,7 @@ def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: st
         eager.append(run_once(model, device, precision, signal)[0])
         with using(pairs) as calls:
             seconds, out = run_once(model, device, precision, signal)
-        if not calls.all_compiled:  # else it would measure the eager model against itself
-            raise ValueError(f"the guards of a compiled part refused the song: {calls.refused}")
+        calls.require_all("the song")
         compiled.append(seconds)
     _, reference = run_once(model, device, "float32", signal)
     return Measured(

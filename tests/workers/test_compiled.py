@@ -192,7 +192,9 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
 
 def process_state(pid: int) -> str:
     """The state letter of process `pid` (T: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    from stemdeck_watch.workers.compilebuild import proc_stat
+
+    return proc_stat(pid)[0]
 
 
 def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
@@ -328,9 +330,10 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
     from stemdeck_watch.workers.compilebuild import PID_FILE, reap, started_at
 
     # a stand-in with what reap looks for in a command line ("torch"), in a group of its own,
-    # looked at once it runs (it says so)
+    # looked at once it runs (it says so); it lives until its stdin closes
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)  # torch"],
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()  # torch"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
@@ -354,4 +357,5 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
     finally:
         proc.kill()
         proc.wait()
+        proc.stdin.close()  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
