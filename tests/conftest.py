@@ -21,7 +21,7 @@ from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers.worker import ONEDNN_ENV
 from stemdeck_watch.service import Service
 
-from support.compiled import BuiltCompile, built_once
+from support.compiled import BUILD_TIMEOUT, BuiltCompile, built_once
 from support.helpers import JobLog, child_pids, config_data, wait_for
 
 # every worker the tests start (directly, through a service, or a service the CLI starts)
@@ -33,6 +33,16 @@ os.environ.setdefault(ONEDNN_ENV, "0")
 # each other and from the services (the UI tests ran slower in two processes than in one);
 # passive threads sleep instead
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that needs the tiny model's compiled form may wait for its build (minutes of
+    CPU, at idle priority beside the other process's tests): its time limit includes the
+    build's."""
+    limit = BUILD_TIMEOUT + float(config.getini("timeout") or 0)
+    for item in items:
+        if "compiled_tiny" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 @pytest.fixture(autouse=True)
