@@ -154,7 +154,8 @@ class Calls:
                 if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    self.refused = f"{type(member).__name__}: {refusal(str(exc))}"
+                    part = f"{getattr(compiled, '__name__', '?')} ({type(member).__name__})"
+                    self.refused = f"{part}: {refusal(str(exc))}"
                     log.warning("a part ran eager: %s", self.refused)
                 self.eager += 1
                 return member._call_impl(*args, **kwargs)
@@ -348,6 +349,8 @@ class CompiledSlot:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
         whether it pays. The worker calls this between two songs, so nothing else runs on the
         model meanwhile and the measure has the machine to itself."""
+        from stemdeck_watch.workers.compiledgraph import release
+
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
         try:
@@ -361,6 +364,7 @@ class CompiledSlot:
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
             log.exception("compiled model could not be loaded; separating with the eager model")
+            release()  # the eager model separates through its own methods again
             self.state, self.pairs = "failed", []
             self.reason = (
                 f"could not be loaded: {exc}; not tried again until torch, the model or the "
@@ -376,6 +380,8 @@ class CompiledSlot:
             "compile_seconds": entry.get("compile_seconds"),
         }
         self.pairs = pairs if verdict.use else []
+        if not verdict.use:
+            release()
         self.reason = verdict.reason
         self.state = "used" if verdict.use else "not used"
         log.info(

@@ -191,11 +191,15 @@ def _laid_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return tuple(map(lay, args)), {key: lay(value) for key, value in kwargs.items()}
 
 
-def _bound(compiled: Callable[..., Any], part: Any) -> Callable[..., Any]:
+def _bound(compiled: Callable[..., Any], part: Any, name: str) -> Callable[..., Any]:
+    """`compiled` bound to `part`, named as its saved file (`network-0.encoder.3`): what a
+    refusal names, as a network holds several parts of one class."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _laid_out(args, kwargs)
         return compiled(part, *args, **kwargs)
 
+    call.__name__ = name
     return call
 
 
@@ -228,7 +232,7 @@ def load(networks: list[Any], folder: Path, device: str, precision: str) -> list
                     compiled = torch.compiler.load_compiled_function(
                         file, f_globals=type(part).forward.__globals__
                     )
-                pairs.append((part, _bound(compiled, part)))
+                pairs.append((part, _bound(compiled, part, saved(folder, index, name).stem)))
     if not pairs:
         raise FileNotFoundError(f"no compiled part in {folder}")
     return pairs
