@@ -154,7 +154,7 @@ class Calls:
                 if GUARDS_REFUSED not in str(exc):
                     raise
                 if not self.eager:
-                    part = f"{getattr(compiled, '__name__', '?')} ({type(member).__name__})"
+                    part = f"{compiled.__name__} ({type(member).__name__})"
                     self.refused = f"{part}: {refusal(str(exc))}"
                     log.warning("a part ran eager: %s", self.refused)
                 self.eager += 1

@@ -224,15 +224,16 @@ def load(networks: list[Any], folder: Path, device: str, precision: str) -> list
     with modes(device, precision):  # the guards are made against the modes in force
         for index, network in enumerate(networks):
             for name, part in parts(network).items():
+                path = saved(folder, index, name)
                 try:
-                    file = open(saved(folder, index, name), "rb")
+                    file = open(path, "rb")
                 except FileNotFoundError:
                     continue  # a part the forward does not call
                 with file:
                     compiled = torch.compiler.load_compiled_function(
                         file, f_globals=type(part).forward.__globals__
                     )
-                pairs.append((part, _bound(compiled, part, saved(folder, index, name).stem)))
+                pairs.append((part, _bound(compiled, part, path.stem)))
     if not pairs:
         raise FileNotFoundError(f"no compiled part in {folder}")
     return pairs

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.workers.compilebuild import proc_stat
 from stemdeck_watch.workers.compilecache import CompileCache, CompileKey, CompileSettings, Verdict
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.workers.precision import CALIBRATE_ENV
@@ -195,8 +196,6 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
 
 def process_state(pid: int) -> str:
     """The state letter of process `pid` (T: stopped)."""
-    from stemdeck_watch.workers.compilebuild import proc_stat
-
     return proc_stat(pid)[0]
 
 
@@ -385,12 +384,16 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
         (tmp_path / PID_FILE).write_text(f"{proc.pid} {start}")
         reap(tmp_path)
 
-        def seen() -> str:
+        def seen() -> str:  # what /proc shows of it when the wait gives up
             with contextlib.suppress(OSError):
-                return Path(f"/proc/{proc.pid}/stat").read_text()
+                return " ".join(proc_stat(proc.pid))
             return "gone"
 
-        wait_for(lambda: proc.poll() is not None, 30, f"the build's stand-in to die ({seen()})")
+        wait_for(
+            lambda: proc.poll() is not None,
+            30,
+            lambda: f"the build's stand-in to die ({seen()})",
+        )
         assert proc.returncode == -signal.SIGKILL
     finally:
         proc.kill()
