@@ -140,9 +140,9 @@ def build(args: Any) -> dict[str, Any]:
     )
     from stemdeck_watch.workers.compiledgraph import build as build_graphs
     from stemdeck_watch.workers.precision import threads_for
-    from stemdeck_watch.workers.worker import apply_onednn_setting, load_model
+    from stemdeck_watch.workers.worker import set_backends, load_model
 
-    apply_onednn_setting()
+    set_backends()
     torch.set_num_threads(threads_for(args.threads))
     model = load_model(args.model, args.repo)
     model.to(args.device)

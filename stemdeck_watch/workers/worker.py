@@ -232,18 +232,25 @@ def _built(store: Any, name: str) -> Any:
         ) from None
 
 
-def apply_onednn_setting() -> None:
-    """Turn oneDNN off where $STEMDECK_ONEDNN says so (tests): in the worker, a Ray actor's
-    worker, and the background compile, which must build what the worker runs."""
-    if os.environ.get(ONEDNN_ENV) == "0":
-        import torch
+def set_backends() -> None:
+    """Set torch's backends for separating: in the worker, a Ray actor's worker and the
+    background compile, which must build what the worker runs.
 
+    Attention goes through `scaled_dot_product_attention`, never `nn.MultiheadAttention`'s
+    "fast path": on a CPU that path computes HTDemucs's self-attention as explicit matrix
+    products and a softmax, and a full-size model separated 1.21× slower with it in float32
+    (docs/benchmarks.md). The two compute the same attention; torch.compile never takes the
+    fast path either. oneDNN is turned off where $STEMDECK_ONEDNN says so (tests)."""
+    import torch
+
+    torch.backends.mha.set_fastpath_enabled(False)
+    if os.environ.get(ONEDNN_ENV) == "0":
         torch.backends.mkldnn.enabled = False
 
 
 class Worker:
     def __init__(self, device: str, out: TextIO):
-        apply_onednn_setting()
+        set_backends()
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
