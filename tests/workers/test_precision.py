@@ -116,6 +116,13 @@ def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo
     assert far["precision"] == "float32" and far["worst_snr_db"] < MIN_SNR_DB, far
     assert "dB SNR on its worst stem" in far["reason"]
     assert slower["precision"] == "float32" and "0.80× as fast" in slower["reason"], slower
+    # a candidate the convolution probe finds hopeless is never run on the model
+    hopeless = result["hopeless"]
+    assert hopeless["precision"] == "float32" and result["hopeless_measured"] == [], result
+    assert hopeless["speedup"] == 0.01 and hopeless["worst_snr_db"] is None, hopeless
+    assert "convolution probe" in hopeless["reason"] and "not run" in hopeless["reason"]
+    # the real probe takes moments even where bfloat16 has no kernels (a hundredfold slower)
+    assert 0 < result["probe"]["speedup"] < 100 and result["probe"]["seconds"] < 10, result
     # the tiny model is skipped unless forced: nothing measured, and the reason says so
     assert result["small"]["precision"] == "float32" and result["small_measured"] == []
     assert "small model" in result["small"]["reason"]
