@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -134,10 +135,14 @@ def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo
 
 
 @pytest.mark.slow
-def test_a_real_calibration_and_bfloat16_end_to_end(make_settings, service_factory, monkeypatch):
+def test_a_real_calibration_and_bfloat16_end_to_end(
+    make_settings, service_factory, monkeypatch, caplog
+):
     """The tiny model calibrated for real (forced) on the default settings, and a preset
-    that separates in bfloat16: stems come out, manifests and status record the precision."""
+    that separates in bfloat16: stems come out, manifests, status and the log record the
+    precision."""
     monkeypatch.setenv(CALIBRATE_ENV, "always")  # the worker inherits it
+    caplog.set_level(logging.INFO, logger="stemdeck_watch.workers.local")
     settings = make_settings(presets={"bf16": {"precision": "bfloat16"}})
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -153,6 +158,9 @@ def test_a_real_calibration_and_bfloat16_end_to_end(make_settings, service_facto
         measured_choice["worst_snr_db"] is None or measured_choice["worst_snr_db"] >= MIN_SNR_DB
     )
     assert measured_choice["precision"] == ("bfloat16" if keep else "float32"), measured_choice
+    # the figures in the log, whether bfloat16 ran on the model or only in the probe
+    said = [r.getMessage() for r in caplog.records if "measured precision for tiny" in r.message]
+    assert said and f"{measured_choice['speedup']:.2f}× speed" in said[0], caplog.text
 
     half = json.loads((settings.paths.outbox / "bf16" / "half" / "stemdeck.json").read_text())
     assert half["precision"]["precision"] == "bfloat16"
