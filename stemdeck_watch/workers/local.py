@@ -621,9 +621,10 @@ def _name(proc: _Process) -> str:
 def _describe_choice(choice: dict[str, Any]) -> str:
     figures = ""
     if choice.get("speedup") is not None:
+        snr = choice.get("worst_snr_db")  # None: identical stems, or not run on the model
         figures = (
             f" ({choice['speedup']:.2f}× speed, worst stem "
-            f"{choice.get('worst_snr_db', float('nan')):.1f} dB, calibration "
+            f"{'-' if snr is None else f'{snr:.1f}'} dB, calibration "
             f"{choice.get('calibration_seconds') or 0:.1f} s)"
         )
     return f"{choice.get('precision')} — {choice.get('reason')}{figures}"

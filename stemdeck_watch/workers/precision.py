@@ -8,6 +8,13 @@ each candidate precision, and keeps a candidate only if it is at least MIN_SPEED
 **and** every stem matches float32 to at least MIN_SNR_DB; otherwise float32. A resident
 worker pays this once per model load; the tiny demo model (where nothing can pay) is skipped.
 
+On a CPU a candidate is first tried on one convolution (`probe_convolution`, milliseconds):
+where a CPU has no kernels for it, torch runs a reference loop instead, and a full-size model
+took over three minutes per segment in bfloat16 on an AVX2 CPU, so measuring the model in it
+would hold the first song up for minutes at every start. A candidate whose convolution runs
+PROBE_MAX_SLOWDOWN× slower than float32 or worse is recorded as measured by the probe and not
+run on the model.
+
 The rule (`decide`) is a pure function of the measured figures, and `calibrate` takes the
 measuring step as a parameter, so tests inject results instead of needing a big model.
 This module imports torch only inside functions: the service side reads its constants.
@@ -33,6 +40,7 @@ MIN_SNR_DB = 35.0
 SMALL_MODEL_PARAMETERS = 2_000_000  # below this calibration cannot pay for itself
 CALIBRATION_SECONDS = 4.0  # of synthetic signal (HTDemucs pads it to one segment)
 CALIBRATE_ENV = "STEMDECK_CALIBRATE"  # "always": calibrate small models too (tests, benches)
+PROBE_MAX_SLOWDOWN = 4.0  # convolutions are about a third of the model's time: no gain left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +52,7 @@ class Measurement:
     worst_snr_db: float  # the lowest SNR of any stem, candidate vs float32
     seconds_float32: float
     seconds: float
+    probed: bool = False  # by the convolution probe only: the model was not run in it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +111,12 @@ def decide(
         )
     best = max(measurements, key=lambda m: m.speedup)
     why = []
-    if best.speedup < MIN_SPEEDUP:
+    if best.probed:
+        why.append(
+            f"only {best.speedup:.2f}× as fast in a convolution probe: this {device} has no "
+            f"fast {best.precision} kernels, so the model was not run in it"
+        )
+    elif best.speedup < MIN_SPEEDUP:
         why.append(f"only {best.speedup:.2f}× as fast (needs {MIN_SPEEDUP}×)")
     if best.worst_snr_db < MIN_SNR_DB:
         why.append(f"{best.worst_snr_db:.1f} dB SNR on its worst stem (needs {MIN_SNR_DB:.0f} dB)")
@@ -164,6 +178,39 @@ def synthetic_signal(samplerate: int, channels: int, seconds: float = CALIBRATIO
 
 
 Measure = Callable[[Any, str, str, Any], tuple[float, Any]]
+Probe = Callable[[str, str], float]
+
+
+def probe_convolution(device: str, precision: str) -> float:
+    """float32 seconds / `precision` seconds of one convolution shaped like an HTDemucs
+    layer's (about 0.15 GFLOP), each the better of two runs after an untimed one."""
+    import torch
+
+    conv = torch.nn.Conv1d(48, 96, kernel_size=8, stride=4).to(device)
+    signal = torch.randn(1, 48, 8192, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def best(dtype: str) -> float:
+        times = []
+        with torch.inference_mode(), autocast(device, dtype):
+            for _ in range(3):
+                started = time.perf_counter()
+                conv(signal)
+                times.append(time.perf_counter() - started)
+        return min(times[1:])
+
+    return best("float32") / max(best(precision), 1e-9)
+
+
+def screen(device: str, precisions: Sequence[str], probe: Probe) -> list[Measurement]:
+    """The candidates the convolution probe finds hopeless on a CPU, as their measurements."""
+    if device.split(":")[0] != "cpu":
+        return []
+    hopeless = []
+    for precision in precisions:
+        speedup = probe(device, precision)
+        if speedup < 1 / PROBE_MAX_SLOWDOWN:
+            hopeless.append(Measurement(precision, speedup, math.nan, math.nan, math.nan, True))
+    return hopeless
 
 
 def run_once(model: Any, device: str, precision: str, signal: Any) -> tuple[float, Any]:
@@ -226,7 +273,13 @@ def calibrate(
     return results
 
 
-def choose(setting: str, device: str, model: Any, measure: Measure = run_once) -> Choice:
+def choose(
+    setting: str,
+    device: str,
+    model: Any,
+    measure: Measure = run_once,
+    probe: Probe = probe_convolution,
+) -> Choice:
     """The precision for `model` on `device` under `setting` (see the module docstring)."""
     if setting != "auto":
         if setting == "float16" and not device.startswith("cuda"):
@@ -247,8 +300,18 @@ def choose(setting: str, device: str, model: Any, measure: Measure = run_once) -
     if not trying:
         return decide(setting, device, [])
     started = time.monotonic()
-    measured = calibrate(model, device, trying, measure)
-    choice = decide(setting, device, measured, time.monotonic() - started)
+    hopeless = screen(device, trying, probe)
+    for m in hopeless:
+        log.info(
+            "calibration on %s: %s convolutions ran %.2f× float32 speed in the probe: not run "
+            "on the model",
+            device,
+            m.precision,
+            m.speedup,
+        )
+    skip = {m.precision for m in hopeless}
+    measured = calibrate(model, device, [p for p in trying if p not in skip], measure)
+    choice = decide(setting, device, hopeless + measured, time.monotonic() - started)
     for m in measured:
         log.info(
             "calibration on %s: %s %.2f× float32 speed (%.2f s vs %.2f s), worst stem %.1f dB SNR",

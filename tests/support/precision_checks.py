@@ -14,7 +14,12 @@ only the seconds it reports (and, for "far", the candidate's output) are the cas
             within 35 dB of float32, which the JSON reports alongside)
 - "far":    1.5× faster, but the output is float32 plus noise 20 dB down → float32
 - "slower": reported 0.8× the speed, real output → float32
+- "hopeless": the convolution probe reports bfloat16 at 0.01× → float32, the model not run
 - "small":  the small-model skip without STEMDECK_CALIBRATE=always → float32, nothing measured
+- "probe":  the real probe of bfloat16 here: its figure and seconds
+
+The injected cases pass the probe (it reports 1.0×): on a CPU without bfloat16 kernels the
+real one would keep bfloat16 off the model.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +58,19 @@ def main() -> int:
             return 1.0 / factor, out
 
         os.environ[precision.CALIBRATE_ENV] = "always"
-        choice = precision.choose("auto", "cpu", model, measure)
+        choice = precision.choose("auto", "cpu", model, measure, probe=lambda d, p: 1.0)
         results[case] = choice.to_dict()
+    calls.clear()
+    results["hopeless"] = precision.choose(
+        "auto", "cpu", model, measure, probe=lambda d, p: 0.01
+    ).to_dict()
+    results["hopeless_measured"] = list(calls)
     del os.environ[precision.CALIBRATE_ENV]
+    started = time.monotonic()
+    results["probe"] = {
+        "speedup": precision.probe_convolution("cpu", "bfloat16"),
+        "seconds": time.monotonic() - started,
+    }
     calls.clear()
     results["small"] = precision.choose("auto", "cpu", model).to_dict()
     results["small_measured"] = list(calls)

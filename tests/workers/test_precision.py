@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,13 @@ def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo
     assert far["precision"] == "float32" and far["worst_snr_db"] < MIN_SNR_DB, far
     assert "dB SNR on its worst stem" in far["reason"]
     assert slower["precision"] == "float32" and "0.80× as fast" in slower["reason"], slower
+    # a candidate the convolution probe finds hopeless is never run on the model
+    hopeless = result["hopeless"]
+    assert hopeless["precision"] == "float32" and result["hopeless_measured"] == [], result
+    assert hopeless["speedup"] == 0.01 and hopeless["worst_snr_db"] is None, hopeless
+    assert "convolution probe" in hopeless["reason"] and "not run" in hopeless["reason"]
+    # the real probe takes moments even where bfloat16 has no kernels (a hundredfold slower)
+    assert 0 < result["probe"]["speedup"] < 100 and result["probe"]["seconds"] < 10, result
     # the tiny model is skipped unless forced: nothing measured, and the reason says so
     assert result["small"]["precision"] == "float32" and result["small_measured"] == []
     assert "small model" in result["small"]["reason"]
@@ -127,10 +135,14 @@ def test_the_rule_on_the_tiny_model_with_injected_calibration_results(model_repo
 
 
 @pytest.mark.slow
-def test_a_real_calibration_and_bfloat16_end_to_end(make_settings, service_factory, monkeypatch):
+def test_a_real_calibration_and_bfloat16_end_to_end(
+    make_settings, service_factory, monkeypatch, caplog
+):
     """The tiny model calibrated for real (forced) on the default settings, and a preset
-    that separates in bfloat16: stems come out, manifests and status record the precision."""
+    that separates in bfloat16: stems come out, manifests, status and the log record the
+    precision."""
     monkeypatch.setenv(CALIBRATE_ENV, "always")  # the worker inherits it
+    caplog.set_level(logging.INFO, logger="stemdeck_watch.workers.local")
     settings = make_settings(presets={"bf16": {"precision": "bfloat16"}})
     service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -146,6 +158,9 @@ def test_a_real_calibration_and_bfloat16_end_to_end(make_settings, service_facto
         measured_choice["worst_snr_db"] is None or measured_choice["worst_snr_db"] >= MIN_SNR_DB
     )
     assert measured_choice["precision"] == ("bfloat16" if keep else "float32"), measured_choice
+    # the figures in the log, whether bfloat16 ran on the model or only in the probe
+    said = [r.getMessage() for r in caplog.records if "measured precision for tiny" in r.message]
+    assert said and f"{measured_choice['speedup']:.2f}× speed" in said[0], caplog.text
 
     half = json.loads((settings.paths.outbox / "bf16" / "half" / "stemdeck.json").read_text())
     assert half["precision"]["precision"] == "bfloat16"
