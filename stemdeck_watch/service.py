@@ -41,6 +41,7 @@ from stemdeck_watch.engine.recovery import adopt_orphans, restore
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.engine.scheduler import Scheduler
 from stemdeck_watch.engine.shares import ShareWatch, unmounted_at_start
+from stemdeck_watch.stages import songfolder
 from stemdeck_watch.workers.separator import Separator
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Service:
         self._clock = clock
         self._lock: ServiceLock | None = None
         self._started = False
+        self._warming: threading.Thread | None = None
         self.api: ApiServer | None = None  # the local API, once started (api.enabled)
         self.notifier: Notifier | None = None  # notify.urls, on threads of their own
         self.ownership: InboxOwnership | None = None  # the heartbeat in inbox/.stemdeck/
@@ -209,6 +211,11 @@ class Service:
         self._started = True
         self._start_api()
         self._log_start()
+        # the beat tracker loads beside the model, not on the first song (stages/beats.py)
+        self._warming = threading.Thread(
+            target=songfolder.warm, args=(self.settings,), name="warm-outputs", daemon=True
+        )
+        self._warming.start()
 
     def _pipeline(self, client: Separator) -> Pipeline:
         """A worker's pipeline; they share the songs in flight, the playlists and the disk
@@ -369,6 +376,9 @@ class Service:
             self.notifier.stop()
             self.notifier = None
         self.registry.close()
+        if self._warming is not None:  # seconds at most, and only just after a start
+            self._warming.join()
+            self._warming = None
         if self.ownership is not None:  # after the last move: a standby may take over now
             self.ownership.stop()
             self.ownership = None

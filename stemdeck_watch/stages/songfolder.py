@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.core.config import OutputSettings, SeparationSettings
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
 from stemdeck_watch.stages import practice, publish, stemfile
 from stemdeck_watch.stages.decode import DecodedAudio
@@ -46,6 +46,21 @@ def needs_beat_grid(out: OutputSettings) -> bool:
     and first beat or the practice click (then it costs the same, librosa included, without
     the file)."""
     return out.beat_grid or bool(out.session) or out.practice
+
+
+def warm(settings: Settings) -> None:
+    """Load the beat tracker now if the settings or a preset will find beat grids, so the
+    first song does not wait for it (stages/beats.py). A failure only means the first song
+    loads it: logged, never raised."""
+    outputs = [settings.for_preset(name)[1] for name in (None, *settings.presets)]
+    if not any(needs_beat_grid(out) for out in outputs):
+        return
+    from stemdeck_watch.stages import beats
+
+    try:
+        beats.warm()
+    except Exception as exc:
+        log.warning("could not load the beat tracker ahead (the first song will): %s", exc)
 
 
 def extra_bytes(stems: int, out: OutputSettings, seconds: float) -> int:

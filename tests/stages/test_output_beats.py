@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from stemdeck_watch.stages import songfolder
 from stemdeck_watch.stages.beats import (
     HOP,
     NO_DOWNBEATS,
     RATE,
+    WARM_BPM,
     beat_grid,
     mean_tempogram,
     onset_envelope,
+    warm,
 )
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.stages.songfolder import write_beat_grid
@@ -56,6 +60,27 @@ def test_the_tempo_of_a_click_track_is_found_within_one_bpm(tmp_path: Path, bpm:
     offsets = (beats - 0.25) / period
     assert np.abs(offsets - np.round(offsets)).max() * period < 0.035
     assert grid["downbeats"] == [] and NO_DOWNBEATS in grid["notes"]
+
+
+def test_the_warm_up_finds_the_tempo_of_its_clicks() -> None:
+    assert abs(warm() - WARM_BPM) < 1.0
+
+
+@pytest.mark.parametrize(
+    "output, presets, loads",
+    [
+        ({"beat_grid": True}, {}, True),
+        ({}, {}, False),  # beat grid, practice and DAW projects all off
+        ({}, {"practice": {"practice": True}}, True),  # a preset's click needs the grid
+        ({}, {"daw": {"session": ["reaper"]}}, True),  # so does a project's tempo
+    ],
+)
+def test_the_service_loads_the_beat_tracker_ahead_only_if_a_song_may_need_it(
+    make_settings, caplog, output, presets, loads
+) -> None:
+    caplog.set_level(logging.INFO, logger="stemdeck_watch.stages.beats")
+    songfolder.warm(make_settings(output=output, presets=presets))
+    assert ("beat grid ready" in caplog.text) is loads, caplog.text
 
 
 def test_silence_gives_an_empty_grid_and_a_note(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ mixes, layout and beat grid; awkward inputs each give correct stems."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,8 @@ import soundfile
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.stages.publish import read_manifest, verify_folder
 from stemdeck_watch.util.synth import song, write_song
+
+from support.helpers import wait_for
 
 SIX = ["drums", "bass", "other", "vocals", "guitar", "piano"]
 
@@ -36,8 +39,9 @@ def drop(inbox: Path, made: Path) -> None:
 
 @pytest.mark.slow
 def test_six_stems_flow_through_two_stem_mixes_layout_and_beat_grid(
-    make_settings, service_factory, tmp_path
+    make_settings, service_factory, tmp_path, caplog
 ):
+    caplog.set_level(logging.INFO, logger="stemdeck_watch.stages.beats")
     settings = make_settings(
         separation={"model": "tiny6"},
         output={
@@ -49,6 +53,8 @@ def test_six_stems_flow_through_two_stem_mixes_layout_and_beat_grid(
         presets={"karaoke": {"two_stems": "guitar"}},
     )
     service, jobs = service_factory(settings)
+    # the beat tracker is loaded as the service starts, before any song needs it
+    wait_for(lambda: "beat grid ready" in caplog.text, 120, "the beat tracker loaded at start")
     made = tmp_path / "made"
     drop(
         settings.paths.inbox,
