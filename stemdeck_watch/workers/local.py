@@ -17,7 +17,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.compilebuild import CompileBuilder
 from stemdeck_watch.workers.compilecache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
+from stemdeck_watch.workers import zygote
 from stemdeck_watch.workers.separator import ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, PROGRESS_PREFIX
@@ -52,31 +52,7 @@ class _Process:
 
     def __init__(self, device: str, env: dict[str, str], threads: int = 0):
         self.device = device  # as asked for ("auto" included)
-        kwargs: dict[str, Any] = {}
-        if sys.platform == "win32":
-            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
-        else:
-            kwargs["start_new_session"] = True  # Ctrl-C goes to the service, which stops us
-        self.popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "stemdeck_watch.workers.worker",
-                "--device",
-                device,
-                "--threads",
-                str(threads),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            bufsize=1,
-            **kwargs,
-        )
+        self.popen = zygote.start(["--device", device, "--threads", str(threads)], env)
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.on_progress: Callable[[str, float], None] | None = None
