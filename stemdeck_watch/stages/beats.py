@@ -62,11 +62,11 @@ class _InMemory:
 def warm(samplerate: int = 44100) -> float:
     """Find the grid of a few seconds of clicks at WARM_BPM, loading what a beat grid uses;
     the tempo found."""
-    audio = np.zeros((2, 6 * samplerate), np.float32)
-    burst = np.hanning(int(0.02 * samplerate)).astype(np.float32)
-    for beat in range(int(6 * WARM_BPM / 60)):
-        start = int((0.25 + beat * 60 / WARM_BPM) * samplerate)
-        audio[:, start : start + burst.size] = burst[: audio.shape[1] - start]
+    from stemdeck_watch.stages.practice import Clicks
+
+    beats = np.arange(int(6 * WARM_BPM / 60))
+    onsets = np.round((0.25 + beats * 60 / WARM_BPM) * samplerate).astype(np.int64)
+    audio = Clicks(onsets, beats % 4 == 0, samplerate).block(0, 6 * samplerate, 2)
     started = time.monotonic()
     tempo = beat_grid([_InMemory(audio)], samplerate, "clicks")["tempo"]
     log.info("beat grid ready: librosa loaded in %.1f s", time.monotonic() - started)

@@ -12,9 +12,26 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 FOUR_STEMS = ["drums", "bass", "other", "vocals"]
 SIX_STEMS = FOUR_STEMS + ["guitar", "piano"]
+
+
+def tiny_htdemucs(six: bool = False, heads: int = 1) -> Any:
+    """The tiny HTDemucs, untrained (torch's current seed draws its weights). One attention
+    head keeps it off `nn.MultiheadAttention`'s fast path, which needs an even count."""
+    from demucs.htdemucs import HTDemucs
+
+    return HTDemucs(
+        sources=SIX_STEMS if six else FOUR_STEMS,
+        channels=4,
+        depth=4,
+        t_layers=1,
+        t_heads=heads,
+        dconv_comp=4,
+        segment=4,
+    )
 
 
 def save_tiny_model(folder: Path, name: str = "tiny", six: bool = False, seed: int = 0) -> Path:
@@ -26,15 +43,7 @@ def save_tiny_model(folder: Path, name: str = "tiny", six: bool = False, seed: i
     if "-" in name:
         raise ValueError(f"model name {name!r} must not contain '-'")
     torch.manual_seed(seed)
-    model = HTDemucs(
-        sources=SIX_STEMS if six else FOUR_STEMS,
-        channels=4,
-        depth=4,
-        t_layers=1,
-        t_heads=1,
-        dconv_comp=4,
-        segment=4,
-    )
+    model = tiny_htdemucs(six)
     args, kwargs = model._init_args_kwargs
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.th"

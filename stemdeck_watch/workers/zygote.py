@@ -63,7 +63,7 @@ class WorkerProcess(Protocol):
     def pid(self) -> int: ...
 
     @property
-    def returncode(self) -> int | Any: ...
+    def returncode(self) -> int | None: ...
 
     def poll(self) -> int | None: ...
 
@@ -139,7 +139,7 @@ class _Forked:
 
     @property
     def returncode(self) -> int | None:
-        return self._zygote.exit_code(self.pid)
+        return self._zygote.wait(self.pid, 0)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -233,11 +233,8 @@ class _Zygote:
         with contextlib.suppress(OSError):  # a zygote gone has no worker left to stop
             self._socket.send(json.dumps({"signal": pid, "signum": int(signum)}).encode())
 
-    def exit_code(self, pid: int) -> int | None:
-        with self._state:
-            return self._exits.get(pid)
-
     def wait(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of worker `pid`, waiting up to `timeout` for it (None: running)."""
         with self._state:
             self._state.wait_for(lambda: pid in self._exits, timeout)
             return self._exits.get(pid)

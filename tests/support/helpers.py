@@ -10,13 +10,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from stemdeck_watch.core.config import Settings, default_toml
 from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
 from stemdeck_watch.core.events import EventBus, JobChanged
-from stemdeck_watch.store.jobqueue import JobQueue
+from stemdeck_watch.store.jobqueue import JobControl, JobQueue
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState
 from stemdeck_watch.engine.pipeline import Pipeline
 from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.workers.separator import Separation
 from stemdeck_watch.engine.recovery import restore
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
 from stemdeck_watch.engine.scheduler import Scheduler
@@ -213,3 +216,34 @@ def run_restore(settings: Settings) -> tuple[Scheduler, int]:
     scheduler = open_scheduler(settings)
     pipeline = Pipeline(settings, WorkerClient(), scheduler.bus, scheduler.update)
     return scheduler, restore(scheduler, settings, pipeline.file_input)
+
+
+def noise_mix(folder: Path, seconds: float) -> Path:
+    """`seconds` of stereo noise as the decoded song a worker separates (`mix.npy`)."""
+    path = folder / "mix.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, (0.1 * rng.standard_normal((2, int(seconds * 44100)))).astype(np.float32))
+    return path
+
+
+def separate_tiny(
+    client: WorkerClient,
+    model_repo: Path,
+    source: Path,
+    out: Path,
+    control: JobControl,
+    progress: list[float] | None = None,
+) -> Separation:
+    """The tiny model's separation of `source` into `out` through `client`."""
+    return client.separate(
+        "job",
+        "tiny",
+        str(model_repo),
+        source,
+        out,
+        shifts=1,
+        overlap=0.25,
+        segment=None,
+        control=control,
+        on_progress=(progress.append if progress is not None else lambda v: None),
+    )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+
 import pytest
 
+from stemdeck_watch.workers.tinymodel import tiny_htdemucs
 from stemdeck_watch.workers.worker import Worker
 
 torch = pytest.importorskip("torch")
@@ -13,21 +15,10 @@ NATIVE = "aten::_native_multi_head_attention"  # nn.MultiheadAttention's fast pa
 
 
 def test_attention_runs_through_scaled_dot_product_not_the_fast_path():
-    from demucs.htdemucs import HTDemucs
     from torch.profiler import profile
 
     torch.manual_seed(0)
-    # the tiny model's one attention head keeps it off the fast path; two heads take it
-    model = HTDemucs(
-        sources=["drums", "bass", "other", "vocals"],
-        channels=4,
-        depth=4,
-        t_layers=1,
-        t_heads=2,
-        dconv_comp=4,
-        segment=4,
-    ).eval()
-
+    model = tiny_htdemucs(heads=2).eval()  # two heads take the fast path; one does not
     mix = torch.randn(1, 2, 4 * 44100, generator=torch.Generator().manual_seed(0)) * 0.1
     fastpath, mkldnn = torch.backends.mha.get_fastpath_enabled(), torch.backends.mkldnn.enabled
 

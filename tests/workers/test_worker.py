@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from stemdeck_watch.core.errors import Cancelled, ModelError, OutOfMemory
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.local import WorkerClient
 
-from support.helpers import wait_for
+from support.helpers import noise_mix, separate_tiny, wait_for
 
 pytestmark = pytest.mark.slow
 SR = 44100
@@ -28,42 +27,13 @@ def client() -> WorkerClient:
     client.close()
 
 
-def mix(tmp_path: Path, seconds: float) -> Path:
-    path = tmp_path / "mix.npy"
-    rng = np.random.default_rng(0)
-    np.save(path, (0.1 * rng.standard_normal((2, int(seconds * SR)))).astype(np.float32))
-    return path
-
-
-def separate(
-    client: WorkerClient,
-    model_repo: Path,
-    source: Path,
-    out: Path,
-    control: JobControl,
-    progress: list[float] | None = None,
-):
-    return client.separate(
-        "job",
-        "tiny",
-        str(model_repo),
-        source,
-        out,
-        shifts=1,
-        overlap=0.25,
-        segment=None,
-        control=control,
-        on_progress=(progress.append if progress is not None else lambda v: None),
-    )
-
-
 def test_one_worker_serves_every_request_and_reports_progress(client, model_repo, tmp_path):
     info = client.ensure_model("tiny", str(model_repo))
     assert info.sources == ("drums", "bass", "other", "vocals") and info.samplerate == SR
-    source = mix(tmp_path, 9.0)
+    source = noise_mix(tmp_path, 9.0)
     progress: list[float] = []
-    first = separate(client, model_repo, source, tmp_path / "a", JobControl("job"), progress)
-    second = separate(client, model_repo, source, tmp_path / "b", JobControl("job"))
+    first = separate_tiny(client, model_repo, source, tmp_path / "a", JobControl("job"), progress)
+    second = separate_tiny(client, model_repo, source, tmp_path / "b", JobControl("job"))
     assert first.worker_pid == second.worker_pid == client.pid
     assert client.pids == [first.worker_pid]
     assert progress and progress == sorted(progress) and progress[-1] == pytest.approx(1.0)
@@ -96,14 +66,14 @@ def test_no_network_and_no_repo_fails_fast_and_says_what_to_do(tmp_path):
 
 def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
     client.ensure_model("tiny", str(model_repo))
-    source = mix(tmp_path, 240.0)
+    source = noise_mix(tmp_path, 240.0)
     control = JobControl("job")
     progress: list[float] = []
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            separate(client, model_repo, source, tmp_path / "out", control, progress)
+            separate_tiny(client, model_repo, source, tmp_path / "out", control, progress)
         except BaseException as exc:
             errors.append(exc)
 
@@ -119,8 +89,8 @@ def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
     assert len(errors) == 1 and isinstance(errors[0], Cancelled)
     assert client.pid is None  # the worker is gone; the next request starts a new one
     assert (
-        separate(
-            client, model_repo, mix(tmp_path, 2.0), tmp_path / "next", JobControl("job")
+        separate_tiny(
+            client, model_repo, noise_mix(tmp_path, 2.0), tmp_path / "next", JobControl("job")
         ).worker_pid
         != pid
     )
@@ -128,13 +98,13 @@ def test_cancel_stops_the_worker_within_a_second(client, model_repo, tmp_path):
 
 def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_repo, tmp_path):
     client.ensure_model("tiny", str(model_repo))
-    source = mix(tmp_path, 240.0)
+    source = noise_mix(tmp_path, 240.0)
     progress: list[float] = []
     errors: list[BaseException] = []
     thread = threading.Thread(
         target=lambda: _capture(
             errors,
-            separate,
+            separate_tiny,
             client,
             model_repo,
             source,
@@ -150,7 +120,9 @@ def test_a_worker_that_dies_fails_the_request_with_its_last_words(client, model_
     # a machine fault, and (nothing here sends SIGKILL) most likely the OOM killer's
     assert len(errors) == 1 and isinstance(errors[0], OutOfMemory) and errors[0].device == "cpu"
     assert "killed by SIGKILL" in str(errors[0]) and "out of memory" in str(errors[0])
-    assert separate(client, model_repo, mix(tmp_path, 2.0), tmp_path / "n", JobControl("job"))
+    assert separate_tiny(
+        client, model_repo, noise_mix(tmp_path, 2.0), tmp_path / "n", JobControl("job")
+    )
 
 
 def _capture(errors: list[BaseException], fn, *args) -> None:
@@ -164,7 +136,7 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
     from stemdeck_watch.stages.scratch import stats_of
 
     client.ensure_model("tiny", str(model_repo))
-    source = mix(tmp_path, 12.0)
+    source = noise_mix(tmp_path, 12.0)
     kwargs = dict(shifts=0, overlap=0.25, segment=None)  # no random shifts: comparable runs
     whole = client.separate(
         "job",

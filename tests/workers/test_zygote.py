@@ -7,14 +7,13 @@ import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers import zygote
 from stemdeck_watch.workers.local import WorkerClient
 
-from support.helpers import processes, wait_for
+from support.helpers import noise_mix, processes, separate_tiny, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,21 +23,9 @@ pytestmark = [
 
 def separate(client: WorkerClient, model_repo: Path, tmp_path: Path, name: str) -> int:
     """One separation of a second of noise; the pid of the worker that did it."""
-    mix = tmp_path / f"{name}.npy"
-    np.save(mix, 0.1 * np.random.default_rng(0).standard_normal((2, 44100)).astype(np.float32))
-    result = client.separate(
-        name,
-        "tiny",
-        str(model_repo),
-        mix,
-        tmp_path / name,
-        shifts=0,
-        overlap=0.25,
-        segment=None,
-        control=JobControl(name),
-        on_progress=lambda _value: None,
-    )
-    assert sorted(p.name for p in (tmp_path / name).iterdir()) == [
+    out = tmp_path / name
+    result = separate_tiny(client, model_repo, noise_mix(tmp_path, 1.0), out, JobControl(name))
+    assert sorted(p.name for p in out.iterdir()) == [
         "bass.npy",
         "drums.npy",
         "other.npy",
