@@ -478,7 +478,15 @@ class WorkerClient:
                 current.popen.returncode,
             )
             current.stop()
-        self._proc = proc = _Process(wanted, self._env, self.threads)
+        try:
+            self._proc = proc = _Process(wanted, self._env, self.threads)
+        except OSError as exc:  # no process to wait for: a fault of the machine, as a death
+            raise WorkerDied(
+                f"the separation worker could not be started: {exc}", worker="the local worker"
+            ) from exc
+        if self._shut:  # a shutdown that came while it was being started: it found no worker
+            proc.stop()
+            raise Cancelled(SHUTDOWN)
         proc.on_download = self._downloading
         self.pids.append(proc.pid)
         log.info("started separation worker %d", proc.pid)
@@ -542,7 +550,7 @@ class WorkerClient:
                     message = proc.replies.get(timeout=0.1)
                 except queue.Empty:
                     if not proc.alive() and proc.replies.empty():
-                        self._raise_died(proc, control)
+                        self._raise_died(proc, control, self._shut)
                     if watch is not None and watch.stalled():
                         proc.stop()
                         if control is not None:
@@ -572,11 +580,19 @@ class WorkerClient:
                 log.warning("unexpected message from worker %d: %s", proc.pid, message)
 
     @staticmethod
-    def _raise_died(proc: _Process, control: JobControl | None) -> None:
+    def _raise_died(proc: _Process, control: JobControl | None, shut: bool) -> None:
         proc.stop()
         if control is not None:
             control.check()  # we killed it for a cancel: that is not a failure
+        if shut:
+            raise Cancelled(SHUTDOWN)  # nor is a stop for the service's shutdown
         code = proc.popen.returncode
+        if zygote.lost(proc.popen):  # it ended with its zygote: nothing it did
+            raise WorkerDied(
+                "the separation worker ended with the zygote it was forked from",
+                details=proc.stderr_tail(),
+                worker=_name(proc),
+            )
         why = _describe_exit(code)
         # nothing here sends SIGKILL but a stop, and a stop for a cancel ended above: it came
         # from the kernel's OOM killer, most likely

@@ -8,13 +8,22 @@ worker is running its loop a few milliseconds after the request. The zygote does
 else (no thread, no CUDA, no model), so a fork of it is what a fresh interpreter would be
 after those imports.
 
-The protocol is one AF_UNIX SOCK_SEQPACKET socket pair: the service sends a start (JSON:
-the worker's argv, environment and working folder) with the worker's stdin, stdout and stderr
-attached (SCM_RIGHTS); the zygote answers `{"started": pid}`, and `{"exited": pid, "code":
-c}` once it has reaped that worker. A signal for a worker goes through the zygote too: as its
-parent, it alone knows whether that pid is still the worker's. When the service's process ends, its end of the socket
-closes and the zygote exits; its workers, whose parent it was, then notice and exit too
-(worker.watch_parent), as they do when the service itself is their parent.
+The protocol is one AF_UNIX SOCK_SEQPACKET socket pair: the service sends a start (JSON: a
+number of its own for this start, the worker's argv, the changes to the zygote's environment
+that make the worker's, and its working folder) with the worker's stdin, stdout and stderr
+attached (SCM_RIGHTS); the zygote answers `{"started": pid, "start": n}`, and `{"exited": pid,
+"start": n, "code": c}` once it has reaped that worker. Everything is keyed by the start's
+number, never by the pid: a pid comes round again in a long-running service, and a late answer
+to a start given up on must not be taken for the next one's. A signal for a worker goes
+through the zygote too: as its parent, it alone knows whether that worker is still running.
+When the service's process ends, its end of the socket closes and the zygote exits; its
+workers, whose parent it was, then notice and exit too (worker.watch_parent), as they do when
+the service itself is their parent. A worker whose zygote was lost before it reported the
+worker's end is `lost(...)`: its exit code is not known, and it is not a sign of anything the
+worker did (not, say, the out-of-memory killer).
+
+Both ends of the protocol live in this module (the service's `_Zygote`, the zygote's
+`main`), so that a message is changed on both sides at once.
 
 Elsewhere (macOS, Windows), or with STEMDECK_WORKER_START=exec, a worker is a fresh
 interpreter. `start` returns either way something with Popen's pipes and life (`pid`,
@@ -26,6 +35,8 @@ interpreter. `start` returns either way something with Popen's pipes and life (`
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import logging
 import os
@@ -44,7 +55,17 @@ WORKER_MODULE = "stemdeck_watch.workers.worker"
 MESSAGE_BYTES = 1 << 20  # a request's JSON: argv, environment, folder
 START_TIMEOUT = 300.0  # seconds for the zygote's imports and one fork (a worker's own start)
 READER = "zygote-reader"  # the service's thread that reads what the zygote reports
-LOST = -int(signal.SIGKILL)  # the exit code of a worker whose zygote is gone (see _Zygote)
+LOST = -int(signal.SIGKILL)  # the exit code given a worker whose zygote is gone (see lost)
+
+
+class StartFailed(OSError):
+    """A worker could not be started: the zygote ended, did not answer, or refused the
+    request. Like a worker that dies as it starts, a fault of the machine, not of a song."""
+
+
+class _TooLarge(StartFailed):
+    """The start request does not fit one message (the environment grew by hundreds of KB
+    since the zygote started): that worker starts as a fresh interpreter."""
 
 
 class WorkerProcess(Protocol):
@@ -91,11 +112,19 @@ def pid() -> int | None:
         return _current.pid if _current is not None and _current.alive() else None
 
 
+def lost(process: WorkerProcess) -> bool:
+    """Whether `process` ended with its zygote, its own exit code unknown."""
+    return isinstance(process, _Forked) and process.lost
+
+
 def start(argv: list[str], env: dict[str, str]) -> WorkerProcess:
     """The worker (`python -m stemdeck_watch.workers.worker ARGV`) with `env` as its whole
     environment, in a session of its own (Ctrl-C goes to the service, which stops it)."""
     if forks():
-        return _zygote().start(argv, env)
+        try:
+            return _zygote().start(argv, env)
+        except _TooLarge as exc:
+            log.warning("%s: starting the worker as a fresh interpreter instead", exc)
     kwargs: dict[str, Any] = {}
     if sys.platform == "win32":
         kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
@@ -107,6 +136,7 @@ def start(argv: list[str], env: dict[str, str]) -> WorkerProcess:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        cwd=None if _working_folder() else "/",  # Python cannot start in a deleted folder
         text=True,
         encoding="utf-8",
         errors="replace",
@@ -129,23 +159,30 @@ def _zygote() -> _Zygote:
 
 
 class _Forked:
-    """A worker the zygote forked: its pipes, and its exit code once the zygote reports it."""
+    """A worker the zygote forked (start number `number`): its pipes, and its exit code once
+    the zygote reports it."""
 
-    def __init__(self, zygote: _Zygote, pid: int, pipes: Sequence[IO[str]]):
-        self._zygote, self.pid = zygote, pid
+    def __init__(self, zygote: _Zygote, number: int, pid: int, pipes: Sequence[IO[str]]):
+        self._zygote, self.number, self.pid = zygote, number, pid
         self.stdin: IO[str] | None = pipes[0]
         self.stdout: IO[str] | None = pipes[1]
         self.stderr: IO[str] | None = pipes[2]
+        self.code: int | None = None  # set (under the zygote's lock) once known
+
+    @property
+    def lost(self) -> bool:
+        """Whether it ended with its zygote (its own exit code unknown)."""
+        return self._zygote.lost(self.number)
 
     @property
     def returncode(self) -> int | None:
-        return self._zygote.wait(self.pid, 0)
+        return self._zygote.wait(self, 0)
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._zygote.wait(self.pid, timeout)
+        code = self._zygote.wait(self, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(f"separation worker {self.pid}", timeout or 0.0)
         return code
@@ -158,20 +195,25 @@ class _Forked:
 
     def _signal(self, signum: int) -> None:
         if self.returncode is None:
-            self._zygote.signal(self.pid, signum)
+            self._zygote.signal(self.number, signum)
 
 
 class _Zygote:
     """The service's side: the zygote process, one request at a time, and a reader thread
-    that files the exit codes it reports."""
+    that files what it reports, by start number."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # the zygote's environment, from which a start sends only what differs: one message
+        # holds at most a socket buffer (about 200 KB), a whole environment may not fit
+        self._environment = dict(os.environ)
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                env=self._environment,
+                cwd=None if _working_folder() else "/",
                 start_new_session=True,  # Ctrl-C goes to the service alone
             )
         except BaseException:
@@ -180,11 +222,15 @@ class _Zygote:
         finally:
             theirs.close()
         self._socket = ours
-        self._request = threading.Lock()  # one start at a time: its answer is the next one
+        self._request = threading.Lock()  # one start at a time
         self._state = threading.Condition()
-        self._started: list[int] = []
+        # by start number: the pid until its start takes it, the workers running, the exit
+        # codes until their worker reads them, and the workers that ended with the zygote
+        self._numbers = itertools.count(1)
+        self._started: dict[int, int] = {}
+        self._running: set[int] = set()
         self._exits: dict[int, int] = {}
-        self._mine: set[int] = set()
+        self._lost: set[int] = set()
         self._gone = False
         self._reader = threading.Thread(target=self._read, name=READER, daemon=True)
         self._reader.start()
@@ -198,22 +244,41 @@ class _Zygote:
             return not self._gone
 
     def start(self, argv: list[str], env: dict[str, str]) -> _Forked:
+        number = next(self._numbers)
+        request = json.dumps(
+            {
+                "start": number,
+                "argv": argv,
+                "set": {k: v for k, v in env.items() if self._environment.get(k) != v},
+                "unset": [k for k in self._environment if k not in env],
+                "cwd": _working_folder(),
+            }
+        ).encode()
         ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read, write) each
         theirs = [ends[0][0], ends[1][1], ends[2][1]]
         ours = [ends[0][1], ends[1][0], ends[2][0]]
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
         try:
             with self._request:
-                socket.send_fds(self._socket, [request], theirs)
+                try:
+                    socket.send_fds(self._socket, [request], theirs)
+                except OSError as exc:
+                    failed = _TooLarge if exc.errno == errno.EMSGSIZE else StartFailed
+                    raise failed(f"the worker zygote took no start request: {exc}") from exc
                 with self._state:
-                    if not self._state.wait_for(lambda: self._started or self._gone, START_TIMEOUT):
-                        raise RuntimeError(
-                            f"the worker zygote did not answer in {START_TIMEOUT:.0f} s"
+                    if not self._state.wait_for(
+                        lambda: number in self._started or self._gone, START_TIMEOUT
+                    ):
+                        # its late answer would belong to no start: the next start
+                        # brings a new zygote
+                        self._process.kill()
+                        self._gone = True
+                        raise StartFailed(
+                            f"the worker zygote did not answer in {START_TIMEOUT:.0f} s "
+                            f"and was stopped"
                         )
-                    if not self._started:
-                        raise RuntimeError("the worker zygote ended (see the log above)")
-                    pid = self._started.pop(0)
-                    self._mine.add(pid)
+                    if number not in self._started:
+                        raise StartFailed("the worker zygote ended (see the log above)")
+                    pid = self._started.pop(number)
         except BaseException:
             for fd in ours:
                 os.close(fd)
@@ -226,18 +291,26 @@ class _Zygote:
             open(ours[1], encoding="utf-8", errors="replace"),
             open(ours[2], encoding="utf-8", errors="replace"),
         ]
-        return _Forked(self, pid, pipes)
+        return _Forked(self, number, pid, pipes)
 
-    def signal(self, pid: int, signum: int) -> None:
-        """Have the zygote send `signum` to its worker `pid`, if that one has not ended."""
+    def signal(self, number: int, signum: int) -> None:
+        """Have the zygote send `signum` to the worker of start `number`, if it still runs."""
         with contextlib.suppress(OSError):  # a zygote gone has no worker left to stop
-            self._socket.send(json.dumps({"signal": pid, "signum": int(signum)}).encode())
+            self._socket.send(json.dumps({"signal": number, "signum": int(signum)}).encode())
 
-    def wait(self, pid: int, timeout: float | None) -> int | None:
-        """The exit code of worker `pid`, waiting up to `timeout` for it (None: running)."""
+    def wait(self, forked: _Forked, timeout: float | None) -> int | None:
+        """The exit code of `forked`, waiting up to `timeout` for it (None: running)."""
         with self._state:
-            self._state.wait_for(lambda: pid in self._exits, timeout)
-            return self._exits.get(pid)
+            self._state.wait_for(
+                lambda: forked.code is not None or forked.number in self._exits, timeout
+            )
+            if forked.code is None and forked.number in self._exits:
+                forked.code = self._exits.pop(forked.number)
+            return forked.code
+
+    def lost(self, number: int) -> bool:
+        with self._state:
+            return number in self._lost
 
     def _read(self) -> None:
         try:
@@ -247,28 +320,45 @@ class _Zygote:
                     break
                 message = json.loads(data)
                 with self._state:
+                    number = int(message["start"])
                     if "started" in message:
-                        self._started.append(int(message["started"]))
-                    else:
-                        self._exits[int(message["exited"])] = int(message["code"])
+                        self._started[number] = int(message["started"])
+                        self._running.add(number)
+                    elif number in self._running:
+                        self._running.discard(number)
+                        self._exits[number] = int(message["code"])
                     self._state.notify_all()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             log.warning("lost the worker zygote: %s", exc)
         with self._state:
             # its workers lose their parent and exit by themselves (worker.watch_parent);
             # to the service they are gone now, and the next start brings a new zygote
             self._gone = True
-            for pid in self._mine - set(self._exits):
-                self._exits[pid] = LOST
+            for number in self._running:
+                self._exits[number] = LOST
+            self._lost |= self._running
+            self._running.clear()
             self._state.notify_all()
         self._socket.close()
         self._process.wait()
+
+
+def _working_folder() -> str | None:
+    """This process's working folder, for a worker (None: it was deleted, and a worker or
+    zygote starts elsewhere: Python cannot start in a deleted folder)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------- the zygote process
 
 
 def main(fd: int) -> int:
+    # the environment the service started it with, before any import changes it: each start
+    # sends what the worker's differs by
+    environment = dict(os.environ)
     import demucs.apply  # noqa: F401 - the imports every worker needs, made once here
     import demucs.htdemucs  # noqa: F401
     import demucs.pretrained  # noqa: F401
@@ -282,7 +372,7 @@ def main(fd: int) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    children: set[int] = set()
+    children: dict[int, int] = {}  # pid -> start number, until reaped
     try:
         while True:
             readable, _, _ = select.select([channel.fileno(), wake_r], [], [])
@@ -296,24 +386,25 @@ def main(fd: int) -> int:
                 return 0  # the service's process is gone
             request = json.loads(data)
             if "signal" in request:
-                if int(request["signal"]) in children:  # not reaped: still that worker
-                    os.kill(int(request["signal"]), int(request["signum"]))
+                for child, number in children.items():  # not reaped: still that worker
+                    if number == int(request["signal"]):
+                        os.kill(child, int(request["signum"]))
                 continue
             pid = os.fork()
             if pid == 0:
                 channel.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _become_worker(request, fds)
-            children.add(pid)
+                _become_worker(request, environment, fds)
+            children[pid] = int(request["start"])
             for fd in fds:
                 os.close(fd)
-            channel.send(json.dumps({"started": pid}).encode())
+            channel.send(json.dumps({"started": pid, "start": children[pid]}).encode())
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the service's process is gone
 
 
-def _reap(channel: socket.socket, children: set[int]) -> None:
+def _reap(channel: socket.socket, children: dict[int, int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -321,12 +412,14 @@ def _reap(channel: socket.socket, children: set[int]) -> None:
             return
         if pid == 0:
             return
-        children.discard(pid)
+        number = children.pop(pid, None)
+        if number is None:
+            continue
         code = os.waitstatus_to_exitcode(status)
-        channel.send(json.dumps({"exited": pid, "code": code}).encode())
+        channel.send(json.dumps({"exited": pid, "start": number, "code": code}).encode())
 
 
-def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+def _become_worker(request: dict[str, Any], environment: dict[str, str], fds: list[int]) -> None:
     """In the forked child: what `python -m stemdeck_watch.workers.worker` would be."""
     code = 1
     try:
@@ -337,9 +430,13 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
         for fd, target in zip(fds, (0, 1, 2)):
             os.dup2(fd, target)
             os.close(fd)
-        os.chdir(request["cwd"])
+        if request["cwd"] is not None:
+            os.chdir(request["cwd"])
+        wanted = {**environment, **request["set"]}
+        for name in request["unset"]:
+            wanted.pop(name, None)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(wanted)
         sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)
         sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)
