@@ -8,13 +8,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from stemdeck_watch.core.errors import Cancelled, WorkerDied
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers import zygote
+from stemdeck_watch.workers import local, zygote
 from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.local import WorkerClient
 
@@ -126,15 +126,33 @@ def test_a_zygote_lost_while_it_starts_a_worker_is_a_machine_fault(
     asked = asked_to_start(monkeypatch)
     client = WorkerClient("cpu")
     try:
-        outcome: list[BaseException] = []
-        loading = threading.Thread(target=lambda: _catch(outcome, client, model_repo))
-        loading.start()
+        loading, outcome = in_thread(lambda: client.ensure_model("tiny", str(model_repo)))
         assert asked.wait(10)
         os.kill(stopped_zygote, signal.SIGKILL)  # the start request waits on it
         loading.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], WorkerDied), outcome
         assert "zygote ended" in str(outcome[0])
         client.ensure_model("tiny", str(model_repo))  # the next start gets a new zygote
+    finally:
+        client.close()
+
+
+def test_a_shutdown_while_a_worker_starts_leaves_no_worker(model_repo, stopped_zygote, monkeypatch):
+    asked = asked_to_start(monkeypatch)
+    client = WorkerClient("cpu")
+    try:
+        loading, outcome = in_thread(lambda: client.ensure_model("tiny", str(model_repo)))
+        assert asked.wait(10)
+        client.shutdown()  # the service stops while the zygote has the start request
+        os.kill(stopped_zygote, signal.SIGCONT)
+        loading.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome
+        assert client.pids == []
+        wait_for(
+            lambda: not [p for p, (parent, _) in processes().items() if parent == stopped_zygote],
+            10,
+            "the worker the zygote forked to end",
+        )
     finally:
         client.close()
 
@@ -152,11 +170,19 @@ def asked_to_start(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return asked
 
 
-def _catch(outcome: list[BaseException], client: WorkerClient, model_repo: Path) -> None:
-    try:
-        client.ensure_model("tiny", str(model_repo))
-    except BaseException as exc:
-        outcome.append(exc)
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[BaseException]]:
+    """`work` started on a thread; what it raised, once the thread ended."""
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
 
 
 def test_a_worker_that_ends_with_its_zygote_mid_song_is_no_memory_fault(
@@ -164,40 +190,33 @@ def test_a_worker_that_ends_with_its_zygote_mid_song_is_no_memory_fault(
 ):
     faults = tmp_path / "faults"
     faults.mkdir()
-    (faults / "slow").write_text("2")  # every segment 2 s longer: time to lose the zygote
+    (faults / "slow").write_text("30")  # each segment takes 30 s longer: the song is long
     monkeypatch.setenv(FAULTS_ENV, str(faults))
+    sent = threading.Event()
+    original = local._Process.send
+
+    def send(self: Any, request: dict[str, Any]) -> None:
+        original(self, request)
+        if request.get("op") == "separate":
+            sent.set()
+
+    monkeypatch.setattr(local._Process, "send", send)
     client = WorkerClient("cpu")
     try:
         client.ensure_model("tiny", str(model_repo))
         lost = zygote.pid()
         assert lost is not None
-        threading.Timer(1.0, os.kill, (lost, signal.SIGKILL)).start()
-        with pytest.raises(WorkerDied) as raised:
-            separate(client, model_repo, tmp_path, "song")
-        assert raised.type is WorkerDied, "not OutOfMemory: the worker's memory was never short"
-        assert "zygote" in str(raised.value)
-    finally:
-        client.close()
-
-
-def test_a_shutdown_while_a_worker_starts_leaves_no_worker(model_repo, stopped_zygote, monkeypatch):
-    asked = asked_to_start(monkeypatch)
-    client = WorkerClient("cpu")
-    try:
-        outcome: list[BaseException] = []
-        loading = threading.Thread(target=lambda: _catch(outcome, client, model_repo))
-        loading.start()
-        assert asked.wait(10)
-        client.shutdown()  # the service stops while the zygote has the start request
-        os.kill(stopped_zygote, signal.SIGCONT)
-        loading.join(30)
-        assert len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome
-        assert client.pids == []
-        wait_for(
-            lambda: not [p for p, (parent, _) in processes().items() if parent == stopped_zygote],
-            10,
-            "the worker the zygote forked to end",
+        mix, out = noise_mix(tmp_path, 1.0), tmp_path / "out"
+        separating, outcome = in_thread(
+            lambda: separate_tiny(client, model_repo, mix, out, JobControl("song"))
         )
+        assert sent.wait(30)
+        os.kill(lost, signal.SIGKILL)  # the worker is at its song for 30 s more
+        separating.join(30)
+        assert len(outcome) == 1 and type(outcome[0]) is WorkerDied, (
+            f"a plain machine fault, not OutOfMemory (its memory was never short): {outcome}"
+        )
+        assert "zygote" in str(outcome[0])
     finally:
         client.close()
 
