@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stemdeck_watch.ui import discovery
+from stemdeck_watch.workers import zygote
 from stemdeck_watch.store.registry import REGISTRY_FILE
 
 from support.helpers import processes
@@ -238,6 +239,21 @@ class ServiceProcess:
         """The separation worker this life started last, if it still runs."""
         started = re.findall(r"started separation worker (\d+)", self.output())
         return int(started[-1]) if started and alive({int(started[-1])}) else None
+
+    def zygote_pid(self) -> int | None:
+        """The zygote this life's workers are forked from, if one runs (Linux)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        for pid, (parent, state) in processes().items():
+            if parent != self.proc.pid or state == "Z":
+                continue
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if zygote.__name__.encode() in command:
+                return pid
+        return None
 
     def _track(self) -> None:
         assert self.proc is not None

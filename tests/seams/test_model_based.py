@@ -6,8 +6,8 @@ worker with the tiny model), with decode ahead and publish behind on (`queue.wor
 another one) into the inbox or a preset folder, replace it (an editor's atomic save, a rewrite
 in place, `cp -p`'s same size and mtime), delete it or move it out, save and edit a link to a
 loopback server, take a stems folder out of the outbox, cancel / move / retry / remove through
-the API, pause and start, restart cleanly, SIGKILL, SIGKILL the worker process mid-song, fill
-and free a small disk (root only).
+the API, pause and start, restart cleanly, SIGKILL, SIGKILL the worker process mid-song or the
+zygote it was forked from at any time, fill and free a small disk (root only).
 
 A plain reference model (tests/seams_model.py) says what must hold after every step: every
 outbox folder holds the stems of a version of the song its manifest names; no folder
@@ -417,6 +417,21 @@ class SeamsMachine(RuleBasedStateMachine):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             self.world.tally["worker killed mid-song"] += 1
+
+    @rule(when=st.sampled_from(["not now", "now"]))
+    @guarded
+    def kill_zygote(self, when: str) -> None:
+        """The zygote the workers are forked from is SIGKILLed (the OOM killer may pick it
+        too), and its worker ends with it, idle or in the middle of a song: a song under way
+        is tried again, never failed for it, and the next song gets a new zygote and worker
+        ("not now" keeps this step rarer)."""
+        assert self.service is not None
+        pid = self.service.zygote_pid() if when == "now" else None
+        if pid is not None:
+            busy = self.pick("separating", 0) is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.world.tally[f"zygote killed {'mid-song' if busy else 'between songs'}"] += 1
 
     @precondition(lambda self: self.disk is not None)
     @rule(fill=st.booleans())
