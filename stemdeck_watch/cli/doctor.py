@@ -168,7 +168,8 @@ def check_models(settings: Settings) -> list[Finding]:
     for preset in (None, *settings.presets):
         sep, _ = settings.for_preset(preset)
         repo = settings.resolve_model_repo(sep)
-        wanted.setdefault((sep.model, str(repo) if repo else None), preset)
+        # a preset's own precision is checked too: float16, say, loads on a GPU alone
+        wanted.setdefault((sep.model, str(repo) if repo else None, sep.precision), preset)
     from stemdeck_watch.workers.compilecache import CompileSettings
 
     findings = []
@@ -184,7 +185,7 @@ def check_models(settings: Settings) -> list[Finding]:
         builds=False,  # doctor reports; the service builds
     )
     try:
-        for (model, repo), preset in wanted.items():
+        for (model, repo, precision), preset in wanted.items():
             title = f"model {model}" + (f" (preset {preset})" if preset else "")
             waiting = None if repo else not_downloaded(settings, model)
             if waiting:  # doctor downloads nothing: a first run is no failure
@@ -192,7 +193,7 @@ def check_models(settings: Settings) -> list[Finding]:
                 continue
             started = time.monotonic()
             try:
-                info = client.ensure_model(model, repo)
+                info = client.ensure_model(model, repo, precision=precision)
             except Exception as exc:
                 findings.append(Finding(False, title, str(exc)))
                 continue

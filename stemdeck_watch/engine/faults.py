@@ -50,6 +50,13 @@ class Plan:
             parts.append(f"on the {self.device.upper()} (separation.fallback_device)")
         return ", ".join(parts) or "as configured"
 
+    def precision(self, setting: str) -> str:
+        """The precision setting the attempt asks for: float16 is for CUDA alone, so on the
+        fallback CPU the worker chooses its own (`auto`) rather than refuse the song."""
+        if setting == "float16" and self.device is not None and self.device != "cuda":
+            return "auto"
+        return setting
+
 
 def plan_for(faults: tuple[Fault, ...], separation: SeparationSettings) -> Plan:
     """The next attempt's plan after `faults`: one step down the memory ladder per memory

@@ -225,7 +225,11 @@ class Pipeline:
             return
         started = time.monotonic()
         run.model = model = self.client.ensure_model(
-            run.sep.model, run.repo, control, precision=run.sep.precision, device=run.plan.device
+            run.sep.model,
+            run.repo,
+            control,
+            precision=run.plan.precision(run.sep.precision),
+            device=run.plan.device,
         )
         run.timer.measure("model", started)
         started = time.monotonic()

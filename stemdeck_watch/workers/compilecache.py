@@ -57,6 +57,8 @@ class CompileKey:
     torch: str
     python: str
     cpu: str  # a digest of the CPU's model name and feature flags
+    # torch's thread count: a saved graph refuses to run under another (its guards check it)
+    threads: int = 0
     recipe: int = RECIPE
 
     def digest(self) -> str:

@@ -98,6 +98,7 @@ def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
         torch=torch.__version__,
         python=f"{platform.python_implementation()}-{sys.version_info[0]}.{sys.version_info[1]}",
         cpu=cpu_identity(),
+        threads=torch.get_num_threads(),
     )
 
 
@@ -367,7 +368,7 @@ class CompiledSlot:
             release()  # the eager model separates through its own methods again
             self.state, self.pairs = "failed", []
             self.reason = (
-                f"could not be loaded: {exc}; not tried again until torch, the model or the "
+                f"could not be loaded: {exc}; not tried again until torch, the model, the threads or the "
                 f"CPU changes (delete {self.cache.verdict_path(self.key)} to build it anew)"
             )
             self.cache.record_verdict(self.key, Verdict(False, self.reason, measured=time.time()))

@@ -41,6 +41,8 @@ SMALL_MODEL_PARAMETERS = 2_000_000  # below this calibration cannot pay for itse
 CALIBRATION_SECONDS = 4.0  # of synthetic signal (HTDemucs pads it to one segment)
 CALIBRATE_ENV = "STEMDECK_CALIBRATE"  # "always": calibrate small models too (tests, benches)
 PROBE_MAX_SLOWDOWN = 4.0  # convolutions are about a third of the model's time: no gain left
+CPUINFO = "/proc/cpuinfo"  # Linux: the CPU's model and features
+CPU_SYSFS = "/sys/devices/system/cpu"  # Linux: each CPU's core and package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,26 +332,30 @@ def choose(
 
 def physical_cores() -> int:
     """Physical cores this process may use (hyper-threads share a core's arithmetic units,
-    so more threads than cores only adds contention to separation)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    logical = usable or os.cpu_count() or 1
-    cores = _linux_physical_cores()
+    so more threads than cores only adds contention to separation): the cores of the CPUs
+    its affinity allows (a container's cpuset, `taskset`)."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    logical = len(usable) if usable else (os.cpu_count() or 1)
+    cores = _linux_physical_cores(tuple(usable) if usable else None)
     if cores is None:
         return logical
     return max(1, min(cores, logical))
 
 
 @functools.cache
-def _linux_physical_cores() -> int | None:
+def _linux_physical_cores(cpus: tuple[int, ...] | None) -> int | None:
+    """The (package, core) pairs of `cpus` (None: every CPU), from Linux's sysfs."""
     try:
         pairs = set()
-        for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*"):
+        for cpu in Path(CPU_SYSFS).glob("cpu[0-9]*"):
+            if cpus is not None and int(cpu.name[3:]) not in cpus:
+                continue
             topology = cpu / "topology"
             core = (topology / "core_id").read_text().strip()
             package = (topology / "physical_package_id").read_text().strip()
             pairs.add((package, core))
         return len(pairs) or None
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
@@ -359,13 +365,14 @@ def threads_for(setting: int) -> int:
 
 
 def cpu_bf16_flags() -> list[str]:
-    """The CPU features that make bf16 fast (Linux /proc/cpuinfo; [] elsewhere)."""
+    """The CPU features that make bf16 fast (Linux /proc/cpuinfo: x86's `flags`, Arm's
+    `Features`; [] elsewhere)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path(CPUINFO).read_text()
     except OSError:
         return []
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             flags = set(line.split(":", 1)[1].split())
-            return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+            return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "bf16"})
     return []

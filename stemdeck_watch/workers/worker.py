@@ -281,7 +281,11 @@ class Worker:
         model = self.model(name, repo)
         key = (name, repo, setting)
         if key not in self._choices:
-            if decided and decided.get("setting") == setting:
+            # a choice the service kept from an earlier worker, if made on this device
+            if decided and (decided.get("setting"), decided.get("device")) == (
+                setting,
+                self.device,
+            ):
                 choice = Choice.from_dict(decided)
             else:
                 choice = choose(setting, self.device, model)
@@ -304,6 +308,12 @@ class Worker:
                 cache = CompileCache(Path(wanted["cache"]), float(wanted.get("cap_mb") or 2048))
             slot = self._compiled[key] = CompiledSlot(setting, cache, self.device)
         slot.refresh(model, name, precision)
+        if any(other.active for other in self._compiled.values()):
+            # a slot that failed or was not worth it gave the shared modules their own
+            # methods back: the compiled graphs in use need them routed again
+            from stemdeck_watch.workers.compiledgraph import prepare
+
+            prepare(members(model))
         return slot
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from stemdeck_watch.cli.doctor import check_models
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
@@ -263,3 +264,15 @@ def test_doctor_says_a_model_is_not_downloaded_yet_and_downloads_nothing(
     assert "not downloaded yet" in line and "about 80 MB" in line
     assert "`stemdeck-watch models pull htdemucs`" in line
     assert hub.requests == [] and model_files(cache) == set()
+
+
+@pytest.mark.slow
+def test_doctor_checks_a_presets_own_precision(tmp_path: Path, model_repo: Path) -> None:
+    """A preset may set its own precision: doctor loads the model in it too, so a setting
+    the device refuses (float16 off CUDA) fails in doctor, not on the preset's first song."""
+    data = config_data(tmp_path, model_repo, presets={"gpu": {"precision": "float16"}})
+    data["separation"]["device"] = "cpu"
+    findings = check_models(settings_from_dict(data))
+    preset = [f for f in findings if "(preset gpu)" in f.title]
+    assert preset and not preset[0].ok and "float16" in preset[0].detail, findings
+    assert all(f.ok for f in findings if "preset" not in f.title), findings

@@ -5,6 +5,7 @@ built once per session: tests/support/compiled.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -400,3 +401,53 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
         proc.wait()
         proc.stdin.close()  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_another_thread_count_builds_its_own_and_leaves_the_first_in_use(
+    compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
+) -> None:
+    """A saved part refuses to run under another thread count than it was built with: a
+    worker with other `separation.threads` needs a build of its own, and the first build
+    stays whole and in use for the threads it was built with."""
+    cache = compiled_tiny.copy_to(tmp_path)
+    built = int(entry_key(cache, compiled_tiny.key).threads)
+    other = 1 if built > 1 else 2
+    for threads, state in ((other, "building"), (0, "used")):
+        client = WorkerClient(
+            "cpu",
+            precision="float32",
+            threads=threads,
+            compiling=CompileSettings("on", cache),
+            builds=False,
+        )
+        try:
+            compiled = client.ensure_model("tiny", str(model_repo)).compiled
+            assert compiled["state"] == state, (threads, compiled)
+        finally:
+            client.close()
+    assert CompileCache(cache).entry(entry_key(cache, compiled_tiny.key)) is not None, "whole"
+
+
+def test_a_second_precision_that_fails_leaves_the_first_compiled(
+    compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
+) -> None:
+    """Two precisions of one model in one worker (a preset with its own): the compiled
+    float32 model stays in use after a bfloat16 build fails to load."""
+    cache = compiled_tiny.copy_to(tmp_path)
+    source = song(tmp_path)
+    client = client_for(cache)
+    try:
+        assert client.ensure_model("tiny", str(model_repo)).compiled["state"] == "used"
+        float32 = entry_key(cache, compiled_tiny.key)
+        bfloat16 = dataclasses.replace(float32, precision="bfloat16")
+        store = CompileCache(cache)
+        build = store.new_build(bfloat16)
+        (build / "network-0.encoder.0.bin").write_bytes(b"not a compiled part")
+        store.commit(build, bfloat16, {"compile_seconds": 1.0})
+        failed = client.ensure_model("tiny", str(model_repo), precision="bfloat16").compiled
+        assert failed["state"] == "failed", failed
+        assert client.ensure_model("tiny", str(model_repo)).compiled["state"] == "used"
+        result, _ = separate(client, model_repo, source, tmp_path / "after")
+        assert result.compiled, "the float32 song ran every part compiled"
+    finally:
+        client.close()

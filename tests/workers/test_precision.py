@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,8 @@ from stemdeck_watch.workers.precision import (
     physical_cores,
     threads_for,
 )
-from stemdeck_watch.workers.worker import ONEDNN_ENV
+from stemdeck_watch.workers import precision
+from stemdeck_watch.workers.worker import ONEDNN_ENV, Worker
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import config_data
@@ -173,3 +176,51 @@ def test_a_real_calibration_and_bfloat16_end_to_end(
     assert worker["model"] == "tiny" and worker["threads"] >= 1 and worker["device"] == "cpu"
     assert worker["precision"]["setting"] in ("auto", "bfloat16")
     assert status.collect(settings)["worker"] == worker  # the CLI reads the same from disk
+
+
+@pytest.mark.slow
+def test_a_choice_made_on_another_device_is_made_again(model_repo):
+    """The service hands a restarted worker the choice its predecessor made, to skip the
+    calibration; a worker on another device (the GPU gone, a Ray actor on another machine)
+    chooses again instead of running in what suited that device."""
+    worker = Worker("cpu", io.StringIO())
+    elsewhere = {"setting": "auto", "precision": "float16", "reason": "measured", "device": "cuda"}
+    choice = worker.precision("tiny", str(model_repo), "auto", elsewhere)
+    assert (choice.precision, choice.device) == ("float32", "cpu"), choice
+    here = {**elsewhere, "precision": "bfloat16", "device": "cpu"}
+    other = Worker("cpu", io.StringIO())
+    assert other.precision("tiny", str(model_repo), "auto", here).precision == "bfloat16"
+
+
+def test_physical_cores_counts_only_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    """Two cores with two hyper-threads each: allowed all four threads, or one of each core,
+    the process separates on two cores; allowed only one core's two threads (a container's
+    cpuset), on one."""
+    for cpu, core in enumerate((0, 1, 0, 1)):  # cpu0/cpu2 share core 0, cpu1/cpu3 core 1
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "core_id").write_text(f"{core}\n")
+        (topology / "physical_package_id").write_text("0\n")
+    monkeypatch.setattr(precision, "CPU_SYSFS", str(tmp_path))
+    precision._linux_physical_cores.cache_clear()  # what this machine's sysfs said
+    try:
+        for allowed, cores in (({0, 1, 2, 3}, 2), ({0, 2}, 1), ({0, 1}, 2)):
+            monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, allowed=allowed: allowed)
+            assert precision.physical_cores() == cores, allowed
+    finally:
+        precision._linux_physical_cores.cache_clear()  # ...and not the made-up one
+
+
+@pytest.mark.parametrize(
+    "line, flags",
+    [
+        ("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile", ["amx_tile", "avx512_bf16"]),
+        ("flags\t\t: fpu avx2", []),
+        ("Features\t: fp asimd sve bf16 i8mm", ["bf16"]),  # an Arm CPU (Graviton3, say)
+    ],
+)
+def test_bf16_in_hardware_is_found_on_x86_and_arm(tmp_path, monkeypatch, line, flags):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\n{line}\n")
+    monkeypatch.setattr(precision, "CPUINFO", str(info))
+    assert precision.cpu_bf16_flags() == flags
