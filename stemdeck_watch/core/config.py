@@ -225,7 +225,8 @@ class SeparationSettings:
     threads: int = key(
         0,
         number(0, 1024, integer=True),
-        "threads the worker separates with; 0 = one per physical core; set "
+        "threads the worker separates with; 0 = one per physical core the service may use "
+        "(its CPU affinity); set "
         "fewer to keep the computer responsive while you work on it",
     )
     fallback_device: str = key(

@@ -349,9 +349,9 @@ class CompiledSlot:
     ) -> None:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
         whether it pays. The worker calls this between two songs, so nothing else runs on the
-        model meanwhile and the measure has the machine to itself."""
-        from stemdeck_watch.workers.compiledgraph import release
-
+        model meanwhile and the measure has the machine to itself. Loading routes the
+        model's position embedding (compiledgraph.prepare), which every slot of the model
+        shares: the worker lets go of it once no slot is in use."""
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
         try:
@@ -365,11 +365,11 @@ class CompiledSlot:
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
             log.exception("compiled model could not be loaded; separating with the eager model")
-            release()  # the eager model separates through its own methods again
             self.state, self.pairs = "failed", []
             self.reason = (
-                f"could not be loaded: {exc}; not tried again until torch, the model, the threads or the "
-                f"CPU changes (delete {self.cache.verdict_path(self.key)} to build it anew)"
+                f"could not be loaded: {exc}; not tried again until torch, the model, the "
+                f"threads or the CPU change (delete {self.cache.verdict_path(self.key)} to build "
+                f"it anew)"
             )
             self.cache.record_verdict(self.key, Verdict(False, self.reason, measured=time.time()))
             return
@@ -381,8 +381,6 @@ class CompiledSlot:
             "compile_seconds": entry.get("compile_seconds"),
         }
         self.pairs = pairs if verdict.use else []
-        if not verdict.use:
-            release()
         self.reason = verdict.reason
         self.state = "used" if verdict.use else "not used"
         log.info(

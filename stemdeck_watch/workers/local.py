@@ -550,7 +550,7 @@ class WorkerClient:
                     message = proc.replies.get(timeout=0.1)
                 except queue.Empty:
                     if not proc.alive() and proc.replies.empty():
-                        self._raise_died(proc, control, self._shut)
+                        self._raise_died(proc, control)
                     if watch is not None and watch.stalled():
                         proc.stop()
                         if control is not None:
@@ -579,12 +579,11 @@ class WorkerClient:
                     return message
                 log.warning("unexpected message from worker %d: %s", proc.pid, message)
 
-    @staticmethod
-    def _raise_died(proc: _Process, control: JobControl | None, shut: bool) -> None:
+    def _raise_died(self, proc: _Process, control: JobControl | None) -> None:
         proc.stop()
         if control is not None:
             control.check()  # we killed it for a cancel: that is not a failure
-        if shut:
+        if self._shut:
             raise Cancelled(SHUTDOWN)  # nor is a stop for the service's shutdown
         code = proc.popen.returncode
         if zygote.lost(proc.popen):  # it ended with its zygote: nothing it did

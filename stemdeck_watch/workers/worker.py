@@ -308,12 +308,12 @@ class Worker:
                 cache = CompileCache(Path(wanted["cache"]), float(wanted.get("cap_mb") or 2048))
             slot = self._compiled[key] = CompiledSlot(setting, cache, self.device)
         slot.refresh(model, name, precision)
-        if any(other.active for other in self._compiled.values()):
-            # a slot that failed or was not worth it gave the shared modules their own
-            # methods back: the compiled graphs in use need them routed again
-            from stemdeck_watch.workers.compiledgraph import prepare
+        if not any(other.active for other in self._compiled.values()):
+            # loading a compiled model routes the model's position embedding, for every
+            # precision alike: the eager model gets its own methods back once none is in use
+            from stemdeck_watch.workers.compiledgraph import release
 
-            prepare(members(model))
+            release()
         return slot
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:

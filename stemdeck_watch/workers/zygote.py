@@ -167,7 +167,6 @@ class _Forked:
         self.stdin: IO[str] | None = pipes[0]
         self.stdout: IO[str] | None = pipes[1]
         self.stderr: IO[str] | None = pipes[2]
-        self.code: int | None = None  # set (under the zygote's lock) once known
 
     @property
     def lost(self) -> bool:
@@ -176,13 +175,13 @@ class _Forked:
 
     @property
     def returncode(self) -> int | None:
-        return self._zygote.wait(self, 0)
+        return self._zygote.wait(self.number, 0)
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._zygote.wait(self, timeout)
+        code = self._zygote.wait(self.number, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(f"separation worker {self.pid}", timeout or 0.0)
         return code
@@ -224,8 +223,8 @@ class _Zygote:
         self._socket = ours
         self._request = threading.Lock()  # one start at a time
         self._state = threading.Condition()
-        # by start number: the pid until its start takes it, the workers running, the exit
-        # codes until their worker reads them, and the workers that ended with the zygote
+        # by start number (never reused, a few bytes per worker): the pid until its start
+        # takes it, the workers running, the exit codes, the workers that ended with the zygote
         self._numbers = itertools.count(1)
         self._started: dict[int, int] = {}
         self._running: set[int] = set()
@@ -298,15 +297,12 @@ class _Zygote:
         with contextlib.suppress(OSError):  # a zygote gone has no worker left to stop
             self._socket.send(json.dumps({"signal": number, "signum": int(signum)}).encode())
 
-    def wait(self, forked: _Forked, timeout: float | None) -> int | None:
-        """The exit code of `forked`, waiting up to `timeout` for it (None: running)."""
+    def wait(self, number: int, timeout: float | None) -> int | None:
+        """The exit code of the worker of start `number`, waiting up to `timeout` for it
+        (None: running)."""
         with self._state:
-            self._state.wait_for(
-                lambda: forked.code is not None or forked.number in self._exits, timeout
-            )
-            if forked.code is None and forked.number in self._exits:
-                forked.code = self._exits.pop(forked.number)
-            return forked.code
+            self._state.wait_for(lambda: number in self._exits, timeout)
+            return self._exits.get(number)
 
     def lost(self, number: int) -> bool:
         with self._state:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,8 +81,12 @@ def entry_key(cache: Path, digest: str) -> CompileKey:
     return key
 
 
-def client_for(cache: Path, setting: str = "on", env: dict | None = None) -> WorkerClient:
-    return WorkerClient("cpu", env, precision="float32", compiling=CompileSettings(setting, cache))
+def client_for(
+    cache: Path, setting: str = "on", env: dict | None = None, **options: Any
+) -> WorkerClient:
+    return WorkerClient(
+        "cpu", env, precision="float32", compiling=CompileSettings(setting, cache), **options
+    )
 
 
 def test_the_build_runs_beside_at_idle_priority_and_the_worker_adopts_it(
@@ -321,7 +327,7 @@ def test_a_compiled_model_not_adopted_leaves_the_eager_model_its_own_methods(
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # as in the guards test above
     from stemdeck_watch.workers import compiled
     from stemdeck_watch.workers.compiledgraph import ROUTED
-    from stemdeck_watch.workers.worker import load_model
+    from stemdeck_watch.workers.worker import Worker
 
     def measured(*_args: object) -> compiled.Measured:
         if outcome == "failed":
@@ -329,11 +335,12 @@ def test_a_compiled_model_not_adopted_leaves_the_eager_model_its_own_methods(
         return compiled.Measured(1.2, 20.0, 1.2, 1.0)  # fast, not accurate enough
 
     monkeypatch.setattr(compiled, "measure", measured)
-    model = load_model("tiny", str(model_repo))
     cache = compiled_tiny.copy_to(tmp_path)
     (cache / f"{compiled_tiny.key}.verdict.json").unlink()  # to be measured again
-    slot = compiled.CompiledSlot("on", CompileCache(cache), "cpu")
-    assert slot.refresh(model, "tiny", "float32")["state"] == outcome
+    worker = Worker("cpu", io.StringIO())
+    model = worker.model("tiny", str(model_repo))
+    slot = worker.compiled("tiny", str(model_repo), "float32", {"setting": "on", "cache": cache})
+    assert slot.state == outcome
     assert not slot.pairs
     assert not [m for m in model.modules() if ROUTED in vars(m)], "nothing left routed"
 
@@ -413,13 +420,7 @@ def test_another_thread_count_builds_its_own_and_leaves_the_first_in_use(
     built = int(entry_key(cache, compiled_tiny.key).threads)
     other = 1 if built > 1 else 2
     for threads, state in ((other, "building"), (0, "used")):
-        client = WorkerClient(
-            "cpu",
-            precision="float32",
-            threads=threads,
-            compiling=CompileSettings("on", cache),
-            builds=False,
-        )
+        client = client_for(cache, threads=threads, builds=False)
         try:
             compiled = client.ensure_model("tiny", str(model_repo)).compiled
             assert compiled["state"] == state, (threads, compiled)
