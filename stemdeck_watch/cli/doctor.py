@@ -238,7 +238,12 @@ def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
     from stemdeck_watch.workers.precision import cpu_bf16_flags
 
     figures = ""
-    if choice.get("speedup") is not None:
+    if choice.get("probed"):
+        figures = (
+            f"; measured {choice['speedup']:.2f}× float32 speed in a convolution probe "
+            "(the model was not run in it)"
+        )
+    elif choice.get("speedup") is not None:
         snr = choice.get("worst_snr_db")
         figures = (
             f"; measured {choice['speedup']:.2f}× float32 speed, worst stem "

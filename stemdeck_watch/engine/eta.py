@@ -265,7 +265,9 @@ class Estimator:
             work += max(0.0, finish - now) if index < len(ordered) else expected
             entry["start"], entry["finish"] = round(begin, 1), round(finish, 1)
         finishes = [e["finish"] for e in entries.values() if e["finish"] is not None]
-        default = self._rate_for(self.settings.separation.model, None, worker)
+        default = self._rate_for(
+            self.settings.separation.model, self.settings.separation.precision, worker
+        )
         with self._lock:
             took = {job.id: self.took[job.id] for job in shown if job.id in self.took}
         done = max(finishes) if known and finishes and not (paused and queued) else None
@@ -303,17 +305,21 @@ class Estimator:
         return found
 
     def _rate_for(
-        self, model: str, precision: str | None, worker: dict[str, Any] | None
+        self, model: str, setting: str, worker: dict[str, Any] | None
     ) -> tuple[str, Rate] | None:
-        """The measurement for `model`: at the precision the worker runs it in, else the one
-        configured, else the one measured last."""
+        """The measurement for `model` under the precision `setting`: at the precision the
+        worker chose for it (only where the worker runs this model under this setting: a
+        preset's own precision may differ), else the one the setting names, else the one
+        measured last."""
         with self._lock:
             if worker and worker.get("model") == model:
-                chosen = (worker.get("precision") or {}).get("precision")
-                if chosen and rate_key(model, chosen) in self.rates:
-                    return rate_key(model, chosen), self.rates[rate_key(model, chosen)]
-            if precision and precision != "auto" and rate_key(model, precision) in self.rates:
-                return rate_key(model, precision), self.rates[rate_key(model, precision)]
+                decided = worker.get("precision") or {}
+                chosen = decided.get("precision")
+                key = rate_key(model, chosen)
+                if chosen and decided.get("setting") == setting and key in self.rates:
+                    return key, self.rates[key]
+            if setting != "auto" and rate_key(model, setting) in self.rates:
+                return rate_key(model, setting), self.rates[rate_key(model, setting)]
             for key in reversed(self.rates):
                 if key.startswith(f"{model}/"):
                     return key, self.rates[key]

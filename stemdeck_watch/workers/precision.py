@@ -68,6 +68,7 @@ class Choice:
     speedup: float | None = None  # of the chosen (or best rejected) candidate
     worst_snr_db: float | None = None
     calibration_seconds: float | None = None
+    probed: bool = False  # the figures are the convolution probe's: the model was not run
 
     def to_dict(self) -> dict[str, Any]:
         # an identical output has infinite SNR: JSON has no infinity, so it is written null
@@ -128,8 +129,9 @@ def decide(
         f"{best.precision} was {' and '.join(why)}",
         device,
         best.speedup,
-        best.worst_snr_db,
+        None if best.probed else best.worst_snr_db,
         calibration_seconds,
+        best.probed,
     )
 
 

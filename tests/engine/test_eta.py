@@ -214,3 +214,44 @@ def test_a_fifo_in_place_of_a_queued_song_never_holds_the_estimate(
             thread.join(0.1)
         registry.close()
     assert result["jobs"][job.id]["length"] is None and result["songs"] == 1
+
+
+def test_a_preset_with_its_own_precision_is_estimated_at_that_precision(
+    tmp_path: Path, model_repo: Path
+) -> None:
+    """The worker chose bfloat16 for `auto`; a preset that asks for float32 runs in float32,
+    so its song is estimated at float32's measured rate, not at the worker's choice."""
+    from stemdeck_watch.core.config import settings_from_dict
+    from stemdeck_watch.engine.eta import Rate
+
+    from support.helpers import config_data
+
+    data = config_data(tmp_path, model_repo, separation={"precision": "auto"})
+    data["presets"] = {"exact": {"precision": "float32"}}
+    settings = settings_from_dict(data)
+    registry = Registry.open(tmp_path / "registry.sqlite3")
+    try:
+        estimator = Estimator(registry, settings, EventBus(), probe=lambda path: 10.0)
+        estimator.rates = {
+            "tiny/float32": Rate(1).add(10.0, 20.0, 0.0),  # 2 s per second of audio
+            "tiny/bfloat16": Rate(1).add(10.0, 5.0, 0.0),  # 0.5 s per second
+        }
+        worker = {"model": "tiny", "precision": {"setting": "auto", "precision": "bfloat16"}}
+        jobs = [
+            Job(
+                id=f"{i}" * 12,
+                name=f"song {i}",
+                kind=JobKind.FILE,
+                state=JobState.QUEUED,
+                source=str(settings.paths.inbox / f"song {i}.wav"),
+                rel_path=f"song {i}.wav",
+                preset=preset,
+            )
+            for i, preset in enumerate([None, "exact"])
+        ]
+        eta = estimator.estimate([], jobs, [], worker)
+        took = [eta["jobs"][job.id]["finish"] - eta["jobs"][job.id]["start"] for job in jobs]
+        assert took == pytest.approx([5.0, 20.0], abs=0.2), eta
+        assert eta["rate"]["precision"] == "bfloat16", eta["rate"]  # the config's own: auto
+    finally:
+        registry.close()

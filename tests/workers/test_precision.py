@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import soundfile
 
 from stemdeck_watch.cli import status
+from stemdeck_watch.cli.doctor import precision_finding
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import JobState
@@ -81,6 +83,20 @@ def test_identical_output_is_written_as_json_null_not_infinity():
     data = decide("auto", "cpu", [measured(2.0, float("inf"))]).to_dict()
     assert data["precision"] == "bfloat16" and data["worst_snr_db"] is None
     json.dumps(data, allow_nan=False)
+
+
+def test_doctor_tells_a_probe_only_figure_from_an_identical_output():
+    """Both have no finite SNR to write; only one ran the model."""
+    worker = {"device": "cpu", "threads": 2}
+    probe_only = Measurement("bfloat16", 0.01, math.nan, math.nan, math.nan, probed=True)
+    hopeless = json.loads(json.dumps(decide("auto", "cpu", [probe_only]).to_dict()))
+    assert hopeless["probed"] is True and hopeless["worst_snr_db"] is None, hopeless
+    said = precision_finding("model", hopeless, worker).detail
+    assert "0.01× float32 speed in a convolution probe" in said, said
+    assert "identical" not in said and "SNR" not in said, said
+    identical = decide("auto", "cpu", [measured(2.0, float("inf"))]).to_dict()
+    assert identical["probed"] is False
+    assert "worst stem identical" in precision_finding("model", identical, worker).detail
 
 
 def test_threads_default_to_physical_cores_and_can_be_set():
