@@ -52,7 +52,8 @@ from stemdeck_watch.engine.playlists import Playlists
 from stemdeck_watch.engine.prepared import Prepared, signature_of, version_of
 from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.engine.shares import ShareWatch
-from stemdeck_watch.links.fetch import Playlist, download
+from stemdeck_watch.links.fetch import download
+from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
 from stemdeck_watch.stages.decode import decode_to_file
