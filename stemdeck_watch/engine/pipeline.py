@@ -56,6 +56,7 @@ from stemdeck_watch.links.fetch import download
 from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
+from stemdeck_watch.stages.manifest import read_manifest, sha256_of, write_manifest
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.separator import Separator
@@ -201,7 +202,7 @@ class Pipeline:
         run.job = job = dataclasses.replace(run.job, signature=run.read or queued)
         prepared = run.prepared
         try:
-            run.digest = (prepared and prepared.sha256_for(source)) or publish.sha256_of(source)
+            run.digest = (prepared and prepared.sha256_for(source)) or sha256_of(source)
             run.size = source.stat().st_size
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
@@ -311,7 +312,7 @@ class Pipeline:
             run.staging, result.stems, model.samplerate, info, run.sep, run.out, check=control.check
         )
         run.timer.timings.update(song.timings)
-        publish.write_manifest(
+        write_manifest(
             run.staging,
             {
                 "job_id": job.id,
@@ -569,7 +570,7 @@ class Pipeline:
             return prepared
         version = version_of(source)
         try:
-            digest = publish.sha256_of(source)
+            digest = sha256_of(source)
             decoded = decode_to_file(
                 source,
                 self.settings.paths.scratch / job.id / "input.npy",
@@ -657,7 +658,7 @@ class Pipeline:
             while not ahead[1].wait(0.1):
                 control.check()
         for folder in map(Path, self._published(digest, key)):
-            manifest = publish.read_manifest(folder) or {}
+            manifest = read_manifest(folder) or {}
             source = manifest.get("input")
             if (
                 isinstance(source, dict)
