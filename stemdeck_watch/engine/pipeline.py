@@ -56,7 +56,8 @@ from stemdeck_watch.links.fetch import download
 from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
-from stemdeck_watch.stages.manifest import read_manifest, sha256_of, write_manifest
+from stemdeck_watch.stages.manifest import read_manifest, write_manifest
+from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.separator import Separator

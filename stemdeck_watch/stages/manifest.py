@@ -11,7 +11,6 @@ a link.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,18 +18,10 @@ from typing import Any
 
 from stemdeck_watch import __version__
 from stemdeck_watch.core.paths import fsync_dir
-from stemdeck_watch.util.safefile import open_new, read_json
+from stemdeck_watch.util.safefile import open_new, read_json, sha256_of
 
 MANIFEST = "stemdeck.json"
 MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:

@@ -24,7 +24,8 @@ from stemdeck_watch.core.errors import PublishError
 from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.core.jobs import Job, JobState
 from stemdeck_watch.stages import publish
-from stemdeck_watch.stages.manifest import MANIFEST, read_manifest, sha256_of
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
+from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.service import Service
 from stemdeck_watch.util.synth import write_song
 
