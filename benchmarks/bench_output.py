@@ -37,7 +37,8 @@ from typing import Any, Callable
 from harness import ROOT, machine, parser as bench_parser, write_results
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.stages.preview import Peaks, draw_preview
-from stemdeck_watch.stages.publish import SongInfo, list_files, write_song
+from stemdeck_watch.stages.publish import SongInfo, write_song
+from stemdeck_watch.stages.manifest import list_files
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.stages.songfolder import make_song_folder, write_beat_grid
 

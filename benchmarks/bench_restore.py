@@ -61,7 +61,7 @@ from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState
 from stemdeck_watch.core.paths import filesystem_type
-from stemdeck_watch.stages.publish import MANIFEST
+from stemdeck_watch.stages.manifest import MANIFEST
 from stemdeck_watch.engine.pipeline import Pipeline
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry

@@ -21,7 +21,7 @@ import tomli_w
 from stemdeck_watch.core.config import Settings, default_toml, load_settings
 from stemdeck_watch.core.events import EventBus, JobChanged
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import MANIFEST, read_manifest
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 from stemdeck_watch.service import Service
 from stemdeck_watch.util.synth import write_song
 

@@ -83,6 +83,10 @@ class OutOfMemory(WorkerDied):
     kind = "memory"
 
 
+class DownloadError(StageError):
+    stage = "downloading"
+
+
 class PublishError(StageError):
     stage = "publishing"
 

@@ -178,7 +178,7 @@ class Estimator:
             self._dirty.set()
 
     def _learn(self, job: Job, started: float, previous: float | None) -> None:
-        from stemdeck_watch.stages.publish import read_manifest
+        from stemdeck_watch.stages.manifest import read_manifest
 
         manifest = read_manifest(Path(job.output)) if job.output else None
         if not manifest or manifest.get("job_id") != job.id:

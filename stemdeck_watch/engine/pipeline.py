@@ -52,9 +52,12 @@ from stemdeck_watch.engine.playlists import Playlists
 from stemdeck_watch.engine.prepared import Prepared, signature_of, version_of
 from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.engine.shares import ShareWatch
-from stemdeck_watch.links.fetch import Playlist, download
+from stemdeck_watch.links.fetch import download
+from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
+from stemdeck_watch.stages.manifest import read_manifest, write_manifest
+from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.separator import Separator
@@ -200,7 +203,7 @@ class Pipeline:
         run.job = job = dataclasses.replace(run.job, signature=run.read or queued)
         prepared = run.prepared
         try:
-            run.digest = (prepared and prepared.sha256_for(source)) or publish.sha256_of(source)
+            run.digest = (prepared and prepared.sha256_for(source)) or sha256_of(source)
             run.size = source.stat().st_size
         except OSError as exc:
             control.check()  # taken away while we read it: a cancel, not a failure
@@ -310,7 +313,7 @@ class Pipeline:
             run.staging, result.stems, model.samplerate, info, run.sep, run.out, check=control.check
         )
         run.timer.timings.update(song.timings)
-        publish.write_manifest(
+        write_manifest(
             run.staging,
             {
                 "job_id": job.id,
@@ -568,7 +571,7 @@ class Pipeline:
             return prepared
         version = version_of(source)
         try:
-            digest = publish.sha256_of(source)
+            digest = sha256_of(source)
             decoded = decode_to_file(
                 source,
                 self.settings.paths.scratch / job.id / "input.npy",
@@ -656,7 +659,7 @@ class Pipeline:
             while not ahead[1].wait(0.1):
                 control.check()
         for folder in map(Path, self._published(digest, key)):
-            manifest = publish.read_manifest(folder) or {}
+            manifest = read_manifest(folder) or {}
             source = manifest.get("input")
             if (
                 isinstance(source, dict)

@@ -14,7 +14,8 @@ import dataclasses
 from pathlib import Path
 
 from stemdeck_watch.core.jobs import FileSignature
-from stemdeck_watch.links.fetch import Downloaded, Playlist
+from stemdeck_watch.links.fetch import Downloaded
+from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.stages.decode import DecodedAudio
 

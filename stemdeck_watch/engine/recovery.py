@@ -36,7 +36,8 @@ from stemdeck_watch.core.paths import (
     numbered_siblings,
     report_path,
 )
-from stemdeck_watch.stages.publish import MANIFEST, read_manifest, remove_tree
+from stemdeck_watch.stages.publish import remove_tree
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 from stemdeck_watch.stages.quarantine import quarantine
 from stemdeck_watch.engine.scheduler import INPUT_REMOVED, PAUSE_RESTORE, PAUSE_USER, Scheduler
 

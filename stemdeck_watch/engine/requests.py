@@ -22,6 +22,7 @@ from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.core.jobs import FileSignature, Job, JobState
 from stemdeck_watch.core.paths import move_file, report_path
 from stemdeck_watch.stages import publish
+from stemdeck_watch.stages.manifest import publisher_of
 from stemdeck_watch.store.registry import Registry
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ class Requests:
         return [
             Path(each.output)
             for each in jobs
-            if each.output and publish.publisher_of(Path(each.output)) == each.id
+            if each.output and publisher_of(Path(each.output)) == each.id
         ]
 
     def _get(self, job_id: str) -> Job:

@@ -18,18 +18,17 @@ import logging
 import re
 import shutil
 import traceback
-import unicodedata
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
-from urllib.parse import urlsplit
 
 from stemdeck_watch.core.config import LinkSettings
-from stemdeck_watch.core.errors import Cancelled, StageError
+from stemdeck_watch.core.errors import Cancelled, DownloadError
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import PlaylistRef
 from stemdeck_watch.stages.decode import probe_duration
-from stemdeck_watch.stages.naming import cut_to_bytes
+from stemdeck_watch.links.listing import Entry, Playlist, playlist_of
+from stemdeck_watch.stages.naming import song_name
 
 if TYPE_CHECKING:  # imported with yt-dlp, when a link is fetched
     import yt_dlp
@@ -40,14 +39,6 @@ log = logging.getLogger(__name__)
 ytdlp_log = logging.getLogger("stemdeck_watch.ytdlp")
 
 STALL_TIMEOUT = 30.0  # seconds without data before a download counts as stalled
-# a title as a folder name, in UTF-8 bytes: 255 is the limit of one name on ext4, APFS and
-# most others; the rest leaves room for " (12)", a playlist entry's "001 - " and ".url",
-# and a failed input's ".error.txt"
-MAX_NAME_BYTES = 200
-
-
-class DownloadError(StageError):
-    stage = "downloading"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,28 +64,6 @@ class Downloaded:
                 "entries": self.playlist.entries,
             }
         return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One item of a playlist: its own address, its title and (where the page said) length."""
-
-    url: str
-    title: str
-    duration: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Playlist:
-    """What a playlist link holds (`links.playlists = true`): nothing is downloaded yet; each
-    entry becomes a job of its own."""
-
-    url: str
-    title: str
-    extractor: str
-    entries: tuple[Entry, ...]
-    total: int  # entries the page listed; more than len(entries) when cut at max_entries
-    skipped: int = 0  # entries without an http(s) address of their own
 
 
 class _Log:
@@ -337,65 +306,6 @@ def _release(exc: BaseException) -> None:
         gc.collect()  # the response sits in a reference cycle: only a collection frees it
 
 
-def playlist_of(info: dict[str, Any], url: str, max_entries: int, fallback: str) -> Playlist:
-    """The entries of a playlist as yt-dlp listed them, in order, cut at `max_entries`.
-
-    Each entry keeps an address of its own (its page, or the media itself for a page of
-    plain <audio> tags or an XSPF list), so it is downloaded alone later, even if the
-    playlist changes meanwhile. Only http(s) addresses are kept: a playlist is untrusted
-    input like a link file."""
-    title = sanitise(str(info.get("title") or "")) or sanitise(fallback) or "playlist"
-    listed = [e for e in (info.get("entries") or []) if e]
-    if not listed:
-        raise DownloadError(f"the playlist {title} behind the link is empty")
-    entries: list[Entry] = []
-    skipped = 0
-    for number, item in enumerate(listed, 1):
-        address = _entry_url(item, url)
-        if address is None:
-            skipped += 1
-            log.warning(
-                "entry %d of the playlist %s has no http(s) address; left out", number, title
-            )
-            continue
-        if len(entries) < max_entries:
-            length = item.get("duration")
-            entries.append(
-                Entry(
-                    address,
-                    song_name(item, fallback=f"{title} {number}"),
-                    float(length) if isinstance(length, (int, float)) else None,
-                )
-            )
-    if not entries:
-        raise DownloadError(
-            f"no entry of the playlist {title} has an address that can be downloaded"
-        )
-    return Playlist(
-        url=url,
-        title=title,
-        extractor=str(info.get("extractor_key") or info.get("extractor") or ""),
-        entries=tuple(entries),
-        total=len(listed) - skipped,
-        skipped=skipped,
-    )
-
-
-def _entry_url(item: dict[str, Any], page: str) -> str | None:
-    candidates = [item.get("url"), item.get("webpage_url"), item.get("original_url")]
-    candidates += [f.get("url") for f in reversed(item.get("formats") or [])]
-    for candidate in candidates:
-        if (
-            isinstance(candidate, str)
-            and candidate != page
-            and not re.search(r"\s", candidate)
-            and urlsplit(candidate).scheme in ("http", "https")
-            and urlsplit(candidate).netloc
-        ):
-            return candidate
-    return None
-
-
 def _single(info: dict[str, Any]) -> dict[str, Any]:
     if info.get("_type") == "playlist":
         entries = [e for e in (info.get("entries") or []) if e]
@@ -468,33 +378,3 @@ def explain(message: str, link_name: str) -> str:
     else:
         reason = re.sub(r"^ERROR:\s*", "", message.splitlines()[0])
     return f"could not download {link_name}: {reason}"
-
-
-def song_name(info: dict[str, Any], fallback: str) -> str:
-    """ "Artist - Title" (or the title), safe as one folder name on every platform: no path
-    separators, no leading dot (hidden), no reserved characters, bounded length."""
-    title = str(info.get("track") or info.get("title") or "").strip()
-    artist = str(info.get("artist") or info.get("creator") or "").strip()
-    name = f"{artist} - {title}" if artist and title and artist not in title else title
-    return sanitise(name) or sanitise(fallback) or "download"
-
-
-def sanitise(name: str) -> str:
-    name = unicodedata.normalize("NFC", name)
-    name = "".join(" " if unicodedata.category(c).startswith("C") else c for c in name)
-    name = re.sub(r'[<>:"/\\|?*]', "_", name)
-    name = re.sub(r"\s+", " ", name).strip()
-    name = name.lstrip(".").rstrip(". ")
-    if name.upper().split(".")[0] in _RESERVED:
-        name = f"_{name}"
-    return cut_to_bytes(name, MAX_NAME_BYTES).rstrip(". ")
-
-
-_RESERVED = {
-    "CON",
-    "PRN",
-    "AUX",
-    "NUL",
-    *(f"COM{i}" for i in range(1, 10)),
-    *(f"LPT{i}" for i in range(1, 10)),
-}

@@ -12,12 +12,16 @@ from __future__ import annotations
 import re
 import unicodedata
 from pathlib import Path, PurePosixPath
-from typing import Mapping
+from typing import Any, Mapping
 
 from stemdeck_watch.core.errors import PublishError
 
 MAX_VALUE_CHARS = 80  # one field of a name
 MAX_COMPONENT_BYTES = 240  # one file or folder name (ext4, APFS, NTFS allow 255)
+# a title as a folder name, in UTF-8 bytes: 255 is the limit of one name on ext4, APFS and
+# most others; the rest leaves room for " (12)", a playlist entry's "001 - " and ".url",
+# and a failed input's ".error.txt"
+MAX_NAME_BYTES = 200
 _UNSAFE = re.compile(r'[\x00-\x1f\x7f<>:"|?*]')
 _SEPARATORS = re.compile(r"[/\\]+")
 _RESERVED = {
@@ -52,6 +56,29 @@ def safe_name(value: object, fallback: str) -> str:
     if not text:
         return fallback if fallback == "" else safe_name(fallback, "song")
     return text
+
+
+def song_name(info: dict[str, Any], fallback: str) -> str:
+    """ "Artist - Title" (or the title), safe as one folder name on every platform: no path
+    separators, no leading dot (hidden), no reserved characters, bounded length."""
+    title = str(info.get("track") or info.get("title") or "").strip()
+    artist = str(info.get("artist") or info.get("creator") or "").strip()
+    name = f"{artist} - {title}" if artist and title and artist not in title else title
+    return sanitise(name) or sanitise(fallback) or "download"
+
+
+def sanitise(name: str) -> str:
+    """A page's title as one whole folder name (a link's song folder, a playlist's entry): no
+    separators, control or reserved characters, no leading dot, not a device name, at most
+    MAX_NAME_BYTES."""
+    name = unicodedata.normalize("NFC", name)
+    name = "".join(" " if unicodedata.category(c).startswith("C") else c for c in name)
+    name = re.sub(r'[<>:"/\\|?*]', "_", name)
+    name = re.sub(r"\s+", " ", name).strip()
+    name = name.lstrip(".").rstrip(". ")
+    if name.lower().split(".")[0] in _RESERVED:
+        name = f"_{name}"
+    return cut_to_bytes(name, MAX_NAME_BYTES).rstrip(". ")
 
 
 def layout_values(

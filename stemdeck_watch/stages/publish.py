@@ -2,24 +2,19 @@
 
 Everything for one song — stems, mixes, `stemdeck.json` — is written into a hidden staging
 folder inside the outbox (same filesystem), flushed, and renamed into `outbox/<name>/` in one
-step, so a sync client never uploads half a result. The manifest is written last and names the
-job: a folder with a complete manifest is a published song, which is how a restart tells
-"published, then crashed" from "crashed while writing".
+step, so a sync client never uploads half a result. The manifest (stages/manifest.py) is
+written last and names the job.
 
 Stems are read from the worker's scratch files and written block by block (mixes summed block
 by block), so publishing a song of any length takes the same memory. On the way each block may
 be resampled (`output.samplerate`) and feed the preview's peaks and the loudness meters; file
 names come from the layout template filled with sanitised tags (stages/naming.py), flac/mp3
-stems are tagged (stages/tags.py). The manifest lists every file of the folder with its size
-and sha256.
+stems are tagged (stages/tags.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -28,7 +23,6 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from stemdeck_watch import __version__
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
 from stemdeck_watch.core.paths import fsync_dir, unique_path
@@ -36,14 +30,12 @@ from stemdeck_watch.stages import naming, resample, tags as tagging
 from stemdeck_watch.stages.levels import LoudnessMeter, song_gain, to_db
 from stemdeck_watch.stages.preview import Peaks
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
-from stemdeck_watch.util.safefile import open_new, read_json
+from stemdeck_watch.util.safefile import open_new
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "stemdeck.json"
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
-MAX_MANIFEST = 16 << 20  # a song's manifest is a few KB; a bigger stemdeck.json is not one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +54,6 @@ class SongInfo:
     @property
     def title(self) -> str:
         return str(self.tags.get("title") or self.name)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def plan_outputs(
@@ -349,90 +333,6 @@ class _GuardedFile:
 
     def read(self, size: int = -1) -> bytes:
         return self._handle.read(size)
-
-
-def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
-    """Write `stemdeck.json` last: it lists every file already in the folder with its size
-    and sha256, so a person (and restore) can tell a complete folder from a damaged one."""
-    manifest = {
-        "stemdeck_watch": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        **manifest,
-        "files": list_files(staging),
-    }
-    path = staging / MANIFEST
-    with open_new(path, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=2, ensure_ascii=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    fsync_dir(staging)
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a song folder if it is complete (every file it lists exists). Only a
-    plain file is read: the outbox is shared, and a link to a FIFO would block for ever."""
-    try:
-        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
-    except (OSError, ValueError):
-        return None
-    stems = manifest.get("stems") if isinstance(manifest, dict) else None
-    if not isinstance(stems, list):
-        return None
-    files = [entry.get("file") if isinstance(entry, dict) else None for entry in stems]
-    if not files or not all(isinstance(f, str) and (folder / f).is_file() for f in files):
-        return None
-    listed = manifest.get("files", [])
-    for entry in listed if isinstance(listed, list) else [None]:  # sizes only (verify hashes)
-        try:
-            if (folder / entry["file"]).stat().st_size != entry["bytes"]:
-                return None
-        except (OSError, KeyError, TypeError):
-            return None
-    return manifest
-
-
-def publisher_of(folder: Path) -> str | None:
-    """The job id a song folder's manifest names, complete or not: whose folder it is. Read
-    only from a regular file of bounded size, never through a link (anyone who can write the
-    outbox could plant one)."""
-    try:
-        manifest = read_json(folder / MANIFEST, MAX_MANIFEST)
-    except (OSError, ValueError):
-        return None
-    job_id = manifest.get("job_id") if isinstance(manifest, dict) else None
-    return job_id if isinstance(job_id, str) else None
-
-
-def list_files(folder: Path) -> list[dict[str, Any]]:
-    """Every file under `folder` but the manifest: relative name, bytes, sha256."""
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    return [
-        {
-            "file": p.relative_to(folder).as_posix(),
-            "bytes": p.stat().st_size,
-            "sha256": sha256_of(p),
-        }
-        for p in paths
-    ]
-
-
-def verify_folder(folder: Path) -> list[str]:
-    """What is wrong with a published song folder, by its manifest's sha256 sums: missing,
-    changed or unlisted files; an empty list for a complete, undamaged folder."""
-    try:
-        listed = {e["file"]: e for e in read_json(folder / MANIFEST, MAX_MANIFEST).get("files", [])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [f"could not read {folder / MANIFEST}: {exc}"]
-    present = {e["file"]: e for e in list_files(folder)}
-    problems = [f"{name} is missing" for name in listed if name not in present]
-    problems += [f"{name} is not in the manifest" for name in present if name not in listed]
-    problems += [
-        f"{name} has changed (sha256 differs)"
-        for name, e in present.items()
-        if name in listed and listed[name].get("sha256") != e["sha256"]
-    ]
-    return problems
 
 
 def publish_folder(staging: Path, target: Path) -> Path:

@@ -26,7 +26,7 @@ from typing import IO, Any
 from stemdeck_watch.core.errors import Conflict, ControlError
 from stemdeck_watch.core.jobs import Job, JobState, settings_key_of
 from stemdeck_watch.stages import preview as picture
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.stages.songfolder import BEATS, PREVIEW
 
 log = logging.getLogger(__name__)

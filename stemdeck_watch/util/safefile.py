@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -225,3 +226,12 @@ def read_json(path: Path, limit: int) -> Any:
         return json.loads(read_regular(path, limit))
     except RecursionError:
         raise ValueError(f"{path} is nested too deeply to read") from None
+
+
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read a megabyte at a time (songs and model files alike)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

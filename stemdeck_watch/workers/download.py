@@ -18,7 +18,6 @@ Only the standard library: the CLI imports this without torch.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
 import logging
 import os
@@ -33,7 +32,7 @@ from typing import Callable, Iterator
 
 from stemdeck_watch import __version__
 from stemdeck_watch.util.redact import redact_url
-from stemdeck_watch.util.safefile import discard, is_temp_name, open_new, temp_name
+from stemdeck_watch.util.safefile import discard, is_temp_name, open_new, sha256_of, temp_name
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +66,6 @@ def checksum_of(name: str) -> str:
     (torch.hub's rule: what follows the first '-', up to the next '.')."""
     match = re.search(r"-([a-f0-9]+)\.", name)
     return match.group(1) if match else ""
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def matches(path: Path, checksum: str) -> bool:

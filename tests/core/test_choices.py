@@ -8,7 +8,7 @@ import pytest
 
 from stemdeck_watch.core.choices import ChoiceError, name_choices, song_name
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
 

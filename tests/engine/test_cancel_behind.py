@@ -21,7 +21,7 @@ import pytest
 from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.stages import publish, songfolder
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import SeparationGate, outbox_entries, run_restore, wait_for

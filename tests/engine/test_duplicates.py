@@ -24,6 +24,8 @@ from stemdeck_watch.core.errors import PublishError
 from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.core.jobs import Job, JobState
 from stemdeck_watch.stages import publish
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
+from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.service import Service
 from stemdeck_watch.util.synth import write_song
 
@@ -41,7 +43,7 @@ def drop(song: Path, inbox: Path, name: str) -> Path:
 
 
 def manifest_of(folder: str | Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / publish.MANIFEST).read_text())
+    return json.loads((Path(folder) / MANIFEST).read_text())
 
 
 def done(jobs: JobLog, count: int) -> list[Job]:
@@ -70,7 +72,7 @@ def moved_away_and_replaced(
     drop(b, settings.paths.inbox, "take.wav")
     second = done(jobs, 2)[1]
     assert second.state is JobState.DONE and second.output == str(outbox / "take"), second
-    assert manifest_of(second.output)["input"]["sha256"] == publish.sha256_of(b)
+    assert manifest_of(second.output)["input"]["sha256"] == sha256_of(b)
     return service, jobs, first, second, a
 
 
@@ -84,7 +86,7 @@ def test_a_duplicate_never_points_at_another_songs_stems(
     third = done(jobs, 3)[2]
     assert third.state is JobState.DONE and third.error is None, third  # not a "duplicate"
     assert third.output == str(settings.paths.outbox / "take (2)")
-    assert manifest_of(third.output)["input"]["sha256"] == publish.sha256_of(a)
+    assert manifest_of(third.output)["input"]["sha256"] == sha256_of(a)
     assert manifest_of(second.output)["job_id"] == second.id  # B's stems untouched
     assert outbox_entries(settings.paths.outbox) == {"take", "take (2)"}
 
@@ -98,10 +100,10 @@ def test_removing_an_old_job_never_deletes_the_stems_a_later_song_published_in_i
 
     assert service.registry.get(first.id) is None
     # outbox/take is song B's, published by the second job: still whole, still its own
-    assert publish.read_manifest(Path(second.output)) is not None
+    assert read_manifest(Path(second.output)) is not None
     assert manifest_of(second.output)["job_id"] == second.id
     assert service.registry.tombstone(second.output, "output") is False
-    assert (tmp_path / "moved away" / publish.MANIFEST).is_file()  # the user's copy: untouched
+    assert (tmp_path / "moved away" / MANIFEST).is_file()  # the user's copy: untouched
 
 
 def test_removing_a_duplicate_leaves_the_original_songs_stems(
@@ -119,7 +121,7 @@ def test_removing_a_duplicate_leaves_the_original_songs_stems(
     assert service.scheduler.remove(duplicate.id) == []
 
     assert service.registry.get(duplicate.id) is None
-    assert publish.read_manifest(Path(original.output)) is not None  # the original's stems
+    assert read_manifest(Path(original.output)) is not None  # the original's stems
     kept = service.registry.get(original.id)
     assert kept is not None and kept.state is JobState.DONE and kept.output == original.output
     assert service.registry.tombstone(original.output, "output") is False
@@ -220,7 +222,7 @@ def test_the_same_song_dropped_twice_back_to_back_is_separated_once(
     assert second.state is JobState.DONE and second.output == first.output, second
     assert "already separated" in (second.error or "")
     assert outbox_entries(settings.paths.outbox) == {"song"}
-    assert manifest_of(first.output)["input"]["sha256"] == publish.sha256_of(song)
+    assert manifest_of(first.output)["input"]["sha256"] == sha256_of(song)
     assert len(service.client.busy) == 1  # the worker separated it once
     assert {p.name for p in settings.paths.processed.iterdir()} == {"song.wav", "song copy.wav"}
 
@@ -236,6 +238,6 @@ def test_a_song_whose_twin_in_flight_fails_is_separated_itself(
     assert first.state is JobState.FAILED and "injected" in (first.error or ""), first
     assert second.state is JobState.DONE and second.error is None, second
     assert second.output == str(settings.paths.outbox / "song copy")
-    assert manifest_of(second.output)["input"]["sha256"] == publish.sha256_of(song)
+    assert manifest_of(second.output)["input"]["sha256"] == sha256_of(song)
     assert outbox_entries(settings.paths.outbox) == {"song copy"}
     assert (settings.paths.failed / "song.wav").is_file()

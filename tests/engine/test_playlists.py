@@ -18,7 +18,8 @@ from stemdeck_watch.cli import status
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef
-from stemdeck_watch.links import fetch
+from stemdeck_watch.core.errors import DownloadError
+from stemdeck_watch.links import fetch, listing
 from stemdeck_watch.engine.playlists import Playlists
 from stemdeck_watch.util.synth import write_song
 
@@ -98,7 +99,7 @@ def test_an_xspf_list_and_an_html_page_are_listed_in_order_without_downloading(
         "mix.xspf", [("s0.wav", "Alpha", 1.5), ("s1.wav", "Beta", None), ("s2.wav", "Gam/ma", None)]
     )
     found = list_playlist(url, settings.links, tmp_path)
-    assert isinstance(found, fetch.Playlist)
+    assert isinstance(found, listing.Playlist)
     assert [e.title for e in found.entries] == ["Alpha", "Beta", "Gam_ma"]  # sanitised
     assert [e.url for e in found.entries] == [media.url(f"s{i}.wav") for i in range(3)]
     assert [e.duration for e in found.entries] == [1.5, None, None]
@@ -110,7 +111,7 @@ def test_an_xspf_list_and_an_html_page_are_listed_in_order_without_downloading(
         b"</body></html>"
     )
     page = list_playlist(media.url("page.htm"), settings.links, tmp_path)
-    assert isinstance(page, fetch.Playlist)
+    assert isinstance(page, listing.Playlist)
     assert [e.url for e in page.entries] == [media.url("s0.wav"), media.url("s1.wav")]
     assert page.title == "Live set"
     assert not any(downloads(media, f"s{i}.wav") for i in range(3))  # listed, not fetched
@@ -138,7 +139,7 @@ def test_an_entry_longer_than_the_playlist_says_fails_before_its_download(
 ) -> None:
     links = dataclasses.replace(settings.links, max_duration=5)
     ref = PlaylistRef("p1", "Mix", 2, 3, duration=12.0)
-    with pytest.raises(fetch.DownloadError, match="links.max_duration"):
+    with pytest.raises(DownloadError, match="links.max_duration"):
         fetch.download(
             media.url("long.wav"),
             tmp_path / "dl",
@@ -402,12 +403,12 @@ def expand_mix(settings, count: int = 3):
     control = scheduler.next_job(0)
     assert control is not None and control.job_id == linked.id
     assert scheduler.queue.set_running(control)
-    found = fetch.Playlist(
+    found = listing.Playlist(
         url="http://127.0.0.1:9/mix.xspf",
         title="Mix",
         extractor="Generic",
         entries=tuple(
-            fetch.Entry(f"http://127.0.0.1:9/s{i}.wav", f"Song {i}", None) for i in range(count)
+            listing.Entry(f"http://127.0.0.1:9/s{i}.wav", f"Song {i}", None) for i in range(count)
         ),
         total=count + 2,
     )

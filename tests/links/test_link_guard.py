@@ -20,6 +20,7 @@ import pytest
 
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.core.errors import DownloadError
 from stemdeck_watch.links import fetch, netguard
 from stemdeck_watch.util.synth import write_song
 
@@ -186,7 +187,7 @@ def test_a_redirect_from_a_public_site_to_the_local_network_is_refused_before_co
     seam = Seam({"music.example": ["127.0.0.1"], "nas.example": ["10.0.0.5"]}, public={"127.0.0.1"})
     links = dataclasses.replace(settings.links, allow_private=False)
     url = f"http://music.example:{port}/hop?to=http://nas.example:{port}/song.wav"
-    with pytest.raises(fetch.DownloadError) as error:
+    with pytest.raises(DownloadError) as error:
         fetch_link(url, links, tmp_path, resolver=seam)
     message = str(error.value)
     assert "nas.example (10.0.0.5) is a private address" in message, message
@@ -203,7 +204,7 @@ def test_a_host_is_refused_if_any_of_its_addresses_is_private(
     port = server.httpd.server_address[1]
     seam = Seam({"mixed.example": ["127.0.0.1", "192.168.1.20"]}, public={"127.0.0.1"})
     links = dataclasses.replace(settings.links, allow_private=False)
-    with pytest.raises(fetch.DownloadError, match=r"192\.168\.1\.20\) is a private address"):
+    with pytest.raises(DownloadError, match=r"192\.168\.1\.20\) is a private address"):
         fetch_link(f"http://mixed.example:{port}/song.wav", links, tmp_path, resolver=seam)
     assert connections == [] and server.requests == []
 
@@ -242,7 +243,7 @@ def test_an_endless_page_fails_at_links_max_page_bytes_instead_of_filling_memory
     settings, server: HostileServer, tmp_path: Path
 ) -> None:
     links = dataclasses.replace(settings.links, max_page_bytes=1 << 20)
-    with pytest.raises(fetch.DownloadError, match=r"larger than links.max_page_bytes \(1 MB\)"):
+    with pytest.raises(DownloadError, match=r"larger than links.max_page_bytes \(1 MB\)"):
         fetch_link(server.url("endless.html"), links, tmp_path)
     assert server.sent < 16 << 20  # stopped near the cap: only the sockets' buffers beyond
 
@@ -251,7 +252,7 @@ def test_a_page_that_expands_when_decoded_fails_at_links_max_page_bytes(
     settings, server, tmp_path: Path
 ) -> None:
     links = dataclasses.replace(settings.links, max_page_bytes=1 << 20)
-    with pytest.raises(fetch.DownloadError, match="larger than links.max_page_bytes"):
+    with pytest.raises(DownloadError, match="larger than links.max_page_bytes"):
         fetch_link(server.url("bomb.html"), links, tmp_path)
 
 
@@ -259,7 +260,7 @@ def test_a_download_that_trickles_fails_at_links_timeout(
     settings, server: HostileServer, tmp_path: Path
 ) -> None:
     links = dataclasses.replace(settings.links, timeout=3.0)
-    with pytest.raises(fetch.DownloadError, match=r"did not finish within links.timeout"):
+    with pytest.raises(DownloadError, match=r"did not finish within links.timeout"):
         fetch_link(server.url("trickle-song.wav"), links, tmp_path)
     assert not (tmp_path / "dl").exists()  # the partial download is removed
     assert server.gone.wait(5), "the connection was left open"

@@ -16,6 +16,7 @@ import pytest
 from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.core.jobs import JobKind, JobState
 from stemdeck_watch.links import fetch
+from stemdeck_watch.stages import naming
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import SeparationGate, outbox_entries, wait_for
@@ -81,24 +82,24 @@ def test_garbage_named_like_a_link_file_is_refused_without_reading_it_all(tmp_pa
 
 
 def test_titles_become_safe_folder_names() -> None:
-    assert fetch.song_name({"title": "../../etc/passwd"}, "x") == "_.._etc_passwd"
-    assert fetch.song_name({"title": ".hidden"}, "x") == "hidden"
-    assert fetch.song_name({"title": "Song", "artist": "Band"}, "x") == "Band - Song"
-    assert fetch.song_name({"title": "CON"}, "x") == "_CON"
-    assert fetch.song_name({"title": "a\x00b\nc" + "z" * 300}, "x").startswith("a b c")
-    assert len(fetch.song_name({"title": "z" * 300}, "x")) == fetch.MAX_NAME_BYTES
-    assert fetch.song_name({"title": "..."}, "fallback") == "fallback"
+    assert naming.song_name({"title": "../../etc/passwd"}, "x") == "_.._etc_passwd"
+    assert naming.song_name({"title": ".hidden"}, "x") == "hidden"
+    assert naming.song_name({"title": "Song", "artist": "Band"}, "x") == "Band - Song"
+    assert naming.song_name({"title": "CON"}, "x") == "_CON"
+    assert naming.song_name({"title": "a\x00b\nc" + "z" * 300}, "x").startswith("a b c")
+    assert len(naming.song_name({"title": "z" * 300}, "x")) == naming.MAX_NAME_BYTES
+    assert naming.song_name({"title": "..."}, "fallback") == "fallback"
 
 
 def test_a_long_japanese_title_fits_a_file_name_with_room_for_a_number(tmp_path: Path) -> None:
     title = "夜明けのメロディー" * 11  # 99 characters, 297 bytes: more than a name may hold
-    name = fetch.song_name({"title": title}, "x")
+    name = naming.song_name({"title": title}, "x")
     assert title.startswith(name) and len(name) >= 60
-    assert len(name.encode()) <= fetch.MAX_NAME_BYTES
+    assert len(name.encode()) <= naming.MAX_NAME_BYTES
     (tmp_path / f"{name} (12)").mkdir()  # what publish makes of a taken name
     (tmp_path / f"001 - {name}.url.error.txt").write_text("")  # a failed playlist entry
-    accented = fetch.song_name({"title": "q\u0301" * 150}, "x")  # q́ has no composed form
-    assert accented.endswith("q\u0301") and len(accented.encode()) <= fetch.MAX_NAME_BYTES
+    accented = naming.song_name({"title": "q\u0301" * 150}, "x")  # q́ has no composed form
+    assert accented.endswith("q\u0301") and len(accented.encode()) <= naming.MAX_NAME_BYTES
 
 
 # ------------------------------------------------------------------ a loopback media server

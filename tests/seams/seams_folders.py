@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from stemdeck_watch.core.config import Folders, LinkSettings
-from stemdeck_watch.stages.publish import MANIFEST, read_manifest
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
 from support.helpers import config_data, outbox_entries
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from stemdeck_watch.stages.publish import MANIFEST, read_manifest
+from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
 from seams_folders import Hashes, scan_outbox, sha_of, url_in
 from seams_service import JobRow, RegistryView, ServiceProcess, read_registry

@@ -41,7 +41,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from stemdeck_watch.stages.publish import MANIFEST
+from stemdeck_watch.stages.manifest import MANIFEST
 from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
 from seams_folders import (

@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 
 from stemdeck_watch.cli.status import render
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
 from support.compiled import BuiltCompile

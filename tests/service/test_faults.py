@@ -45,7 +45,7 @@ import pytest
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.jobs import Job, JobState
 from stemdeck_watch.core.paths import report_path
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import outbox_entries

@@ -29,7 +29,7 @@ from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
 from stemdeck_watch.core.paths import move_file
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import read_manifest, verify_folder
+from stemdeck_watch.stages.manifest import read_manifest, verify_folder
 from stemdeck_watch.engine.recovery import adopt_orphans
 from stemdeck_watch.util.safefile import read_regular, temp_name
 from stemdeck_watch.util.synth import write_song

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 import pytest
 
 from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.store.registry import REGISTRY_FILE
 from stemdeck_watch.util.synth import write_song
 

@@ -23,7 +23,8 @@ import pytest
 
 from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages import publish, songfolder
+from stemdeck_watch.stages import songfolder
+from stemdeck_watch.stages.manifest import publisher_of
 from stemdeck_watch.service import Service
 from stemdeck_watch.util.synth import write_song
 
@@ -206,7 +207,7 @@ def assert_nothing_lost(
     ]
     published = sorted(outbox_entries(outbox))
     assert published == sorted(names)
-    owners = [publish.publisher_of(outbox / name) for name in published]
+    owners = [publisher_of(outbox / name) for name in published]
     assert sorted(owners) == sorted(job.id for job in every)  # each folder its own job's
     assert sorted(p.name for p in processed.iterdir()) == sorted(f"{n}.wav" for n in names)
     assert not [p for p in inbox.iterdir() if p.suffix == ".wav"]

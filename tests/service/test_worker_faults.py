@@ -15,7 +15,7 @@ import pytest
 
 from stemdeck_watch.cli.status import render
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.worker import WINDOW_ENV

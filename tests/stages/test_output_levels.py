@@ -177,7 +177,7 @@ def test_a_published_song_records_its_gain_residual_and_loudness(
     import pyloudnorm
 
     from stemdeck_watch.core.jobs import JobState
-    from stemdeck_watch.stages.publish import read_manifest
+    from stemdeck_watch.stages.manifest import read_manifest
     from stemdeck_watch.util.synth import write_song as synth_song
 
     settings = make_settings(output={"format": "flac", "bit_depth": 24})

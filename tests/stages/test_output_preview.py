@@ -11,7 +11,8 @@ import pytest
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.stages.preview import Peaks, size_for
-from stemdeck_watch.stages.publish import SongInfo, read_manifest, verify_folder, write_manifest
+from stemdeck_watch.stages.publish import SongInfo
+from stemdeck_watch.stages.manifest import read_manifest, verify_folder, write_manifest
 from stemdeck_watch.stages.scratch import AudioWriter
 from stemdeck_watch.stages.songfolder import BEATS, PREVIEW, make_song_folder
 

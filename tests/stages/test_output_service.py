@@ -12,7 +12,7 @@ import pytest
 import soundfile
 
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import read_manifest, verify_folder
+from stemdeck_watch.stages.manifest import read_manifest, verify_folder
 from stemdeck_watch.util.synth import song, write_song
 
 from support.helpers import wait_for

@@ -237,7 +237,7 @@ def test_a_dropped_song_is_published_with_its_daw_projects(
     import rpp
 
     from stemdeck_watch.core.jobs import JobState
-    from stemdeck_watch.stages.publish import read_manifest, verify_folder
+    from stemdeck_watch.stages.manifest import read_manifest, verify_folder
     from stemdeck_watch.util.synth import write_song
 
     settings = make_settings(output={"session": ["dawproject", "reaper"], "format": "flac"})

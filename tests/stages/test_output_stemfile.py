@@ -171,7 +171,7 @@ def test_a_dropped_song_gets_a_stem_file_for_dj_software(
     make_settings, service_factory, tmp_path: Path
 ) -> None:
     from stemdeck_watch.core.jobs import JobState
-    from stemdeck_watch.stages.publish import read_manifest, verify_folder
+    from stemdeck_watch.stages.manifest import read_manifest, verify_folder
     from stemdeck_watch.util.synth import write_song
 
     settings = make_settings(output={"stem_file": True, "preview": False})

@@ -12,13 +12,8 @@ import soundfile
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import PublishError
-from stemdeck_watch.stages.publish import (
-    pcm,
-    publish_folder,
-    read_manifest,
-    write_manifest,
-    write_song,
-)
+from stemdeck_watch.stages.publish import pcm, publish_folder, write_song
+from stemdeck_watch.stages.manifest import read_manifest, write_manifest
 from stemdeck_watch.stages.scratch import AudioWriter
 
 SR = 44100

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stemdeck_watch.stages.publish import read_manifest
+from stemdeck_watch.stages.manifest import read_manifest
 
 
 def damaged_stems(folder: Path) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from support import browser as chrome
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.stages.publish import MANIFEST
+from stemdeck_watch.stages.manifest import MANIFEST
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import wait_for
