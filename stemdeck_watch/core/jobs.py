@@ -202,6 +202,9 @@ class Job:
         }
 
 
+ID_PREFIX_MIN = 6  # a shorter ref is a name only: "5" or "bad" must not pick a stranger's id
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from stemdeck_watch.core.errors import AmbiguousJob, Conflict, FilesystemError, JobNotFound
 from stemdeck_watch.core.events import EventBus, JobRemoved
 from stemdeck_watch.store.jobqueue import JobQueue
-from stemdeck_watch.core.jobs import FileSignature, Job, JobState
+from stemdeck_watch.core.jobs import ID_PREFIX_MIN, FileSignature, Job, JobState
 from stemdeck_watch.core.paths import move_file, report_path
 from stemdeck_watch.stages import publish
 from stemdeck_watch.stages.manifest import publisher_of
@@ -53,16 +53,23 @@ class Requests:
     _announce_queue: Callable[[], None]
 
     def find(self, ref: str) -> Job:
-        """The job a person means by `ref`: an id, a unique id prefix or a unique song name."""
+        """The job a person means by `ref`: an id, a unique id prefix of at least
+        ID_PREFIX_MIN characters, or a unique song name. A shorter ref is a name only: a
+        song named "5" that is gone must not make `remove 5` take whichever id starts so."""
         ref = ref.strip()
         if not ref:
             raise JobNotFound("no job given: name a job by its id or its song name")
         job = self.registry.get(ref)
         if job is not None:
             return job
-        matches = self.registry.find(ref)
+        matches = [
+            job for job in self.registry.find(ref) if job.name == ref or len(ref) >= ID_PREFIX_MIN
+        ]
         if not matches:
-            raise JobNotFound(f"no job {ref!r}: `stemdeck-watch status` lists the jobs")
+            raise JobNotFound(
+                f"no job {ref!r}: `stemdeck-watch status` lists the jobs; name one by its "
+                f"song name or at least {ID_PREFIX_MIN} characters of its id"
+            )
         by_name = [job for job in matches if job.name == ref]
         active = [job for job in by_name if not job.state.is_final]
         for candidates in (active, by_name, matches):

@@ -254,8 +254,10 @@ class Target:
     takes (its own timeouts), which is why every target has a thread of its own.
 
     A note names songs, and a song's name comes from whoever named the file: its control
-    characters are escaped for every target, and `&`, `<`, `>` too where the body is read as
-    markup (a name must not turn into a link or hide the rest of the message)."""
+    characters are escaped for every target; the body is given to apprise as plain text, which
+    it escapes for a target that reads HTML or Markdown (an email, Slack, Telegram), and `&`,
+    `<`, `>` are escaped here where a desktop's notification server reads it as markup (a name
+    must not turn into a link or hide the rest of the message)."""
 
     def __init__(self, url: str, label: str | None = None):
         apprise = _load_apprise()
@@ -267,6 +269,7 @@ class Target:
         service = self._apprise[0]
         self.markup = url.split("://", 1)[0].lower() in MARKUP_SCHEMES
         self.label = label or service.url(privacy=True).split("?", 1)[0]
+        self._text = apprise.NotifyFormat.TEXT
         self._types = {
             "info": apprise.NotifyType.INFO,
             "success": apprise.NotifyType.SUCCESS,
@@ -280,7 +283,10 @@ class Target:
             body = escape_markup(body)
         try:
             result = self._apprise.notify(
-                body=body, title=title, notify_type=self._types.get(note.level, "info")
+                body=body,
+                title=title,
+                notify_type=self._types.get(note.level, "info"),
+                body_format=self._text,  # apprise escapes it for an HTML or Markdown target
             )
         except Exception as exc:  # a plugin that raises instead of reporting
             return False, f"{type(exc).__name__}: {exc}"

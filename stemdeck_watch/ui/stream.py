@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.core.events import (
     EventBus,
     JobChanged,
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 KEEPALIVE = 15.0  # seconds of silence on a stream before a comment line
 PROGRESS_INTERVAL = 0.25  # progress-only frames at most ~4 per second
 SETTLE = 0.03  # events of one change (a cancel: queue + job) make one frame
-RECENT = 20  # finished jobs that count in the fingerprint
+RECENT = 20  # finished jobs that count in the fingerprint (the page lists 15)
 
 
 class Broadcaster:
@@ -142,10 +143,21 @@ class Broadcaster:
 
 def fingerprints(snap: dict[str, Any]) -> tuple[Any, Any]:
     """(everything a client shows, the same without progress): the running job, the queue in
-    order, the most recent jobs, the pause state, the waiting files and a model's download
+    order, every job not finished (one publishing behind the next, too), the most recently
+    finished ones (as the page lists them: a long queue must not push them out, or a removed
+    song would stay on the page), the pause state, the waiting files and a model's download
     (whose bytes count as progress)."""
+    listed = list(snap.get("jobs", []))
+    final = {state.value for state in JobState if state.is_final}
+    finished = sorted(
+        (job for job in listed if job.get("state") in final),
+        key=lambda job: -(job.get("finished_at") or job.get("created_at") or 0),
+    )
     jobs = (
-        [snap.get("running")] + list(snap.get("queued", [])) + list(snap.get("jobs", []))[:RECENT]
+        [snap.get("running")]
+        + list(snap.get("queued", []))
+        + [job for job in listed if job.get("state") not in final]
+        + finished[:RECENT]
     )
     head = (
         snap.get("paused"),

@@ -22,6 +22,7 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import Conflict, ControlError
 from stemdeck_watch.links.linkfile import LinkError, check_url
 from stemdeck_watch.core.paths import move_file
+from stemdeck_watch.intake.filters import is_pause_file
 from stemdeck_watch.stages.naming import safe_name
 from stemdeck_watch.util.safefile import new_temp
 
@@ -61,7 +62,8 @@ def limits(settings: Settings) -> dict[str, Any]:
 
 def clean_file_name(name: str, extensions: tuple[str, ...] | list[str]) -> str:
     """One safe file name from what a browser sent, keeping an allowed audio extension;
-    NotAudio for any other extension."""
+    NotAudio for any other extension. A song named like the pause switch (`Pause.mp3`) gets
+    " (song)" added: at the top of the inbox that name would pause the queue."""
     flat = re.sub(r"[/\\]+", "-", name)  # a path's separators join its parts: one component
     stem, dot, suffix = flat.rpartition(".")
     suffix = suffix.lower() if dot else ""
@@ -72,8 +74,10 @@ def clean_file_name(name: str, extensions: tuple[str, ...] | list[str]) -> str:
             f"{safe_name(name, 'the file')[:80]!r} is not a song the inbox takes: "
             f"{shown} is not one of {', '.join(allowed)} (watch.extensions)"
         )
-    stem = safe_name(stem, "upload")[:MAX_NAME].rstrip(". ")
-    return f"{stem or 'upload'}.{suffix}"
+    stem = safe_name(stem, "upload")[:MAX_NAME].rstrip(". ") or "upload"
+    if is_pause_file(f"{stem}.{suffix}"):  # a song, not the inbox's pause switch
+        stem = f"{stem} (song)"
+    return f"{stem}.{suffix}"
 
 
 def folder_for(settings: Settings, preset: str | None) -> Path:

@@ -160,7 +160,7 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
     assert queued_names(service) == ["c", "a", "b"]
     assert [line.split()[1] for line in out.splitlines()[1:]] == ["c", "a", "b"]
     b_id = jobs_named(service, "b")[0]["id"]
-    cli.ok("move", b_id[:5], "--after", "c")  # an id prefix works as well as a name
+    cli.ok("move", b_id[:6], "--after", "c")  # an id prefix works as well as a name
     assert queued_names(service) == ["c", "b", "a"]
 
     out = cli.ok("cancel", "a")
@@ -193,7 +193,10 @@ def test_cli_steers_a_running_service(config, capsys, service_factory, tmp_path,
         "c, b and a separated",
     )
 
+    c_id = jobs_named(service, "c")[0]["id"]
     for args, message in (
+        # a short ref is a name only: it never picks the job whose id starts so
+        (("remove", c_id[:3]), "at least 6 characters of its id"),
         (("cancel", "c"), "already done"),
         (("retry", "c"), "only failed or cancelled jobs can be retried"),
         (("cancel", "nosuch"), "no job 'nosuch'"),

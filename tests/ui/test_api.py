@@ -551,6 +551,20 @@ def test_fingerprint_tells_progress_from_state():
     assert fingerprints(dict(base))[0] == full
 
 
+def test_a_finished_song_removed_behind_a_long_queue_changes_the_fingerprint():
+    """The page lists the most recently finished songs whatever the queue's length: one that
+    is removed must change what is sent, even with more songs queued than RECENT."""
+    queued = [
+        {"id": f"q{i}", "name": f"q{i}", "state": "queued", "created_at": 100.0 + i}
+        for i in range(30)
+    ]
+    old = {"id": "old", "name": "Old Song", "state": "done", "created_at": 1.0, "finished_at": 50.0}
+    base = {**FakeQueue().snapshot(), "queued": queued}
+    before = {**base, "jobs": sorted(queued, key=lambda j: -j["created_at"]) + [old]}
+    after = {**base, "jobs": sorted(queued, key=lambda j: -j["created_at"])}
+    assert fingerprints(before)[1] != fingerprints(after)[1]
+
+
 # ------------------------------------------------------------------ binding
 
 

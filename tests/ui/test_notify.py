@@ -14,7 +14,7 @@ import time
 import pytest
 
 from stemdeck_watch.core.config import settings_from_dict
-from stemdeck_watch.ui.notify import Channel, Notifier, Target, check_urls
+from stemdeck_watch.ui.notify import Channel, Note, Notifier, Target, check_urls
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import (
     DiskLow,
@@ -83,6 +83,19 @@ def test_done_and_failed_name_the_song_the_folder_and_the_reason(settings):
     assert "3 job(s)" in restored["message"] and "wait for Start" in restored["message"]
     assert "200.0 MB" in disk["message"] and disk["type"] == "warning"
     assert len(receiver.snapshot()) == 5
+
+
+def test_a_song_name_never_becomes_markup_in_an_html_or_markdown_target(settings):
+    """A file's name is anyone's text: in an HTML email or a Markdown chat it must read as the
+    name, never as a link or an image (the target's format set as a user sets it in its URL)."""
+    name = '<a href="https://evil.example/">READY, click</a><img src="https://t.example/p.gif">'
+    with Receiver() as receiver:
+        for form in ("html", "markdown"):
+            target = Target(f"{receiver.url}?format={form}")
+            assert target.send(Note("done", "Stems ready", f"{name} is separated")) == (True, "")
+        html, markdown = (m["message"] for m in receiver.wait(2))
+    assert "<a" not in html and "<img" not in html and "&lt;a" in html, html
+    assert 'href="' not in markdown and 'src="' not in markdown, markdown
 
 
 def test_only_the_chosen_events_notify(settings):

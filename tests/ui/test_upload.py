@@ -141,6 +141,7 @@ def test_a_hostile_name_is_cut_to_one_clean_file_name_in_the_inbox(
         ".wav": "upload.wav",
         "..hidden.mp3": "hidden.mp3",
         "bell\x07\x00zero.WAV": "bell zero.wav",
+        "Pause.mp3": "Pause (song).mp3",  # a song, never the inbox's pause switch
     }
     for sent, expected in names.items():
         status, reply = upload(paused, sent, song)
@@ -156,6 +157,11 @@ def test_a_hostile_name_is_cut_to_one_clean_file_name_in_the_inbox(
         lambda: paused.registry.latest_for_source(str(inbox / "escape [31m.wav")),
         20,
         "the uploaded song to be queued",
+    )
+    wait_for(
+        lambda: paused.registry.latest_for_source(str(inbox / "Pause (song).mp3")),
+        20,
+        "the song named Pause to be queued",
     )
 
     status, reply = upload(paused, "karaoke song.mp3", song, preset="karaoke")
