@@ -206,7 +206,9 @@ class SeparationSettings:
     )
     overlap: float = key(0.25, number(0, below=1), "overlap between segments")
     segment: float = key(
-        0.0, number(0, unit="(seconds)"), "segment length in seconds; 0 = the model's own"
+        0.0,
+        number(0, 3600, unit="(seconds)"),
+        "segment length in seconds; 0 = the model's own",
     )
     two_stems: str = key(
         "",
@@ -285,7 +287,8 @@ class OutputSettings:
         {},
         mix_table,
         "extra mixes written beside the stems, e.g. instrumental = "
-        '["drums", "bass", "other"], or a play-along mix without your instrument',
+        '["drums", "bass", "other"], or a play-along mix without your instrument; a mix name '
+        "starts with a letter or digit and is not the name of a stem",
     )
     samplerate: str | int = key(
         "model",

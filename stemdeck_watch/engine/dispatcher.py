@@ -178,10 +178,19 @@ class Dispatcher:
             log.error("job %s was queued but is not in the registry", control.job_id)
             queue.finish(control)
             return
-        if self.guard is not None and not control.cancelled and self.guard.hold(job):
-            self._cancelled(job, NO_ROOM, control)  # it waits at the head of the paused queue
-            queue.finish(control)
-            return
+        if self.guard is not None and not control.cancelled:
+            guard, held = self.guard, False
+
+            def check_room() -> None:  # an error here ends the job, never leaves it taken
+                nonlocal held
+                held = guard.hold(job)
+
+            if not self._conclude(job, control, check_room):
+                return
+            if held:
+                self._cancelled(job, NO_ROOM, control)  # it waits at the head of the queue
+                queue.finish(control)
+                return
         if not queue.set_running(control, self.slot):
             # cancelled between take() and now: we own the job, so we close it out
             self._cancelled(job, control.reason or "cancelled", control)
@@ -222,7 +231,7 @@ class Dispatcher:
         self._behind.start()
 
     def _conclude(
-        self, job: Job, control: JobControl, work: Callable[[], object], final: bool
+        self, job: Job, control: JobControl, work: Callable[[], object], final: bool = False
     ) -> bool:
         """Run `work` for the running job; True if it succeeded and was not the `final`
         step. An error ends the job (cancelled or failed, as the error says); the job's place

@@ -20,6 +20,7 @@ from stemdeck_watch.core.errors import AmbiguousJob, Conflict, FilesystemError, 
 from stemdeck_watch.core.events import EventBus, JobRemoved
 from stemdeck_watch.store.jobqueue import JobQueue
 from stemdeck_watch.core.jobs import ID_PREFIX_MIN, FileSignature, Job, JobState
+from stemdeck_watch.core.choices import move_sidecar
 from stemdeck_watch.core.paths import move_file, report_path
 from stemdeck_watch.stages import publish
 from stemdeck_watch.stages.manifest import publisher_of
@@ -153,7 +154,7 @@ class Requests:
         """Queue a failed or cancelled job's input again, as a new job at the end.
 
         A failed job's input goes back from failed/ to its place in the inbox (never over
-        another file) and its report is removed. Returns the new job, or None when the
+        another file) with its sidecar, and its report is removed. Returns the new job, or None when the
         file lane is full and the input waits.
         """
         with self._lock:
@@ -173,12 +174,13 @@ class Requests:
                 raise Conflict(f"{job.name} was queued again already (job {latest.id})")
             inbox = self.settings.paths.inbox
             if inbox not in source.parents:
-                report = report_path(source)
+                report, failed = report_path(source), source
                 try:
                     source = move_file(source, inbox / PurePosixPath(job.rel_path))
                 except FilesystemError as exc:
                     raise Conflict(f"cannot retry {job.name}: {exc}") from None
                 report.unlink(missing_ok=True)
+                move_sidecar(failed, source)  # the choices (perhaps fixed) come back with it
             signature = FileSignature.of(os.stat(source))
             self._left.add(str(source))
             rel = PurePosixPath(source.relative_to(inbox).as_posix())

@@ -8,6 +8,8 @@ always on; the user's `watch.ignore` patterns are added to them, never replace t
 from __future__ import annotations
 
 import fnmatch
+import os
+import unicodedata
 from pathlib import PurePosixPath
 from typing import Iterable
 
@@ -51,6 +53,20 @@ IGNORED_FOLDER_PATTERNS = ("*.download",)
 def is_pause_file(name: str) -> bool:
     """`PAUSE`, `pause.txt`, `Pause.mp3`…: any case, any extension, at the top of the inbox."""
     return PurePosixPath(name).stem.lower() == "pause" or name.lower() == "pause"
+
+
+def readable_name(name: str) -> str | None:
+    """A name for a file whose name is not UTF-8 (`Caf\xe9.wav` from an old zip, an SMB share
+    or a Windows tool: Python holds its bytes as surrogates, which no database, JSON or page
+    can carry), read as Windows-1252 as such tools wrote it; None for a UTF-8 name. A byte
+    that is nothing in Windows-1252, or a control character, becomes "_"."""
+    try:
+        name.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    text = os.fsencode(name).decode("cp1252", errors="replace")
+    return "".join("_" if c == "\ufffd" or unicodedata.category(c) == "Cc" else c for c in text)
 
 
 class InboxFilter:

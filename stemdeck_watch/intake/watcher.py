@@ -23,11 +23,17 @@ from watchdog.observers.polling import PollingObserver
 
 from stemdeck_watch.core.config import WatchSettings
 from stemdeck_watch.core.events import JobChanged
-from stemdeck_watch.intake.filters import InboxFilter
+from stemdeck_watch.intake.filters import InboxFilter, readable_name
 from stemdeck_watch.links.linkfile import LINK_EXTENSIONS
 from stemdeck_watch.intake.stability import StabilityTracker
 from stemdeck_watch.intake.symlinks import link_refusal, outside_inbox, set_aside
-from stemdeck_watch.core.paths import MOUNT_TABLE, filesystem_type, is_network_filesystem
+from stemdeck_watch.core.errors import FilesystemError
+from stemdeck_watch.core.paths import (
+    MOUNT_TABLE,
+    filesystem_type,
+    is_network_filesystem,
+    move_file,
+)
 from stemdeck_watch.engine.scheduler import Scheduler
 from stemdeck_watch.engine.shares import ShareWatch
 
@@ -92,7 +98,7 @@ class InboxWatcher:
         self._scan_dirs: list[Path] = []
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
-        self._outside: set[Path] = set()  # files seen through linked folders (logged once)
+        self._left: set[Path] = set()  # files not taken, logged once (linked or unreadable folders)
         # set by the service: whether the inbox's share is there (a watcher that reports
         # every file deleted is not believed while it is away)
         self.shares: ShareWatch | None = None
@@ -328,21 +334,47 @@ class InboxWatcher:
                     self.tracker.touch(path)
 
     def _admit(self, path: Path, signature) -> None:  # type: ignore[no-untyped-def]
-        if not self._eligible(path):
+        if not self._eligible(path) or self._renamed_readable(path):
             return
         rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
+        try:
+            str(rel).encode("utf-8")
+        except UnicodeEncodeError:  # a folder's name is not UTF-8: nothing can record it
+            if path not in self._left:
+                self._left.add(path)
+                log.warning(
+                    "not separating %s: the name of its folder is not UTF-8 text; rename "
+                    "the folder",
+                    ascii(str(path)),
+                )
+            return
         if self._not_followed(path, rel):
             return
         if self.scheduler.wants(path, signature):
             self.scheduler.submit_file(path, rel, signature)
+
+    def _renamed_readable(self, path: Path) -> bool:
+        """A file whose name is not UTF-8 is renamed in place to a readable name (never
+        over another file); the new name is then a file of its own. True if renamed (or
+        left, with the reason logged, where it could not be)."""
+        readable = readable_name(path.name)
+        if readable is None:
+            return False
+        try:
+            moved = move_file(path, path.with_name(readable))
+        except FilesystemError as exc:
+            log.warning("could not give %s a readable name: %s", ascii(path.name), exc)
+            return True
+        log.warning("renamed %s to %s: its name was not UTF-8 text", ascii(path.name), moved.name)
+        return True
 
     def _not_followed(self, path: Path, rel: PurePosixPath) -> bool:
         """A link to a file goes to failed/ with the reason; a file behind a linked folder
         is left where it lives (logged once). True if `path` is either."""
         real_inbox = os.path.realpath(self.inbox)  # once per file: the inbox may be a link
         if outside_inbox(path, real_inbox):
-            if path not in self._outside:
-                self._outside.add(path)
+            if path not in self._left:
+                self._left.add(path)
                 log.warning(
                     "not separating %s: it is reached through a symbolic link to a "
                     "folder outside the inbox",

@@ -76,6 +76,11 @@ def plan_outputs(
     else:
         outputs = {s: ("stem", [s]) for s in sources}
     for mix, members in out.mixes.items():
+        if mix.casefold() in {name.casefold() for name in outputs}:
+            raise PublishError(
+                f"could not make mix {mix!r}: output.mixes.{mix} has the name of a stem the "
+                f"model {sep.model!r} writes ({', '.join(outputs)}); give the mix another name"
+            )
         missing = [m for m in members if m not in sources]
         if missing:
             raise PublishError(

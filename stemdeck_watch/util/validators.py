@@ -5,6 +5,7 @@ expected …".
 
 from __future__ import annotations
 
+import math
 import string
 from pathlib import PurePosixPath
 from typing import Any, Callable
@@ -59,6 +60,8 @@ def number(
         ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok_type:
             raise ValueError(allowed)
+        if not math.isfinite(value):  # TOML has nan and inf; every bound passes a nan
+            raise ValueError(f"{allowed}, not {value}")
         if (
             (minimum is not None and value < minimum)
             or (maximum is not None and value > maximum)
@@ -258,7 +261,13 @@ def check_model_stems(model: str, two_stems: str, mixes: dict[str, tuple[str, ..
             f"separation.two_stems = {show(two_stems)} is not a stem of the model "
             f"{show(model)}; its stems are {stems}"
         )
+    written = {stem.casefold() for stem in known} | ({f"no_{two_stems}"} if two_stems else set())
     for mix, members in mixes.items():
+        if mix.casefold() in written:  # one file would be both (names are caseless on macOS)
+            raise ValueError(
+                f"output.mixes.{mix} has the name of a stem the model {show(model)} writes; "
+                f"give the mix another name"
+            )
         unknown = [m for m in members if m not in known]
         if unknown:
             raise ValueError(
@@ -272,9 +281,9 @@ def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
     allowed = 'a table of mix name = list of stems, e.g. instrumental = ["drums", "bass", "other"]'
     if not isinstance(value, dict):
         raise ValueError(allowed)
-    result = {}
+    result: dict[str, tuple[str, ...]] = {}
     for name, stems in value.items():
-        if not name.replace("_", "").replace("-", "").isalnum():
+        if not (name[:1].isalnum() and name.replace("_", "").replace("-", "").isalnum()):
             raise ValueError(allowed + f" (bad mix name {name!r})")
         try:
             stems = text_list(stems)
@@ -282,6 +291,8 @@ def mix_table(value: Any) -> dict[str, tuple[str, ...]]:
             raise ValueError(allowed) from None
         if not stems or any(not stem_name(s) for s in stems):
             raise ValueError(allowed)
+        if name.casefold() in {taken.casefold() for taken in result}:
+            raise ValueError(allowed + f" (two mixes named {name!r})")
         result[name] = stems
     return result
 

@@ -107,6 +107,17 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     assert (failed / "Worse.wav").is_file() and (failed / "Worse.wav.stemdeck.toml").is_file()
     assert "modle" in (failed / "Worse.wav.error.txt").read_text()
 
+    # fixed where it failed, as the report says, and retried: the choices come back with it
+    (failed / "Worse.wav.stemdeck.toml").write_text('format = "flac"\n')
+    _service.scheduler.retry(worse.id)
+    again = next(
+        j for j in jobs.wait_final(6, timeout=120) if j.id not in {x.id for x in done.values()}
+    )
+    assert again.state is JobState.DONE, again.error
+    retried = read_manifest(outbox / "Worse")
+    assert retried["settings_from"]["output.format"] == "sidecar Worse.wav.stemdeck.toml"
+    assert not (failed / "Worse.wav.stemdeck.toml").exists()
+
 
 def test_a_sidecar_cannot_choose_where_models_load_from(settings, tmp_path: Path) -> None:
     """A file in the inbox may choose a song's settings, never a folder of model files (the

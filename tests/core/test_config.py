@@ -74,6 +74,17 @@ def test_unknown_key_names_the_key_and_suggests_the_right_one() -> None:
         ),
         ({"presets": {"a/b": {}}}, ["presets.a/b", "folder name"]),
         ({"output": {"format": "flac", "bit_depth": 32}}, ["output.bit_depth = 32", "flac"]),
+        # TOML has nan and inf: every bound passes a nan, so they are refused as such
+        ({"separation": {"overlap": float("nan")}}, ["separation.overlap = nan", "not nan"]),
+        ({"separation": {"segment": float("inf")}}, ["separation.segment = inf", "≤ 3600"]),
+        ({"output": {"practice_speeds": [float("nan")]}}, ["output.practice_speeds = [nan]"]),
+        # a mix named like a stem would be written over it (or it over the mix)
+        ({"output": {"mixes": {"Drums": ["drums", "bass"]}}}, ["output.mixes.Drums", "stem"]),
+        ({"output": {"mixes": {"-vocals": ["drums"]}}}, ["bad mix name '-vocals'"]),
+        (
+            {"separation": {"two_stems": "vocals"}, "output": {"mixes": {"no_vocals": ["bass"]}}},
+            ["output.mixes.no_vocals", "stem"],
+        ),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_allowed(data: dict, words: list[str]) -> None:

@@ -53,6 +53,29 @@ def test_a_different_song_under_the_other_spelling_is_its_own_job(rig, tmp_path)
     assert {j.name for j in jobs} == {NFC}
 
 
+def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(rig, tmp_path):
+    """`Caf\xe9.wav` from an old zip or an SMB share: no database or page can carry its
+    name, so it is renamed in place (as Windows-1252 wrote it), then queued like any song;
+    the songs beside it are queued meanwhile. One in a folder whose name is not UTF-8
+    is left where it is, said once in the log."""
+    song = write_song(tmp_path / "song.wav", 1.0).read_bytes()
+    inbox = os.fsencode(rig.inbox)
+    os.mkdir(os.path.join(inbox, b"Alt\xe9"))
+    for name in (b"Caf\xe9.wav", b"Alpha.wav", b"Zulu \x81.wav", b"Alt\xe9/inside.wav"):
+        with open(os.path.join(inbox, name), "wb") as handle:
+            handle.write(song)
+    jobs = rig.wait_jobs(3)
+    rig.quiet()
+    assert sorted(j.rel_path for j in rig.jobs()) == ["Alpha.wav", "Café.wav", "Zulu _.wav"]
+    assert sorted(os.listdir(inbox)) == [
+        b"Alpha.wav",
+        b"Alt\xe9",
+        b"Caf\xc3\xa9.wav",
+        b"Zulu _.wav",
+    ]
+    assert all(j.state is JobState.QUEUED for j in jobs)
+
+
 def test_a_link_to_a_file_elsewhere_is_refused_with_a_reason(rig, tmp_path):
     elsewhere = write_song(tmp_path / "private" / "secret.wav", 1.0)
     before = elsewhere.read_bytes()

@@ -102,6 +102,15 @@ def test_a_two_stem_name_the_model_lacks_is_a_clear_error(tmp_path: Path, stems)
         write_song(tmp_path / "s", stems, SR, "song", sep(), out(mixes={"band": ("piano",)}))
 
 
+def test_a_mix_named_like_a_stem_is_a_clear_error_not_a_lost_stem(tmp_path: Path, stems) -> None:
+    """A model whose stems the config could not know (a local one): checked at publish."""
+    for mix in ("drums", "DRUMS"):
+        with pytest.raises(PublishError, match=f"output.mixes.{mix} has the name of a stem"):
+            write_song(
+                tmp_path / "s", stems, SR, "song", sep(), out(mixes={mix: ("drums", "bass")})
+            )
+
+
 def test_layout_template_names_the_files(tmp_path: Path, stems) -> None:
     entries = write_song(
         tmp_path / "s",
