@@ -22,6 +22,7 @@ import platformdirs
 
 from stemdeck_watch.core.errors import FilesystemError
 from stemdeck_watch.util.safefile import discard, new_temp
+from stemdeck_watch.util.safetext import numbered_name, with_suffix_bytes
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,9 @@ def tighten(path: Path) -> None:
 
 
 def numbered(path: Path, n: int, keep_suffix: bool = True) -> Path:
-    """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`."""
-    if n < 2:
-        return path
-    if path.suffix and keep_suffix:
-        return path.with_name(f"{path.stem} ({n}){path.suffix}")
-    return path.with_name(f"{path.name} ({n})")
+    """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`
+    (cut to fit one name: see numbered_name)."""
+    return path.with_name(numbered_name(path.name, n, keep_suffix))
 
 
 def unique_path(path: Path, keep_suffix: bool = True) -> Path:
@@ -215,8 +213,9 @@ def is_unreachable(exc: BaseException | None) -> bool:
 
 
 def report_path(path: Path) -> Path:
-    """Where a failed input's diagnosis lives: `song.mp3` → `song.mp3.error.txt`."""
-    return path.with_name(path.name + ".error.txt")
+    """Where a failed input's diagnosis lives: `song.mp3` → `song.mp3.error.txt` (a name
+    near the limit of one name cut before the suffix)."""
+    return path.with_name(with_suffix_bytes(path.name, ".error.txt"))
 
 
 def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = None) -> Path:

@@ -371,9 +371,8 @@ class Pipeline:
         job, control, timings = run.job, run.control, run.timer.timings
         if not control.commit():  # last chance for a cancel: after this the song is out
             raise Cancelled(control.reason or "cancelled")
-        rel = PurePosixPath(job.rel_path)
-        target = self.settings.paths.outbox.joinpath(*rel.parent.parts, job.name)
-        output = publish.publish_folder(run.staging, target)
+        folders = PurePosixPath(job.rel_path).parent.parts
+        output = publish.publish_folder(run.staging, self.settings.paths.outbox, folders, job.name)
         log.info(
             "published %s → %s (decode %.1f s, separate %.1f s, write %.1f s)",
             run.source.name,

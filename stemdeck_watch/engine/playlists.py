@@ -29,7 +29,7 @@ from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.core.jobs import FileSignature, Job, JobKind, JobState, PlaylistRef, new_job_id
 from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.stages.naming import MAX_NAME_BYTES, sanitise
-from stemdeck_watch.stages.naming import cut_to_bytes
+from stemdeck_watch.util.safetext import cut_to_bytes
 
 if TYPE_CHECKING:
     from stemdeck_watch.engine.scheduler import Scheduler

@@ -48,13 +48,22 @@ def find_published(outbox: Path, job: Job) -> Path | None:
     """The outbox folder a job published, found by the job id in its manifest.
 
     Every `name`, `name (N)` sibling is looked at, not just the run of existing numbers: the
-    job may have published to `song (2)` while `song` existed, and `song` may be gone now.
+    job may have published to `song (2)` while `song` existed, and `song` may be gone now;
+    so is every numbered sibling of each folder above it (an album folder named like a song
+    published before it is published beside it, see publish_folder).
     """
-    base = outbox.joinpath(*PurePosixPath(job.rel_path).parent.parts, job.name)
-    for folder in numbered_siblings(base, keep_suffix=False):
-        manifest = read_manifest(folder)
-        if manifest and manifest.get("job_id") == job.id:
-            return folder
+    parents = [outbox]
+    for part in PurePosixPath(job.rel_path).parent.parts:
+        parents = [
+            sibling
+            for parent in parents
+            for sibling in numbered_siblings(parent / part, keep_suffix=False)
+        ]
+    for parent in parents:
+        for folder in numbered_siblings(parent / job.name, keep_suffix=False):
+            manifest = read_manifest(folder)
+            if manifest and manifest.get("job_id") == job.id:
+                return folder
     return None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from stemdeck_watch.core.errors import PublishError
+from stemdeck_watch.util.safetext import cut_to_bytes
 
 MAX_VALUE_CHARS = 80  # one field of a name
 MAX_COMPONENT_BYTES = 240  # one file or folder name (ext4, APFS, NTFS allow 255)
@@ -111,19 +112,6 @@ def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -
             f"which is outside the song folder {folder}; fix output.layout"
         )
     return rel.as_posix()
-
-
-def cut_to_bytes(text: str, limit: int) -> str:
-    """`text` cut to at most `limit` bytes of UTF-8, between whole characters (and not
-    between a character and the accents combined with it). File name limits count bytes:
-    255 on ext4 and APFS, which 100 Japanese characters already exceed."""
-    data = text.encode()
-    if len(data) <= limit:
-        return text
-    cut = data[:limit].decode(errors="ignore")
-    while cut and unicodedata.combining(text[len(cut)]):
-        cut = cut[:-1]  # the next character would have combined with the last one kept
-    return cut
 
 
 def _shorten(part: str) -> str:

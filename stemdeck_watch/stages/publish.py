@@ -14,23 +14,26 @@ stems are tagged (stages/tags.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
-from stemdeck_watch.core.paths import fsync_dir, unique_path
+from stemdeck_watch.core.paths import fsync_dir
 from stemdeck_watch.stages import naming, resample, tags as tagging
 from stemdeck_watch.stages.levels import LoudnessMeter, song_gain, to_db
 from stemdeck_watch.stages.preview import Peaks
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
-from stemdeck_watch.util.safefile import open_new
+from stemdeck_watch.stages.manifest import MANIFEST
+from stemdeck_watch.util.safefile import open_folders, open_new
+from stemdeck_watch.util.safetext import numbered_name
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,8 @@ def write_song(
     `levels` the song's gain and the residual (see stages/levels.py). `also` names sums of
     stems written elsewhere with the same gain (the stem file's): their peaks count too."""
     info = info or SongInfo(name)
-    staging.mkdir(parents=True, exist_ok=True)
+    for level in (staging.parent, staging):
+        _real_folder(level)
     plan = plan_outputs(stems, sep, out)
     readers = {stem: AudioReader(path) for stem, path in stems.items()}
     frames = min((r.frames for r in readers.values()), default=0)
@@ -340,23 +344,58 @@ class _GuardedFile:
         return self._handle.read(size)
 
 
-def publish_folder(staging: Path, target: Path) -> Path:
-    """Rename the finished staging folder to `target` (or `target (2)`…); never overwrites."""
+def publish_folder(staging: Path, outbox: Path, folders: Sequence[str], name: str) -> Path:
+    """Rename the finished staging folder to `outbox`/`folders`…/`name` (or `name (2)`…);
+    never over anything, never through a link planted in the outbox (a subfolder reached
+    through it would put the song anywhere), never inside another song's folder (an album
+    folder `Live` where the song `Live` was published goes to `Live (2)`)."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            candidate = unique_path(target, keep_suffix=False)
-            try:
-                os.rename(staging, candidate)
-            except OSError as exc:
-                if candidate.exists():  # someone took the name between check and rename
+        fd, parent = open_folders(outbox, folders, taken=_holds_a_song)
+        try:
+            number = 1
+            while True:
+                candidate = numbered_name(name, number, keep_suffix=False)
+                number += 1
+                if _exists(candidate, fd):
                     continue
-                raise exc
-            break
+                try:
+                    os.rename(staging, candidate, dst_dir_fd=fd)
+                except OSError:
+                    if _exists(candidate, fd):  # taken between the check and the rename
+                        continue
+                    raise
+                break
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
+        target = outbox.joinpath(*folders, name)
         raise PublishError(str(FilesystemError("move", staging, target, reason=exc))) from exc
-    fsync_dir(candidate.parent)
-    return candidate
+    return parent / candidate
+
+
+def _real_folder(path: Path) -> None:
+    """`path` made a folder of its own: the staging folders are the service's, in a shared
+    outbox, so a link or file planted at that name is removed (never written through)."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(parents=True)
+    if path.is_symlink() or not path.is_dir():
+        log.warning("removing %s, which was put where the service keeps its own folder", path)
+        path.unlink()
+        path.mkdir()
+
+
+def _exists(name: str, folder: int) -> bool:
+    try:
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _holds_a_song(folder: int) -> bool:
+    return _exists(MANIFEST, folder)
 
 
 def remove_tree(path: Path) -> None:

@@ -13,6 +13,8 @@ notification body is read as markup.
 from __future__ import annotations
 
 import re
+import unicodedata
+from pathlib import PurePath
 
 # C0 and C1 controls, DEL, the Unicode line and paragraph separators, and the bidirectional
 # embeddings, overrides and isolates
@@ -47,3 +49,36 @@ def strip_controls(text: object, keep: str = "") -> str:
 def escape_markup(text: object) -> str:
     """`text` for a body read as markup (desktop notifications): `&`, `<` and `>` escaped."""
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+NAME_BYTES = 255  # one file or folder name on ext4, APFS, NTFS (in UTF-8 bytes)
+
+
+def cut_to_bytes(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8, between whole characters (and not
+    between a character and the accents combined with it). File name limits count bytes:
+    255 on ext4 and APFS, which 100 Japanese characters already exceed."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    cut = data[:limit].decode(errors="ignore")
+    while cut and unicodedata.combining(text[len(cut)]):
+        cut = cut[:-1]  # the next character would have combined with the last one kept
+    return cut
+
+
+def numbered_name(name: str, n: int, keep_suffix: bool = True) -> str:
+    """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`;
+    with the name before the number cut where the whole would not fit in NAME_BYTES."""
+    if n < 2:
+        return name
+    plain = PurePath(name)
+    stem, suffix = (plain.stem, plain.suffix) if keep_suffix and plain.suffix else (name, "")
+    tail = f" ({n}){suffix}"
+    return cut_to_bytes(stem, NAME_BYTES - len(tail.encode())) + tail
+
+
+def with_suffix_bytes(name: str, suffix: str) -> str:
+    """`name` + `suffix` (a report's ".error.txt"), the name cut where the whole would not
+    fit in NAME_BYTES."""
+    return cut_to_bytes(name, NAME_BYTES - len(suffix.encode())) + suffix

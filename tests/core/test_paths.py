@@ -101,3 +101,28 @@ def test_a_copy_cut_off_before_the_source_was_removed_is_finished(tmp_path: Path
     other = tmp_path / "inbox" / "song.wav"
     other.write_bytes(b"other" * 1000)  # same name, other content: a new number
     assert move_file(other, dst) == dst.with_name("song (2).wav")
+
+
+def test_a_name_near_the_limit_of_one_name_is_moved_numbered_and_reported(tmp_path):
+    """255 bytes is one name on ext4 and APFS: 125 Cyrillic letters and `.wav` are 254. Its
+    numbered copy, its report and the temporary names written beside it are cut to fit,
+    keeping what tells them apart."""
+    from stemdeck_watch.util.safefile import is_temp_name, temp_name, write_replacing
+
+    name = "Ж" * 125 + ".wav"
+    assert len(name.encode()) == 254
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / name).write_bytes(b"first")
+    (tmp_path / "in" / name).write_bytes(b"second")
+    moved = move_file(tmp_path / "in" / name, tmp_path / "out" / name, paths.report_path)
+    assert moved.name.endswith("Ж (2).wav") and len(moved.name.encode()) <= 255
+    assert moved.read_bytes() == b"second" and (tmp_path / "out" / name).read_bytes() == b"first"
+    report = paths.report_path(moved)
+    write_replacing(report, "why")
+    assert report.read_text() == "why" and report.name.endswith(".error.txt")
+    assert len(report.name.encode()) <= 255
+    temp = temp_name(name)
+    assert len(temp.encode()) <= 255 and is_temp_name(temp, name)
+    folder = numbered(tmp_path / ("Ж" * 127), 2, keep_suffix=False)
+    assert folder.name.endswith("Ж (2)") and len(folder.name.encode()) <= 255

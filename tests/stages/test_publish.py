@@ -12,8 +12,10 @@ import soundfile
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings
 from stemdeck_watch.core.errors import PublishError
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.stages.publish import pcm, publish_folder, write_song
-from stemdeck_watch.stages.manifest import read_manifest, write_manifest
+from stemdeck_watch.stages.manifest import read_manifest, verify_folder, write_manifest
 from stemdeck_watch.stages.scratch import AudioWriter
 
 SR = 44100
@@ -132,7 +134,7 @@ def test_publish_never_overwrites_and_the_manifest_marks_completion(tmp_path: Pa
     entries = write_song(stage, stems, SR, "song", sep(), out())
     assert read_manifest(stage) is None  # no manifest yet: not a finished song
     write_manifest(stage, {"job_id": "job1", "stems": entries})
-    final = publish_folder(stage, outbox / "song")
+    final = publish_folder(stage, outbox, (), "song")
     assert final == outbox / "song (2)"
     assert (outbox / "song" / "keep.txt").read_text() == "mine"
     manifest = read_manifest(final)
@@ -140,6 +142,52 @@ def test_publish_never_overwrites_and_the_manifest_marks_completion(tmp_path: Pa
     (final / "bass.wav").unlink()
     assert read_manifest(final) is None  # a listed stem is missing: incomplete
     assert json.loads((final / "stemdeck.json").read_text())["stemdeck_watch"]
+
+
+def finished(outbox: Path, stems, job_id: str) -> Path:
+    stage = outbox / ".stemdeck-staging" / job_id
+    write_manifest(
+        stage, {"job_id": job_id, "stems": write_song(stage, stems, SR, "s", sep(), out())}
+    )
+    return stage
+
+
+def test_a_link_planted_in_the_outbox_is_never_gone_through(tmp_path: Path, stems) -> None:
+    """Anyone who can write a shared outbox can put a link where an album's folder will be,
+    or where the service keeps its staging folder: the song stays in the outbox, and nothing
+    is written where the link points."""
+    outbox, elsewhere = tmp_path / "outbox", tmp_path / "elsewhere"
+    outbox.mkdir()
+    elsewhere.mkdir()
+    (outbox / "Album").symlink_to(elsewhere)
+    (outbox / ".stemdeck-staging").symlink_to(elsewhere)
+    stage = finished(outbox, stems, "job1")
+    assert not stage.parent.is_symlink() and list(elsewhere.iterdir()) == []
+    final = publish_folder(stage, outbox, ("Album",), "01 Intro")
+    assert final == outbox / "Album (2)" / "01 Intro" and read_manifest(final)["job_id"] == "job1"
+    assert (outbox / "Album").is_symlink() and list(elsewhere.iterdir()) == []
+
+
+def test_a_song_is_never_published_inside_another_songs_folder(tmp_path: Path, stems) -> None:
+    """The song `Live` and then the album folder `Live/` with its tracks: the tracks go to
+    `Live (2)/`, so the song's folder stays whole (and deleting it deletes no track)."""
+    outbox = tmp_path / "outbox"
+    song = publish_folder(finished(outbox, stems, "job1"), outbox, (), "Live")
+    track = publish_folder(finished(outbox, stems, "job2"), outbox, ("Live",), "01 Opener")
+    assert song == outbox / "Live" and track == outbox / "Live (2)" / "01 Opener"
+    assert verify_folder(song) == [] and read_manifest(track)["job_id"] == "job2"
+    again = publish_folder(finished(outbox, stems, "job3"), outbox, ("Live",), "02 Closer")
+    assert again.parent == track.parent  # the album's tracks stay together
+    # a restart after a crash right after the rename finds the track where it went
+    job = Job(
+        id="job2",
+        name="01 Opener",
+        kind=JobKind.FILE,
+        state=JobState.PUBLISHING,
+        source="inbox/Live/01 Opener.wav",
+        rel_path="Live/01 Opener.wav",
+    )
+    assert find_published(outbox, job) == track
 
 
 def _whole_output(stems: dict[str, Path], members: list[str]) -> np.ndarray:

@@ -73,8 +73,8 @@ def install(window: str, processed: Path, fake_exdev: bool) -> None:
     if window == "published":
         real_publish = publish.publish_folder
 
-        def publish_folder(staging, target):
-            real_publish(staging, target)
+        def publish_folder(*args):
+            real_publish(*args)
             die()
 
         publish.publish_folder = publish_folder
