@@ -116,30 +116,3 @@ def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) ->
         assert needed("daw.wav", 'session = ["reaper"]\n') - plain >= 44_100 * 4 * minute
     finally:
         scheduler.registry.close()
-
-
-def test_an_error_in_the_check_before_a_job_fails_that_song_and_the_queue_goes_on(
-    make_settings, service_factory, monkeypatch
-) -> None:
-    """The dispatcher took the job: an unexpected error before separation ends it (failed,
-    with the error), never leaves it taken while the queue goes on without it."""
-    service, jobs = service_factory(make_settings())
-    guard = service.dispatchers[0].guard
-    assert guard is not None
-    real_hold = guard.hold
-
-    def hold(job: Job) -> bool:
-        if job.name == "bad":
-            raise ValueError("cannot convert float NaN to integer")
-        return real_hold(job)
-
-    monkeypatch.setattr(guard, "hold", hold)
-    staging = service.settings.paths.state / "staging"
-    staging.mkdir()
-    for name in ("bad", "good"):
-        song = write_song(staging / f"{name}.wav", 1.0)
-        song.rename(service.settings.paths.inbox / song.name)
-    ended = {job.name: job for job in jobs.wait_final(2, timeout=120)}
-    assert ended["good"].state is JobState.DONE, ended
-    assert ended["bad"].state is JobState.FAILED, ended
-    assert "unexpected error: ValueError: cannot convert float NaN" in (ended["bad"].error or "")
