@@ -160,9 +160,11 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     if status.get("download"):
         lines.append(f"model:   {escape_controls(status['download']['text'])}")
     job = status["running"]
-    if job:
+    now = [job] + [j for j in status.get("active", []) if j["id"] != job["id"]] if job else []
+    for i, each in enumerate(now):  # a song publishing behind the one separating, too
         lines.append(
-            f"now:     {label(job)} — {job['state']} {job['progress'] * 100:.0f}%{_attempt(job)}"
+            f"{'now:' if i == 0 else '':<9}{label(each)} — {each['state']} "
+            f"{each['progress'] * 100:.0f}%{_attempt(each)}"
         )
     queued = status["queued"]
     lines.append(

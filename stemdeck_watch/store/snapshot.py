@@ -42,7 +42,8 @@ def build_snapshot(
     so a snapshot's size does not grow with the history.
     """
     by_id = {job.id: job for job in jobs}
-    running = next((job for job in jobs if job.state.is_running), None)
+    active = [job for job in jobs if job.state.is_running]  # newest first
+    running = active[0] if active else None
     every = workers if workers is not None else ([worker] if worker else [])
     # a download recorded by a service that is not running any more is not going on
     download = (
@@ -55,6 +56,9 @@ def build_snapshot(
         "paused": pause_reason is not None,
         "pause_reason": pause_reason,
         "running": running.to_status() if running else None,
+        # every song being worked on now, oldest first: the one publishing behind the song
+        # separating (queue.work_beside), one per worker with several workers
+        "active": [job.to_status() for job in reversed(active)],
         "queued": [by_id[i].to_status() for i in order if i in by_id],
         "waiting": [{"source": s, "kind": k.value, "since": t} for s, k, t in waiting],
         "jobs": [job.to_status() for job in jobs],

@@ -203,11 +203,12 @@ def render_status_text(status: dict[str, Any], running: bool = True) -> str:
     lines.append("")
     # names and messages come from other people: a control character in one (a newline that
     # would add a line of its own, an escape sequence) is shown as `?`
-    lines.append(
-        f"Now: {strip_controls(job['name'])} — {job['state']} {job['progress'] * 100:.0f}%"
-        if job
-        else "Now: nothing is being separated."
-    )
+    doing = [job] + [j for j in status.get("active", []) if j["id"] != job["id"]] if job else []
+    lines += [
+        f"{'Now:' if i == 0 else '    '} {strip_controls(j['name'])} — {j['state']} "
+        f"{j['progress'] * 100:.0f}%"
+        for i, j in enumerate(doing)
+    ] or ["Now: nothing is being separated."]
     queued = status["queued"]
     lines += ["", f"Queued ({len(queued)}):"]
     lines += [f"  {i}. {strip_controls(j['name'])}" for i, j in enumerate(queued[:QUEUE_LINES], 1)]

@@ -153,7 +153,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._unread = 0
         if len(raw) < length:
             raise HttpError(400, "the request body ended early")
-        if not raw.strip():
+        if not raw:  # no body; one of spaces is not JSON
             return {}
         try:
             body = json.loads(raw)

@@ -142,6 +142,7 @@ SCHEMAS: dict[str, Any] = {
             "paused",
             "pause_reason",
             "running",
+            "active",
             "queued",
             "waiting",
             "jobs",
@@ -153,6 +154,12 @@ SCHEMAS: dict[str, Any] = {
             "paused": {"type": "boolean"},
             "pause_reason": NULLABLE_STRING,
             "running": {"oneOf": [{"$ref": "#/components/schemas/Job"}, {"type": "null"}]},
+            "active": {
+                "type": "array",
+                "items": {"$ref": "#/components/schemas/Job"},
+                "description": "every job being worked on now, oldest first: a song "
+                "publishing behind the one separating, one per worker with several",
+            },
             "queued": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
             "waiting": {
                 "type": "array",

@@ -256,6 +256,10 @@ def build_view(snap: dict[str, Any], failure: tuple[str, str] | None) -> View:
     if running:
         pct = f"{running.get('progress', 0.0) * 100:.0f}%"
         doing = f"{escape_controls(running['name'])} — {running['state']} {pct}"
+        others = [j for j in snap.get("active", []) if j["id"] != running["id"]]
+        if others:  # publishing behind it
+            also = ", ".join(f"{escape_controls(j['name'])} {j['state']}" for j in others)
+            doing += f" (+ {also})"
     else:
         doing = ""
     if paused:

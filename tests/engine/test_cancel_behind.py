@@ -13,8 +13,7 @@ import http.client
 import json
 import os
 import threading
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -24,43 +23,8 @@ from stemdeck_watch.stages import publish, songfolder
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
-from support.helpers import SeparationGate, outbox_entries, run_restore, wait_for
-
-HOLD = 60.0  # seconds a gate holds at most: a test that never opens it fails, not hangs
-
-
-class StepGate:
-    """Holds one job's call of a pipeline function (found by the staging folder it works in,
-    named by the job id) until `open()`. With `cancellable`, the job's cancel check runs while
-    it waits, as the real step's would: a cancel ends the wait with Cancelled."""
-
-    def __init__(
-        self,
-        monkeypatch: pytest.MonkeyPatch,
-        module: Any,
-        name: str,
-        job_id: str,
-        cancellable: bool,
-    ) -> None:
-        self.reached = threading.Event()
-        self._opened = threading.Event()
-        real = getattr(module, name)
-
-        def gated(staging: Path, *args: Any, **kwargs: Any) -> Any:
-            if Path(staging).name == job_id:
-                self.reached.set()
-                check: Callable[[], None] = kwargs.get("check") or (lambda: None)
-                for _ in range(int(HOLD / 0.05)):
-                    if self._opened.wait(0.05):
-                        break
-                    if cancellable:
-                        check()
-            return real(staging, *args, **kwargs)
-
-        monkeypatch.setattr(module, name, gated)
-
-    def open(self) -> None:
-        self._opened.set()
+from support.behind import HOLD, StepGate, publishing_behind, queued_while_paused
+from support.helpers import outbox_entries, run_restore, wait_for
 
 
 class CancelsAnswered:
@@ -99,15 +63,6 @@ def api_cancel(service: Any, job_id: str) -> tuple[int, dict[str, Any]]:
         conn.close()
 
 
-def queued_while_paused(service: Any, inbox: Path, names: list[str]) -> list[str]:
-    """Drop 2-second songs while the queue is paused; their job ids in queue order."""
-    service.scheduler.pause("user")
-    for count, name in enumerate(names, start=1):
-        write_song(inbox / name, 2.0, seed=count)
-        wait_for(lambda n=count: len(service.queue.order()) == n, 30, f"{name} queued")
-    return service.queue.order()
-
-
 def test_the_queue_routes_a_cancel_to_the_song_publishing_behind_until_it_commits() -> None:
     queue = JobQueue()
     for job_id in ("a", "b", "c"):
@@ -141,31 +96,6 @@ def test_songs_cut_off_together_go_back_in_their_queue_order(first: str) -> None
     assert taken is not None and taken.job_id == "a"
     queue.put_back("a")  # one taken again and put back goes first once more
     assert queue.order() == ["a", "b", "c"]
-
-
-def publishing_behind(
-    request: Any,
-    make_settings: Any,
-    service_factory: Any,
-    monkeypatch: Any,
-    cancellable: bool = True,
-    step: tuple[Any, str] = (songfolder, "make_song_folder"),
-) -> tuple[Any, Any, str, str, StepGate, SeparationGate]:
-    """A service where song a is held in its publish step, behind the worker, while song b
-    is held separating (so b holds the worker's slot). Both gates open before the service
-    stops, also when the test failed first."""
-    settings = make_settings(queue={"work_beside": "on"})
-    service, jobs = service_factory(settings)
-    a, b = queued_while_paused(service, settings.paths.inbox, ["a.wav", "b.wav"])
-    held = StepGate(monkeypatch, *step, a, cancellable)
-    separating = SeparationGate(service.client, b)
-    request.addfinalizer(held.open)
-    request.addfinalizer(separating.open)
-    service.scheduler.start()
-    assert held.reached.wait(HOLD), "a never reached its publish step"
-    wait_for(lambda: jobs.latest[b].state is JobState.SEPARATING, HOLD, "b separating")
-    assert jobs.latest[a].state is JobState.PUBLISHING
-    return service, jobs, a, b, held, separating
 
 
 @pytest.mark.slow
@@ -270,3 +200,33 @@ def test_a_clean_stop_puts_the_songs_it_cut_off_back_in_their_queue_order(
         assert count == 3 and [names[j] for j in restored.queue.order()] == ["a", "b", "c"]
     finally:
         restored.registry.close()
+
+
+@pytest.mark.slow
+def test_a_song_publishing_behind_is_shown_beside_the_one_separating(
+    request, make_settings, service_factory, monkeypatch
+) -> None:
+    """Two songs are in flight: every surface shows both, and the one publishing can be
+    cancelled from where it is shown (the page's Cancel sends its id)."""
+    from stemdeck_watch.cli.status import render
+    from stemdeck_watch.ui.folder import render_status_text
+    from stemdeck_watch.ui.tray import build_view
+
+    service, jobs, a, b, held, separating = publishing_behind(
+        request, make_settings, service_factory, monkeypatch
+    )
+    snap = service.scheduler.snapshot()
+    assert snap["running"]["id"] == b
+    assert [(j["id"], j["state"]) for j in snap["active"]] == [(a, "publishing"), (b, "separating")]
+    text = render_status_text(snap)
+    assert "Now: b — separating" in text and "     a — publishing" in text, text
+    status = render(snap)
+    assert "now:     b — separating" in status and "         a — publishing" in status, status
+    assert "(+ a publishing)" in build_view(snap, None).title
+    status_code, reply = api_cancel(service, a)
+    assert status_code == 200, reply
+    held.open()
+    wait_for(lambda: jobs.latest[a].state is JobState.CANCELLED, HOLD, "a cancelled")
+    separating.open()
+    jobs.wait_final(2, timeout=HOLD)
+    assert [j["id"] for j in service.scheduler.snapshot()["active"]] == []

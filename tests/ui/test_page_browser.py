@@ -17,6 +17,7 @@ from support import browser as chrome
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.util.synth import write_song
 
+from support.behind import publishing_behind
 from support.helpers import outbox_entries, wait_for
 
 REASON = chrome.missing()
@@ -47,6 +48,8 @@ return {
   runningState: running.hidden ? null : running.dataset.state,
   stage: running.hidden ? null : text('#running-stage'),
   progress: Number(document.getElementById('running-progress').value),
+  also: visible('#also') ? [...document.querySelectorAll('#also > li[data-job-id]')]
+    .map(li => [li.dataset.jobId, li.dataset.state]) : [],
   recent: Object.fromEntries([...document.querySelectorAll('#recent > li[data-job-id]')]
     .map(li => [li.dataset.jobId, [li.dataset.state, li.querySelector('.detail').textContent]])),
   waiting: visible('#waiting') ? Number(document.getElementById('waiting').dataset.count) : 0,
@@ -203,6 +206,25 @@ def test_the_progress_bar_moves_while_a_song_separates_and_cancel_stops_it(start
     )
     assert (service.settings.paths.inbox / "long song.wav").exists()
     assert not outbox_entries(service.settings.paths.outbox), "a cancelled song has no output"
+
+
+def test_a_song_publishing_behind_is_listed_under_the_running_one_and_can_be_cancelled(
+    request, make_settings, service_factory, monkeypatch, driver
+):
+    service, jobs, a, b, held, separating = publishing_behind(
+        request, make_settings, service_factory, monkeypatch
+    )
+    open_page(driver, service)
+    wait_page(
+        driver,
+        lambda p: p["running"] == b and p["also"] == [[a, "publishing"]],
+        "a listed as publishing under b",
+    )
+    click(driver, f'#also li[data-job-id="{a}"] [data-action="cancel"]')
+    wait_for(lambda: jobs.latest[a].state is JobState.CANCELLED, 30, "a cancelled from the page")
+    wait_page(driver, lambda p: p["also"] == [], "a gone from under b")
+    held.open()
+    separating.open()
 
 
 def test_pause_and_start_steer_the_live_service(start, driver):

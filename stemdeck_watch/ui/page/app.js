@@ -413,6 +413,35 @@
     setAttr($("running-cancel"), "aria-label", "Cancel " + job.name);
   }
 
+  // a song publishing behind the one separating (or, with several workers, separating
+  // beside it): still cancellable, so listed under it with its own Cancel
+  function createAlsoItem(job) {
+    return make("li", { className: "item also", "data-job-id": job.id }, [
+      make("span", { className: "badge" }),
+      make("span", { className: "item-main" }, [
+        make("span", { className: "name" }),
+        make("span", { className: "detail" }),
+      ]),
+      make("span", { className: "buttons" }, [
+        make("button", { type: "button", "data-action": "cancel", text: "Cancel" }),
+      ]),
+    ]);
+  }
+
+  function updateAlsoItem(li, job) {
+    setAttr(li, "data-state", job.state);
+    setText(li.querySelector(".badge"), STAGES[job.state] || job.state);
+    setText(li.querySelector(".name"), job.name);
+    setText(li.querySelector(".detail"), percent(Math.max(0, Math.min(1, Number(job.progress) || 0))));
+    setAttr(li.querySelector('[data-action="cancel"]'), "aria-label", "Cancel " + job.name);
+  }
+
+  function renderAlso(active, running) {
+    const others = active.filter((job) => !running || job.id !== running.id);
+    syncList($("also"), others, createAlsoItem, updateAlsoItem);
+    show($("also"), others.length > 0);
+  }
+
   function renderQueue(queued) {
     queueIds = queued.map((job) => job.id);
     syncList($("queue"), queued, createQueueItem, updateQueueItem);
@@ -464,6 +493,7 @@
     const focus = rememberFocus();
     renderHeader(status);
     renderRunning(status.running || null);
+    renderAlso(status.active || [], status.running || null);
     renderQueue(status.queued || []);
     renderWaiting(status.waiting || []);
     renderRecent(status.jobs || []);
