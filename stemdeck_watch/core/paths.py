@@ -218,7 +218,13 @@ def report_path(path: Path) -> Path:
     return path.with_name(with_suffix_bytes(path.name, ".error.txt"))
 
 
-def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = None) -> Path:
+def move_file(
+    src: Path,
+    dst: Path,
+    companion: Callable[[Path], Path] | None = None,
+    *,
+    within: Path | None = None,
+) -> Path:
     """Move `src` to `dst`, or `dst (2)`… if taken; returns where it went.
 
     `companion` names a file that will sit beside the target (a failed input's report): a
@@ -231,7 +237,13 @@ def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = N
     (see safefile.new_temp: nothing planted there is written through), flushed, renamed into
     place, and only then is the source removed: a failure at any point leaves the source
     where it was.
+
+    `within`: the folder `dst` goes into (processed/, failed/, the inbox), which may be
+    shared: a symbolic link planted at one of its subfolders is never gone through (the file
+    would go wherever it points); the move fails instead, saying which, and the file stays.
     """
+    if within is not None:
+        _no_link_below(within, dst.parent, src, dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         finished = _finish_interrupted(src, dst)
@@ -253,6 +265,28 @@ def move_file(src: Path, dst: Path, companion: Callable[[Path], Path] | None = N
         raise
     except OSError as exc:
         raise FilesystemError("move", src, dst, reason=exc) from exc
+
+
+def link_below(root: Path, folder: Path) -> Path | None:
+    """The first level of `folder` below `root` that is a symbolic link, if any."""
+    level = root
+    for part in folder.relative_to(root).parts:
+        level = level / part
+        if os.path.islink(level):
+            return level
+    return None
+
+
+def _no_link_below(root: Path, folder: Path, src: Path, dst: Path) -> None:
+    link = link_below(root, folder)
+    if link is not None:
+        raise FilesystemError(
+            "move",
+            src,
+            dst,
+            reason=f"{link} is a symbolic link, and links there are never gone through "
+            f"(anyone who can write that folder could have put it there); remove it",
+        )
 
 
 def _free_target(dst: Path, companion: Callable[[Path], Path] | None) -> Path:

@@ -449,7 +449,7 @@ class Pipeline:
             log.warning("%s", error)
         else:
             try:
-                moved_to = move_file(source, target)
+                moved_to = move_file(source, target, within=self.settings.paths.processed)
             except FilesystemError as exc:
                 if shares is not None and (
                     is_unreachable(exc)

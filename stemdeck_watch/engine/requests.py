@@ -176,7 +176,7 @@ class Requests:
             if inbox not in source.parents:
                 report, failed = report_path(source), source
                 try:
-                    source = move_file(source, inbox / PurePosixPath(job.rel_path))
+                    source = move_file(source, inbox / PurePosixPath(job.rel_path), within=inbox)
                 except FilesystemError as exc:
                     raise Conflict(f"cannot retry {job.name}: {exc}") from None
                 report.unlink(missing_ok=True)

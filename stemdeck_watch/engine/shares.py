@@ -432,7 +432,7 @@ class ShareWatch(Ticker):
             )
         else:
             try:
-                where = move_file(source, target)
+                where = move_file(source, target, within=self.folders[move.kind])
             except FilesystemError as exc:
                 if is_unreachable(exc) or not self.check(move.kind):
                     return False

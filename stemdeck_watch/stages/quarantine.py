@@ -22,6 +22,7 @@ from stemdeck_watch.core.jobs import FileSignature, Job
 from stemdeck_watch.core.paths import (
     exists_or_unreachable,
     is_unreachable,
+    link_below,
     move_file,
     report_path,
     unique_path,
@@ -93,7 +94,7 @@ def quarantine(
         log.info("%s changed while its job ran; the new version stays in the inbox", source)
     else:
         try:
-            where = move_file(source, target, companion=report_path)
+            where = move_file(source, target, companion=report_path, within=failed_dir)
         except FilesystemError as exc:
             if is_unreachable(exc):
                 move_note = _deferred(source, target, str(exc), defer)
@@ -103,6 +104,8 @@ def quarantine(
         else:
             move_sidecar(source, where)  # the song's choices go with it
     report = report_path(where) if where != source else unique_path(report_path(target))
+    if where == source and link_below(failed_dir, report.parent) is not None:
+        report = unique_path(failed_dir / report.name)  # never written through that link
     text = _diagnosis(
         job,
         stage=stage,

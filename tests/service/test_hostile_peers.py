@@ -85,6 +85,36 @@ def test_a_planted_symlink_at_the_status_temp_file_is_never_written_through(
     assert "evil?echo INJECTED?" in text
 
 
+def test_a_planted_symlink_at_an_album_folder_of_processed_or_failed_is_never_gone_through(
+    make_settings, service_factory, tmp_path
+):
+    """`processed/Album` and `failed/Album` → a folder of the user's: a song of the album
+    and a damaged file of it stay in the inbox, saying why, and nothing lands where the
+    links point; the song's stems are published and the damaged file's report is written
+    at the top of failed/."""
+    settings = make_settings()
+    elsewhere = tmp_path / "home" / "Documents"
+    elsewhere.mkdir(parents=True)
+    for folder in (settings.paths.processed, settings.paths.failed):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "Album").symlink_to(elsewhere)
+    service, jobs = service_factory(settings)
+    album = settings.paths.inbox / "Album"
+    album.mkdir(parents=True)
+    staged = write_song(tmp_path / "01 Intro.wav", 1.0)
+    staged.rename(album / "01 Intro.wav")
+    (album / "02 Broken.wav").write_bytes(os.urandom(20_000))
+    ended = {job.name: job for job in jobs.wait_final(2)}
+    song, broken = ended["01 Intro"], ended["02 Broken"]
+    assert song.state is JobState.DONE and read_manifest(Path(song.output)) is not None
+    assert "processed/Album is a symbolic link" in (song.error or ""), song.error
+    assert broken.state is JobState.FAILED
+    assert (album / "01 Intro.wav").is_file() and (album / "02 Broken.wav").is_file()
+    assert list(elsewhere.iterdir()) == []
+    report = settings.paths.failed / "02 Broken.wav.error.txt"
+    assert "failed/Album is a symbolic link" in report.read_text()
+
+
 def test_a_planted_symlink_at_the_heartbeat_temp_file_is_never_written_through(tmp_path):
     """`inbox/.stemdeck/.owner-<id>.json.tmp` → a file of the user's: the heartbeat is not
     written into it; a link at the heartbeat's own name is replaced, not followed."""
