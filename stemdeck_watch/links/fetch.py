@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from stemdeck_watch.core.config import LinkSettings
 from stemdeck_watch.core.errors import Cancelled, DownloadError
 from stemdeck_watch.store.jobqueue import JobControl
+from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.core.jobs import PlaylistRef
 from stemdeck_watch.stages.decode import probe_duration
 from stemdeck_watch.links.listing import Entry, Playlist, playlist_of
@@ -356,7 +357,8 @@ HTTP_REASONS = {
 
 
 def explain(message: str, link_name: str) -> str:
-    """yt-dlp's error as a first sentence a person understands, naming the link file."""
+    """yt-dlp's error as a first sentence a person understands, naming the link file; a
+    password or token in an address it quotes is hidden (the text reaches notifications)."""
     found = re.search(r"HTTP Error (\d{3})", message)
     if found:
         code = int(found.group(1))
@@ -376,5 +378,5 @@ def explain(message: str, link_name: str) -> str:
     elif "file:" in message or "file URLs are disabled" in message:
         reason = "the link leads to a local file (file: URL), which is never fetched"
     else:
-        reason = re.sub(r"^ERROR:\s*", "", message.splitlines()[0])
+        reason = redact_url(re.sub(r"^ERROR:\s*", "", message.splitlines()[0]))
     return f"could not download {link_name}: {reason}"

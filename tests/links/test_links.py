@@ -264,3 +264,13 @@ def test_the_next_link_downloads_while_the_worker_separates(
     assert media.requests.count("/song.wav") == 2, media.requests
     wait_for(lambda: not any(settings.paths.scratch.rglob("*")), 10, "scratch to be empty")
     assert outbox_entries(settings.paths.outbox) == {"first", "song"}
+
+
+def test_a_password_in_an_address_yt_dlp_quotes_is_hidden_from_the_reason():
+    """The reason is the job's error: it reaches notifications, the page and STATUS.txt."""
+    said = fetch.explain(
+        "ERROR: [generic] Unable to download https://me:s3cretpass@example.org/x?token=abc: boom",
+        "song.url",
+    )
+    assert said.startswith("could not download song.url: [generic] Unable to download https://")
+    assert "s3cretpass" not in said and "token=abc" not in said, said
