@@ -314,15 +314,21 @@ def _finish_interrupted(src: Path, dst: Path) -> Path | None:
 
 def numbered_siblings(path: Path, keep_suffix: bool = True) -> list[Path]:
     """Every existing `path`, `path (2)`, `path (N)`… — all of them, not just the run up to
-    the first gap (an earlier number may have been moved away since)."""
-    stem, suffix = (path.stem, path.suffix) if keep_suffix and path.suffix else (path.name, "")
-    pattern = re.compile(re.escape(stem) + r"(?: \((\d+)\))?" + re.escape(suffix))
+    the first gap (an earlier number may have been moved away since); each exactly as
+    `numbered` names it, so a name cut to fit one file name is found too."""
+    suffix = path.suffix if keep_suffix and path.suffix else ""
+    pattern = re.compile(r".* \((\d+)\)" + re.escape(suffix))
+    found: dict[int, Path] = {}
     try:
-        names = [name for name in os.listdir(path.parent) if pattern.fullmatch(name)]
+        names = os.listdir(path.parent)
     except OSError:
         return []
-    number = lambda name: int(pattern.fullmatch(name).group(1) or 1)  # noqa: E731
-    return [path.parent / name for name in sorted(names, key=number)]
+    for name in names:
+        match = pattern.fullmatch(name)
+        number = int(match.group(1)) if match and name != path.name else 1
+        if numbered_name(path.name, number, keep_suffix) == name:
+            found[number] = path.parent / name
+    return [found[number] for number in sorted(found)]
 
 
 def find_moved(target: Path, size: int, mtime_ns: int) -> Path | None:

@@ -124,5 +124,7 @@ def test_a_name_near_the_limit_of_one_name_is_moved_numbered_and_reported(tmp_pa
     assert len(report.name.encode()) <= 255
     temp = temp_name(name)
     assert len(temp.encode()) <= 255 and is_temp_name(temp, name)
+    # a restart finds the cut numbered copy where the move put it
+    assert paths.numbered_siblings(tmp_path / "out" / name) == [tmp_path / "out" / name, moved]
     folder = numbered(tmp_path / ("Ж" * 127), 2, keep_suffix=False)
     assert folder.name.endswith("Ж (2)") and len(folder.name.encode()) <= 255
