@@ -446,6 +446,21 @@ class SeamsMachine(RuleBasedStateMachine):
             self.disk.free()
         self.model.disk_tight = fill
 
+    @rule()
+    @guarded
+    def plant_staging_link(self) -> None:
+        """A peer who can write the shared outbox plants a link where the service keeps its
+        hidden staging folder, while no song is written there: the next song written removes
+        it and is published as ever, and nothing lands where the link points."""
+        assert self.root is not None
+        staging = self.model.outbox / STAGING
+        (self.root / "elsewhere").mkdir(exist_ok=True)
+        if os.path.lexists(staging):
+            return  # a song is being written there
+        with contextlib.suppress(FileExistsError):  # the service made it meanwhile
+            staging.symlink_to(self.root / "elsewhere")
+            self.world.tally["staging link planted"] += 1
+
     @rule(until=st.sampled_from(["quiet", "0.3 s", "1 s", "2.5 s"]))
     @guarded
     def wait(self, until: str) -> None:
@@ -465,6 +480,9 @@ class SeamsMachine(RuleBasedStateMachine):
             self.check(self.model.check_step(self.view()))
             assert self.root is not None
             self.check(whole_compiles(self.root / "state" / "compiled"))
+            elsewhere = self.root / "elsewhere"
+            if elsewhere.is_dir() and any(elsewhere.iterdir()):
+                self.check([f"[link] the service wrote through a planted link: {elsewhere}"])
 
 
 # ---------------------------------------------------------------- running it
