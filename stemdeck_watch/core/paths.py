@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Callable
 
@@ -314,21 +315,28 @@ def _finish_interrupted(src: Path, dst: Path) -> Path | None:
 
 def numbered_siblings(path: Path, keep_suffix: bool = True) -> list[Path]:
     """Every existing `path`, `path (2)`, `path (N)`… — all of them, not just the run up to
-    the first gap (an earlier number may have been moved away since); each exactly as
-    `numbered` names it, so a name cut to fit one file name is found too."""
+    the first gap (an earlier number may have been moved away since); each as `numbered`
+    names it, so a name cut to fit one file name is found too. Names are compared without
+    case or Unicode normalisation: on a folder that ignores them (macOS, Windows, most
+    shares) `Song` was made as `song` when `song` was there; callers check what they find."""
     suffix = path.suffix if keep_suffix and path.suffix else ""
     pattern = re.compile(r".* \((\d+)\)" + re.escape(suffix))
-    found: dict[int, Path] = {}
+    found: list[tuple[int, bool, str]] = []
     try:
         names = os.listdir(path.parent)
     except OSError:
         return []
     for name in names:
         match = pattern.fullmatch(name)
-        number = int(match.group(1)) if match and name != path.name else 1
-        if numbered_name(path.name, number, keep_suffix) == name:
-            found[number] = path.parent / name
-    return [found[number] for number in sorted(found)]
+        number = int(match.group(1)) if match and _folded(name) != _folded(path.name) else 1
+        made = numbered_name(path.name, number, keep_suffix)
+        if _folded(made) == _folded(name):
+            found.append((number, made != name, name))  # the exact name first
+    return [path.parent / name for *_, name in sorted(found)]
+
+
+def _folded(name: str) -> str:
+    return unicodedata.normalize("NFC", name).casefold()
 
 
 def find_moved(target: Path, size: int, mtime_ns: int) -> Path | None:

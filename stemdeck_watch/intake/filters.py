@@ -13,6 +13,8 @@ import unicodedata
 from pathlib import PurePosixPath
 from typing import Iterable
 
+from stemdeck_watch.util.safetext import with_suffix_bytes
+
 IGNORED_NAMES = (
     ".*",  # AppleDouble ._x, Syncthing/Nextcloud temps, .DS_Store, hidden files
     "~$*",
@@ -59,14 +61,17 @@ def readable_name(name: str) -> str | None:
     """A name for a file whose name is not UTF-8 (`Caf\xe9.wav` from an old zip, an SMB share
     or a Windows tool: Python holds its bytes as surrogates, which no database, JSON or page
     can carry), read as Windows-1252 as such tools wrote it; None for a UTF-8 name. A byte
-    that is nothing in Windows-1252, or a control character, becomes "_"."""
+    that is nothing in Windows-1252, or a control character, becomes "_"; a name grown past
+    one file name's bytes (each such byte becomes two or three) is cut in the middle."""
     try:
         name.encode("utf-8")
         return None
     except UnicodeEncodeError:
         pass
     text = os.fsencode(name).decode("cp1252", errors="replace")
-    return "".join("_" if c == "\ufffd" or unicodedata.category(c) == "Cc" else c for c in text)
+    text = "".join("_" if c == "\ufffd" or unicodedata.category(c) == "Cc" else c for c in text)
+    suffix = PurePosixPath(text).suffix
+    return with_suffix_bytes(text[: len(text) - len(suffix)], suffix)
 
 
 class InboxFilter:

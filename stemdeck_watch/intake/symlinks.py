@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path, PurePosixPath
 
-from stemdeck_watch.core.paths import report_path, unique_path
+from stemdeck_watch.core.paths import link_below, report_path, unique_path
 from stemdeck_watch.util.safefile import write_replacing
 from stemdeck_watch.util.safetext import strip_controls
 
@@ -53,6 +53,8 @@ def set_aside(link: Path, rel: PurePosixPath, failed: Path, reason: str) -> Path
     """Move the link itself (not what it points to) to failed/ beside a report; returns
     where it went. Raises OSError if it could not be moved."""
     target = unique_path(failed / rel)
+    if link_below(failed, target.parent) is not None:  # never moved through a planted link
+        target = unique_path(failed / rel.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(link, target)  # rename never follows a link

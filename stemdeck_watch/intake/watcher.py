@@ -21,6 +21,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+from stemdeck_watch.core.choices import move_sidecar
 from stemdeck_watch.core.config import WatchSettings
 from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter, readable_name
@@ -355,16 +356,19 @@ class InboxWatcher:
 
     def _renamed_readable(self, path: Path) -> bool:
         """A file whose name is not UTF-8 is renamed in place to a readable name (never
-        over another file); the new name is then a file of its own. True if renamed (or
-        left, with the reason logged, where it could not be)."""
+        over another file), its choices (sidecar) with it; the new name is then a file of its
+        own. True if renamed (or left, with the reason logged once, where it could not be)."""
         readable = readable_name(path.name)
         if readable is None:
             return False
         try:
             moved = move_file(path, path.with_name(readable))
         except FilesystemError as exc:
-            log.warning("could not give %s a readable name: %s", ascii(path.name), exc)
+            if path not in self._left:
+                self._left.add(path)
+                log.warning("could not give %s a readable name: %s", ascii(path.name), exc)
             return True
+        move_sidecar(path, moved)
         log.warning("renamed %s to %s: its name was not UTF-8 text", ascii(path.name), moved.name)
         return True
 

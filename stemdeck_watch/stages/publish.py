@@ -32,7 +32,8 @@ from stemdeck_watch.stages.levels import LoudnessMeter, song_gain, to_db
 from stemdeck_watch.stages.preview import Peaks
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
 from stemdeck_watch.stages.manifest import MANIFEST
-from stemdeck_watch.util.safefile import open_folders, open_new
+from stemdeck_watch.util.folders import Folder, open_folders
+from stemdeck_watch.util.safefile import open_new
 from stemdeck_watch.util.safetext import numbered_name
 
 log = logging.getLogger(__name__)
@@ -350,29 +351,25 @@ def publish_folder(staging: Path, outbox: Path, folders: Sequence[str], name: st
     through it would put the song anywhere), never inside another song's folder (an album
     folder `Live` where the song `Live` was published goes to `Live (2)`)."""
     try:
-        fd, parent = open_folders(outbox, folders, taken=_holds_a_song)
-        try:
+        with open_folders(outbox, folders, taken=_holds_a_song) as parent:
             number = 1
             while True:
                 candidate = numbered_name(name, number, keep_suffix=False)
                 number += 1
-                if _exists(candidate, fd):
+                if parent.exists(candidate):
                     continue
                 try:
-                    os.rename(staging, candidate, dst_dir_fd=fd)
+                    parent.move_in(staging, candidate)
                 except OSError:
-                    if _exists(candidate, fd):  # taken between the check and the rename
+                    if parent.exists(candidate):  # taken between the check and the rename
                         continue
                     raise
                 break
-            with contextlib.suppress(OSError):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            parent.sync()
     except OSError as exc:
         target = outbox.joinpath(*folders, name)
         raise PublishError(str(FilesystemError("move", staging, target, reason=exc))) from exc
-    return parent / candidate
+    return parent.path / candidate
 
 
 def _real_folder(path: Path) -> None:
@@ -386,16 +383,8 @@ def _real_folder(path: Path) -> None:
         path.mkdir()
 
 
-def _exists(name: str, folder: int) -> bool:
-    try:
-        os.stat(name, dir_fd=folder, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _holds_a_song(folder: int) -> bool:
-    return _exists(MANIFEST, folder)
+def _holds_a_song(folder: Folder) -> bool:
+    return folder.exists(MANIFEST)
 
 
 def remove_tree(path: Path) -> None:

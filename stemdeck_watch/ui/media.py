@@ -28,6 +28,7 @@ from stemdeck_watch.core.jobs import Job, JobState, settings_key_of
 from stemdeck_watch.stages import preview as picture
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.stages.songfolder import BEATS, PREVIEW
+from stemdeck_watch.util.folders import Folder
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,6 @@ FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3"}
 PIECE = 64 * 1024  # bytes written to the socket at a time
 MAX_BEATS = 8 << 20  # beats.json of a long song is well under a megabyte
 RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})")
-_OPEN_DIR = (
-    os.O_RDONLY
-    | getattr(os, "O_DIRECTORY", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
 _OPEN_FILE = (
     os.O_RDONLY
     | getattr(os, "O_NOFOLLOW", 0)
@@ -162,26 +157,27 @@ def open_file(song: Song, name: str) -> tuple[IO[bytes], int]:
         or "\0" in name
     ):
         raise Refused(f"refused: {name[:100]!r} is not a file inside the song folder")
-    fd = os.open(song.root, _OPEN_DIR & ~getattr(os, "O_NOFOLLOW", 0))
+    folder = Folder.root(song.root)
     try:
         for part in (*song.folder.relative_to(song.root).parts, *rel.parts[:-1]):
             try:
-                inner = os.open(part, _OPEN_DIR, dir_fd=fd)
+                inner = folder.open(part)
             except OSError as exc:
                 raise _refusal(name, exc) from None
-            os.close(fd)
-            fd = inner
+            folder.close()
+            folder = inner
         try:
-            file_fd = os.open(rel.parts[-1], _OPEN_FILE, dir_fd=fd)
+            file_fd = folder.open_file(rel.parts[-1], _OPEN_FILE)
         except OSError as exc:
             raise _refusal(name, exc) from None
     finally:
-        os.close(fd)
+        folder.close()
     info = os.fstat(file_fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(file_fd)
         raise Refused(f"refused: {name[:100]!r} is not a regular file")
-    os.set_blocking(file_fd, True)
+    if getattr(os, "O_NONBLOCK", 0):
+        os.set_blocking(file_fd, True)
     return os.fdopen(file_fd, "rb", buffering=0), info.st_size
 
 

@@ -147,6 +147,8 @@ def write_link(settings: Settings, url: str, name: str | None, preset: str | Non
     folder = folder_for(settings, preset)
     folder.mkdir(exist_ok=True)
     stem = safe_name(name or _name_of(url), "link")[:MAX_NAME].rstrip(". ") or "link"
+    if is_pause_file(f"{stem}.url"):  # a link, not the inbox's pause switch
+        stem = f"{stem} (link)"
     target = folder / f"{stem}.url"
     with new_temp(target) as (tmp, handle):
         handle.write(f"[InternetShortcut]\r\nURL={url}\r\n".encode())

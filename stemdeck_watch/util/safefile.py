@@ -25,9 +25,9 @@ import secrets
 import stat
 import threading
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any, Iterator
 
-from stemdeck_watch.util.safetext import NAME_BYTES, cut_to_bytes, numbered_name
+from stemdeck_watch.util.safetext import NAME_BYTES, fit_bytes
 
 TEMP_SUFFIX = ".tmp"
 # a fresh file, never a link or anything that was there before; not inherited by the worker
@@ -47,10 +47,6 @@ _READ = (
     | getattr(os, "O_BINARY", 0)
 )
 
-# a folder reached without going through a link at its last level
-_FOLDER = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-_FOLDER |= getattr(os, "O_CLOEXEC", 0)
-
 _in_flight: set[str] = set()  # temporary files this process is writing now
 _tidied: set[tuple[str, str, str]] = set()  # (folder, name, suffix) cleared of leftovers
 _lock = threading.Lock()
@@ -69,7 +65,7 @@ def is_temp_name(candidate: str, name: str, suffix: str = TEMP_SUFFIX) -> bool:
 
 
 def _temp_stem(name: str, suffix: str) -> str:
-    return cut_to_bytes(name, NAME_BYTES - len(f"..{'0' * 16}{suffix}".encode()))
+    return fit_bytes(name, NAME_BYTES - len(f"..{'0' * 16}{suffix}".encode()))
 
 
 def _create(path: str, flags: int) -> int:
@@ -244,40 +240,3 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def open_folders(
-    root: Path, parts: Sequence[str], taken: Callable[[int], bool] = lambda fd: False
-) -> tuple[int, Path]:
-    """A descriptor of the folder `root`/`parts`…, each level made where missing, and its
-    path. A level that is a link (planted where the service makes a folder: going through it
-    would write anywhere the link names), not a folder, or `taken` (given the level's open
-    descriptor) is passed by for the first free `part (2)`, `part (3)`…. Each level is
-    opened from the one above it, so nothing swapped in meanwhile is gone through either.
-    The caller closes the descriptor."""
-    fd = os.open(root, _FOLDER & ~getattr(os, "O_NOFOLLOW", 0))  # the root is the user's
-    path = root
-    try:
-        for part in parts:
-            number = 1
-            while True:
-                name = numbered_name(part, number, keep_suffix=False)
-                number += 1
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, dir_fd=fd)
-                try:
-                    level = os.open(name, _FOLDER, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                        continue  # a link or a file by that name
-                    raise
-                if taken(level):
-                    os.close(level)
-                    continue
-                break
-            os.close(fd)
-            fd, path = level, path / name
-        return fd, path
-    except BaseException:
-        os.close(fd)
-        raise

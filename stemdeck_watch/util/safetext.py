@@ -52,6 +52,8 @@ def escape_markup(text: object) -> str:
 
 
 NAME_BYTES = 255  # one file or folder name on ext4, APFS, NTFS (in UTF-8 bytes)
+KEEP_END = 24  # characters a name cut to fit keeps at its end
+ELLIPSIS = "…".encode()
 
 
 def cut_to_bytes(text: str, limit: int) -> str:
@@ -67,6 +69,20 @@ def cut_to_bytes(text: str, limit: int) -> str:
     return cut
 
 
+def fit_bytes(text: str, limit: int) -> str:
+    """`text` in at most `limit` bytes of UTF-8, cut in the middle ("…"): its end is what
+    tells names apart (a track's " - 02", a copy's " (2)", the extension), so it is kept."""
+    if len(text.encode()) <= limit:
+        return text
+    start = max(0, len(text) - KEEP_END)
+    while start > 0 and unicodedata.combining(text[start]):
+        start -= 1  # never between a character and the accents combined with it
+    end = text[start:]
+    if len(end.encode()) > limit // 2:
+        return cut_to_bytes(text, limit)
+    return cut_to_bytes(text[:start], limit - len(end.encode()) - len(ELLIPSIS)) + "…" + end
+
+
 def numbered_name(name: str, n: int, keep_suffix: bool = True) -> str:
     """`song.mp3` → `song (2).mp3`; a folder `My.Song` (keep_suffix=False) → `My.Song (2)`;
     with the name before the number cut where the whole would not fit in NAME_BYTES."""
@@ -75,10 +91,10 @@ def numbered_name(name: str, n: int, keep_suffix: bool = True) -> str:
     plain = PurePath(name)
     stem, suffix = (plain.stem, plain.suffix) if keep_suffix and plain.suffix else (name, "")
     tail = f" ({n}){suffix}"
-    return cut_to_bytes(stem, NAME_BYTES - len(tail.encode())) + tail
+    return fit_bytes(stem, NAME_BYTES - len(tail.encode())) + tail
 
 
 def with_suffix_bytes(name: str, suffix: str) -> str:
-    """`name` + `suffix` (a report's ".error.txt"), the name cut where the whole would not
-    fit in NAME_BYTES."""
-    return cut_to_bytes(name, NAME_BYTES - len(suffix.encode())) + suffix
+    """`name` + `suffix` (a report's ".error.txt"), the name cut in the middle where the
+    whole would not fit in NAME_BYTES."""
+    return fit_bytes(name, NAME_BYTES - len(suffix.encode())) + suffix

@@ -128,3 +128,29 @@ def test_a_name_near_the_limit_of_one_name_is_moved_numbered_and_reported(tmp_pa
     assert paths.numbered_siblings(tmp_path / "out" / name) == [tmp_path / "out" / name, moved]
     folder = numbered(tmp_path / ("Ж" * 127), 2, keep_suffix=False)
     assert folder.name.endswith("Ж (2)") and len(folder.name.encode()) <= 255
+
+
+def test_long_names_that_differ_at_the_end_keep_their_ends_when_cut(tmp_path: Path) -> None:
+    """Two tracks of an album with long names, " - 01.wav" and " - 02.wav": each report,
+    numbered copy and temporary name is cut in the middle, so the two never share one."""
+    from stemdeck_watch.util.safefile import temp_name
+
+    names = ["Ж" * 123 + f" - 0{i}.wav" for i in (1, 2)]
+    assert all(len(n.encode()) == 255 for n in names)
+    for made in (
+        lambda n: paths.report_path(tmp_path / n).name,
+        lambda n: numbered(tmp_path / n, 2).name,
+        lambda n: temp_name(n)[: -len(".0123456789abcdef.tmp")],
+    ):
+        first, second = (made(n) for n in names)
+        assert first != second and all(len(x.encode()) <= 255 for x in (first, second))
+        assert "…" in first and first.lstrip(".").startswith("Ж") and " - 01" in first
+
+
+def test_numbered_copies_are_found_whatever_case_the_folder_gave_them(tmp_path: Path) -> None:
+    """A folder that ignores case keeps the first spelling: `song.wav (2)` made as
+    `SONG (2).wav`; a restart looking for `Song.wav`'s copies finds it (callers check)."""
+    for name in ("SONG (2).wav", "song.wav", "Other (2).wav", "Song (x).wav"):
+        (tmp_path / name).write_bytes(b"x")
+    found = paths.numbered_siblings(tmp_path / "Song.wav")
+    assert found == [tmp_path / "song.wav", tmp_path / "SONG (2).wav"]

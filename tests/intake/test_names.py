@@ -61,18 +61,31 @@ def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(
     song = write_song(tmp_path / "song.wav", 1.0).read_bytes()
     inbox = os.fsencode(rig.inbox)
     os.mkdir(os.path.join(inbox, b"Alt\xe9"))
-    for name in (b"Caf\xe9.wav", b"Alpha.wav", b"Zulu \x81.wav", b"Alt\xe9/inside.wav"):
+    long = b"\xe9" * 200 + b" - 07.wav"  # 209 bytes; readable, each byte takes two
+    with open(os.path.join(inbox, b"Caf\xe9.wav.stemdeck.toml"), "w") as handle:
+        handle.write('two_stems = "vocals"\n')  # its choices go with it
+    for name in (b"Caf\xe9.wav", b"Alpha.wav", b"Zulu \x81.wav", b"Alt\xe9/inside.wav", long):
         with open(os.path.join(inbox, name), "wb") as handle:
             handle.write(song)
-    jobs = rig.wait_jobs(3)
+    jobs = rig.wait_jobs(4)
     rig.quiet()
-    assert sorted(j.rel_path for j in rig.jobs()) == ["Alpha.wav", "Café.wav", "Zulu _.wav"]
-    assert sorted(os.listdir(inbox)) == [
-        b"Alpha.wav",
-        b"Alt\xe9",
-        b"Caf\xc3\xa9.wav",
-        b"Zulu _.wav",
+    cut = next(j.rel_path for j in jobs if j.rel_path.endswith(" - 07.wav"))
+    assert len(cut.encode()) <= 255 and cut.startswith("é") and "…" in cut
+    assert sorted(j.rel_path for j in rig.jobs() if j.rel_path != cut) == [
+        "Alpha.wav",
+        "Café.wav",
+        "Zulu _.wav",
     ]
+    assert sorted(os.listdir(inbox)) == sorted(
+        [
+            b"Alpha.wav",
+            b"Alt\xe9",
+            b"Caf\xc3\xa9.wav",
+            b"Caf\xc3\xa9.wav.stemdeck.toml",
+            b"Zulu _.wav",
+            cut.encode(),
+        ]
+    )
     assert all(j.state is JobState.QUEUED for j in jobs)
 
 
@@ -88,6 +101,22 @@ def test_a_link_to_a_file_elsewhere_is_refused_with_a_reason(rig, tmp_path):
     assert job.source == str(moved) and moved.is_symlink()  # the link, not its target
     assert "links are not followed" in report_path(moved).read_text()
     assert elsewhere.read_bytes() == before and not (rig.inbox / "sub" / "linked.wav").exists()
+
+
+def test_a_link_is_never_set_aside_through_a_link_planted_in_failed(rig, tmp_path):
+    """failed/ may be shared too: a link planted where the refused link's folder would go
+    is not gone through; the refused link goes to the top of failed/ instead."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    rig.settings.paths.failed.mkdir(parents=True, exist_ok=True)
+    os.symlink(elsewhere, rig.settings.paths.failed / "sub")
+    (rig.inbox / "sub").mkdir()
+    os.symlink(write_song(tmp_path / "private.wav", 1.0), rig.inbox / "sub" / "linked.wav")
+    [job] = rig.wait_jobs(1)
+    assert job.state is JobState.FAILED and job.source == str(
+        rig.settings.paths.failed / "linked.wav"
+    )
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_link_to_a_song_in_the_inbox_is_not_a_second_job(rig, tmp_path):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from stemdeck_watch.engine.recovery import find_published
 from stemdeck_watch.stages.publish import pcm, publish_folder, write_song
 from stemdeck_watch.stages.manifest import read_manifest, verify_folder, write_manifest
 from stemdeck_watch.stages.scratch import AudioWriter
+from stemdeck_watch.util import folders
 
 SR = 44100
 SOURCES = ("drums", "bass", "other", "vocals")
@@ -152,10 +156,14 @@ def finished(outbox: Path, stems, job_id: str) -> Path:
     return stage
 
 
-def test_a_link_planted_in_the_outbox_is_never_gone_through(tmp_path: Path, stems) -> None:
+@pytest.mark.parametrize("by_descriptor", [True, False], ids=["dir_fd", "by-path"])
+def test_a_link_planted_in_the_outbox_is_never_gone_through(
+    tmp_path: Path, stems, monkeypatch, by_descriptor: bool
+) -> None:
     """Anyone who can write a shared outbox can put a link where an album's folder will be,
     or where the service keeps its staging folder: the song stays in the outbox, and nothing
-    is written where the link points."""
+    is written where the link points; also where folders are walked by path (Windows)."""
+    monkeypatch.setattr(folders, "DIR_FD", by_descriptor)
     outbox, elsewhere = tmp_path / "outbox", tmp_path / "elsewhere"
     outbox.mkdir()
     elsewhere.mkdir()
@@ -188,6 +196,28 @@ def test_a_song_is_never_published_inside_another_songs_folder(tmp_path: Path, s
         rel_path="Live/01 Opener.wav",
     )
     assert find_published(outbox, job) == track
+
+
+def test_a_restart_finds_a_song_its_outbox_spelled_another_way(tmp_path: Path, stems) -> None:
+    """On a folder that ignores case and Unicode normalisation (macOS, Windows, most shares)
+    the album `Señor` published into an existing `SEÑOR`, decomposed: a restart after a
+    crash right after the rename finds the song there."""
+    outbox = tmp_path / "outbox"
+    album = outbox / unicodedata.normalize("NFD", "SEÑOR (2)")
+    album.mkdir(parents=True)
+    (album / "intro").mkdir()  # what the job's own rename made on such a folder
+    song = publish_folder(finished(outbox, stems, "job1"), outbox, (album.name,), "Intro")
+    assert song == album / "Intro"
+    song.rename(album / "intro (2)")
+    job = Job(
+        id="job1",
+        name="Intro",
+        kind=JobKind.FILE,
+        state=JobState.PUBLISHING,
+        source="inbox/Señor/Intro.wav",
+        rel_path="Señor/Intro.wav",
+    )
+    assert find_published(outbox, job) == album / "intro (2)"
 
 
 def _whole_output(stems: dict[str, Path], members: list[str]) -> np.ndarray:
@@ -346,3 +376,37 @@ def test_a_full_disk_mid_stem_is_a_clear_error_not_a_crash_inside_soundfile(
     monkeypatch.setattr(publish, "open_new", lambda *a, **k: FillingUp(real_open_new(*a, **k)))
     with pytest.raises(PublishError, match="could not write .*drums.* No space left"):
         write_song(tmp_path / "s", stems, SR, "song", sep(), out(format=fmt), block_frames=4096)
+
+
+def test_a_folder_walked_by_path_refuses_links_as_the_descriptors_do(tmp_path, monkeypatch):
+    """Where no folder can be opened (Windows), each level is looked at before it is used: a
+    link to a folder or to a file is refused as it is where folders are descriptors."""
+    monkeypatch.setattr(folders, "DIR_FD", False)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "stem.wav").write_bytes(b"RIFF")
+    (tmp_path / "secret.wav").write_bytes(b"mine")
+    (tmp_path / "real" / "linked.wav").symlink_to(tmp_path / "secret.wav")
+    (tmp_path / "away").symlink_to(tmp_path / "real", target_is_directory=True)
+    with folders.Folder.root(tmp_path) as root, root.open("real") as real:
+        with os.fdopen(real.open_file("stem.wav", os.O_RDONLY), "rb") as handle:
+            assert handle.read() == b"RIFF"
+        for name, opener in (("linked.wav", real.open_file), ("away", root.open)):
+            with pytest.raises(OSError) as refused:
+                opener(name, os.O_RDONLY) if name.endswith(".wav") else opener(name)
+            assert refused.value.errno == errno.ELOOP, name
+
+
+def test_a_folder_left_open_when_the_check_of_a_level_fails_is_closed(tmp_path):
+    """A level whose check raises (a share gone mid-walk) is closed, not leaked."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counting open descriptors needs /proc (Linux)")
+    (tmp_path / "outbox" / "Album").mkdir(parents=True)
+    before = len(os.listdir("/proc/self/fd"))
+
+    def gone(folder: folders.Folder) -> bool:
+        raise OSError(errno.EIO, "the share went away")
+
+    for _ in range(5):
+        with pytest.raises(OSError):
+            folders.open_folders(tmp_path / "outbox", ("Album",), taken=gone)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -234,6 +234,9 @@ def test_a_pasted_link_becomes_a_url_file_and_a_link_job(paused: Any) -> None:
     status, reply = post_link(paused, {"url": url, "name": "../up\x1b", "preset": "karaoke"})
     assert status == 200 and reply["file"] == "karaoke/up.url", reply
 
+    status, reply = post_link(paused, {"url": url, "name": "Pause"})  # never the pause switch
+    assert status == 200 and reply["file"] == "Pause (link).url", reply
+
     for bad, reason in (
         ({"url": "file:///etc/passwd"}, "not a web address"),
         ({"url": "http://x/a b"}, "without spaces"),
