@@ -39,6 +39,7 @@ from stemdeck_watch.core.errors import (
     Cancelled,
     DecodeError,
     FilesystemError,
+    ModelError,
     StageError,
     WorkerDied,
 )
@@ -122,6 +123,14 @@ class Pipeline:
             except WorkerDied as exc:  # a machine fault: what this attempt ran with
                 exc.plan = "" if run.plan.as_configured else run.plan.describe()
                 raise
+            except ModelError as exc:  # the drop chose the model: say where to change it
+                origin = run.origins.get("separation.model", "config")
+                if origin == "config":
+                    raise
+                raise ModelError(
+                    f"{exc} (separation.model = {run.sep.model!r} was chosen by the {origin})",
+                    details=exc.details,
+                ) from exc
         return Publishing(self, run)
 
     def finish(self, run: JobRun) -> Job:

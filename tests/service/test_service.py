@@ -151,6 +151,12 @@ def test_a_model_that_cannot_load_fails_the_job_not_the_service(
     done = wait_for(lambda: [j for j in jobs.final() if j.rel_path == "good/second.wav"], 60)[0]
     assert done.state is JobState.DONE and done.preset == "good"
     assert (settings.paths.outbox / "good" / "second" / "vocals.wav").is_file()
+    assert "chosen by" not in failed.error  # the config's own model: nothing to point at
+    # a model the drop chose: the error says where that choice was made
+    write_song(settings.paths.inbox / "good" / "third [6s].wav", 2.0)
+    tagged = wait_for(lambda: [j for j in jobs.final() if "third" in j.rel_path], 60)[0]
+    assert tagged.state is JobState.FAILED and "could not load model 'htdemucs_6s'" in tagged.error
+    assert "(separation.model = 'htdemucs_6s' was chosen by the name tag [6s])" in tagged.error
 
 
 def test_removing_or_renaming_an_input_cancels_its_job(make_settings, service_factory, tmp_path):
