@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,12 @@ from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 from support.helpers import config_data, outbox_entries
 
 PRESET = "duo"
-SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav")  # where songs are dropped (a preset folder too)
+# where songs are dropped: a preset folder too, and a song named like that folder (its stems
+# folder and the preset's folder of songs meet in the outbox: one is never put in the other)
+SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav")
 LINK_SLOT = "l.url"
 STAGING = Folders(*[Path("/")] * 5).staging.name
+PLANTED = (STAGING, PRESET)  # where the test plants links in the outbox
 _names = itertools.count()
 
 
@@ -163,14 +167,24 @@ def scan_outbox(outbox: Path) -> tuple[dict[str, dict[str, Any] | None], list[st
     for entry in sorted(outbox / name for name in outbox_entries(outbox)):
         if entry.name == STAGING:
             staging += [p.name for p in entry.iterdir()]
+        elif entry.is_symlink() and entry.name in PLANTED:
+            continue  # the test's own link, planted where the service makes a folder
         elif entry.name.startswith(".") or not entry.is_dir():
             stray.append(entry.name)
-        elif entry.name == PRESET and not (entry / MANIFEST).exists():
+        elif _preset_folder(entry):
             for inner in sorted(entry.iterdir()):
                 if inner.is_dir() and not inner.name.startswith("."):
-                    folders[f"{PRESET}/{inner.name}"] = read_manifest(inner)
+                    folders[f"{entry.name}/{inner.name}"] = read_manifest(inner)
                 else:
-                    stray.append(f"{PRESET}/{inner.name}")
+                    stray.append(f"{entry.name}/{inner.name}")
         else:
             folders[entry.name] = read_manifest(entry)
     return folders, stray, staging
+
+
+def _preset_folder(entry: Path) -> bool:
+    """The preset's folder of songs: `duo`, or `duo (2)` where the song `duo` or a planted
+    link holds `duo`; it holds song folders only (a song's half folder holds files)."""
+    if entry.name != PRESET and not re.fullmatch(re.escape(PRESET) + r" \(\d+\)", entry.name):
+        return False
+    return not (entry / MANIFEST).exists() and all(p.is_dir() for p in entry.iterdir())

@@ -47,6 +47,7 @@ from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCach
 from seams_folders import (
     LINK_SLOT,
     SLOTS,
+    PLANTED,
     STAGING,
     Hands,
     link_text,
@@ -446,20 +447,21 @@ class SeamsMachine(RuleBasedStateMachine):
             self.disk.free()
         self.model.disk_tight = fill
 
-    @rule()
+    @rule(where=st.sampled_from(PLANTED))
     @guarded
-    def plant_staging_link(self) -> None:
-        """A peer who can write the shared outbox plants a link where the service keeps its
-        hidden staging folder, while no song is written there: the next song written removes
-        it and is published as ever, and nothing lands where the link points."""
+    def plant_link(self, where: str) -> None:
+        """A peer who can write the shared outbox plants a link where the service makes a
+        folder, while nothing is there: at its hidden staging folder (the next song written
+        removes it) or at the preset's folder of songs (its next song goes to `duo (2)`, past
+        it); songs are published as ever, and nothing lands where the link points."""
         assert self.root is not None
-        staging = self.model.outbox / STAGING
+        folder = self.model.outbox / where
         (self.root / "elsewhere").mkdir(exist_ok=True)
-        if os.path.lexists(staging):
-            return  # a song is being written there
+        if os.path.lexists(folder):
+            return  # a song is being written there, or the folder is made already
         with contextlib.suppress(FileExistsError):  # the service made it meanwhile
-            staging.symlink_to(self.root / "elsewhere")
-            self.world.tally["staging link planted"] += 1
+            folder.symlink_to(self.root / "elsewhere")
+            self.world.tally[f"link planted at {where}"] += 1
 
     @rule(until=st.sampled_from(["quiet", "0.3 s", "1 s", "2.5 s"]))
     @guarded
