@@ -345,20 +345,23 @@ def find_moved(target: Path, size: int, mtime_ns: int) -> Path | None:
     input whose move finished just before the crash, before the registry heard of it."""
     for candidate in numbered_siblings(target):
         try:
-            stat = os.stat(candidate)
+            info = os.lstat(candidate)  # a link planted there is not the file
         except OSError:
             continue
-        if (stat.st_size, stat.st_mtime_ns) == (size, mtime_ns):
+        if stat.S_ISREG(info.st_mode) and (info.st_size, info.st_mtime_ns) == (size, mtime_ns):
             return candidate
     return None
 
 
 def _same_file(a: Path, b: Path) -> bool:
     """The same inode, or a complete copy of it (same size, mtime and bytes): a copy made by
-    `_copy_then_remove` keeps the mtime, which a different file of the same size hardly has."""
+    `_copy_then_remove` keeps the mtime, which a different file of the same size hardly has.
+    Both must be plain files: a link planted at `b` that points at `a` is not a copy of it."""
     try:
-        sa, sb = os.stat(a), os.stat(b)
+        sa, sb = os.lstat(a), os.lstat(b)
     except OSError:
+        return False
+    if not (stat.S_ISREG(sa.st_mode) and stat.S_ISREG(sb.st_mode)):
         return False
     if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
         return True

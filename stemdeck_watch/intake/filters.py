@@ -13,7 +13,7 @@ import unicodedata
 from pathlib import PurePosixPath
 from typing import Iterable
 
-from stemdeck_watch.util.safetext import with_suffix_bytes
+from stemdeck_watch.util.safetext import NAME_BYTES, fit_bytes
 
 IGNORED_NAMES = (
     ".*",  # AppleDouble ._x, Syncthing/Nextcloud temps, .DS_Store, hidden files
@@ -57,12 +57,13 @@ def is_pause_file(name: str) -> bool:
     return PurePosixPath(name).stem.lower() == "pause" or name.lower() == "pause"
 
 
-def readable_name(name: str) -> str | None:
+def readable_name(name: str, spare: int = 0) -> str | None:
     """A name for a file whose name is not UTF-8 (`Caf\xe9.wav` from an old zip, an SMB share
     or a Windows tool: Python holds its bytes as surrogates, which no database, JSON or page
     can carry), read as Windows-1252 as such tools wrote it; None for a UTF-8 name. A byte
     that is nothing in Windows-1252, or a control character, becomes "_"; a name grown past
-    one file name's bytes (each such byte becomes two or three) is cut in the middle."""
+    one file name's bytes (each such byte becomes two or three) is cut in the middle, with
+    `spare` bytes left for a companion's suffix (the sidecar's, which follows the song)."""
     try:
         name.encode("utf-8")
         return None
@@ -71,7 +72,10 @@ def readable_name(name: str) -> str | None:
     text = os.fsencode(name).decode("cp1252", errors="replace")
     text = "".join("_" if c == "\ufffd" or unicodedata.category(c) == "Cc" else c for c in text)
     suffix = PurePosixPath(text).suffix
-    return with_suffix_bytes(text[: len(text) - len(suffix)], suffix)
+    return (
+        fit_bytes(text[: len(text) - len(suffix)], NAME_BYTES - spare - len(suffix.encode()))
+        + suffix
+    )
 
 
 class InboxFilter:

@@ -14,9 +14,10 @@ import datetime as _dt
 import errno
 import logging
 import os
+import stat
 from pathlib import Path, PurePosixPath
 
-from stemdeck_watch.core.paths import link_below, report_path, unique_path
+from stemdeck_watch.core.paths import report_path, unique_path
 from stemdeck_watch.util.safefile import write_replacing
 from stemdeck_watch.util.safetext import strip_controls
 
@@ -49,11 +50,25 @@ def outside_inbox(path: Path, real_inbox: str) -> bool:
     return not _within(os.path.realpath(path.parent), real_inbox)
 
 
+def _plain_folders(root: Path, folder: Path) -> bool:
+    """Whether every level of `folder` below `root` is a folder or not there yet: a link or
+    a file put at one (failed/ may be shared) sends the link to the top of failed/."""
+    level = root
+    for part in folder.relative_to(root).parts:
+        level = level / part
+        try:
+            if not stat.S_ISDIR(os.lstat(level).st_mode):
+                return False
+        except FileNotFoundError:
+            return True
+    return True
+
+
 def set_aside(link: Path, rel: PurePosixPath, failed: Path, reason: str) -> Path:
     """Move the link itself (not what it points to) to failed/ beside a report; returns
     where it went. Raises OSError if it could not be moved."""
     target = unique_path(failed / rel)
-    if link_below(failed, target.parent) is not None:  # never moved through a planted link
+    if not _plain_folders(failed, target.parent):  # never through a link planted there
         target = unique_path(failed / rel.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -21,7 +21,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from stemdeck_watch.core.choices import move_sidecar
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX, move_sidecar
 from stemdeck_watch.core.config import WatchSettings
 from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter, readable_name
@@ -57,6 +57,14 @@ def choose_mode(
             f"the inbox is on a network filesystem ({filesystem_type(inbox, table)})"
         )
     return "native", "native filesystem events"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class _Handler(FileSystemEventHandler):
@@ -251,6 +259,9 @@ class InboxWatcher:
 
     def _gone(self, path: Path) -> None:
         self.tracker.forget(path)
+        self._left.discard(path)
+        if not _utf8(str(path)):
+            return  # not UTF-8 text: no job was ever made for it (see _admit)
         self.scheduler.file_gone(path)
 
     def _inside(self, path: Path) -> bool:
@@ -338,9 +349,7 @@ class InboxWatcher:
         if not self._eligible(path) or self._renamed_readable(path):
             return
         rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
-        try:
-            str(rel).encode("utf-8")
-        except UnicodeEncodeError:  # a folder's name is not UTF-8: nothing can record it
+        if not _utf8(str(rel)):  # a folder's name is not UTF-8: nothing can record it
             if path not in self._left:
                 self._left.add(path)
                 log.warning(
@@ -358,7 +367,7 @@ class InboxWatcher:
         """A file whose name is not UTF-8 is renamed in place to a readable name (never
         over another file), its choices (sidecar) with it; the new name is then a file of its
         own. True if renamed (or left, with the reason logged once, where it could not be)."""
-        readable = readable_name(path.name)
+        readable = readable_name(path.name, spare=len(SIDECAR_SUFFIX))
         if readable is None:
             return False
         try:
@@ -391,12 +400,14 @@ class InboxWatcher:
         try:
             where = set_aside(path, rel, self.scheduler.settings.paths.failed, reason)
         except OSError as exc:
-            log.error(
-                "could not move the link %s to %s: %s; remove it from the inbox",
-                path,
-                self.scheduler.settings.paths.failed,
-                exc.strerror or exc,
-            )
+            if path not in self._left:
+                self._left.add(path)
+                log.error(
+                    "could not move the link %s to %s: %s; remove it from the inbox",
+                    path,
+                    self.scheduler.settings.paths.failed,
+                    exc.strerror or exc,
+                )
             return True
         self.scheduler.refuse(where, rel, reason)
         return True

@@ -5,8 +5,8 @@ Where the OS names files relative to an open folder (Linux, macOS, the BSDs: `di
 level is opened from the one above it without following a link, so a link swapped in after a
 level was looked at is never gone through either. Elsewhere (Windows, where a folder cannot be
 opened and `dir_fd` is not there) each level is looked at by path and refused if it is a
-link or not a folder; a link swapped in between the look and the use is gone through there,
-which on Windows takes the right to make links, which a plain user does not have.
+link, a junction or any other reparse point, or not a folder; one swapped in between the
+look and the use is gone through there.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ DIR_FD = {os.open, os.mkdir, os.stat, os.rename} <= os.supports_dir_fd
 _FOLDER = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FOLDER |= getattr(os, "O_CLOEXEC", 0)
 _NOT_THIS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)  # a link, or not a folder
+_REPARSE_POINT = 0x400  # FILE_ATTRIBUTE_REPARSE_POINT: a Windows link, junction or mount
+
+
+def _a_link(info: os.stat_result) -> bool:
+    """A symbolic link, or on Windows a junction (which lstat reports as a folder and any
+    user can make) or another reparse point."""
+    return (
+        stat.S_ISLNK(info.st_mode)
+        or bool(getattr(info, "st_reparse_tag", 0))
+        or bool(getattr(info, "st_file_attributes", 0) & _REPARSE_POINT)
+    )
 
 
 class Folder:
@@ -79,9 +90,9 @@ class Folder:
         folder."""
         if self._fd is not None:
             return Folder(self.path / name, os.open(name, _FOLDER, dir_fd=self._fd))
-        mode = self._lstat(name).st_mode
-        if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
-            code = errno.ELOOP if stat.S_ISLNK(mode) else errno.ENOTDIR
+        info = self._lstat(name)
+        if _a_link(info) or not stat.S_ISDIR(info.st_mode):
+            code = errno.ELOOP if _a_link(info) else errno.ENOTDIR
             raise OSError(code, os.strerror(code), str(self.path / name))
         return Folder(self.path / name)
 
@@ -90,7 +101,7 @@ class Folder:
         flags |= getattr(os, "O_NOFOLLOW", 0)
         if self._fd is not None:
             return os.open(name, flags, dir_fd=self._fd)
-        if stat.S_ISLNK(self._lstat(name).st_mode):
+        if _a_link(self._lstat(name)):
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(self.path / name))
         return os.open(self.path / name, flags)
 

@@ -54,6 +54,7 @@ def escape_markup(text: object) -> str:
 NAME_BYTES = 255  # one file or folder name on ext4, APFS, NTFS (in UTF-8 bytes)
 KEEP_END = 24  # characters a name cut to fit keeps at its end
 ELLIPSIS = "…".encode()
+JOINING = "\u200d\ufe0e\ufe0f"  # zero-width joiner, text and emoji variation selectors
 
 
 def cut_to_bytes(text: str, limit: int) -> str:
@@ -63,20 +64,31 @@ def cut_to_bytes(text: str, limit: int) -> str:
     data = text.encode()
     if len(data) <= limit:
         return text
-    cut = data[:limit].decode(errors="ignore")
-    while cut and unicodedata.combining(text[len(cut)]):
+    cut = data[: max(limit, 0)].decode(errors="ignore")
+    while cut and _joined(text, len(cut)):
         cut = cut[:-1]  # the next character would have combined with the last one kept
     return cut
+
+
+def _joined(text: str, i: int) -> bool:
+    """Whether text[i] belongs to the character before it: an accent combined with it, a
+    variation selector, or either side of an emoji's zero-width joiner."""
+    return (
+        unicodedata.combining(text[i]) != 0
+        or text[i] in JOINING
+        or (i > 0 and text[i - 1] == "\u200d")
+    )
 
 
 def fit_bytes(text: str, limit: int) -> str:
     """`text` in at most `limit` bytes of UTF-8, cut in the middle ("…"): its end is what
     tells names apart (a track's " - 02", a copy's " (2)", the extension), so it is kept."""
+    limit = max(limit, 0)
     if len(text.encode()) <= limit:
         return text
     start = max(0, len(text) - KEEP_END)
-    while start > 0 and unicodedata.combining(text[start]):
-        start -= 1  # never between a character and the accents combined with it
+    while start > 0 and _joined(text, start):
+        start -= 1  # never between a character and what is combined with it
     end = text[start:]
     if len(end.encode()) > limit // 2:
         return cut_to_bytes(text, limit)
@@ -90,11 +102,15 @@ def numbered_name(name: str, n: int, keep_suffix: bool = True) -> str:
         return name
     plain = PurePath(name)
     stem, suffix = (plain.stem, plain.suffix) if keep_suffix and plain.suffix else (name, "")
+    if len(suffix.encode()) > NAME_BYTES // 2:  # no real extension: cut it with the rest
+        stem, suffix = name, ""
     tail = f" ({n}){suffix}"
     return fit_bytes(stem, NAME_BYTES - len(tail.encode())) + tail
 
 
 def with_suffix_bytes(name: str, suffix: str) -> str:
     """`name` + `suffix` (a report's ".error.txt"), the name cut in the middle where the
-    whole would not fit in NAME_BYTES."""
+    whole would not fit in NAME_BYTES (and the suffix too, where it alone would not)."""
+    if len(suffix.encode()) > NAME_BYTES // 2:
+        return fit_bytes(name + suffix, NAME_BYTES)
     return fit_bytes(name, NAME_BYTES - len(suffix.encode())) + suffix

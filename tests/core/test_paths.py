@@ -154,3 +154,39 @@ def test_numbered_copies_are_found_whatever_case_the_folder_gave_them(tmp_path: 
         (tmp_path / name).write_bytes(b"x")
     found = paths.numbered_siblings(tmp_path / "Song.wav")
     assert found == [tmp_path / "song.wav", tmp_path / "SONG (2).wav"]
+
+
+def test_a_link_planted_where_the_input_goes_never_costs_the_input(tmp_path: Path) -> None:
+    """A peer who can write processed/ plants `song.wav` (any case) as a link to the song in
+    the inbox: the move must not take it for the song already moved there and delete the
+    input; the song is moved beside it, the link left alone."""
+    for planted in ("Song.wav", "SONG.wav", "Song (2).wav"):
+        root = tmp_path / planted
+        (root / "inbox").mkdir(parents=True)
+        (root / "processed").mkdir()
+        src = root / "inbox" / "Song.wav"
+        src.write_bytes(b"the only copy of my song")
+        (root / "processed" / planted).symlink_to(src)
+        where = move_file(src, root / "processed" / "Song.wav", within=root / "processed")
+        assert not where.is_symlink() and where.read_bytes() == b"the only copy of my song"
+        assert (root / "processed" / planted).is_symlink(), planted
+        signature = os.stat(where)
+        found = paths.find_moved(
+            root / "processed" / "Song.wav", signature.st_size, signature.st_mtime_ns
+        )
+        assert found == where, planted
+
+
+def test_names_are_cut_to_one_name_whatever_their_suffix(tmp_path: Path) -> None:
+    """A suffix too long to keep is cut with the rest; an emoji's joiner is never the first
+    character kept after the cut."""
+    from stemdeck_watch.util.safetext import NAME_BYTES, fit_bytes, numbered_name, with_suffix_bytes
+
+    long_suffix = "a." + "b" * 250
+    assert len(numbered_name(long_suffix, 2).encode()) <= NAME_BYTES
+    assert len(with_suffix_bytes("x" * 100, "." + "y" * 300).encode()) <= NAME_BYTES
+    assert fit_bytes("abcdef", -2) == ""
+    family = "\U0001f469\u200d\U0001f469\u200d\U0001f467"
+    cut = fit_bytes("x" * 300 + family * 6, 200)
+    kept = cut.split("…")[1]
+    assert len(cut.encode()) <= 200 and not kept.startswith("\u200d")

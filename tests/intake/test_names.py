@@ -53,7 +53,9 @@ def test_a_different_song_under_the_other_spelling_is_its_own_job(rig, tmp_path)
     assert {j.name for j in jobs} == {NFC}
 
 
-def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(rig, tmp_path):
+def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(
+    rig, tmp_path, caplog
+):
     """`Caf\xe9.wav` from an old zip or an SMB share: no database or page can carry its
     name, so it is renamed in place (as Windows-1252 wrote it), then queued like any song;
     the songs beside it are queued meanwhile. One in a folder whose name is not UTF-8
@@ -62,8 +64,9 @@ def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(
     inbox = os.fsencode(rig.inbox)
     os.mkdir(os.path.join(inbox, b"Alt\xe9"))
     long = b"\xe9" * 200 + b" - 07.wav"  # 209 bytes; readable, each byte takes two
-    with open(os.path.join(inbox, b"Caf\xe9.wav.stemdeck.toml"), "w") as handle:
-        handle.write('two_stems = "vocals"\n')  # its choices go with it
+    for name in (b"Caf\xe9.wav", long):  # their choices go with them
+        with open(os.path.join(inbox, name + b".stemdeck.toml"), "w") as handle:
+            handle.write('two_stems = "vocals"\n')
     for name in (b"Caf\xe9.wav", b"Alpha.wav", b"Zulu \x81.wav", b"Alt\xe9/inside.wav", long):
         with open(os.path.join(inbox, name), "wb") as handle:
             handle.write(song)
@@ -84,9 +87,12 @@ def test_a_name_that_is_not_utf8_is_renamed_readable_and_holds_up_no_other_song(
             b"Caf\xc3\xa9.wav.stemdeck.toml",
             b"Zulu _.wav",
             cut.encode(),
+            cut.encode() + b".stemdeck.toml",
         ]
     )
     assert all(j.state is JobState.QUEUED for j in jobs)
+    # the old names' deletions are nothing the queue knew: no error, no rescan for them
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
 
 
 def test_a_link_to_a_file_elsewhere_is_refused_with_a_reason(rig, tmp_path):
@@ -103,19 +109,23 @@ def test_a_link_to_a_file_elsewhere_is_refused_with_a_reason(rig, tmp_path):
     assert elsewhere.read_bytes() == before and not (rig.inbox / "sub" / "linked.wav").exists()
 
 
-def test_a_link_is_never_set_aside_through_a_link_planted_in_failed(rig, tmp_path):
-    """failed/ may be shared too: a link planted where the refused link's folder would go
-    is not gone through; the refused link goes to the top of failed/ instead."""
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_a_link_is_never_set_aside_through_what_was_planted_in_failed(rig, tmp_path, planted):
+    """failed/ may be shared too: a link or a file planted where the refused link's folder
+    would go is not gone through (nor does it keep the link in the inbox); the refused link
+    goes to the top of failed/ instead."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     rig.settings.paths.failed.mkdir(parents=True, exist_ok=True)
-    os.symlink(elsewhere, rig.settings.paths.failed / "sub")
+    if planted == "link":
+        os.symlink(elsewhere, rig.settings.paths.failed / "sub")
+    else:
+        (rig.settings.paths.failed / "sub").write_bytes(b"someone's file")
     (rig.inbox / "sub").mkdir()
     os.symlink(write_song(tmp_path / "private.wav", 1.0), rig.inbox / "sub" / "linked.wav")
     [job] = rig.wait_jobs(1)
-    assert job.state is JobState.FAILED and job.source == str(
-        rig.settings.paths.failed / "linked.wav"
-    )
+    assert job.state is JobState.FAILED
+    assert job.source == str(rig.settings.paths.failed / "linked.wav")
     assert list(elsewhere.iterdir()) == []
 
 

@@ -410,3 +410,13 @@ def test_a_folder_left_open_when_the_check_of_a_level_fails_is_closed(tmp_path):
         with pytest.raises(OSError):
             folders.open_folders(tmp_path / "outbox", ("Album",), taken=gone)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_windows_junction_is_refused_as_a_link():
+    """On Windows lstat reports a junction (which any user can make) as a folder: its
+    reparse-point attribute marks it, and a folder walked by path refuses it."""
+    import types
+
+    junction = types.SimpleNamespace(st_mode=0o040755, st_file_attributes=0x410)
+    folder = types.SimpleNamespace(st_mode=0o040755, st_file_attributes=0x10)
+    assert folders._a_link(junction) and not folders._a_link(folder)  # type: ignore[arg-type]
