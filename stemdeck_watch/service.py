@@ -45,6 +45,7 @@ from stemdeck_watch.stages import songfolder
 from stemdeck_watch.workers.separator import Separator
 
 log = logging.getLogger(__name__)
+WARM_JOIN_SECONDS = 30  # how long a stop waits for the beat tracker still loading
 
 
 class Service:
@@ -377,7 +378,14 @@ class Service:
             self.notifier = None
         self.registry.close()
         if self._warming is not None:  # seconds at most, and only just after a start
-            self._warming.join()
+            # joined, so that the interpreter never exits in the middle of librosa's import;
+            # bounded, so that a stuck import never holds the stop up
+            self._warming.join(WARM_JOIN_SECONDS)
+            if self._warming.is_alive():
+                log.warning(
+                    "the beat tracker was still loading after %g s; stopping without it",
+                    WARM_JOIN_SECONDS,
+                )
             self._warming = None
         if self.ownership is not None:  # after the last move: a standby may take over now
             self.ownership.stop()

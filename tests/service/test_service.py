@@ -247,3 +247,24 @@ def test_a_song_taken_away_as_its_job_starts_is_cancelled_not_quarantined(
     job = jobs.wait_final(1)[0]
     assert job.state is JobState.CANCELLED and job.error == "the input was removed from the inbox"
     assert list(settings.paths.failed.iterdir()) == []
+
+
+def test_a_beat_tracker_stuck_loading_never_holds_the_stop_up(
+    make_settings, service_factory, monkeypatch, caplog
+):
+    """The beat tracker loads beside the model at start; one whose import hangs (a broken
+    numba cache) is waited for a bounded time at the stop, said in the log."""
+    from stemdeck_watch import service as service_module
+    from stemdeck_watch.stages import songfolder
+
+    stuck = threading.Event()
+    monkeypatch.setattr(songfolder, "warm", lambda settings: stuck.wait(60))
+    monkeypatch.setattr(service_module, "WARM_JOIN_SECONDS", 0.5)
+    service, _ = service_factory(make_settings())
+    try:
+        done = threading.Event()
+        threading.Thread(target=lambda: (service.shutdown(), done.set()), daemon=True).start()
+        assert done.wait(30), "the stop waited for the stuck beat tracker"
+        assert "the beat tracker was still loading" in caplog.text
+    finally:
+        stuck.set()
