@@ -15,7 +15,7 @@ worker will, and makes the build an entry (compilecache.py: manifest written and
 one rename). The worker adopts the entry between two songs.
 
     python -m stemdeck_watch.workers.compilebuild --model NAME [--repo DIR] --precision P
-        --device cpu --cache DIR [--cap-mb N] [--threads N]
+        --device cpu --cache DIR [--cap-mb N] [--threads N] [--parent PID]
 
 stdout: one JSON line at the end, {"ok": true, "key": K, "compile_seconds": F, "bytes": N} or
 {"ok": false, "error": TEXT}. It exits when its parent dies.
@@ -190,12 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", required=True)
     parser.add_argument("--cap-mb", type=float, default=2048.0)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--parent", type=int, default=0)  # the service's pid
     args = parser.parse_args(argv)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
     from stemdeck_watch.workers.worker import watch_parent
 
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    # a service killed before die_with_parent took effect never sends the signal
+    threading.Thread(
+        target=watch_parent, args=(args.parent,), name="parent-watch", daemon=True
+    ).start()
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
     log.info("building at %s", priority)
     try:
@@ -245,6 +249,8 @@ class CompileBuilder:
                 str(self.cap_mb),
                 "--threads",
                 str(self.threads),
+                "--parent",
+                str(os.getpid()),
             ]
             if repo:
                 command += ["--repo", repo]

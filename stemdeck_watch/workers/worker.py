@@ -92,13 +92,15 @@ def _progress(job_id: str, value: float) -> None:
     sys.stderr.flush()
 
 
-def watch_parent() -> None:
-    """Exit when the process that started this one is gone (a killed service)."""
-    parent = os.getppid()
+def watch_parent(parent: int | None = None) -> None:
+    """Exit when the process that started this one is gone (a killed service). `parent`: its
+    pid as it said when it started this one; one killed before this process got here is
+    noticed at once (this process already has another parent then)."""
+    parent = parent or os.getppid()
     while True:
-        time.sleep(1.0)
         if os.getppid() != parent:
             os._exit(0)
+        time.sleep(1.0)
 
 
 class _DownloadReport:

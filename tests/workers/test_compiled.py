@@ -22,7 +22,13 @@ import pytest
 
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.compilebuild import proc_stat
-from stemdeck_watch.workers.compilecache import CompileCache, CompileKey, CompileSettings, Verdict
+from stemdeck_watch.workers.compilecache import (
+    PART_SUFFIX,
+    CompileCache,
+    CompileKey,
+    CompileSettings,
+    Verdict,
+)
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.workers.precision import CALIBRATE_ENV
 
@@ -408,6 +414,36 @@ def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path:
         proc.wait()
         proc.stdin.close()  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_build_whose_service_died_before_it_started_watching_ends_at_once(
+    model_repo: Path, tmp_path: Path
+) -> None:
+    """A service killed between starting a build and the build asking to die with it leaves
+    the build with another parent: it notices by the service's pid it was given, and ends
+    before it compiles anything (it would run for minutes, an orphan)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is not this build's parent: the service it names is gone
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stemdeck_watch.workers.compilebuild",
+            "--model",
+            "tiny",
+            "--repo",
+            str(model_repo),
+            "--cache",
+            str(tmp_path / "compiled"),
+            "--parent",
+            str(gone.pid),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert build.returncode == 0 and build.stdout == "", build.stderr[-2000:]
+    assert not any((tmp_path / "compiled").rglob(f"*{PART_SUFFIX}")), "it compiled"
 
 
 def test_another_thread_count_builds_its_own_and_leaves_the_first_in_use(
