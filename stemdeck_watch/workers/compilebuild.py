@@ -7,6 +7,8 @@ model meanwhile. Idle priority is not enough on its own: torch's threads leave t
 for moments many times a second, a build slips into each, and a song separated beside one
 took 2.4× as long here. So while the worker separates, the build (its compiler processes too)
 is stopped (SIGSTOP) and continued after: it runs only while the worker has nothing to do.
+It is stopped only once it has said it dies with the service (`ARMED`): one stopped before
+would outlive a service killed meanwhile, stopped for ever.
 
 It loads the model as the worker does, compiles each part of each network ahead of time into a
 build folder with a random name in the compiled-model cache (compiledgraph.py: the saved parts,
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
 PID_FILE = "build.pid"  # in the cache: the process group of the build running, and its start
+ARMED = "@@armed"  # on stderr: the build dies with the service from now on, also when stopped
 
 
 def lower_priority(pid: int = 0) -> str:
@@ -192,11 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--parent", type=int, default=0)  # the service's pid
     args = parser.parse_args(argv)
+    if args.parent and os.getppid() != args.parent:
+        return 0  # the service was killed before die_with_parent took effect
+    print(ARMED, file=sys.stderr, flush=True)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
     from stemdeck_watch.workers.worker import watch_parent
 
-    # a service killed before die_with_parent took effect never sends the signal
     threading.Thread(
         target=watch_parent, args=(args.parent,), name="parent-watch", daemon=True
     ).start()
@@ -222,6 +227,9 @@ class CompileBuilder:
         self.threads = threads
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
+        # the build said it dies with the service: only then may it be stopped (a build
+        # stopped before would outlive a service killed meanwhile, stopped for ever)
+        self._armed = threading.Event()
         self._building: dict[str, Any] | None = None
         self._ended: dict[str, dict[str, Any]] = {}  # key → the build's result
         self._closed = False
@@ -254,6 +262,7 @@ class CompileBuilder:
             ]
             if repo:
                 command += ["--repo", repo]
+            self._armed.clear()
             self._proc = proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -282,10 +291,7 @@ class CompileBuilder:
         tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         try:
             assert proc.stderr is not None and proc.stdout is not None
-            reader = threading.Thread(
-                target=lambda: tail.extend(line.rstrip() for line in proc.stderr or []),
-                daemon=True,
-            )
+            reader = threading.Thread(target=self._read_stderr, args=(proc, tail), daemon=True)
             reader.start()
             with proc.stdout:
                 lines = proc.stdout.read().splitlines()
@@ -320,6 +326,13 @@ class CompileBuilder:
             self._building = None
             self._proc = None
 
+    def _read_stderr(self, proc: subprocess.Popen[str], tail: collections.deque[str]) -> None:
+        for line in proc.stderr or []:
+            if line.rstrip() == ARMED:
+                self._armed.set()
+            else:
+                tail.append(line.rstrip())
+
     def _end_group(self, pid: int) -> None:
         """The build ended: end what it left running in its process group (a compiler) and
         forget it, so nothing reaps that group id once it names something else."""
@@ -333,9 +346,10 @@ class CompileBuilder:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """While inside (the worker separates), the build in progress is stopped."""
+        """While inside (the worker separates), the build in progress is stopped, once it
+        dies with the service (its first moment, at idle priority, it goes on)."""
         proc = self._proc
-        stopped = proc is not None and self._signal(proc, "SIGSTOP")
+        stopped = proc is not None and self._armed.is_set() and self._signal(proc, "SIGSTOP")
         try:
             yield
         finally:

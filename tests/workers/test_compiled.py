@@ -446,6 +446,36 @@ def test_a_build_whose_service_died_before_it_started_watching_ends_at_once(
     assert not any((tmp_path / "compiled").rglob(f"*{PART_SUFFIX}")), "it compiled"
 
 
+def test_a_build_is_stopped_for_a_song_only_once_it_dies_with_the_service(tmp_path: Path) -> None:
+    """A build stopped before it asked to be killed with the service would outlive a service
+    killed meanwhile, stopped for ever: until it says so, a song does not stop it."""
+    from stemdeck_watch.workers.compilebuild import CompileBuilder
+
+    builder = CompileBuilder(tmp_path, 100.0, dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+    )
+
+    def state() -> str:
+        return proc_stat(proc.pid)[0]
+
+    try:
+        builder._proc = proc
+        with builder.held():
+            assert state() != "T", "stopped before it said it dies with the service"
+        builder._armed.set()
+        with builder.held():
+            wait_for(lambda: state() == "T", 10, "the armed build to be stopped")
+        wait_for(lambda: state() != "T", 10, "the build to go on after the song")
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()  # type: ignore[union-attr]
+
+
 def test_another_thread_count_builds_its_own_and_leaves_the_first_in_use(
     compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
 ) -> None:
