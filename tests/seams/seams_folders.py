@@ -184,7 +184,8 @@ def scan_outbox(outbox: Path) -> tuple[dict[str, dict[str, Any] | None], list[st
 
 def _preset_folder(entry: Path) -> bool:
     """The preset's folder of songs: `duo`, or `duo (2)` where the song `duo` or a planted
-    link holds `duo`; it holds song folders only (a song's half folder holds files)."""
+    link holds `duo`; it holds song folders only (a song's half folder holds files), or
+    nothing (made for a song whose publish then failed)."""
     if entry.name != PRESET and not re.fullmatch(re.escape(PRESET) + r" \(\d+\)", entry.name):
         return False
     return not (entry / MANIFEST).exists() and all(p.is_dir() for p in entry.iterdir())
