@@ -543,11 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.worker")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=0, help="0: one per physical core")
+    parser.add_argument("--parent", type=int, default=0, help="the pid of who started it")
     args = parser.parse_args(argv)
     # the protocol owns stdout; anything a library prints goes to stderr instead
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    threading.Thread(
+        target=watch_parent, args=(args.parent,), name="parent-watch", daemon=True
+    ).start()
 
     import demucs
     import torch

@@ -131,7 +131,7 @@ def start(argv: list[str], env: dict[str, str]) -> WorkerProcess:
     else:
         kwargs["start_new_session"] = True
     return subprocess.Popen(
-        [sys.executable, "-m", WORKER_MODULE, *argv],
+        [sys.executable, "-m", WORKER_MODULE, *argv, "--parent", str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -386,12 +386,13 @@ def main(fd: int) -> int:
                     if number == int(request["signal"]):
                         os.kill(child, int(request["signum"]))
                 continue
+            zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
                 channel.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _become_worker(request, environment, fds)
+                _become_worker(request, environment, fds, zygote)
             children[pid] = int(request["start"])
             for fd in fds:
                 os.close(fd)
@@ -415,8 +416,11 @@ def _reap(channel: socket.socket, children: dict[int, int]) -> None:
         channel.send(json.dumps({"exited": pid, "start": number, "code": code}).encode())
 
 
-def _become_worker(request: dict[str, Any], environment: dict[str, str], fds: list[int]) -> None:
-    """In the forked child: what `python -m stemdeck_watch.workers.worker` would be."""
+def _become_worker(
+    request: dict[str, Any], environment: dict[str, str], fds: list[int], zygote: int
+) -> None:
+    """In the forked child: what `python -m stemdeck_watch.workers.worker` would be; it
+    watches `zygote`, its parent, from its first moment (one gone before is noticed too)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -438,7 +442,7 @@ def _become_worker(request: dict[str, Any], environment: dict[str, str], fds: li
         sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False, buffering=1)
         from stemdeck_watch.workers.worker import main as worker_main
 
-        code = worker_main(request["argv"])
+        code = worker_main([*request["argv"], "--parent", str(zygote)])
     except BaseException:
         import traceback
 

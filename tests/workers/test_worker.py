@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -168,3 +170,23 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
         assert got.shape == want.shape == (2, 12 * SR)
         snr = 10 * np.log10(np.square(want).sum() / max(np.square(got - want).sum(), 1e-30))
         assert snr > 100, f"{name}: {snr:.1f} dB"
+
+
+def test_a_worker_whose_parent_died_before_it_started_watching_exits() -> None:
+    """A worker told who started it (the service, or the zygote it was forked from) exits at
+    once when that process is already gone, instead of waiting on a pipe nobody closes (a
+    zygote's worker holds a copy of its own stdin's other end)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "stemdeck_watch.workers.worker", "--parent", str(gone.pid)],
+        stdin=subprocess.PIPE,  # kept open: only the parent watch can end it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert worker.wait(60) == 0
+    finally:
+        worker.kill()
+        worker.wait()
+        worker.stdin.close()  # type: ignore[union-attr]
