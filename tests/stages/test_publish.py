@@ -7,7 +7,7 @@ import errno
 import json
 import os
 import unicodedata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
@@ -187,15 +187,19 @@ def test_a_song_is_never_published_inside_another_songs_folder(tmp_path: Path, s
     again = publish_folder(finished(outbox, stems, "job3"), outbox, ("Live",), "02 Closer")
     assert again.parent == track.parent  # the album's tracks stay together
     # a restart after a crash right after the rename finds the track where it went
-    job = Job(
-        id="job2",
-        name="01 Opener",
+    assert find_published(outbox, publishing("job2", "Live/01 Opener.wav")) == track
+
+
+def publishing(job_id: str, rel_path: str) -> Job:
+    """The job of inbox/`rel_path` cut off by a crash while it published."""
+    return Job(
+        id=job_id,
+        name=PurePosixPath(rel_path).stem,
         kind=JobKind.FILE,
         state=JobState.PUBLISHING,
-        source="inbox/Live/01 Opener.wav",
-        rel_path="Live/01 Opener.wav",
+        source=f"inbox/{rel_path}",
+        rel_path=rel_path,
     )
-    assert find_published(outbox, job) == track
 
 
 def test_a_restart_finds_a_song_its_outbox_spelled_another_way(tmp_path: Path, stems) -> None:
@@ -209,15 +213,7 @@ def test_a_restart_finds_a_song_its_outbox_spelled_another_way(tmp_path: Path, s
     song = publish_folder(finished(outbox, stems, "job1"), outbox, (album.name,), "Intro")
     assert song == album / "Intro"
     song.rename(album / "intro (2)")
-    job = Job(
-        id="job1",
-        name="Intro",
-        kind=JobKind.FILE,
-        state=JobState.PUBLISHING,
-        source="inbox/Señor/Intro.wav",
-        rel_path="Señor/Intro.wav",
-    )
-    assert find_published(outbox, job) == album / "intro (2)"
+    assert find_published(outbox, publishing("job1", "Señor/Intro.wav")) == album / "intro (2)"
 
 
 def _whole_output(stems: dict[str, Path], members: list[str]) -> np.ndarray:
