@@ -108,9 +108,7 @@ def test_a_converted_part_the_build_did_not_name_makes_the_entry_unusable(
     assert store.problem(key) == "network-0.planted.openvino.xml is not named in entry.json"
 
 
-def test_what_is_converted_for_openvino(
-    model_repo: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_what_is_converted_for_openvino(model_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from stemdeck_watch.workers import openvinograph
     from stemdeck_watch.workers.compiledgraph import part_inputs
     from stemdeck_watch.workers.worker import load_model
