@@ -177,6 +177,13 @@ def refusal(message: str) -> str:
     return next((line for line in lines if line.startswith("verbose_code_parts")), message)
 
 
+def converted(pair: tuple[Any, Any]) -> bool:
+    """Whether a (part, call) pair runs in OpenVINO rather than Inductor's code."""
+    from stemdeck_watch.workers.openvinograph import SUFFIX
+
+    return str(pair[1].__name__).endswith(SUFFIX.removesuffix(".xml"))
+
+
 def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
     """The compiled parts saved in `folder` (an entry, or a build), loaded: (part, compiled
     call) pairs for `using`. Inductor's code is read from the entry's own cache."""
@@ -383,6 +390,8 @@ class CompiledSlot:
             "worst_snr_db": verdict.worst_snr_db,
             "load_seconds": round(load_seconds, 2),
             "compile_seconds": entry.get("compile_seconds"),
+            # the OpenVINO that runs its transformer, if a part went to it
+            "openvino": self.key.openvino if any(map(converted, pairs)) else None,
         }
         self.pairs = pairs if verdict.use else []
         self.reason = verdict.reason

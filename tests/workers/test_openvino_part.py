@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stemdeck_watch.cli.doctor import compiled_finding
 from stemdeck_watch.workers.compilecache import CompileCache
 
 from support.compiled import BuiltCompile, entry_key
@@ -55,6 +56,9 @@ def test_the_transformer_is_converted_for_openvino_and_every_part_runs_compiled(
     model = load_model("tiny", str(model_repo))
     pairs = open_compiled(model, entry, "cpu", "float32")
     assert [call.__name__ for part, call in pairs if part is model.crosstransformer] == [CONVERTED]
+    assert compiled_tiny.after["openvino"] == version(), "the worker says what runs it"
+    said = compiled_finding("model", compiled_tiny.after).detail
+    assert f"its transformer in OpenVINO {version().split('-')[0]}" in said, said
     silence = segment_input(model, "cpu")
     music = torch.randn(silence.shape, generator=torch.Generator().manual_seed(3)) * 0.1
     with modes("cpu", "float32"):
