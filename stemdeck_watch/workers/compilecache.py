@@ -4,8 +4,8 @@ A `torch.compile` of a full-size model costs minutes of CPU, so it is built once
 and model and kept: `<state>/compiled/<key>/` holds the compiled parts of one (model,
 precision, device, torch, OpenVINO, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py;
 a transformer converted for OpenVINO: `network-<i>.<part>.openvino.xml` and `.bin`,
-openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that key and every file with its
-size and SHA-256. A build happens in a folder with a random name and
+openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that
+key and every file with its size and SHA-256. A build happens in a folder with a random name and
 becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
 restart or a killed build never leaves a half entry that looks whole. An entry whose
 `entry.json` names another key (copied from elsewhere), or whose files do not match it (one

@@ -7,8 +7,9 @@ the worker: a background process at idle priority builds it into the compiled-mo
 Each part of each network (its encoder and decoder layers, its transformer) is compiled ahead
 of time as one graph and saved with its guards (compiledgraph.py), so loading it traces nothing
 and takes seconds; where OpenVINO is installed the transformer is converted for it instead
-(openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a build is there the worker loads it between two songs, measures it
-once on the built-in synthetic song exactly as the precision choice measures (precision.py),
+(openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
+build is there the worker loads it between two songs, measures it once on the built-in
+synthetic song exactly as the precision choice measures (precision.py),
 and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
 precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
 later worker loads a compile that paid without measuring it again (before its first song), and
@@ -175,13 +176,6 @@ def refusal(message: str) -> str:
     when it names none)."""
     lines = [line.strip() for line in message.splitlines()]
     return next((line for line in lines if line.startswith("verbose_code_parts")), message)
-
-
-def converted(pair: tuple[Any, Any]) -> bool:
-    """Whether a (part, call) pair runs in OpenVINO rather than Inductor's code."""
-    from stemdeck_watch.workers.openvinograph import SUFFIX
-
-    return str(pair[1].__name__).endswith(SUFFIX.removesuffix(".xml"))
 
 
 def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
@@ -363,6 +357,8 @@ class CompiledSlot:
         model meanwhile and the measure has the machine to itself. Loading routes the
         model's position embedding (compiledgraph.prepare), which every slot of the model
         shares: the worker lets go of it once no slot is in use."""
+        from stemdeck_watch.workers.openvinograph import runs_here
+
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
         try:
@@ -391,7 +387,7 @@ class CompiledSlot:
             "load_seconds": round(load_seconds, 2),
             "compile_seconds": entry.get("compile_seconds"),
             # the OpenVINO that runs its transformer, if a part went to it
-            "openvino": self.key.openvino if any(map(converted, pairs)) else None,
+            "openvino": self.key.openvino if any(runs_here(call) for _, call in pairs) else None,
         }
         self.pairs = pairs if verdict.use else []
         self.reason = verdict.reason

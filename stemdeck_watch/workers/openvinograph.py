@@ -11,8 +11,8 @@ stay with Inductor (compiledgraph.py), the STFT eager.
 
 A converted part takes fixed shapes, one segment's: a call with any other shape is refused
 the way a saved graph's guards refuse it (the error carries `GUARDS_REFUSED`), and the part
-runs eager. It computes in the precision of the build (`INFERENCE_PRECISION_HINT`) whatever
-autocast says, which is why the precision is part of the cache's key. It is converted
+runs eager. It computes in the precision it is loaded for (`INFERENCE_PRECISION_HINT`, the
+cache key's), and a call under another autocast is refused too. It is converted
 without its position embedding routed (compiledgraph.prepare): OpenVINO reads the embedding
 as the constants it is when the random shift is off, which is why a transformer that draws one
 (`sin_random_shift` > 0) is left to Inductor.
@@ -20,7 +20,6 @@ as the constants it is when the random shift is off, which is why a transformer 
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from pathlib import Path
@@ -29,13 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-log = logging.getLogger(__name__)
-
-SUFFIX = ".openvino.xml"  # its weights beside it: .openvino.bin
+STEM = ".openvino"  # ends the name of a converted part's files, and of its call
+SUFFIX = f"{STEM}.xml"  # its weights beside it: .openvino.bin
 PRECISION_HINTS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 CONVERTED = ("CrossTransformerEncoder",)  # the class names of the parts converted
-
-
 TELEMETRY = "openvino_telemetry"
 
 
@@ -89,6 +85,11 @@ def build(part: Any, args: tuple[torch.Tensor, ...], path: Path) -> None:
     # one segment's shapes, fixed: what the guards of the other parts hold to as well
     converted = openvino.convert_model(exported, input=[tuple(arg.shape) for arg in inputs])
     openvino.save_model(converted, str(path), compress_to_fp16=False)
+
+
+def runs_here(call: Callable[..., Any]) -> bool:
+    """Whether a loaded part's call runs in OpenVINO (rather than Inductor's code)."""
+    return str(getattr(call, "__name__", "")).endswith(STEM)
 
 
 def running_in() -> str:
