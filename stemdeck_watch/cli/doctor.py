@@ -279,6 +279,8 @@ def compiled_finding(title: str, compiled: dict) -> Finding:
         figures.append(f"loaded from the cache in {compiled['load_seconds']:.1f} s")
     if compiled.get("compile_seconds") is not None:
         figures.append(f"built in {compiled['compile_seconds']:.0f} s")
+    if compiled.get("openvino"):
+        figures.append(f"its transformer in OpenVINO {compiled['openvino'].split('-')[0]}")
     detail = f"{state} — {compiled.get('reason')}" + (f"; {', '.join(figures)}" if figures else "")
     return Finding(True, f"{title} compiled", detail, warning=state in ("unavailable", "failed"))
 

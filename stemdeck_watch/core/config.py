@@ -241,7 +241,8 @@ class SeparationSettings:
     compile: str = key(
         "auto",
         choice("auto", "off", "on"),
-        "auto: a compiled model (torch.compile) is built once per machine and "
+        "auto: a compiled model (torch.compile; its transformer in OpenVINO "
+        "where installed) is built once per machine and "
         "model in a background process at idle priority while songs go on "
         "with the eager model, kept in the state folder, and used only if "
         "measured ≥ 1.15× faster and every stem matches float32 to ≥ 35 dB SNR "

@@ -2,9 +2,10 @@
 
 A `torch.compile` of a full-size model costs minutes of CPU, so it is built once per machine
 and model and kept: `<state>/compiled/<key>/` holds the compiled parts of one (model,
-precision, device, torch, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py), the code
-Inductor generated for them, and `entry.json`, which names that key and every file with its
-size and SHA-256. A build happens in a folder with a random name and
+precision, device, torch, OpenVINO, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py;
+a transformer converted for OpenVINO: `network-<i>.<part>.openvino.xml` and `.bin`,
+openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that
+key and every file with its size and SHA-256. A build happens in a folder with a random name and
 becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
 restart or a killed build never leaves a half entry that looks whole. An entry whose
 `entry.json` names another key (copied from elsewhere), or whose files do not match it (one
@@ -40,10 +41,11 @@ INDUCTOR = "inductor"  # TORCHINDUCTOR_CACHE_DIR of an entry
 BUILD_PREFIX = ".build-"
 VERDICT_SUFFIX = ".verdict.json"
 PART_SUFFIX = ".bin"  # a compiled part, saved by compiledgraph.py
+CONVERTED_SUFFIX = ".xml"  # a part converted for OpenVINO (its weights: PART_SUFFIX)
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
 # how the model is prepared for the compiler (workers/compiledgraph.py): a change of it makes
 # every entry foreign
-RECIPE = 3
+RECIPE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,7 @@ class CompileKey:
     cpu: str  # a digest of the CPU's model name and feature flags
     # torch's thread count: a saved graph refuses to run under another (its guards check it)
     threads: int = 0
+    openvino: str = ""  # its version; "" without it (the transformer then goes to Inductor)
     recipe: int = RECIPE
 
     def digest(self) -> str:
@@ -216,7 +219,8 @@ class CompileCache:
         files = dict(data.get("files") or {})
         # a saved part is code the worker loads: one the build did not write is never loaded
         # (Inductor may add to its own cache folder as it is used, so only the parts count)
-        for path in folder.glob(f"*{PART_SUFFIX}"):
+        parts = [*folder.glob(f"*{PART_SUFFIX}"), *folder.glob(f"*{CONVERTED_SUFFIX}")]
+        for path in parts:
             if path.name not in files:
                 return f"{path.name} is not named in {ENTRY}", data
         for name, (size, digest) in files.items():

@@ -6,8 +6,10 @@ the worker: a background process at idle priority builds it into the compiled-mo
 (compilebuild.py, compilecache.py) while the worker goes on separating with the eager model.
 Each part of each network (its encoder and decoder layers, its transformer) is compiled ahead
 of time as one graph and saved with its guards (compiledgraph.py), so loading it traces nothing
-and takes seconds. Once a build is there the worker loads it between two songs, measures it
-once on the built-in synthetic song exactly as the precision choice measures (precision.py),
+and takes seconds; where OpenVINO is installed the transformer is converted for it instead
+(openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
+build is there the worker loads it between two songs, measures it once on the built-in
+synthetic song exactly as the precision choice measures (precision.py),
 and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
 precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
 later worker loads a compile that paid without measuring it again (before its first song), and
@@ -90,6 +92,8 @@ def fingerprint(model: Any) -> str:
 def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
     import torch
 
+    from stemdeck_watch.workers.openvinograph import version as openvino_version
+
     return CompileKey(
         model=name,
         fingerprint=fingerprint(model),
@@ -99,6 +103,7 @@ def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
         python=f"{platform.python_implementation()}-{sys.version_info[0]}.{sys.version_info[1]}",
         cpu=cpu_identity(),
         threads=torch.get_num_threads(),
+        openvino=openvino_version(),
     )
 
 
@@ -352,6 +357,8 @@ class CompiledSlot:
         model meanwhile and the measure has the machine to itself. Loading routes the
         model's position embedding (compiledgraph.prepare), which every slot of the model
         shares: the worker lets go of it once no slot is in use."""
+        from stemdeck_watch.workers.openvinograph import runs_here
+
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
         try:
@@ -379,6 +386,8 @@ class CompiledSlot:
             "worst_snr_db": verdict.worst_snr_db,
             "load_seconds": round(load_seconds, 2),
             "compile_seconds": entry.get("compile_seconds"),
+            # the OpenVINO that runs its transformer, if a part went to it
+            "openvino": self.key.openvino if any(runs_here(call) for _, call in pairs) else None,
         }
         self.pairs = pairs if verdict.use else []
         self.reason = verdict.reason

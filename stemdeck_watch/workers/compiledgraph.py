@@ -13,8 +13,10 @@ its layers), the encoder and decoder layers and the transformer, where the compu
 network's own forward stays eager: its STFT and inverse STFT and the few cheap steps between
 the parts. Inductor has no kernels for complex numbers, and the inverse STFT's overlap-add,
 traced through, becomes one C++ kernel of thousands of loops that takes the compiler longer
-than the rest of the model together (with it a full-size build took 751 s here). Compiled as one whole graph
-with the STFT as an opaque operator, a full-size HTDemucs under bfloat16 autocast came out NaN
+than the rest of the model together (with it a full-size build took 751 s here). Where
+OpenVINO is installed the transformer is converted for it rather than compiled
+(openvinograph.py): `build` and `load` take each part to the one or the other. Compiled as
+one whole graph with the STFT as an opaque operator, a full-size HTDemucs under bfloat16 autocast came out NaN
 (torch 2.13), while each part compiled on its own matched eager bfloat16 to 50 dB or more.
 
 One part keeps an eager piece inside: the transformer's position embedding
@@ -41,6 +43,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from stemdeck_watch.workers import openvinograph
 from stemdeck_watch.workers.compilecache import PART_SUFFIX
 from stemdeck_watch.workers.precision import autocast
 
@@ -205,10 +208,18 @@ def _bound(compiled: Callable[..., Any], part: Any, name: str) -> Callable[..., 
 
 def build(networks: list[Any], folder: Path, device: str, precision: str) -> None:
     """Compile each part of each network and save it into `folder` (Inductor writes its code
-    into its cache folder, which the caller sets)."""
+    into its cache folder, which the caller sets): the transformer converted for OpenVINO
+    where it takes it (openvinograph.py), every other part through Inductor."""
+    release()  # OpenVINO converts the model's own position embedding
+    called = [part_inputs(network, device, precision) for network in networks]
+    for index, inputs in enumerate(called):
+        for name, (part, args, kwargs) in list(inputs.items()):
+            if openvinograph.takes(part, args, kwargs, device):
+                openvinograph.build(part, args, openvinograph.saved(folder, index, name))
+                del inputs[name]
     prepare(networks)
-    for index, network in enumerate(networks):
-        for name, (part, args, kwargs) in part_inputs(network, device, precision).items():
+    for index, inputs in enumerate(called):
+        for name, (part, args, kwargs) in inputs.items():
             compile_ = torch.compile(type(part).forward, fullgraph=True, dynamic=False)
             with modes(device, precision):
                 args, kwargs = _laid_out(args, kwargs)
@@ -224,6 +235,10 @@ def load(networks: list[Any], folder: Path, device: str, precision: str) -> list
     with modes(device, precision):  # the guards are made against the modes in force
         for index, network in enumerate(networks):
             for name, part in parts(network).items():
+                converted = openvinograph.saved(folder, index, name)
+                if converted.exists():
+                    pairs.append((part, openvinograph.load(converted, precision, converted.stem)))
+                    continue
                 path = saved(folder, index, name)
                 try:
                     file = open(path, "rb")

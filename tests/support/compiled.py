@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.workers.compilecache import CompileSettings
+from stemdeck_watch.workers.compilecache import CompileKey, CompileSettings
 from stemdeck_watch.workers.compiled import cxx_compiler
 from stemdeck_watch.workers.local import WorkerClient
 
@@ -40,6 +40,13 @@ class BuiltCompile:
         target = state / "compiled"
         shutil.copytree(self.root, target, symlinks=True)
         return target
+
+
+def entry_key(cache: Path, digest: str) -> CompileKey:
+    """The key the entry `digest` in `cache` names."""
+    key = CompileKey.from_dict(json.loads((cache / digest / "entry.json").read_text())["key"])
+    assert key is not None
+    return key
 
 
 def require_compiler() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import math
 import os
 import re
@@ -25,14 +24,13 @@ from stemdeck_watch.workers.compilebuild import proc_stat
 from stemdeck_watch.workers.compilecache import (
     PART_SUFFIX,
     CompileCache,
-    CompileKey,
     CompileSettings,
     Verdict,
 )
 from stemdeck_watch.workers.local import WorkerClient
 from stemdeck_watch.workers.precision import CALIBRATE_ENV
 
-from support.compiled import BuiltCompile, require_compiler
+from support.compiled import BuiltCompile, entry_key, require_compiler
 from support.helpers import wait_for
 
 pytestmark = [
@@ -78,13 +76,6 @@ def worst_snr(reference: dict, estimate: dict) -> float:
         if noise:
             worst = min(worst, 10 * math.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
     return worst
-
-
-def entry_key(cache: Path, digest: str) -> CompileKey:
-    """The key the entry `digest` in `cache` names."""
-    key = CompileKey.from_dict(json.loads((cache / digest / "entry.json").read_text())["key"])
-    assert key is not None
-    return key
 
 
 def client_for(
