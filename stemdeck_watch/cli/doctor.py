@@ -280,7 +280,7 @@ def compiled_finding(title: str, compiled: dict) -> Finding:
     if compiled.get("compile_seconds") is not None:
         figures.append(f"built in {compiled['compile_seconds']:.0f} s")
     if compiled.get("openvino"):
-        figures.append(f"its transformer in OpenVINO {compiled['openvino'].split('-')[0]}")
+        figures.append(f"its transformer in OpenVINO {compiled['openvino']}")
     detail = f"{state} — {compiled.get('reason')}" + (f"; {', '.join(figures)}" if figures else "")
     return Finding(True, f"{title} compiled", detail, warning=state in ("unavailable", "failed"))
 

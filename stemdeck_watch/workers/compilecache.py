@@ -5,8 +5,8 @@ and model and kept: `<state>/compiled/<key>/` holds the compiled parts of one (m
 precision, device, torch, OpenVINO, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py;
 a transformer converted for OpenVINO: `network-<i>.<part>.openvino.xml` and `.bin`,
 openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that
-key and every file with its size and SHA-256. A build happens in a folder with a random name and
-becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
+key and every file with its size and SHA-256. A build happens in a folder with a random name
+and becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
 restart or a killed build never leaves a half entry that looks whole. An entry whose
 `entry.json` names another key (copied from elsewhere), or whose files do not match it (one
 missing, changed, or a part not named in it), is removed and built again.
@@ -41,7 +41,7 @@ INDUCTOR = "inductor"  # TORCHINDUCTOR_CACHE_DIR of an entry
 BUILD_PREFIX = ".build-"
 VERDICT_SUFFIX = ".verdict.json"
 PART_SUFFIX = ".bin"  # a compiled part, saved by compiledgraph.py
-CONVERTED_SUFFIX = ".xml"  # a part converted for OpenVINO (its weights: PART_SUFFIX)
+CONVERTED_SUFFIX = ".xml"  # a part converted for OpenVINO, openvinograph.py (weights: .bin)
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
 # how the model is prepared for the compiler (workers/compiledgraph.py): a change of it makes
 # every entry foreign

@@ -9,9 +9,9 @@ of time as one graph and saved with its guards (compiledgraph.py), so loading it
 and takes seconds; where OpenVINO is installed the transformer is converted for it instead
 (openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
 build is there the worker loads it between two songs, measures it once on the built-in
-synthetic song exactly as the precision choice measures (precision.py),
-and uses it only if it is at least MIN_SPEEDUP× faster than the eager model in the same
-precision and every stem matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
+synthetic song exactly as the precision choice measures (precision.py), and uses it only if
+it is at least MIN_SPEEDUP× faster than the eager model in the same precision and every stem
+matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
 later worker loads a compile that paid without measuring it again (before its first song), and
 never tries one that did not until torch, the model or the CPU changes.
 

@@ -16,8 +16,9 @@ traced through, becomes one C++ kernel of thousands of loops that takes the comp
 than the rest of the model together (with it a full-size build took 751 s here). Where
 OpenVINO is installed the transformer is converted for it rather than compiled
 (openvinograph.py): `build` and `load` take each part to the one or the other. Compiled as
-one whole graph with the STFT as an opaque operator, a full-size HTDemucs under bfloat16 autocast came out NaN
-(torch 2.13), while each part compiled on its own matched eager bfloat16 to 50 dB or more.
+one whole graph with the STFT as an opaque operator, a full-size HTDemucs under bfloat16
+autocast came out NaN (torch 2.13), while each part compiled on its own matched eager
+bfloat16 to 50 dB or more.
 
 One part keeps an eager piece inside: the transformer's position embedding
 (`_get_pos_embedding`) draws a random shift each call; traced, the draw becomes a generated

@@ -20,6 +20,8 @@ as the constants it is when the random shift is off, which is why a transformer 
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import sys
 import threading
 from pathlib import Path
@@ -28,8 +30,10 @@ from typing import Any, Callable
 
 import torch
 
+from stemdeck_watch.workers.compilecache import CONVERTED_SUFFIX
+
 STEM = ".openvino"  # ends the name of a converted part's files, and of its call
-SUFFIX = f"{STEM}.xml"  # its weights beside it: .openvino.bin
+SUFFIX = f"{STEM}{CONVERTED_SUFFIX}"  # its weights beside it: .openvino.bin
 PRECISION_HINTS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 CONVERTED = ("CrossTransformerEncoder",)  # the class names of the parts converted
 TELEMETRY = "openvino_telemetry"
@@ -47,11 +51,14 @@ def runtime() -> ModuleType:
     return openvino
 
 
+@functools.cache
 def version() -> str:
-    """OpenVINO's version, or "" when it is not installed: part of the cache's key."""
+    """OpenVINO's installed version, or "" when it is not installed: part of the cache's key.
+    Read from its package's metadata: the worker asks for every model it loads, and importing
+    the runtime costs a quarter of a second and its native libraries' memory."""
     try:
-        return str(runtime().__version__)
-    except ImportError:
+        return importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
         return ""
 
 
@@ -121,16 +128,16 @@ def load(path: Path, precision: str, name: str) -> Callable[..., Any]:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         got = [tuple(arg.shape) if isinstance(arg, torch.Tensor) else arg for arg in args]
-        problem = ""
+        problem, asked = "", running_in()
         if kwargs or got != shapes:
             problem = f"converted for inputs shaped {shapes}, called with {got} {sorted(kwargs)}"
-        elif running_in() != precision:
-            problem = f"loaded to compute in {precision}, called under {running_in()}"
+        elif asked != precision:
+            problem = f"loaded to compute in {precision}, called under {asked}"
         if problem:
             from stemdeck_watch.workers.compiledgraph import GUARDS_REFUSED
 
             raise RuntimeError(f"{GUARDS_REFUSED}: {name} was {problem}")
-        arrays = [arg.detach().float().contiguous().cpu().numpy() for arg in args]
+        arrays = [arg.detach().float().contiguous().numpy() for arg in args]
         with lock:
             results = request.infer(arrays, share_inputs=True, share_outputs=False)
             outputs = tuple(torch.from_numpy(results[port]) for port in compiled.outputs)
