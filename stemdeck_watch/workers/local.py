@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from stemdeck_watch.core.errors import (
     SHUTDOWN,
@@ -45,6 +45,14 @@ worker_log = logging.getLogger("stemdeck_watch.worker")
 
 STDERR_TAIL_LINES = 40
 START_TIMEOUT = 300.0
+
+
+def lines(pipe: IO[str]) -> Iterator[str]:
+    """The lines read from `pipe` until its end, or until it is closed under the reader."""
+    try:
+        yield from pipe
+    except ValueError:  # "I/O operation on closed file": stop() closed it
+        return
 
 
 class _Process:
@@ -75,7 +83,7 @@ class _Process:
 
     def _read_stdout(self) -> None:
         assert self.popen.stdout is not None
-        for line in self.popen.stdout:
+        for line in lines(self.popen.stdout):
             try:
                 self.replies.put(json.loads(line))
             except ValueError:
@@ -85,7 +93,7 @@ class _Process:
 
     def _read_stderr(self) -> None:
         assert self.popen.stderr is not None
-        for line in self.popen.stderr:
+        for line in lines(self.popen.stderr):
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_PREFIX):
                 try:
@@ -127,15 +135,17 @@ class _Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+        # the readers end at the pipes' end, once the worker is gone; then their files close
+        # (one still open in a process the worker left behind ends its reader quietly)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(2.0)
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             try:
                 if pipe:
                     pipe.close()
             except OSError:
                 pass
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(2.0)
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask politely (close stdin) and wait; terminate if it does not go."""

@@ -190,3 +190,18 @@ def test_a_worker_whose_parent_died_before_it_started_watching_exits() -> None:
         worker.kill()
         worker.wait()
         worker.stdin.close()  # type: ignore[union-attr]
+
+
+def test_a_reader_whose_pipe_is_closed_under_it_ends_quietly() -> None:
+    """A worker stopped while its reader threads still read: the pipe closed under them ends
+    them, rather than raising in the thread ("I/O operation on closed file")."""
+    from stemdeck_watch.workers.local import lines
+
+    read, write = os.pipe()
+    with os.fdopen(read) as reader:
+        os.write(write, b"first\nsecond\n")
+        os.close(write)
+        found = lines(reader)
+        assert next(found) == "first\n"
+        reader.close()
+        assert list(found) == []
