@@ -16,10 +16,11 @@ The full-size HTDemucs of bench_precision.py (the released architecture, random 
   then every clip compiled.
 
 Last, the defaults (`precision = "auto"`, `compile = "auto"`) on a copy of the cache: what
-they choose here and their time per clip, each clip paired with the same clip through a warm
-eager process (bfloat16, or float32 when that round is not run) just before it: the headline
-is the median ratio of the pairs. Stems of the compiled runs are compared with the eager
-float32 process's (SNR).
+they choose here and their time per clip, on `--pairs` songs of their own, each paired with
+the same song through a warm eager process (bfloat16, or float32 when that round is not run)
+just before it: the headline is the median ratio of the pairs (single clips swing by a
+fifth on a shared machine, so more pairs than rounds). Stems of the compiled runs are
+compared with the eager float32 process's (SNR).
 
     python benchmarks/bench_compile.py [--clips 3] [--seconds 10]
 """
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "compile", quiet=True, patience=120)
     parser.add_argument("--clips", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--pairs", type=int, default=5, help="songs in the paired headline")
     parser.add_argument(
         "--precisions",
         default="float32,bfloat16",
@@ -308,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             write_song(work / "clips" / f"again{i}.wav", args.seconds, seed=100 + i)
             for i in range(args.clips)
         ]
+        pairs = [
+            write_song(work / "clips" / f"pair{i}.wav", args.seconds, seed=200 + i)
+            for i in range(args.pairs)
+        ]
 
         def q() -> None:
             wait_quiet(args.quiet, args.patience)
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             defaults = run.start()
             defaults["compiled"] = dict(run.model().compiled)
             defaults["precision"] = dict(run.model().precision)
-            defaults.update(paired(run, repo, clips, baseline, work / "p-paired"))
+            defaults.update(paired(run, repo, pairs, baseline, work / "p-paired"))
         finally:
             run.stop()
         snr = {
