@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
+# outputs of a song written at once: the worker is idle while a song is written (or the next
+# song's separation has the cores), so two, and never more than the machine has
+PUBLISH_THREADS = min(2, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,7 @@ def write_song(
     timings: dict[str, float] | None = None,
     levels: dict[str, Any] | None = None,
     also: list[list[str]] | None = None,
+    threads: int = PUBLISH_THREADS,
 ) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries, each
     with its integrated loudness (LUFS, None for silence).
@@ -125,7 +130,8 @@ def write_song(
     compares the stems' sum with the input (`info.source`). `peaks` (filled in here) gets
     one Peaks per stem for the preview; `timings` the seconds spent resampling and tagging;
     `levels` the song's gain and the residual (see stages/levels.py). `also` names sums of
-    stems written elsewhere with the same gain (the stem file's): their peaks count too."""
+    stems written elsewhere with the same gain (the stem file's): their peaks count too.
+    Up to `threads` outputs are written at once."""
     info = info or SongInfo(name)
     for level in (staging.parent, staging):
         _real_folder(level)
@@ -154,53 +160,101 @@ def write_song(
             }
         )
     values = naming.layout_values(name, info.tags, info.preset, sep.model, EXTENSIONS[out.format])
-    resampling, tagging_time = resample.Timed(), resample.Timed()
-    entries = []
-    for output, (kind, members) in plan.items():
-        filename = naming.stem_file(out.layout, output, values, staging)
-        path = staging / filename
-        path.parent.mkdir(parents=True, exist_ok=True)
-        channels = readers[members[0]].channels
-        collector = None
-        if peaks is not None and kind == "stem":
-            collector = peaks[output] = Peaks(frames)
-        blocks = _output_blocks(readers, members, frames, block_frames, out, gain, collector)
-        # resampled to `length` frames, the manifest's (at the model's own rate: cut or
-        # padded to the input's frame count, unchanged otherwise); a resampler's ringing
-        # may overshoot full scale by a hair, which the integer conversion (`pcm`) clips
-        meter = LoudnessMeter(rate, channels)
-        blocks = _metered(
-            resample.resampled(blocks, samplerate, rate, channels, length, resampling), meter
+    names = {output: naming.stem_file(out.layout, output, values, staging) for output in plan}
+    for filename in names.values():
+        (staging / filename).parent.mkdir(parents=True, exist_ok=True)
+    if peaks is not None:
+        peaks.update(
+            {output: Peaks(frames) for output, (kind, _) in plan.items() if kind == "stem"}
         )
-        tagged = out.tags and out.format in tagging.TAGGED_FORMATS
-        try:  # a stem about to be tagged is flushed to disk once, after its tags
-            _write_audio(path, blocks, channels, rate, out, sync=not tagged)
-        except OSError as exc:
-            raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-        if tagged:
-            with tagging_time:
-                tagging.write_tags(
-                    path, out.format, tagging.stem_tags(info.tags, info.name, output)
-                )
-        if path.parent != staging:
-            fsync_dir(path.parent)  # a song subfolder made by output.layout
-        entries.append(
-            {
-                "name": output,
-                "kind": kind,
-                "file": filename,
-                "sources": members,
-                "samplerate": rate,
-                "channels": channels,
-                "frames": length,
-                "duration": round(length / rate, 6),
-                "loudness": meter.integrated(),
-            }
+
+    def write_one(output: str) -> tuple[dict[str, Any], float, float]:
+        kind, members = plan[output]
+        return _write_output(
+            staging,
+            names[output],
+            output,
+            kind,
+            members,
+            readers,
+            _Span(frames, block_frames, samplerate, rate, length),
+            out,
+            gain,
+            peaks.get(output) if peaks is not None else None,
+            tagging.stem_tags(info.tags, info.name, output),
         )
+
+    # every output reads, sums, resamples, meters and writes on its own, mostly outside the
+    # GIL (numpy, scipy's filters, libsndfile): the song's outputs in parallel, in plan order
+    with ThreadPoolExecutor(max(1, min(threads, len(plan)))) as pool:
+        written = list(pool.map(write_one, plan))
     if timings is not None:
-        timings["resample"] = round(resampling.seconds, 3)
-        timings["tags"] = round(tagging_time.seconds, 3)
-    return entries
+        timings["resample"] = round(sum(seconds for _, seconds, _ in written), 3)
+        timings["tags"] = round(sum(seconds for _, _, seconds in written), 3)
+    return [entry for entry, _, _ in written]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """The frames an output is read and written in: `frames` at the model's `samplerate`
+    in blocks of `block_frames`, written as `length` frames at `rate`."""
+
+    frames: int
+    block_frames: int
+    samplerate: int
+    rate: int
+    length: int
+
+
+def _write_output(
+    staging: Path,
+    filename: str,
+    output: str,
+    kind: str,
+    members: list[str],
+    readers: dict[str, AudioReader],
+    span: _Span,
+    out: OutputSettings,
+    gain: float,
+    collector: Peaks | None,
+    stem_tags: dict[str, str],
+) -> tuple[dict[str, Any], float, float]:
+    """One stem or mix written into `staging`: its manifest entry, and the seconds spent
+    resampling and tagging it."""
+    path = staging / filename
+    channels = readers[members[0]].channels
+    resampling, tagging_time = resample.Timed(), resample.Timed()
+    blocks = _output_blocks(readers, members, span.frames, span.block_frames, out, gain, collector)
+    # resampled to `length` frames, the manifest's (at the model's own rate: cut or padded
+    # to the input's frame count, unchanged otherwise); a resampler's ringing may overshoot
+    # full scale by a hair, which the integer conversion (`pcm`) clips
+    meter = LoudnessMeter(span.rate, channels)
+    blocks = _metered(
+        resample.resampled(blocks, span.samplerate, span.rate, channels, span.length, resampling),
+        meter,
+    )
+    tagged = out.tags and out.format in tagging.TAGGED_FORMATS
+    try:  # a stem about to be tagged is flushed to disk once, after its tags
+        _write_audio(path, blocks, channels, span.rate, out, sync=not tagged)
+    except OSError as exc:
+        raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
+    if tagged:
+        with tagging_time:
+            tagging.write_tags(path, out.format, stem_tags)
+    if path.parent != staging:
+        fsync_dir(path.parent)  # a song subfolder made by output.layout
+    entry = {
+        "name": output,
+        "kind": kind,
+        "file": filename,
+        "sources": members,
+        "samplerate": span.rate,
+        "channels": channels,
+        "frames": span.length,
+        "duration": round(span.length / span.rate, 6),
+        "loudness": meter.integrated(),
+    }
+    return entry, resampling.seconds, tagging_time.seconds
 
 
 def _metered(blocks: Iterable[np.ndarray], meter: LoudnessMeter) -> Iterator[np.ndarray]:

@@ -8,16 +8,19 @@ returned entries, manifest fields and timings go into `stemdeck.json`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
-from stemdeck_watch.core.errors import FilesystemError, PublishError
+from stemdeck_watch.core.errors import Cancelled, FilesystemError, PublishError
 from stemdeck_watch.stages import practice, publish, stemfile
 from stemdeck_watch.stages.decode import DecodedAudio
 from stemdeck_watch.stages.preview import Peaks, draw_preview
@@ -106,37 +109,39 @@ def make_song_folder(
     peaks: dict[str, Peaks] | None = {} if out.preview else None
     levels: dict[str, Any] = {}
     slots = stemfile.slot_members(list(stems)) if out.stem_file else None
-    started = time.perf_counter()
-    entries = publish.write_song(
-        staging,
-        stems,
-        samplerate,
-        info.name,
-        sep,
-        out,
-        info=info,
-        peaks=peaks,
-        timings=timings,
-        levels=levels,
-        also=[list(stems), *slots.values()] if slots else None,
-    )
-    timings["write"] = round(time.perf_counter() - started, 3)
-    manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
-    if out.stem_file:
-        check()
+    with _beside(needs_beat_grid(out), check) as beside:
+        # the beat grid reads the stems, not the files made from them: found while they
+        # are written (librosa, like the writers, runs mostly outside the GIL)
+        grid_job = beside.submit(find_beat_grid, stems, samplerate) if beside else None
         started = time.perf_counter()
-        manifest["stem_file"] = stemfile.write_stem_file(
-            staging, stems, samplerate, levels["gain"], info.name, info.tags, check
+        entries = publish.write_song(
+            staging,
+            stems,
+            samplerate,
+            info.name,
+            sep,
+            out,
+            info=info,
+            peaks=peaks,
+            timings=timings,
+            levels=levels,
+            also=[list(stems), *slots.values()] if slots else None,
         )
-        timings["stem_file"] = round(time.perf_counter() - started, 3)
-    check()
-    grid: dict[str, Any] | None = None
-    if needs_beat_grid(out):
-        started = time.perf_counter()
-        grid = find_beat_grid(stems, samplerate, check)
-        if out.beat_grid:
-            manifest["beat_grid"] = save_beat_grid(staging / BEATS, grid)
-        timings["beat_grid"] = round(time.perf_counter() - started, 3)
+        timings["write"] = round(time.perf_counter() - started, 3)
+        manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}
+        if out.stem_file:
+            check()
+            started = time.perf_counter()
+            manifest["stem_file"] = stemfile.write_stem_file(
+                staging, stems, samplerate, levels["gain"], info.name, info.tags, check
+            )
+            timings["stem_file"] = round(time.perf_counter() - started, 3)
+        check()
+        grid: dict[str, Any] | None = None
+        if grid_job:
+            grid, timings["beat_grid"] = grid_job.result()
+            if out.beat_grid:
+                manifest["beat_grid"] = save_beat_grid(staging / BEATS, grid)
     if peaks is not None:
         started = time.perf_counter()
         seconds = entries[0]["duration"] if entries else 0.0
@@ -171,6 +176,48 @@ def make_song_folder(
         )
         timings["session"] = round(time.perf_counter() - started, 3)
     return SongFolder(entries, manifest, timings)
+
+
+class _Beside:
+    """One step run on a thread of its own beside the rest of the song folder, with the
+    song's cancel check and a stop of its own (the folder failed: no use going on)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, check: Callable[[], None]):
+        self._pool, self._check = pool, check
+        self.stopped = threading.Event()
+
+    def check(self) -> None:
+        self._check()
+        if self.stopped.is_set():
+            raise Cancelled("the song folder failed")
+
+    def submit(
+        self, step: Callable[..., dict[str, Any]], *args: Any
+    ) -> Future[tuple[dict[str, Any], float]]:
+        """Run `step(*args, check)`; its future gives (result, seconds it took)."""
+
+        def timed() -> tuple[dict[str, Any], float]:
+            started = time.perf_counter()
+            result = step(*args, self.check)
+            return result, round(time.perf_counter() - started, 3)
+
+        return self._pool.submit(timed)
+
+
+@contextlib.contextmanager
+def _beside(wanted: bool, check: Callable[[], None]) -> Iterator[_Beside | None]:
+    """A `_Beside` while inside (None unless `wanted`); leaving on an error stops its step
+    and waits for it to end."""
+    if not wanted:
+        yield None
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="song-folder") as pool:
+        beside = _Beside(pool, check)
+        try:
+            yield beside
+        except BaseException:
+            beside.stopped.set()
+            raise
 
 
 def find_beat_grid(

@@ -203,3 +203,56 @@ def test_a_published_song_records_its_gain_residual_and_loudness(
         assert entry["loudness"] == (
             pytest.approx(want, abs=0.05) if np.isfinite(want) else None
         ), entry["name"]
+
+
+def test_outputs_written_at_once_are_the_files_written_one_by_one(tmp_path: Path) -> None:
+    """The song's outputs are written on two threads: the same bytes, entries, peaks and
+    loudness as one at a time, in the plan's order (stems, then mixes), resampled too."""
+    from stemdeck_watch.stages.preview import Peaks
+
+    source = tmp_path / "in.wav"
+    soundfile.write(source, tones(3.0, INPUT_RATE), INPUT_RATE, subtype="FLOAT")
+    decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
+    stems = separated(decoded.path, tmp_path / "stems")
+    settings = out(
+        format="flac", bit_depth=24, samplerate="input", mixes={"band": ["drums", "bass"]}
+    )
+    written = {}
+    for threads in (1, 2):
+        peaks: dict[str, Peaks] = {}
+        entries = write_song(
+            tmp_path / f"t{threads}",
+            stems,
+            MODEL_RATE,
+            "in",
+            SeparationSettings(),
+            settings,
+            block_frames=20_000,  # several blocks per output: threads interleave mid-file
+            info=SongInfo("in", input_samplerate=INPUT_RATE, input_frames=decoded.source_frames),
+            peaks=peaks,
+            threads=threads,
+        )
+        files = {e["file"]: (tmp_path / f"t{threads}" / e["file"]).read_bytes() for e in entries}
+        columns = {k: np.concatenate([p.low, p.high]) for k, p in peaks.items()}
+        written[threads] = (entries, files, columns)
+    entries, files, columns = written[2]
+    assert [e["name"] for e in entries][:4] == list(SOURCES) and entries[-1]["name"] == "band"
+    assert entries == written[1][0]
+    assert files == written[1][1]
+    assert columns.keys() == written[1][2].keys() == set(SOURCES)
+    assert all(np.array_equal(columns[k], written[1][2][k]) for k in columns)
+    assert all(np.ptp(c) > 0 for c in columns.values())
+
+
+def test_an_output_that_cannot_be_written_fails_the_song_with_its_name(tmp_path: Path) -> None:
+    source = tmp_path / "in.wav"
+    soundfile.write(source, tones(1.0, MODEL_RATE), MODEL_RATE, subtype="FLOAT")
+    decoded = decode_to_file(source, tmp_path / "input.npy", MODEL_RATE, 2)
+    stems = separated(decoded.path, tmp_path / "stems")
+    staging = tmp_path / "s"
+    staging.mkdir()
+    (staging / "bass.wav").mkdir()  # a folder where a stem goes: its write fails
+    from stemdeck_watch.core.errors import PublishError
+
+    with pytest.raises(PublishError, match="bass.wav"):
+        write_song(staging, stems, MODEL_RATE, "in", SeparationSettings(), out(), threads=2)

@@ -100,3 +100,39 @@ def test_the_manifest_lists_every_file_with_its_sha256(tmp_path: Path, six_stems
     ]
     (stage / "beats.json").write_text("{}")  # a different size: not complete any more
     assert read_manifest(stage) is None
+
+
+def test_a_song_folder_that_fails_stops_the_beat_grid_found_beside_it(
+    tmp_path: Path, six_stems, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The beat grid is found on a thread of its own while the stems are written: when the
+    writing fails, the grid is stopped at its next check, and the error is the song's."""
+    import threading
+
+    from stemdeck_watch.core.errors import Cancelled, PublishError
+    from stemdeck_watch.stages import publish, songfolder
+
+    started, ended = threading.Event(), []
+
+    def endless_grid(stems, samplerate, check):
+        started.set()
+        for _ in range(3000):  # 30 s at most: only a stop ends it
+            try:
+                check()
+            except Cancelled as exc:
+                ended.append(exc.reason)
+                raise
+            threading.Event().wait(0.01)
+        ended.append("never stopped")
+        return {}
+
+    def failing_write(*args, **kwargs):
+        assert started.wait(30)
+        raise PublishError("could not write bass.wav")
+
+    monkeypatch.setattr(songfolder, "find_beat_grid", endless_grid)
+    monkeypatch.setattr(publish, "write_song", failing_write)
+    out = dataclasses.replace(OutputSettings(), beat_grid=True)
+    with pytest.raises(PublishError, match="bass.wav"):
+        make_song_folder(tmp_path / "s", six_stems, SR, SongInfo("song"), SeparationSettings(), out)
+    assert ended == ["the song folder failed"]
