@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = {"wav": "wav", "flac": "flac", "mp3": "mp3"}
 PUBLISH_BLOCK = 4 * BLOCK_FRAMES  # frames per block written (~6 s at 44.1 kHz)
-# outputs of a song written at once: the worker is idle while a song is written (or the next
-# song's separation has the cores), so two, and never more than the machine has
+# outputs of a song written at once: while a song is written the worker is idle or separates
+# the next song, so two shorten the wait without taking the machine from the worker
 PUBLISH_THREADS = min(2, os.cpu_count() or 1)
 
 

@@ -61,6 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from stemdeck_watch.workers import inverse
 from stemdeck_watch.workers.compilecache import CompileCache
 from stemdeck_watch.workers.compiled import CompiledSlot, members, using
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
@@ -272,6 +273,7 @@ class Worker:
             self._compiled.clear()
             model = load_model(name, repo)
             model.to(self.device)
+            inverse.route(members(model))
             _warm_up(model, self.device)
             self._models[key] = model
         return self._models[key]
