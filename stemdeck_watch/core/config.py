@@ -113,7 +113,8 @@ class WatchSettings:
     settle_seconds: float = key(
         3.0,
         number(0.1, unit="(seconds)"),
-        "a file must stay unchanged this long before it is queued",
+        "a file must stay unchanged this long before it is queued (1 s, if shorter, once "
+        "its writer closed it or renamed it into place, where native events show that)",
     )
     poll_interval: float = key(
         2.0, number(0.1, unit="(seconds)"), "seconds between polls in polling mode"

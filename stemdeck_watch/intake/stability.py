@@ -1,9 +1,10 @@
 """When a dropped file is complete: the stability rule.
 
 A file is ready once it is non-empty and its (size, mtime_ns, inode) has not changed for
-`settle_seconds` with no watcher events in between. A close-after-write event (Linux) shortens
-the wait to `closed_settle_seconds` but is never proof on its own: the signature must still
-hold still for that long, because a writer that reopens the file per chunk closes it many times.
+`settle_seconds` with no watcher events in between. A close-after-write event (Linux) or a
+rename into place shortens the wait to `closed_settle_seconds` but is never proof on its own:
+the signature must still hold still for that long, because a writer that reopens the file per
+chunk closes it many times.
 A zero-byte file is not bad input but an unfinished one (browsers create it before the
 download lands): it waits as long as it takes.
 
@@ -44,16 +45,19 @@ class StabilityTracker:
         self._lock = threading.Lock()
         self._candidates: dict[Path, _Candidate] = {}
 
-    def touch(self, path: Path, closed: bool = False) -> None:
-        """A watcher event (or a scan) saw `path`: restart its quiet period."""
+    def touch(self, path: Path, closed: bool | None = None) -> None:
+        """A watcher event (or a scan) saw `path`: restart its quiet period. `closed`: whether
+        its writer said it is done (a close after writing, a rename into place) or not (a
+        write); None (a scan) says nothing about the writer and keeps what it said."""
         now = self._clock()
         with self._lock:
             candidate = self._candidates.get(path)
             if candidate is None:
-                self._candidates[path] = _Candidate(None, now, closed)
+                self._candidates[path] = _Candidate(None, now, bool(closed))
             else:
                 candidate.quiet_since = now
-                candidate.closed = closed
+                if closed is not None:
+                    candidate.closed = closed
 
     def forget(self, path: Path) -> None:
         with self._lock:

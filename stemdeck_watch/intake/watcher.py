@@ -232,7 +232,8 @@ class InboxWatcher:
             if not self._there():
                 return  # the share is away: its files are not deleted, just out of reach
             self._gone(src)
-        if kind == "moved":
+        renamed = kind == "moved"
+        if renamed:
             src = Path(os.fsdecode(event.dest_path))
             if not self._inside(src):
                 return
@@ -243,7 +244,9 @@ class InboxWatcher:
                     self._scan_dirs.append(src)
             return
         if kind in ("created", "modified", "closed", "attrib") and self._eligible(src):
-            self.tracker.touch(src, closed=(kind == "closed"))
+            # a file renamed into place inside the inbox (a browser's NAME.part, a sync
+            # client's temp file) was finished by its writer, as a closed one was
+            self.tracker.touch(src, closed=kind == "closed" or renamed)
 
     def _job_changed(self, event: JobChanged) -> None:
         """A job ended: if its input is still in the inbox (it changed while the job ran, or

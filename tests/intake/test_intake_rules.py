@@ -189,6 +189,25 @@ def test_close_after_write_shortens_the_wait_but_is_not_proof(tmp_path: Path) ->
     assert ready_names(tracker) == ["other.wav"]
 
 
+def test_a_scan_keeps_what_the_writer_said_and_a_write_takes_it_back(tmp_path: Path) -> None:
+    clock = Clock()
+    tracker = StabilityTracker(5.0, clock, closed_settle_seconds=1.0)
+    song = tmp_path / "song.wav"
+    song.write_bytes(b"x" * 10)
+    tracker.touch(song, closed=True)  # renamed into place
+    tracker.ready()
+    tracker.touch(song)  # a rescan walks past it
+    clock.advance(1.0)
+    assert ready_names(tracker) == ["song.wav"]
+    tracker.touch(song, closed=True)
+    tracker.ready()
+    tracker.touch(song, closed=False)  # written again
+    clock.advance(1.0)
+    assert ready_names(tracker) == []
+    clock.advance(4.0)
+    assert ready_names(tracker) == ["song.wav"]
+
+
 def test_vanished_and_forgotten_files_are_dropped(tmp_path: Path) -> None:
     clock = Clock()
     tracker = StabilityTracker(1.0, clock)

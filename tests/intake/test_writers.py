@@ -435,3 +435,21 @@ def test_a_file_changed_while_its_job_runs_is_separated_again_without_a_rescan(
     assert second.state is JobState.DONE
     manifest = json.loads((Path(second.output) / "stemdeck.json").read_text())
     assert round(manifest["input"]["duration"]) == 2
+
+
+def test_a_file_renamed_into_place_waits_the_short_settle_not_the_full_one(make_settings, tmp_path):
+    """A browser or sync client renames its finished file into place: the writer has said it
+    is done, so the file waits the close-after-write second, not `settle_seconds` (a
+    minute here, longer than the wait below)."""
+    data = audio(".mp3", 9, tmp_path)
+    settings = make_settings(
+        watch={"mode": "native", "settle_seconds": 60.0}, api={"enabled": False}
+    )
+    with IntakeRig(settings) as rig:
+        part = rig.inbox / "renamed.mp3.part"
+        with open(part, "wb") as handle:  # written and closed under the temporary name
+            handle.write(data)
+        os.replace(part, rig.inbox / "renamed.mp3")
+        jobs = rig.wait_jobs(1, timeout=20.0)
+    assert [Path(job.source).name for job in jobs] == ["renamed.mp3"]
+    assert jobs[0].signature is not None and jobs[0].signature.size == len(data)
