@@ -168,6 +168,9 @@ def write_song(
             {output: Peaks(frames) for output, (kind, _) in plan.items() if kind == "stem"}
         )
 
+    span = _Span(frames, block_frames, samplerate, rate, length)
+    tagged = out.tags and out.format in tagging.TAGGED_FORMATS
+
     def write_one(output: str) -> tuple[dict[str, Any], float, float]:
         kind, members = plan[output]
         return _write_output(
@@ -177,11 +180,11 @@ def write_song(
             kind,
             members,
             readers,
-            _Span(frames, block_frames, samplerate, rate, length),
+            span,
             out,
             gain,
             peaks.get(output) if peaks is not None else None,
-            tagging.stem_tags(info.tags, info.name, output),
+            tagging.stem_tags(info.tags, info.name, output) if tagged else None,
         )
 
     # every output reads, sums, resamples, meters and writes on its own, mostly outside the
@@ -217,10 +220,10 @@ def _write_output(
     out: OutputSettings,
     gain: float,
     collector: Peaks | None,
-    stem_tags: dict[str, str],
+    stem_tags: dict[str, str] | None,
 ) -> tuple[dict[str, Any], float, float]:
-    """One stem or mix written into `staging`: its manifest entry, and the seconds spent
-    resampling and tagging it."""
+    """One stem or mix written into `staging` (tagged with `stem_tags` unless None): its
+    manifest entry, and the seconds spent resampling and tagging it."""
     path = staging / filename
     channels = readers[members[0]].channels
     resampling, tagging_time = resample.Timed(), resample.Timed()
@@ -233,12 +236,11 @@ def _write_output(
         resample.resampled(blocks, span.samplerate, span.rate, channels, span.length, resampling),
         meter,
     )
-    tagged = out.tags and out.format in tagging.TAGGED_FORMATS
     try:  # a stem about to be tagged is flushed to disk once, after its tags
-        _write_audio(path, blocks, channels, span.rate, out, sync=not tagged)
+        _write_audio(path, blocks, channels, span.rate, out, sync=stem_tags is None)
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
-    if tagged:
+    if stem_tags is not None:
         with tagging_time:
             tagging.write_tags(path, out.format, stem_tags)
     if path.parent != staging:

@@ -109,10 +109,10 @@ def make_song_folder(
     peaks: dict[str, Peaks] | None = {} if out.preview else None
     levels: dict[str, Any] = {}
     slots = stemfile.slot_members(list(stems)) if out.stem_file else None
-    with _beside(needs_beat_grid(out), check) as beside:
-        # the beat grid reads the stems, not the files made from them: found while they
-        # are written (librosa, like the writers, runs mostly outside the GIL)
-        grid_job = beside.submit(find_beat_grid, stems, samplerate) if beside else None
+    # the beat grid reads the stems, not the files made from them: found while they are
+    # written (librosa, like the writers, runs mostly outside the GIL)
+    grid_step = find_beat_grid if needs_beat_grid(out) else None
+    with _beside(grid_step, stems, samplerate, check=check) as grid_job:
         started = time.perf_counter()
         entries = publish.write_song(
             staging,
@@ -178,45 +178,33 @@ def make_song_folder(
     return SongFolder(entries, manifest, timings)
 
 
-class _Beside:
-    """One step run on a thread of its own beside the rest of the song folder, with the
-    song's cancel check and a stop of its own (the folder failed: no use going on)."""
-
-    def __init__(self, pool: ThreadPoolExecutor, check: Callable[[], None]):
-        self._pool, self._check = pool, check
-        self.stopped = threading.Event()
-
-    def check(self) -> None:
-        self._check()
-        if self.stopped.is_set():
-            raise Cancelled("the song folder failed")
-
-    def submit(
-        self, step: Callable[..., dict[str, Any]], *args: Any
-    ) -> Future[tuple[dict[str, Any], float]]:
-        """Run `step(*args, check)`; its future gives (result, seconds it took)."""
-
-        def timed() -> tuple[dict[str, Any], float]:
-            started = time.perf_counter()
-            result = step(*args, self.check)
-            return result, round(time.perf_counter() - started, 3)
-
-        return self._pool.submit(timed)
-
-
 @contextlib.contextmanager
-def _beside(wanted: bool, check: Callable[[], None]) -> Iterator[_Beside | None]:
-    """A `_Beside` while inside (None unless `wanted`); leaving on an error stops its step
-    and waits for it to end."""
-    if not wanted:
+def _beside(
+    step: Callable[..., dict[str, Any]] | None, *args: Any, check: Callable[[], None]
+) -> Iterator[Future[tuple[dict[str, Any], float]] | None]:
+    """While inside, `step(*args, check)` runs on a thread of its own; the future gives its
+    result and the seconds it took (None without a step). Leaving on an error stops it at its
+    next check (the song folder failed: no use going on) and waits for it to end."""
+    if step is None:
         yield None
         return
+    stopped = threading.Event()
+
+    def stoppable() -> None:
+        check()
+        if stopped.is_set():
+            raise Cancelled("the song folder failed")
+
+    def timed() -> tuple[dict[str, Any], float]:
+        started = time.perf_counter()
+        result = step(*args, stoppable)
+        return result, round(time.perf_counter() - started, 3)
+
     with ThreadPoolExecutor(1, thread_name_prefix="song-folder") as pool:
-        beside = _Beside(pool, check)
         try:
-            yield beside
+            yield pool.submit(timed)
         except BaseException:
-            beside.stopped.set()
+            stopped.set()
             raise
 
 
