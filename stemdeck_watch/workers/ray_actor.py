@@ -38,6 +38,8 @@ from typing import Any, Iterator
 
 import ray
 
+from stemdeck_watch.workers import heap
+
 try:
     import fcntl
 except ImportError:  # Windows: no lock, so no sweep of dead actors' folders
@@ -216,6 +218,7 @@ class SeparationActor:
                 self._running = None
                 self._cancelled.discard(job_id)
                 self.jobs_run += 1
+            heap.give_back()  # the song's tensors, kept for its segments
             self._lock.release()
 
     # ------------------------------------------------------------ internals

@@ -61,7 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from stemdeck_watch.workers import inverse
+from stemdeck_watch.workers import heap, inverse
 from stemdeck_watch.workers.compilecache import CompileCache
 from stemdeck_watch.workers.compiled import CompiledSlot, members, using
 from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
@@ -254,6 +254,7 @@ def set_backends() -> None:
 class Worker:
     def __init__(self, device: str, out: TextIO):
         set_backends()
+        heap.hold_for_separation()  # what a segment frees, the next one reuses
         self.device = device
         self.out = out
         self._models: dict[tuple[str, str | None], Any] = {}
@@ -476,13 +477,7 @@ def release_memory() -> None:
         and torch.backends.mps.is_available()
     ):
         torch.mps.empty_cache()
-    if sys.platform == "linux":
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    heap.give_back()
 
 
 def memory_error(exc: BaseException) -> str | None:
@@ -604,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
             release_memory()
         reply["req"] = request.get("req")  # the client matches replies on it
         _reply(protocol, reply)
+        if request.get("op") == "separate":
+            heap.give_back()  # the song's tensors, kept for its segments; after the reply
     return 0
 
 

@@ -1,0 +1,76 @@
+"""The worker's C heap keeps what one segment frees for the next (workers/heap.py): counted
+in page faults, which are deterministic where timings are not."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+    reason="the heap's settings are glibc's; other C libraries keep freed memory their own way",
+)
+
+# Ten "segments" replaying the same allocations (1–30 MB tensors, a few alive at once), as a
+# model's segments do; the page faults of the last eight, and the resident memory after them
+# and after give_back. With `worker`, the heap is set up as a worker's is: by making one.
+REPLAY = textwrap.dedent(
+    """
+    import io, json, random, resource, sys
+    import torch
+    from stemdeck_watch.workers import heap
+
+    if sys.argv[1] == "worker":
+        from stemdeck_watch.workers.worker import Worker
+        Worker("cpu", io.StringIO())
+
+    def resident():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    def segment(seed):
+        rng, live = random.Random(seed), []
+        for _ in range(40):
+            live.append(torch.ones(rng.randint(1, 30) * 2**18))
+            if len(live) > 4:
+                live.pop(rng.randrange(len(live)))
+
+    segment(0), segment(1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for n in range(8):
+        segment(n % 2)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    kept = resident()
+    heap.give_back()
+    print(json.dumps({"faults": faults, "kept": kept, "given_back": resident()}))
+    """
+)
+
+
+def replay(mode: str) -> dict[str, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAY, mode], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_worker_reuses_what_a_segment_freed_and_gives_it_back_after_the_song() -> None:
+    plain, worker = replay("plain"), replay("worker")
+    # glibc's own settings map and unmap the same memory again segment after segment
+    assert plain["faults"] > 50_000, plain
+    assert worker["faults"] < plain["faults"] / 20, (worker, plain)
+    # what it kept goes back to the system once the song is done
+    assert worker["kept"] - worker["given_back"] > 32 * 2**20, worker
+
+
+def test_hold_reports_whether_the_heap_took_the_settings() -> None:
+    from stemdeck_watch.workers import heap
+
+    assert heap.hold_for_separation() is True
