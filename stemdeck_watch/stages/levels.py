@@ -43,16 +43,16 @@ class LoudnessMeter:
         import pyloudnorm
         from scipy import signal
 
-        self._lfilter = signal.lfilter
+        self._sosfilt = signal.sosfilt
         meter = pyloudnorm.Meter(samplerate)  # K-weighting: high shelf, then high pass
-        self._stages = [
-            (np.asarray(f.b, np.float64), np.asarray(f.a, np.float64), float(f.passband_gain))
-            for f in meter._filters.values()
-        ]
-        self._state = [
-            [np.zeros(max(len(b), len(a)) - 1) for b, a, _ in self._stages] for _ in range(channels)
-        ]
-        self._weights = np.array(
+        # both biquads as one cascade, every channel in one call (a quarter of the calls of
+        # one filter per stage and channel, half the CPU); their pass-band gains, applied
+        # after each stage by pyloudnorm, are linear: applied once, squared, to the squares
+        stages = list(meter._filters.values())
+        self._sos = np.array([np.concatenate([f.b, f.a]) / f.a[0] for f in stages], np.float64)
+        self._state = np.zeros((len(stages), channels, 2))
+        gain = float(np.prod([f.passband_gain for f in stages]))
+        self._weights = gain**2 * np.array(
             [CHANNEL_WEIGHTS[min(c, len(CHANNEL_WEIGHTS) - 1)] for c in range(channels)]
         )
         self.samplerate = samplerate
@@ -63,15 +63,11 @@ class LoudnessMeter:
     def add(self, block: np.ndarray) -> None:
         if not block.shape[-1]:
             return
-        squares = np.zeros(block.shape[-1])
-        for channel, samples in enumerate(block):
-            filtered = samples.astype(np.float64)
-            for stage, (b, a, gain) in enumerate(self._stages):
-                filtered, self._state[channel][stage] = self._lfilter(
-                    b, a, filtered, zi=self._state[channel][stage]
-                )
-                filtered *= gain
-            squares += self._weights[channel] * np.square(filtered)
+        filtered, self._state = self._sosfilt(
+            self._sos, block.astype(np.float64), axis=-1, zi=self._state
+        )
+        np.square(filtered, out=filtered)
+        squares = self._weights @ filtered
         pending = np.concatenate([self._pending, squares])
         whole = len(pending) // self.step * self.step
         if whole:
@@ -107,9 +103,8 @@ class Residual:
 
     def add(self, source: np.ndarray, total: np.ndarray) -> None:
         n = min(source.shape[-1], total.shape[-1])
-        source = source[..., :n].astype(np.float64)
-        self.signal += float(np.square(source).sum())
-        self.error += float(np.square(source - total[..., :n]).sum())
+        self.signal += _energy(source[..., :n])
+        self.error += _energy(source[..., :n] - total[..., :n])
 
     @property
     def db(self) -> float | None:
@@ -149,10 +144,17 @@ def song_gain(
             for members in outputs:
                 audio = blocks[members[0]] if len(members) == 1 else _summed(blocks, members)
                 if audio.size:
-                    peak = max(peak, float(np.abs(audio).max()))
+                    peak = max(peak, float(audio.max()), -float(audio.min()))
         if residual is not None and input_reader is not None:
             residual.add(input_reader.read(start, stop), _summed(blocks, list(blocks)))
     return max(1.01 * peak, 1.0), residual
+
+
+def _energy(audio: np.ndarray) -> float:
+    """The sum of squares of a float32 block, as a dot product (one pass, no float64 copy:
+    a block's sum is off by about 1e-5 of itself, 0.0001 dB; zero only for silence)."""
+    flat = audio.reshape(-1)
+    return float(np.dot(flat, flat))
 
 
 def _summed(blocks: dict[str, np.ndarray], members: list[str]) -> np.ndarray:

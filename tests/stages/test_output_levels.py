@@ -168,6 +168,27 @@ def test_loudness_measured_in_blocks_is_the_whole_signals() -> None:
         ), rate
 
 
+def test_the_residual_summed_in_blocks_is_the_whole_signals_in_float64() -> None:
+    from stemdeck_watch.stages.levels import Residual
+
+    rng = np.random.default_rng(1)
+    source = (0.3 * rng.standard_normal((2, 300_000))).astype(np.float32)
+    total = source * np.float32(0.97) + (1e-3 * rng.standard_normal(source.shape)).astype(
+        np.float32
+    )
+    residual, exact, silent = Residual(), Residual(), Residual()
+    for start in range(0, source.shape[1], 65_536):
+        block = slice(start, start + 65_536)
+        residual.add(source[:, block], total[:, block].T.copy().T)  # interleaved, as written
+        exact.add(source[:, block], source[:, block])
+        silent.add(np.zeros((2, 100), np.float32), total[:, :100])
+    wide = source.astype(np.float64)
+    expected = 10 * np.log10(np.sum((wide - total) ** 2) / np.sum(wide**2))
+    assert residual.db == pytest.approx(expected, abs=0.01)
+    assert exact.db == -200.0  # stems that add up exactly: -200 dB, never -inf
+    assert silent.db is None
+
+
 @pytest.mark.slow
 def test_a_published_song_records_its_gain_residual_and_loudness(
     make_settings, service_factory, tmp_path: Path
