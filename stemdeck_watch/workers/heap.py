@@ -3,12 +3,14 @@
 Every segment a model separates allocates and frees the same few hundred megabytes of
 tensors, many of them megabytes large. glibc hands an allocation above its mmap threshold
 (128 kB at first, raised as blocks are freed, never above 32 MB) fresh pages from the kernel
-and returns them on free, and trims the top of its heap whenever 128 kB of it are free: so
-each segment faults the same memory in again, page by page, and the kernel zeroes every
-page. A full-size model faulted 1.4 million pages per minute of song that way; with the
-threshold at its ceiling and no trimming while a song separates, 0.09 million (the tensors
-above 32 MB are still mapped afresh), and the separation ran 5–8 % faster (docs/benchmarks.md). What the heap keeps is given back once the
-song is done (`give_back`), so an idle worker holds no more than before.
+and returns them on free, and gives the top of its heap back whenever a little of it is
+free: so each segment faults the same memory in again, page by page, each page zeroed by
+the kernel. A full-size model faulted 1.3–1.5 million pages per minute of song that way.
+With the threshold at its ceiling, the heap grown 256 MB at a time and nothing given back
+on free, a song faults 0.24–0.29 million (mostly its first segment's; tensors above 32 MB
+are still mapped afresh), and the separation ran 5–8 % faster (docs/benchmarks.md). What the
+heap keeps is given back once the song is done (`give_back`), so an idle worker holds no
+more than before (985 MB after a song of the full-size model, 1.6 GB without it).
 
 Elsewhere (macOS, Windows, musl) both are no-ops: those allocators keep freed memory their
 own way.
@@ -29,7 +31,7 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit machines
-TOP_PAD = 256 * 1024 * 1024
+TOP_PAD = 256 * 1024 * 1024  # without it, most of the faults stayed
 TRIM_THRESHOLD = 2**31 - 1  # the largest mallopt takes: no trim on free, give_back trims
 
 

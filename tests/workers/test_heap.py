@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(
     reason="the heap's settings are glibc's; other C libraries keep freed memory their own way",
 )
 
-# Ten "segments" replaying the same allocations (1–30 MB tensors, a few alive at once), as a
-# model's segments do; the page faults of the last eight, and the resident memory after them
+# Twelve "segments" replaying the same allocations (1–30 MB tensors, a few alive at once), as
+# a model's segments do; the page faults of the last eight, and the resident memory after them
 # and after give_back. With `worker`, the heap is set up as a worker's is: by making one.
 REPLAY = textwrap.dedent(
     """
@@ -41,14 +41,16 @@ REPLAY = textwrap.dedent(
             if len(live) > 4:
                 live.pop(rng.randrange(len(live)))
 
-    segment(0), segment(1)
+    for n in range(4):
+        segment(n % 2)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for n in range(8):
         segment(n % 2)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     kept = resident()
     heap.give_back()
-    print(json.dumps({"faults": faults, "kept": kept, "given_back": resident()}))
+    held = sys.argv[1] == "worker" and heap.hold_for_separation()  # says it takes, once done
+    print(json.dumps({"held": held, "faults": faults, "kept": kept, "given_back": resident()}))
     """
 )
 
@@ -63,14 +65,9 @@ def replay(mode: str) -> dict[str, int]:
 
 def test_a_worker_reuses_what_a_segment_freed_and_gives_it_back_after_the_song() -> None:
     plain, worker = replay("plain"), replay("worker")
-    # glibc's own settings map and unmap the same memory again segment after segment
-    assert plain["faults"] > 50_000, plain
-    assert worker["faults"] < plain["faults"] / 20, (worker, plain)
+    # glibc's own settings map and unmap the same memory again, segment after segment:
+    # 15,000–320,000 faults here (where the heap lands decides); a worker's, next to none
+    assert worker["faults"] < 8192, (worker, plain)
     # what it kept goes back to the system once the song is done
     assert worker["kept"] - worker["given_back"] > 32 * 2**20, worker
-
-
-def test_hold_reports_whether_the_heap_took_the_settings() -> None:
-    from stemdeck_watch.workers import heap
-
-    assert heap.hold_for_separation() is True
+    assert worker["held"] is True and plain["held"] is False
