@@ -46,7 +46,7 @@ class LoudnessMeter:
         self._sosfilt = signal.sosfilt
         meter = pyloudnorm.Meter(samplerate)  # K-weighting: high shelf, then high pass
         # both biquads as one cascade, every channel in one call (a quarter of the calls of
-        # one filter per stage and channel, half the CPU); their pass-band gains, applied
+        # one filter per stage and channel, about half the CPU); their pass-band gains, applied
         # after each stage by pyloudnorm, are linear: applied once, squared, to the squares
         stages = list(meter._filters.values())
         self._sos = np.array([np.concatenate([f.b, f.a]) / f.a[0] for f in stages], np.float64)
@@ -151,8 +151,8 @@ def song_gain(
 
 
 def _energy(audio: np.ndarray) -> float:
-    """The sum of squares of a float32 block, as a dot product (one pass, no float64 copy:
-    a block's sum is off by about 1e-5 of itself, 0.0001 dB; zero only for silence)."""
+    """The sum of squares of a float32 block, as a dot product (one pass, no float64 copy):
+    off by about 1e-5 of itself (0.0001 dB), and zero only when every sample is."""
     flat = audio.reshape(-1)
     return float(np.dot(flat, flat))
 

@@ -595,12 +595,13 @@ def main(argv: list[str] | None = None) -> int:
                 "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(),
             }
-        if reply.get("kind") == "memory":  # the next attempt needs what this one held
-            release_memory()
         reply["req"] = request.get("req")  # the client matches replies on it
         _reply(protocol, reply)
-        if request.get("op") == "separate":
-            heap.give_back()  # the song's tensors, kept for its segments; after the reply
+        # after the reply, before the next request is read
+        if reply.get("kind") == "memory":  # the next attempt needs what this one held
+            release_memory()
+        elif request.get("op") == "separate":
+            heap.give_back()  # the song's tensors, kept for its segments
     return 0
 
 
