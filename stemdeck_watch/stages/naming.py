@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from stemdeck_watch.core.errors import PublishError
-from stemdeck_watch.util.safetext import cut_to_bytes
+from stemdeck_watch.util.safetext import cut_to_bytes, fit_bytes, with_suffix_bytes, xml_text
 
 MAX_VALUE_CHARS = 80  # one field of a name
 MAX_COMPONENT_BYTES = 240  # one file or folder name (ext4, APFS, NTFS allow 255)
@@ -36,10 +36,12 @@ _RESERVED = {
 
 
 def clean_text(value: object, limit: int = 1000) -> str:
-    """A tag as readable one-line text (for the manifest, tags and the picture): control
-    characters become spaces, runs of spaces collapse, at most `limit` characters."""
+    """A tag as readable one-line text (for the manifest, tags, the picture, the DAW
+    projects, file names): control characters become spaces, runs of spaces collapse, what
+    UTF-8 or XML cannot hold (a lone surrogate, U+FFFF) becomes U+FFFD, at most `limit`
+    characters."""
     text = unicodedata.normalize("NFC", str(value))
-    text = re.sub(r"[\x00-\x1f\x7f]+", " ", text)
+    text = xml_text(re.sub(r"[\x00-\x1f\x7f]+", " ", text))
     return " ".join(text.split())[:limit].strip()
 
 
@@ -114,12 +116,60 @@ def stem_file(layout: str, stem: str, values: Mapping[str, str], folder: Path) -
     return rel.as_posix()
 
 
+def song_file(value: object, suffix: str, prefix: str = "", fallback: str = "song") -> str:
+    """The name of a file a song writes after its name or title (`value`, made safe as
+    safe_name makes it): `prefix` + that + `suffix` (".stem.mp4", ".rpp", a practice
+    file's " - minus vocals.mp3"), in at most MAX_COMPONENT_BYTES. A filesystem counts a
+    name's bytes, not its characters (80 Japanese characters are 240 bytes), so a longer
+    name is cut in the middle ("…"), keeping its end and the suffix that tell files apart."""
+    room = MAX_COMPONENT_BYTES - len(prefix.encode())
+    return prefix + with_suffix_bytes(safe_name(value, fallback), suffix, room)
+
+
+def check_distinct(
+    outputs: Mapping[str, tuple[str, str]],
+    own: Mapping[str, str],
+    own_folders: Mapping[str, str],
+    layout: str,
+) -> None:
+    """Every stem and mix gets a file of its own, checked before anything is written: no
+    two of them one name, and none the name of a file or folder the song folder holds
+    besides (`own`, `own_folders`: name → what it is, e.g. "stemdeck.json" → "the song's
+    manifest"); one would be written over the other. Names are compared as macOS and
+    Windows compare them (case and the encoding of accents aside). `outputs`: output →
+    (kind, file name). PublishError naming the setting to change."""
+    files = {_same(name): what for name, what in own.items()}
+    folders = {_same(name): what for name, what in own_folders.items()}
+    clash: tuple[str, str, str] | None = None
+    for output, (kind, filename) in outputs.items():
+        what = f"the {kind} {output!r} ({filename})"
+        parts = PurePosixPath(filename).parts
+        for depth in range(1, len(parts)):
+            level = _same("/".join(parts[:depth]))
+            if level in files:
+                clash = clash or (what, files[level], kind)
+            folders.setdefault(level, what)
+        key = _same(filename)
+        other = files.get(key) or folders.get(key)
+        if other is not None:
+            clash = clash or (what, other, kind)
+        files.setdefault(key, what)
+    if clash is not None:
+        what, other, kind = clash
+        change = "give the mix another name in output.mixes" if kind == "mix" else ""
+        raise PublishError(
+            f"could not name the song's files: with output.layout = {layout!r}, {what} and "
+            f"{other} would have the same name; change output.layout"
+            + (f" or {change}" if change else "")
+        )
+
+
+def _same(name: str) -> str:
+    """A name as a case-insensitive filesystem tells names apart."""
+    return unicodedata.normalize("NFC", name).casefold()
+
+
 def _shorten(part: str) -> str:
-    if len(part.encode()) <= MAX_COMPONENT_BYTES:
-        return part
-    stem, dot, ext = part.rpartition(".")
-    if not dot or len(ext) > 8:
-        stem, ext = part, ""
-    room = MAX_COMPONENT_BYTES - len(ext.encode()) - 1
-    short = stem.encode()[:room].decode(errors="ignore").rstrip(". ")
-    return f"{short}.{ext}" if ext else short
+    """One level of a layout's path in at most MAX_COMPONENT_BYTES, cut in the middle: its
+    end holds what tells a song's files apart (the stem's name, the extension)."""
+    return fit_bytes(part, MAX_COMPONENT_BYTES)

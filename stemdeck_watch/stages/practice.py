@@ -30,7 +30,7 @@ import numpy as np
 from stemdeck_watch.core.config import OutputSettings
 from stemdeck_watch.core.errors import FilesystemError, PublishError
 from stemdeck_watch.stages import publish, tags as tagging
-from stemdeck_watch.stages.naming import clean_text, safe_name
+from stemdeck_watch.stages.naming import clean_text, song_file
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
 
 FOLDER = "practice"
@@ -262,7 +262,7 @@ def write_practice(
     files = []
     for number, (what, speed, music) in enumerate(renders, start=1):
         check()
-        filename = f"{number:02d} {safe_name(title, 'song')} - {what}.mp3"
+        filename = song_file(title, f" - {what}.mp3", prefix=f"{number:02d} ")
         path = folder / filename
         plan = click_plan(grid, speed, samplerate)
         clicks, count_in = plan if plan else (None, 0)

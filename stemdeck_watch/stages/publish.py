@@ -118,6 +118,7 @@ def write_song(
     levels: dict[str, Any] | None = None,
     also: list[list[str]] | None = None,
     threads: int = PUBLISH_THREADS,
+    own: tuple[Mapping[str, str], Mapping[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries, each
     with its integrated loudness (LUFS, None for silence).
@@ -131,7 +132,8 @@ def write_song(
     one Peaks per stem for the preview; `timings` the seconds spent resampling and tagging;
     `levels` the song's gain and the residual (see stages/levels.py). `also` names sums of
     stems written elsewhere with the same gain (the stem file's): their peaks count too.
-    Up to `threads` outputs are written at once."""
+    Up to `threads` outputs are written at once. `own`: the other files and folders the
+    song folder will hold (name → what it is), which no output may be named like."""
     info = info or SongInfo(name)
     for level in (staging.parent, staging):
         _real_folder(level)
@@ -161,6 +163,13 @@ def write_song(
         )
     values = naming.layout_values(name, info.tags, info.preset, sep.model, EXTENSIONS[out.format])
     names = {output: naming.stem_file(out.layout, output, values, staging) for output in plan}
+    own_files, own_folders = own or ({MANIFEST: "the song's manifest"}, {})
+    naming.check_distinct(
+        {output: (plan[output][0], names[output]) for output in plan},
+        own_files,
+        own_folders,
+        out.layout,
+    )
     for filename in names.values():
         (staging / filename).parent.mkdir(parents=True, exist_ok=True)
     if peaks is not None:

@@ -28,9 +28,10 @@ from xml.etree import ElementTree as ET
 
 from stemdeck_watch import __version__
 from stemdeck_watch.core.errors import FilesystemError, PublishError
-from stemdeck_watch.stages.naming import clean_text, safe_name
+from stemdeck_watch.stages.naming import clean_text, song_file
 from stemdeck_watch.stages.preview import COLOURS, FALLBACK
 from stemdeck_watch.util.safefile import open_new
+from stemdeck_watch.util.safetext import xml_text
 
 KINDS = ("dawproject", "reaper")
 EXTENSIONS = {"dawproject": "dawproject", "reaper": "rpp"}
@@ -100,11 +101,10 @@ def write_sessions(
     returns the manifest's "session": file per kind, tempo and first beat."""
     tracks = tracks_of(entries)
     tempo, first = tempo_of(grid)
-    base = safe_name(name, "song")
     title = clean_text(tags.get("title") or name)
     written: dict[str, Any] = {}
     for kind in kinds:
-        path = staging / f"{base}.{EXTENSIONS[kind]}"
+        path = staging / project_file(name, kind)
         try:
             if kind == "dawproject":
                 write_dawproject(path, tracks, tempo, first, title, tags)
@@ -119,6 +119,11 @@ def write_sessions(
         "first_beat": None if first is None else round(first, 4),
         "tracks": [t.name for t in tracks],
     }
+
+
+def project_file(name: str, kind: str) -> str:
+    """The name of the song's project file of `kind`: the song's name and the extension."""
+    return song_file(name, f".{EXTENSIONS[kind]}")
 
 
 # ------------------------------------------------------------------ .dawproject
@@ -256,6 +261,14 @@ def write_dawproject(
 
 
 def _xml(root: ET.Element) -> bytes:
+    """The document, every text and attribute first made what XML can hold (xml_text):
+    ElementTree writes U+FFFF or a lone surrogate as it is, and a DAW then refuses the
+    whole project."""
+    for element in root.iter():
+        element.text = None if element.text is None else xml_text(element.text)
+        element.tail = None if element.tail is None else xml_text(element.tail)
+        for attribute, value in list(element.attrib.items()):
+            element.set(attribute, xml_text(value))
     ET.indent(root, "  ")
     return ET.tostring(root, encoding="UTF-8", xml_declaration=True) + b"\n"
 
@@ -293,7 +306,7 @@ def reaper_text(tracks: list[Track], tempo: float, first: float | None) -> str:
             f"      NAME {_quote(track.name)}",
             "      SOFFS 0",
             f"      <SOURCE {REAPER_SOURCES.get(track.format, 'WAVE')}",
-            f"        FILE {_quote(track.file)}",
+            f"        FILE {_quote_path(track.file)}",
             "      >",
             "    >",
             "  >",
@@ -310,10 +323,31 @@ def write_reaper(path: Path, tracks: list[Track], tempo: float, first: float | N
 
 
 def _quote(text: str) -> str:
-    """A REAPER string: quoted with a quote character it does not contain (REAPER's own
-    rule: ", then ', then `); one holding all three loses its backquotes."""
+    """A name (a track's, the marker's) as a REAPER string: one line, quoted as REAPER
+    quotes (see _quoted); one holding all three quote characters loses its backquotes."""
     text = clean_text(text)
+    return _quoted(text) or "`" + text.replace("`", "'") + "`"
+
+
+def _quote_path(path: str) -> str:
+    """A media file's path exactly as it is on disk (two spaces, decomposed accents and
+    quotes kept), quoted as REAPER quotes: a path changed here names a file that is not
+    there. REAPER has no escape, so a path holding all three quote characters cannot be
+    written; the song fails, naming the layout that made it."""
+    quoted = _quoted(path)
+    if quoted is None:
+        raise PublishError(
+            f"could not write the REAPER project: the file name {path!r} holds all three "
+            f"quote characters (\" ' `), which an .rpp cannot name; take the double quote "
+            f"out of output.layout, or leave reaper out of output.session"
+        )
+    return quoted
+
+
+def _quoted(text: str) -> str | None:
+    """`text` between the first quote character it does not contain, REAPER's own rule
+    (", then ', then `); None if it holds all three."""
     for mark in ('"', "'", "`"):
         if mark not in text:
             return f"{mark}{text}{mark}"
-    return "`" + text.replace("`", "'") + "`"
+    return None

@@ -26,7 +26,8 @@ from stemdeck_watch.stages.decode import DecodedAudio
 from stemdeck_watch.stages.preview import Peaks, draw_preview
 from stemdeck_watch.stages.scratch import AudioReader
 from stemdeck_watch.stages.practice import write_practice
-from stemdeck_watch.stages.session import write_sessions
+from stemdeck_watch.stages.manifest import MANIFEST
+from stemdeck_watch.stages.session import project_file, write_sessions
 from stemdeck_watch.util.safefile import open_new
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,22 @@ def extra_bytes(stems: int, out: OutputSettings, seconds: float) -> int:
     return total
 
 
+def own_files(name: str, out: OutputSettings) -> tuple[dict[str, str], dict[str, str]]:
+    """The files and the folders a song folder holds besides its stems and mixes (name →
+    what it is): no stem or mix may take one of these names."""
+    files = {MANIFEST: "the song's manifest"}
+    if out.beat_grid:
+        files[BEATS] = "the beat grid"
+    if out.preview:
+        files[PREVIEW] = "the preview picture"
+    if out.stem_file:
+        files[stemfile.file_name(name)] = "the DJ stem file"
+    for kind in out.session:
+        files[project_file(name, kind)] = f"the {kind} project"
+    folders = {practice.FOLDER: "the practice folder"} if out.practice else {}
+    return files, folders
+
+
 def song_info(name: str, preset: str | None, decoded: DecodedAudio) -> publish.SongInfo:
     """The input's tags (read while decoding), its own rate and length, and the decoded
     input the stems' sum is compared with."""
@@ -126,6 +143,7 @@ def make_song_folder(
             timings=timings,
             levels=levels,
             also=[list(stems), *slots.values()] if slots else None,
+            own=own_files(info.name, out),
         )
         timings["write"] = round(time.perf_counter() - started, 3)
         manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}

@@ -28,7 +28,7 @@ from typing import IO, Any, Callable, Mapping
 import numpy as np
 
 from stemdeck_watch.core.errors import FilesystemError, PublishError
-from stemdeck_watch.stages.naming import clean_text, safe_name
+from stemdeck_watch.stages.naming import clean_text, song_file
 from stemdeck_watch.stages.preview import COLOURS
 from stemdeck_watch.stages.scratch import BLOCK_FRAMES, AudioReader
 from stemdeck_watch.util.safefile import open_new
@@ -74,6 +74,11 @@ def stem_manifest() -> dict[str, Any]:
     }
 
 
+def file_name(name: str) -> str:
+    """The stem file's name: the song's name and `.stem.mp4`."""
+    return song_file(name, SUFFIX)
+
+
 def write_stem_file(
     staging: Path,
     stems: dict[str, Path],
@@ -93,7 +98,7 @@ def write_stem_file(
                 f"separates {', '.join(stems)}"
             ],
         }
-    path = staging / f"{safe_name(name, 'song')}{SUFFIX}"
+    path = staging / file_name(name)
     try:
         with open_new(path, "w+b") as handle:
             frames = _encode(handle, stems, slots, samplerate, gain, tags, check)

@@ -678,9 +678,10 @@ def document(
             "post": _operation(
                 "add a song to the inbox: the body is the file's bytes (with a Content-Length), "
                 "written under a hidden name and renamed into place when complete, never over "
-                "another file; the name is made safe (one path component, no control characters)",
+                "another file; the name is made safe (one path component, no control characters); "
+                "409 when the preset's folder in the inbox is a link or not a folder",
                 _ok("where it went, relative to the inbox", _ref("Added")),
-                (415, 507),
+                (409, 415, 507),
                 body={
                     "required": True,
                     "content": {"application/octet-stream": {"schema": BINARY}},
@@ -705,7 +706,8 @@ def document(
         },
         "/api/links": {
             "post": _operation(
-                "add a link to the inbox, as a .url file (409 while links.enabled is false)",
+                "add a link to the inbox, as a .url file (409 while links.enabled is false, or "
+                "when the preset's folder in the inbox is a link or not a folder)",
                 _ok("where it went, relative to the inbox", _ref("Added")),
                 (409,),
                 body=_body(

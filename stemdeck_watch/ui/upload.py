@@ -7,11 +7,14 @@ already there (`song (2).mp3` then) — so the watcher sees a whole file appear,
 copy finished elsewhere and moved in. The name comes from the browser, so from anyone who can
 reach the API with the token: it is cut to one clean path component (no separators, no `..`,
 no control characters, no leading dot) that keeps its audio extension. A link is written as a
-Windows `.url` file, the kind the link intake reads.
+Windows `.url` file, the kind the link intake reads. A preset's folder is in the shared inbox:
+one that is a link or not a folder is refused (409), the temporary file is written at the top
+of the inbox, and it is moved in without going through a link (`move_file(within=inbox)`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
@@ -19,9 +22,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from stemdeck_watch.core.config import Settings
-from stemdeck_watch.core.errors import Conflict, ControlError
+from stemdeck_watch.core.errors import Conflict, ControlError, FilesystemError
 from stemdeck_watch.links.linkfile import LinkError, check_url
-from stemdeck_watch.core.paths import move_file
+from stemdeck_watch.core.paths import link_below, move_file
 from stemdeck_watch.intake.filters import is_pause_file
 from stemdeck_watch.stages.naming import safe_name
 from stemdeck_watch.util.safefile import new_temp
@@ -81,13 +84,48 @@ def clean_file_name(name: str, extensions: tuple[str, ...] | list[str]) -> str:
 
 
 def folder_for(settings: Settings, preset: str | None) -> Path:
+    """The folder an upload or link goes into: the inbox, or a preset's folder in it, made
+    where missing. A preset folder that is a link (anyone who can write the inbox can plant
+    one, `inbox/karaoke` → a folder of the user's) or a file is refused before a byte is
+    written: nothing is ever written through it."""
     inbox = settings.paths.inbox
     if not preset:
         return inbox
     if preset not in settings.presets:
         names = ", ".join(sorted(settings.presets)) or "none are configured"
         raise Refused(f"there is no preset {preset[:80]!r} (presets: {names})")
-    return inbox / preset
+    folder = inbox / preset
+    link = link_below(inbox, folder)
+    if link is None:
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+        link = link_below(inbox, folder)
+    if link is not None or not folder.is_dir():
+        what = "a symbolic link" if link is not None else "not a folder"
+        raise Conflict(
+            f"the preset folder {preset!r} in the inbox is {what}, and nothing is written "
+            f"through it (anyone who can write the inbox could have put it there); nothing "
+            f"was added — remove {folder} or make it a plain folder"
+        )
+    return folder
+
+
+def _beside(settings: Settings, target: Path) -> Path:
+    """Where the temporary file for `target` is written: at the top of the inbox, never in a
+    preset's folder, which someone could swap for a link while the bytes arrive."""
+    return settings.paths.inbox / target.name
+
+
+def _move_in(tmp: Path, target: Path, inbox: Path) -> Path:
+    """The finished temporary file renamed to `target` (or `target (2)`…), never through a
+    link planted at a level of the inbox meanwhile; the temporary file is removed if not."""
+    try:
+        return move_file(tmp, target, within=inbox)
+    except FilesystemError as exc:
+        raise Conflict(f"{exc}; nothing was added") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def receive(
@@ -103,12 +141,11 @@ def receive(
         )
     clean = clean_file_name(name, settings.watch.extensions)
     folder = folder_for(settings, preset)
-    folder.mkdir(exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < length + SPARE:
         raise NoRoom(f"not enough room for {clean} ({_mb(length)}): {_mb(free)} free in {folder}")
     target = folder / clean
-    with new_temp(target) as (tmp, handle):
+    with new_temp(_beside(settings, target)) as (tmp, handle):
         left = length
         while left > 0:
             try:
@@ -122,11 +159,7 @@ def receive(
                 )
             handle.write(piece)
             left -= len(piece)
-    try:
-        final = move_file(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    final = _move_in(tmp, target, settings.paths.inbox)
     log.info("added %s from the page (%s)", final, _mb(length))
     return final
 
@@ -145,18 +178,13 @@ def write_link(settings: Settings, url: str, name: str | None, preset: str | Non
     except LinkError as exc:
         raise Refused(str(exc)) from None
     folder = folder_for(settings, preset)
-    folder.mkdir(exist_ok=True)
     stem = safe_name(name or _name_of(url), "link")[:MAX_NAME].rstrip(". ") or "link"
     if is_pause_file(f"{stem}.url"):  # a link, not the inbox's pause switch
         stem = f"{stem} (link)"
     target = folder / f"{stem}.url"
-    with new_temp(target) as (tmp, handle):
+    with new_temp(_beside(settings, target)) as (tmp, handle):
         handle.write(f"[InternetShortcut]\r\nURL={url}\r\n".encode())
-    try:
-        final = move_file(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    final = _move_in(tmp, target, settings.paths.inbox)
     log.info("added the link %s from the page as %s", url, final)
     return final
 

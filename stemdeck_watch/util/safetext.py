@@ -46,6 +46,19 @@ def strip_controls(text: object, keep: str = "") -> str:
     return _CONTROLS.sub(lambda m: m.group() if m.group() in keep else "?", text)
 
 
+# what XML 1.0 cannot hold even escaped: C0 controls but tab, newline and carriage return;
+# lone surrogates (Python keeps a file name's undecodable bytes as them); U+FFFE and U+FFFF
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+REPLACEMENT = "\ufffd"
+
+
+def xml_text(text: object) -> str:
+    """`text` as XML 1.0 (and UTF-8) can hold it: every character XML forbids becomes U+FFFD,
+    the replacement character, which shows that something was there. A parser refuses a
+    whole document for one such character, even escaped as `&#xFFFF;`."""
+    return _NOT_XML.sub(REPLACEMENT, str(text))
+
+
 def escape_markup(text: object) -> str:
     """`text` for a body read as markup (desktop notifications): `&`, `<` and `>` escaped."""
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -108,9 +121,9 @@ def numbered_name(name: str, n: int, keep_suffix: bool = True) -> str:
     return fit_bytes(stem, NAME_BYTES - len(tail.encode())) + tail
 
 
-def with_suffix_bytes(name: str, suffix: str) -> str:
+def with_suffix_bytes(name: str, suffix: str, limit: int = NAME_BYTES) -> str:
     """`name` + `suffix` (a report's ".error.txt"), the name cut in the middle where the
-    whole would not fit in NAME_BYTES (and the suffix too, where it alone would not)."""
-    if len(suffix.encode()) > NAME_BYTES // 2:
-        return fit_bytes(name + suffix, NAME_BYTES)
-    return fit_bytes(name, NAME_BYTES - len(suffix.encode())) + suffix
+    whole would not fit in `limit` bytes (and the suffix too, where it alone would not)."""
+    if len(suffix.encode()) > limit // 2:
+        return fit_bytes(name + suffix, limit)
+    return fit_bytes(name, limit - len(suffix.encode())) + suffix

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from typing import Any, Callable
 
 from stemdeck_watch.util.redact import redact_url
+from stemdeck_watch.util.safetext import xml_text
 
 Check = Callable[[Any], Any]
 LAYOUT_FIELDS = ("stem", "name", "ext", "model", "title", "artist", "album", "preset")
@@ -234,6 +235,7 @@ def layout_template(value: Any) -> str:
         or ":" in sample
         or any(p in ("..", ".") for p in parts)
         or any(ord(c) < 32 for c in sample)
+        or xml_text(sample) != sample  # a name a DAW project could not hold (U+FFFF)
     ):
         raise ValueError(allowed)
     return value

@@ -64,6 +64,8 @@ def test_unknown_key_names_the_key_and_suggests_the_right_one() -> None:
         ({"output": {"bit_depth": 20}}, ["output.bit_depth = 20", "16, 24, 32"]),
         ({"output": {"layout": "../{stem}.{ext}"}}, ["output.layout", "{stem}"]),
         ({"output": {"layout": "{track}.{ext}"}}, ["output.layout"]),
+        # a name no DAW project could hold (XML forbids U+FFFF even escaped)
+        ({"output": {"layout": "{stem}\uffff.{ext}"}}, ["output.layout"]),
         ({"output": {"mixes": {"instrumental": []}}}, ["output.mixes"]),
         ({"tray": {"enabled": 1}}, ["tray.enabled = 1", 'true, false, "auto"']),
         ({"watch": {"recursive": "yes"}}, ['watch.recursive = "yes"', "true or false"]),

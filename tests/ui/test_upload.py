@@ -252,3 +252,39 @@ def test_links_turned_off_are_refused(make_settings: Any, service_factory: Any) 
     status, reply = post_link(service, {"url": "http://127.0.0.1:9/a"})
     assert status == 409 and "links.enabled = false" in reply["error"]
     assert not inbox_entries(service)
+
+
+def test_a_preset_folder_planted_as_a_link_is_refused_and_nothing_is_written_through_it(
+    paused: Any, tmp_path: Path
+) -> None:
+    """`inbox/karaoke` made a link by anyone who can write the inbox: an upload or a link
+    for that preset is refused with the reason (409), and nothing reaches where it points."""
+    import shutil
+
+    inbox = paused.settings.paths.inbox
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = inbox / "karaoke"
+    if planted.is_dir():
+        shutil.rmtree(planted)
+    planted.symlink_to(elsewhere, target_is_directory=True)
+    song = write_song(tmp_path / "src.wav", 1.0).read_bytes()
+    status, reply = upload(paused, "up.wav", song, preset="karaoke")
+    assert status == 409, reply
+    assert "preset folder 'karaoke'" in reply["error"] and "symbolic link" in reply["error"]
+    link = {"url": "http://127.0.0.1:9/a", "name": "up", "preset": "karaoke"}
+    status, reply = post_link(paused, link)
+    assert status == 409 and "symbolic link" in reply["error"], reply
+    assert not list(elsewhere.iterdir()), "nothing is written where the link points"
+
+    planted.unlink()  # a link to nothing: not made into a folder through it either
+    planted.symlink_to(tmp_path / "gone", target_is_directory=True)
+    status, reply = upload(paused, "up.wav", song, preset="karaoke")
+    assert status == 409 and "symbolic link" in reply["error"], reply
+    assert not (tmp_path / "gone").exists()
+
+    planted.unlink()  # a file where the folder goes
+    planted.write_bytes(b"")
+    status, reply = post_link(paused, link)
+    assert status == 409 and "not a folder" in reply["error"], reply
+    assert inbox_entries(paused) == {"karaoke"}
