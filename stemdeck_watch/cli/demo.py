@@ -8,6 +8,9 @@ and prints where the stems are and how long each step took.
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,9 +36,57 @@ Note: the demo uses a tiny model that has never been trained, so its "stems" are
 musically meaningful — the demo shows the service, not separation quality. For real stems,
 use a real Demucs model: leave separation.model = "htdemucs" (downloaded once, on first use,
 from the model hub), or put downloaded model files in a folder and set
-separation.model_repo to it (docs/guide/models.md, "Using a real model offline"). Then
-(after `make demo`, the command is .venv/bin/stemdeck-watch in the clone's folder):
-    stemdeck-watch doctor && stemdeck-watch run"""
+separation.model_repo to it (docs/guide/models.md, "Using a real model offline"). Then:
+    {command} doctor && {command} run{where}"""
+SCRIPT = "stemdeck-watch"
+
+
+def untrained_note(
+    prefix: Path | None = None,
+    path: str | None = None,
+    argv0: str | None = None,
+    executable: str | None = None,
+) -> str:
+    """The demo's last words, with the command as this installation runs it. The script
+    is the one that started this process (sys.argv[0]), else the one installed beside this
+    Python (sys.prefix): its name where it is on PATH; `.venv/bin/stemdeck-watch` from the
+    clone's folder where it lies in a clone's `.venv` (what `make demo` makes); its full
+    path where it is not on PATH (a wheel in a virtual environment not activated); and
+    `python -m stemdeck_watch` where there is no script. Read from the paths, not assumed."""
+    prefix = Path(sys.prefix if prefix is None else prefix)
+    path = os.environ.get("PATH", os.defpath) if path is None else path
+    started = Path(sys.argv[0] if argv0 is None else argv0)
+    bin_dir = "Scripts" if sys.platform == "win32" else "bin"
+    installed = prefix / bin_dir / (SCRIPT + (".exe" if sys.platform == "win32" else ""))
+    script = started if started.stem == SCRIPT and started.is_file() else installed
+    if not script.is_file():
+        command = f"{_quoted(Path(executable or sys.executable))} -m stemdeck_watch"
+        return UNTRAINED_NOTE.format(where="", command=command)
+    found = shutil.which(SCRIPT, path=path)
+    if found and os.path.samefile(found, script):
+        return UNTRAINED_NOTE.format(where="", command=SCRIPT)
+    venv = script.absolute().parent.parent
+    if venv.name == ".venv" and _is_clone(venv.parent):
+        return UNTRAINED_NOTE.format(
+            where=f"\n(in the clone's folder, {_quoted(venv.parent)}: `make demo` installed it there)",
+            command=f"{venv.name}/{script.parent.name}/{script.name}",
+        )
+    return UNTRAINED_NOTE.format(where="\n(its folder is not on PATH)", command=_quoted(script))
+
+
+def _is_clone(folder: Path) -> bool:
+    """Whether `folder` is this project's source folder (its pyproject.toml names it)."""
+    try:
+        text = (folder / "pyproject.toml").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return re.search(r'(?m)^name\s*=\s*"stemdeck-watch"', text) is not None
+
+
+def _quoted(path: Path) -> str:
+    return (
+        subprocess.list2cmdline([str(path)]) if sys.platform == "win32" else shlex.quote(str(path))
+    )
 
 
 def make_workspace(root: Path) -> Path:
@@ -137,5 +188,5 @@ def _report(settings: Settings, elapsed: float, emit: Callable[[str], None]) -> 
         f"{settings.paths.processed}"
     )
     emit("")
-    emit(UNTRAINED_NOTE)
+    emit(untrained_note())
     return 0 if ok else 1

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from stemdeck_watch import __version__
 from stemdeck_watch.core.config import Settings, load_settings, write_default_config
@@ -24,6 +25,21 @@ from stemdeck_watch.core.errors import ConfigError, StemdeckError
 from stemdeck_watch.util.safetext import escape_controls
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+CONFIG_HELP = "config file (default: ./stemdeck.toml, then the platform config dir)"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser, at any depth: it takes the global options too, so they may
+    follow the command (`models list --config x.toml`). Its own commands are parsed by
+    CommandParsers again (argparse gives a parser's subparsers its own class), so a command
+    added anywhere later has them without being told."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: absent here, the value given before the command stays
+        self.add_argument(
+            "--config", type=Path, metavar="PATH", default=argparse.SUPPRESS, help=CONFIG_HELP
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,19 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Turn songs dropped into an inbox folder into separated stems.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    config_help = "config file (default: ./stemdeck.toml, then the platform config dir)"
-    parser.add_argument("--config", type=Path, metavar="PATH", help=config_help)
-    # --config is accepted after the command too (`status --config x.toml`)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--config", type=Path, metavar="PATH", default=argparse.SUPPRESS, help=config_help
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add = lambda name, **kw: commands.add_parser(name, parents=[common], **kw)  # noqa: E731
+    parser.add_argument("--config", type=Path, metavar="PATH", help=CONFIG_HELP)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
+    add = commands.add_parser
     run = add("run", help="run the service in the foreground (Ctrl-C stops it)")
     run.add_argument("--no-tray", action="store_true", help="no tray icon (servers)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug output on the terminal")
-    demo = commands.add_parser("demo", help="offline demo: a tiny model on two synthetic songs")
+    demo = add("demo", help="offline demo: a tiny model on two synthetic songs")
     demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
     status = add("status", help="show the queue (works while stopped too)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -82,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     autostart.add_argument(
         "--headless", action="store_true", help="without the tray (Linux: a systemd user unit)"
     )
-    config = commands.add_parser("config", help="configuration file")
+    config = add("config", help="configuration file")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
     init = config_commands.add_parser("init", help="write a complete default stemdeck.toml")
     init.add_argument("path", nargs="?", type=Path, default=Path("stemdeck.toml"))

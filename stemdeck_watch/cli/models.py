@@ -167,9 +167,11 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
     bar = ProgressBar(name, err)
     started = time.monotonic()
     try:
-        paths = store.pull(name, bar.update)
+        try:
+            paths = store.pull(name, bar.update)
+        finally:
+            bar.close()  # what follows on a line of its own
     except download.Interrupted as exc:
-        bar.close()
         print(
             f"stemdeck-watch: {escape_controls(exc)}; run `stemdeck-watch models pull "
             f"{escape_controls(name)}` again to resume",
@@ -177,14 +179,12 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
         )
         return EXIT_FAILED
     except KeyboardInterrupt:
-        bar.close()
         print(
             f"stemdeck-watch: interrupted at {bar.words()}; run `stemdeck-watch models pull "
             f"{escape_controls(name)}` again to resume",
             file=err,
         )
         return EXIT_FAILED
-    bar.close()
     size = sum(path.stat().st_size for path in paths)
     print(
         f"{escape_controls(name)}: ready, {len(paths)} file(s), {download_mb(size)} MB, "
@@ -251,8 +251,10 @@ def download_mb(size: int) -> str:
 
 
 class ProgressBar:
-    """`htdemucs [#######.......] 34.0 / 80.2 MB` on a terminal, redrawn in place; a line
-    every tenth of the way otherwise (a log, a test)."""
+    """`htdemucs [#######.......] 34.0 / 80.2 MB` on a terminal, redrawn in place at most
+    ten times a second; a line every tenth of the way otherwise (a log, a test), or every
+    10 MB where the size is not known. A total the bytes have passed was wrong (a hub
+    that misstated the size) and is not shown."""
 
     def __init__(self, name: str, stream: TextIO):
         self.name, self.stream = name, stream
@@ -268,6 +270,8 @@ class ProgressBar:
         return f"{download_mb(self.done)}{total} MB"
 
     def update(self, done: int, total: int | None) -> None:
+        if total is not None and done > total:
+            total = None
         self.done, self.total = done, total
         if self.tty:
             now = time.monotonic()
@@ -287,5 +291,6 @@ class ProgressBar:
 
     def close(self) -> None:
         if self.tty and self._drawn:
+            self._drawn = 0.0
             self.stream.write("\n")
             self.stream.flush()

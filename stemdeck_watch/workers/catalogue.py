@@ -57,3 +57,16 @@ CATALOGUE: tuple[Known, ...] = (
     ),
 )
 KNOWN = {entry.name: entry for entry in CATALOGUE}
+
+MARGIN = 0.5  # a download may exceed the catalogue's size by this much of it (it is "about")
+UNLISTED_MB = 1000  # a model only the hub lists: larger than any pretrained Demucs model
+
+
+def size_cap(name: str) -> int:
+    """The most bytes a download of `name` may take: the catalogue's size plus the margin,
+    or UNLISTED_MB for a model the catalogue does not know. The hub's own word on a size
+    is not the bound: a server that lies about it, or streams without end, must not be able
+    to fill the disk."""
+    known = KNOWN.get(name)
+    megabytes = known.size_mb * (1 + MARGIN) if known else UNLISTED_MB
+    return int(megabytes * 1_000_000)

@@ -8,9 +8,14 @@ file's sha256 starts with the checksum in its name is it renamed to its final na
 file in the cache is always a whole, verified one. A partial whose bytes do not add up is
 deleted, and a resumed one is downloaded once more from the start.
 
+A download has a size limit (the caller's: a model's catalogue size and a margin): a server
+that sends more than that, whatever it said the size was, is cut off with TooLarge and the
+partial file is deleted, so an endless stream cannot fill the disk.
+
 One process downloads a file at a time: a lock file beside it (`.NAME.lock`) is held while
 it downloads; another process (the CLI while the worker downloads, say) waits for it and
-reports that download's progress.
+reports that download's progress, and gives up when that download stops growing for
+STALLED_FACTOR × the timeout (a stopped or hung process holds the lock for nothing).
 
 Only the standard library: the CLI imports this without torch.
 """
@@ -39,11 +44,13 @@ log = logging.getLogger(__name__)
 PARTIAL = ".partial"
 CHUNK = 1 << 16
 TIMEOUT = 30.0  # seconds without a byte before a download counts as cut off
+SLOWEST = 1024  # bytes a second, over TIMEOUT: a transfer slower than that counts as cut off
 ASK_TIMEOUT = (
     10.0  # seconds for a question to the hub (a size, a list): an unreachable hub fails fast
 )
 RESUMES = 3  # a download cut off is resumed at once this many times, while it gets further
 WAIT_POLL = 0.25  # seconds between two looks at another process's download
+STALLED_FACTOR = 3  # another process's download without a new byte for this × the timeout
 USER_AGENT = f"stemdeck-watch/{__version__}"
 
 Progress = Callable[[int], None]  # bytes of the file present so far
@@ -59,6 +66,10 @@ class Interrupted(DownloadError):
 
 class ChecksumMismatch(DownloadError):
     """Every byte arrived, but they are not the file the name promises; nothing is kept."""
+
+
+class TooLarge(DownloadError):
+    """The server sent (or announced) more than the download's limit; nothing is kept."""
 
 
 def checksum_of(name: str) -> str:
@@ -88,14 +99,21 @@ def partial_bytes(dest: Path) -> int:
     return _size(found[0]) if found else 0
 
 
-def fetch(url: str, dest: Path, on_bytes: Progress | None = None, timeout: float = TIMEOUT) -> Path:
+def fetch(
+    url: str,
+    dest: Path,
+    on_bytes: Progress | None = None,
+    timeout: float = TIMEOUT,
+    limit: int | None = None,
+) -> Path:
     """Download `url` to `dest` (see the module docstring): resumed from a partial download,
-    verified against the checksum in `dest`'s name, renamed into place. Raises Interrupted
-    (what arrived is kept), ChecksumMismatch or DownloadError."""
+    at most `limit` bytes, verified against the checksum in `dest`'s name, renamed into
+    place. Raises Interrupted (what arrived is kept), ChecksumMismatch, TooLarge (nothing
+    is kept) or DownloadError."""
     report = on_bytes or (lambda _n: None)
     checksum = checksum_of(dest.name)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest, report):
+    with _locked(dest, report, timeout):
         if dest.is_file():  # another process finished it while we waited
             return dest
         for attempt in (1, 2):
@@ -104,7 +122,11 @@ def fetch(url: str, dest: Path, on_bytes: Progress | None = None, timeout: float
             for extra in found[1:]:  # older leftovers of a run that crashed: ours now
                 discard(extra)
             resumed = _size(partial) > 0
-            _transfer_resuming(url, partial, report, timeout)
+            try:
+                _transfer_resuming(url, partial, report, timeout, limit)
+            except TooLarge:
+                discard(partial)  # more than the file can be: nothing worth resuming
+                raise
             if matches(partial, checksum):
                 os.replace(partial, dest)
                 return dest
@@ -124,12 +146,14 @@ def fetch(url: str, dest: Path, on_bytes: Progress | None = None, timeout: float
     )
 
 
-def _transfer_resuming(url: str, partial: Path, report: Progress, timeout: float) -> None:
+def _transfer_resuming(
+    url: str, partial: Path, report: Progress, timeout: float, limit: int | None
+) -> None:
     """`_transfer`, resumed at once when the connection drops, while each try gets further."""
     for attempt in range(RESUMES + 1):
         before = _size(partial)
         try:
-            _transfer(url, partial, report, timeout)
+            _transfer(url, partial, report, timeout, limit)
             return
         except Interrupted as exc:
             if attempt == RESUMES or _size(partial) <= before:
@@ -137,9 +161,12 @@ def _transfer_resuming(url: str, partial: Path, report: Progress, timeout: float
             log.warning("%s; resuming", exc)
 
 
-def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None:
-    """Append the rest of `url` to `partial` (all of it if the server ignores the range)."""
+def _transfer(url: str, partial: Path, report: Progress, timeout: float, limit: int | None) -> None:
+    """Append the rest of `url` to `partial` (all of it if the server ignores the range),
+    never more than `limit` bytes in all."""
     have = _size(partial)
+    if limit is not None and have > limit:
+        raise _too_large(url, limit)
     headers = {"User-Agent": USER_AGENT}
     if have:
         headers["Range"] = f"bytes={have}-"
@@ -161,6 +188,11 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
         total = _total(response, have)
         if response.status != 206:  # a whole file: start again
             have = 0
+        if limit is not None and total is not None and total > limit:
+            raise TooLarge(
+                f"{_where(url)} announced {total:,} bytes for {_file_of(url)}, more than "
+                f"the {limit:,} it may have"
+            )
         report(have)
         fd = os.open(
             partial,
@@ -172,15 +204,27 @@ def _transfer(url: str, partial: Path, report: Progress, timeout: float) -> None
         with open(fd, "wb", closefd=True) as out:
             out.seek(have)
             out.truncate()
+            window, since = 0, time.monotonic()
             try:
                 while True:
                     block = response.read1(CHUNK)
                     if not block:
                         break
+                    if limit is not None and have + len(block) > limit:
+                        raise _too_large(url, limit)
                     out.write(block)
                     out.flush()  # on disk as it arrives: a resume starts from all of it
                     have += len(block)
                     report(have)
+                    # a byte now and then never trips the socket's timeout: the rate does
+                    window, elapsed = window + len(block), time.monotonic() - since
+                    if elapsed >= timeout:
+                        if window < SLOWEST * elapsed:
+                            raise Interrupted(
+                                f"the download from {_where(url)} stopped after {have:,} "
+                                f"bytes (under {SLOWEST:,} bytes a second for {elapsed:.0f} s)"
+                            )
+                        window, since = 0, time.monotonic()
             except (http.client.HTTPException, OSError) as exc:
                 out.flush()
                 raise Interrupted(
@@ -256,6 +300,14 @@ def _where(url: str) -> str:
     return parts.hostname or url
 
 
+def _file_of(url: str) -> str:
+    return urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or redact_url(url)
+
+
+def _too_large(url: str, limit: int) -> TooLarge:
+    return TooLarge(f"{_where(url)} sent more than the {limit:,} bytes {_file_of(url)} may have")
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -270,8 +322,9 @@ def _new_partial(dest: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(dest: Path, report: Progress) -> Iterator[None]:
-    """Hold `dest`'s lock file; while another process holds it, report its progress."""
+def _locked(dest: Path, report: Progress, timeout: float) -> Iterator[None]:
+    """Hold `dest`'s lock file; while another process holds it, report its progress, and
+    give up when its download has not grown for STALLED_FACTOR × `timeout`."""
     lock = dest.with_name(f".{dest.name}.lock")
     fd = os.open(
         lock,
@@ -280,11 +333,21 @@ def _locked(dest: Path, report: Progress) -> Iterator[None]:
     )
     try:
         waited = False
+        seen, since = -1, time.monotonic()
         while not _try_lock(fd):
             if not waited:
                 log.info("another process is downloading %s; waiting for it", dest.name)
                 waited = True
-            report(partial_bytes(dest))
+            present = partial_bytes(dest)
+            if present != seen:
+                seen, since = present, time.monotonic()
+            elif time.monotonic() - since > STALLED_FACTOR * timeout:
+                raise DownloadError(
+                    f"another process has been downloading {dest.name} without a new byte "
+                    f"for {STALLED_FACTOR * timeout:.0f} s (a stopped worker or command?); "
+                    f"try again once it has ended"
+                )
+            report(present)
             time.sleep(WAIT_POLL)
         try:
             yield

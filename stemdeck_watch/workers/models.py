@@ -33,7 +33,7 @@ from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safefile import discard, open_new, temp_name, write_replacing
 from stemdeck_watch.util.validators import MODEL_STEMS
 from stemdeck_watch.workers import download
-from stemdeck_watch.workers.catalogue import CATALOGUE, KNOWN
+from stemdeck_watch.workers.catalogue import CATALOGUE, KNOWN, size_cap
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +308,9 @@ class ModelStore:
     ) -> list[Path]:
         """Make every file of `name` present and verified in the cache: files already there
         are checked (a damaged one is downloaded again), missing ones downloaded from the hub
-        (`fetch`; else NotCached says what is missing). Returns the files, in the model's
-        order."""
+        (`fetch`; else NotCached says what is missing), never more in all than the
+        catalogue's size for `name` and a margin (`size_cap`): a hub that sends more is cut
+        off with TooLarge. Returns the files, in the model's order."""
         files = self._files(name, fetch)
         missing = [f for f in files if not self._verified(f)]
         if missing and not fetch:
@@ -325,19 +326,35 @@ class ModelStore:
             if None in sizes.values()
             else done + sum(s for s in sizes.values() if s is not None)
         )
+        cap = size_cap(name)
+        if total is not None and total > cap:
+            raise download.TooLarge(self._too_large(name, cap, f"says it is {total:,} bytes"))
         report = on_progress or (lambda _d, _t: None)
         for f in missing:
             log.info("downloading %s for model %s from %s", f.name, name, redact_url(self.hub))
             path = self.cache / f.name
-            download.fetch(
-                self.hub + f.path,
-                path,
-                functools.partial(_offset, report, done, total),
-                self.timeout,
-            )
+            try:
+                download.fetch(
+                    self.hub + f.path,
+                    path,
+                    functools.partial(_offset, report, done, total),
+                    self.timeout,
+                    limit=cap - done,
+                )
+            except download.TooLarge as exc:
+                raise download.TooLarge(self._too_large(name, cap, str(exc))) from None
             done += path.stat().st_size
-        report(done, total)
+        report(done, None if total is not None and done > total else total)
         return [self.cache / f.name for f in files]
+
+    def _too_large(self, name: str, cap: int, what: str) -> str:
+        known = KNOWN.get(name)
+        size = f"about {known.size_mb} MB" if known else "not in the catalogue"
+        return (
+            f"model {name!r} from {redact_url(self.hub)}: {what}; the model is {size}, so "
+            f"its download stops at {cap / 1e6:.1f} MB and nothing of it was kept. Is "
+            f"separation.model_hub a mirror of demucs's model files?"
+        )
 
     def _files(self, name: str, fetch: bool) -> list[ModelFile]:
         try:
@@ -442,8 +459,11 @@ class ModelStore:
 
 
 def _offset(report: OnProgress, before: int, total: int | None, present: int) -> None:
-    """A file's progress as the model's: the bytes of the files before it added."""
-    report(before + present, total)
+    """A file's progress as the model's: the bytes of the files before it added. A hub whose
+    size was wrong (more bytes arrive than it said) gives no total: "31.5 / 0.0 MB" would
+    help nobody."""
+    done = before + present
+    report(done, None if total is not None and done > total else total)
 
 
 def _model_files(folder: Path, depth: int = 3) -> list[Path]:

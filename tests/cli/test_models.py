@@ -4,21 +4,26 @@ interrupted and resumed, damaged — verify and import. No byte comes from the i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from stemdeck_watch.cli.doctor import check_models
+from stemdeck_watch.cli.main import main
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core import choices
+from stemdeck_watch.workers import catalogue
 
 from support.helpers import config_data, wait_for, write_config
 from support.modelhub import ModelHub, build_mirror
@@ -276,3 +281,51 @@ def test_doctor_checks_a_presets_own_precision(tmp_path: Path, model_repo: Path)
     preset = [f for f in findings if "(preset gpu)" in f.title]
     assert preset and not preset[0].ok and "float16" in preset[0].detail, findings
     assert all(f.ok for f in findings if "preset" not in f.title), findings
+
+
+def test_a_hub_that_misstates_the_size_gets_sane_progress_and_no_model_file(
+    config: Path, hub: ModelHub, cache: Path
+) -> None:
+    """The HEAD says 1,000 bytes, the GET streams 12 MB: progress never shows a total the
+    bytes have passed, and prints a line per 10 MB, not one per chunk."""
+    hub.head_size, hub.stream_size = 1000, 12_000_000
+    result = models(config, "pull", "htdemucs")
+    assert result.returncode == 1
+    assert "is not the file its name promises" in result.stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith("htdemucs: ")]
+    assert 1 <= len(progress) <= 4, result.stderr
+    for line in progress:
+        figures = re.fullmatch(r"htdemucs: ([\d.]+)(?: / ([\d.]+))? MB", line)
+        assert figures, line
+        assert figures[2] is None or float(figures[1]) <= float(figures[2]), line
+    assert model_files(cache) == set() and leftovers(cache) == set()
+
+
+def test_a_download_larger_than_the_model_can_be_stops_and_keeps_nothing(
+    config: Path,
+    hub: ModelHub,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """An endless stream stops at the catalogue's size and its margin, with an error naming
+    the model and the hub; the partial file goes (it cannot be the model)."""
+    monkeypatch.setenv("TORCH_HOME", str(cache.parent.parent))
+    monkeypatch.setenv("HF_HOME", str(config.parent / "hf"))
+    small = dataclasses.replace(catalogue.KNOWN["htdemucs"], size_mb=1)
+    monkeypatch.setitem(catalogue.KNOWN, "htdemucs", small)
+    hub.endless = True
+    codes: list[int] = []
+    pull = threading.Thread(
+        target=lambda: codes.append(main(["--config", str(config), "models", "pull", "htdemucs"]))
+    )
+    pull.start()
+    pull.join(timeout=60)
+    hub.endless = False
+    assert not pull.is_alive() and codes == [1]
+    err = capfd.readouterr().err
+    assert "model 'htdemucs' from http://127.0.0.1:" in err, err
+    assert "sent more than the 1,500,000 bytes" in err and "stops at 1.5 MB" in err
+    assert "nothing of it was kept" in err
+    assert max(g.sent for g in hub.gets()) < 16_000_000  # the cap and the socket's buffers
+    assert model_files(cache) == set() and leftovers(cache) == set()

@@ -5,7 +5,11 @@
 under its root folder — with the real checksum of the tiny file. `ModelHub` serves such a
 folder on 127.0.0.1 with HEAD and Range requests, and can hold a transfer at a byte until
 `release()` (a gate: "the download is under way" without timing), cut the connection at a
-byte once, or serve damaged bytes. It records every request.
+byte once, serve damaged bytes, or send one byte now and then (`trickle`). It can also lie
+as a broken or hostile server does: a HEAD that names a size of its choosing (`head_size`),
+and a model file's body streamed without a length, `stream_size` bytes long or without end
+(`endless`: until the client hangs up, the hub stops, or ENDLESS bytes, so that a client
+without a limit fails a test instead of filling the disk). It records every request.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CHUNK = 16 * 1024
+ENDLESS = 64 * 1024 * 1024
 
 
 def build_mirror(
@@ -54,6 +59,11 @@ class ModelHub:
         self.hold_at: int | None = None  # a model file's transfer waits at this byte
         self.cut_at: int | None = None  # ... or the connection closes there (once)
         self.damaged = False  # model files served with one byte changed
+        self.head_size: int | None = None  # a HEAD's Content-Length for a model file
+        self.stream_size: int | None = None  # a model file's GET: this many bytes, no length
+        self.endless = False  # ... or bytes without end
+        self.trickle: float | None = None  # a model file's body: one byte each this many s
+        self._stopping = threading.Event()
         self.held = threading.Event()  # a transfer waits at hold_at
         self._release = threading.Event()
         hub = self
@@ -78,6 +88,7 @@ class ModelHub:
         return self
 
     def __exit__(self, *_exc: Any) -> None:
+        self._stopping.set()
         self.release()
         self.server.shutdown()
         self.server.server_close()
@@ -104,6 +115,19 @@ class ModelHub:
         if model and self.damaged:
             middle = len(data) // 2
             data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        if model and (self.endless or self.stream_size is not None) and body:
+            handler.send_response(200)
+            handler.end_headers()  # no length: the body ends when the connection does
+            try:
+                self._stream(handler, record, data)
+            except OSError:  # the client hung up
+                pass
+            return
+        if model and self.head_size is not None and not body:
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(self.head_size))
+            handler.end_headers()
+            return
         start = 0
         match = re.fullmatch(r"bytes=(\d+)-", record.range or "")
         if match:
@@ -125,6 +149,20 @@ class ModelHub:
         except OSError:  # the client went away (Ctrl-C, a killed worker)
             pass
 
+    def _stream(
+        self, handler: http.server.BaseHTTPRequestHandler, record: Request, data: bytes
+    ) -> None:
+        """`data` over and over: `stream_size` bytes, or until the client or the hub stops."""
+        block = (data * (CHUNK * 4 // len(data) + 1))[: CHUNK * 4]
+        total = ENDLESS if self.endless else (self.stream_size or 0)
+        while record.sent < total:
+            if self._stopping.is_set():
+                return
+            size = min(len(block), total - record.sent)
+            handler.wfile.write(block[:size])
+            record.sent += size
+        handler.wfile.flush()
+
     def _send(
         self,
         handler: http.server.BaseHTTPRequestHandler,
@@ -136,6 +174,10 @@ class ModelHub:
         position = start
         while position < len(data):
             end = min(position + CHUNK, len(data))
+            if model and self.trickle is not None:
+                if self._stopping.wait(self.trickle):
+                    return
+                end = position + 1
             for stop_at, action in ((self.hold_at, "hold"), (self.cut_at, "cut")):
                 if model and stop_at is not None and position <= stop_at < end:
                     end = stop_at
