@@ -294,6 +294,15 @@ class Pipeline:
             on_progress=lambda v: run.report.progress(base + share * v),
         )
         run.timer.timings["separate"] = round(result.seconds, 3)
+        if sep.device not in ("auto", result.device):
+            log.info(
+                "%s: separated on %s, not on %s (separation.device, chosen by the %s): a "
+                "song runs where the worker runs",
+                job.name,
+                result.device or "the worker's device",
+                sep.device,
+                run.origins.get("separation.device", "config"),
+            )
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
         run.separation = result
@@ -351,6 +360,9 @@ class Pipeline:
                 **song.manifest,
                 "timings": run.timer.timings,
                 "versions": self.client.versions,
+                # where the worker separated it, as the worker said: not the setting, which
+                # a worker started for the config's device (or a fallback) need not follow
+                "device": result.device,
                 # the precision the worker separated in, and the figures that chose it
                 "precision": dict(model.precision) or {"precision": model.dtype},
                 # whether the compiled model separated it, and where the compile stands

@@ -61,7 +61,9 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
         "Worse.wav",
     ):
         write_song(made / name, 1.5, seed=len(name))
-    (made / "Sided.wav.stemdeck.toml").write_text('format = "flac"\ntwo_stems = "bass"\n')
+    (made / "Sided.wav.stemdeck.toml").write_text(
+        'format = "flac"\ntwo_stems = "bass"\ndevice = "cuda"\n'
+    )
     (made / "Worse.wav.stemdeck.toml").write_text('modle = "htdemucs_6s"\n')
     _service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
@@ -88,6 +90,10 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     sided = read_manifest(outbox / "Sided")
     assert [e["file"] for e in sided["stems"]] == ["bass.flac", "no_bass.flac"]
     assert sided["settings_from"]["output.format"] == "sidecar Sided.wav.stemdeck.toml"
+    # the device it asked for is recorded as asked; where it ran, as the worker said (the
+    # tests' workers run on the CPU)
+    assert sided["settings"]["separation"]["device"] == "cuda"
+    assert sided["device"] == "cpu" and tagged["device"] == "cpu"
     assert (processed / "Sided.wav.stemdeck.toml").is_file()  # the choices go with the song
     assert not (inbox / "Sided.wav.stemdeck.toml").exists()
 
