@@ -7,10 +7,12 @@ segments of a few seconds, so a short song costs a whole one), and the seconds t
 lane was busy with it besides separating (decoding, writing stems, the beat grid). The busy
 time is measured from when the song started, or from when the song before it finished if it
 started earlier (decoded ahead, or separating while the one before was written out): so a busy
-queue is measured at the pace it really moves. Only work counts: the time the queue was paused
-meanwhile (by a person, for disk, while a share was away and the stems waited for the outbox)
-is taken out, and a song put back in the queue (a machine fault, a stop) is timed afresh when
-it starts again, so one outage or stalled attempt never makes every later song look slower.
+queue is measured at the pace it really moves. Only work counts: the time a song waited while
+the queue was paused for what holds a running song too (the inbox's or the outbox's share
+away, the stems waiting in scratch; the cluster not answering) is taken out, and a song put
+back in the queue (a machine fault, no room on the disk, a stop) is timed afresh when it
+starts again, so one outage or stalled attempt never makes every later song look slower. A
+pause a person chose lets the running song finish: its time is work.
 The first songs count equally, later ones with a
 fixed weight, so the figures follow a machine that got busier without forgetting at once; they
 are kept in the registry and survive a restart.
@@ -52,6 +54,11 @@ SPREAD = 0.2  # lengths this varied (relative to their mean) allow fitting a fix
 MAX_TOOK = 200  # finished songs whose time is kept
 PROBES_PER_ESTIMATE = 16  # lengths read per estimate at most: a snapshot stays quick
 REFRESH_DEBOUNCE = 0.3  # seconds: a burst of changes makes one registry write
+# pause reasons that hold the running song as well as the queue: its time is a wait, not work
+# (a person's pause lets the song finish). The scheduler's PAUSE_INBOX and PAUSE_OUTBOX and
+# the cluster watch's PAUSE_CLUSTER, by value: importing the scheduler would load numpy into
+# `status`
+HOLDING = frozenset({"inbox", "outbox", "cluster"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +141,8 @@ class Estimator:
         self._presets: dict[str | None, Any] = {}
         self._started: dict[str, float] = {}
         self._last_final: float | None = None
-        self._paused_since: float | None = None  # while the queue is paused: since when
-        self._pauses: list[tuple[float, float]] = []  # the pauses since the oldest song began
+        self._held_since: float | None = None  # while a pause holds the running song: since
+        self._holds: list[tuple[float, float]] = []  # those since the oldest song began
         self._dirty = threading.Event()
         self._learnt = False
         self._stop = threading.Event()
@@ -191,22 +198,25 @@ class Estimator:
                 self._dirty.set()
 
     def _on_queue(self, event: QueueChanged) -> None:
-        """The queue paused or started: a pause is time no song's work is measured in."""
+        """The queue paused or started: a pause that holds the running song (HOLDING) is
+        time its work is not measured in."""
+        held = event.paused and event.pause_reason in HOLDING
         with self._lock:
             now = self._clock()
-            if event.paused and self._paused_since is None:
-                self._paused_since = now
-            elif not event.paused and self._paused_since is not None:
-                self._pauses.append((self._paused_since, now))
-                self._paused_since = None
+            if held and self._held_since is None:
+                self._held_since = now
+            elif not held and self._held_since is not None:
+                self._holds.append((self._held_since, now))
+                self._held_since = None
                 oldest = min([*self._started.values(), self._last_final or now, now])
-                self._pauses = [p for p in self._pauses if p[1] > oldest]
+                self._holds = [span for span in self._holds if span[1] > oldest]
 
-    def _paused_within(self, begin: float, end: float) -> float:
-        """Seconds the queue was paused between `begin` and `end` (under the lock)."""
-        spans = [*self._pauses]
-        if self._paused_since is not None:
-            spans.append((self._paused_since, end))
+    def _held_within(self, begin: float, end: float) -> float:
+        """Seconds a pause held the running song between `begin` and `end` (under the
+        lock)."""
+        spans = [*self._holds]
+        if self._held_since is not None:
+            spans.append((self._held_since, end))
         return sum(max(0.0, min(end, b) - max(begin, a)) for a, b in spans)
 
     def _learn(self, job: Job, started: float, previous: float | None) -> None:
@@ -226,7 +236,7 @@ class Estimator:
         finished = job.finished_at or self._clock()
         begin = max(started, previous if previous and self.lanes == 1 else started)
         with self._lock:
-            busy = finished - begin - self._paused_within(begin, finished)
+            busy = finished - begin - self._held_within(begin, finished)
             old = self.rates.pop(key, None) or Rate(0)
             self.rates[key] = old.add(length, separate, max(0.0, busy - separate))
             self.took[job.id] = round(finished - started, 3)

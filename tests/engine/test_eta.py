@@ -340,9 +340,9 @@ def lane(settings: Any, tmp_path: Path) -> Any:
 
 def test_an_outage_a_pause_or_a_stalled_attempt_never_raises_the_time_per_song(lane: Any) -> None:
     """What the lane learns is work: a publish that waited 40 s for the outbox's share (the
-    queue paused "outbox" meanwhile), a song that ran on while a person held the queue, and
-    an attempt the machine cut off (the song back in the queue, then started again) each
-    teach the time the song itself took, not the wait."""
+    queue paused "outbox" meanwhile), a link put back in the queue while the queue waited
+    for disk space, and an attempt the machine cut off (the song back in the queue, then
+    started again) each teach the time the song itself took, not the wait."""
     for _ in range(3):
         lane.song()
     assert lane.overhead == pytest.approx(lane.SIDE)
@@ -356,12 +356,14 @@ def test_an_outage_a_pause_or_a_stalled_attempt_never_raises_the_time_per_song(l
     lane.finish()
     assert lane.overhead == pytest.approx(lane.SIDE)
 
-    lane.begin()  # a person pauses the queue while the song is publishing
-    lane.now += lane.SEPARATE
-    lane.pause(True)
-    lane.now += 300.0
+    lane.begin()  # downloaded, it does not fit: back to the queue, paused for disk
+    lane.now += 5.0
+    lane.change(JobState.QUEUED)
+    lane.pause(True, "disk")
+    lane.now += 600.0
     lane.pause(False)
-    lane.now += lane.SIDE
+    lane.change(JobState.DECODING)
+    lane.now += lane.SEPARATE + lane.SIDE
     lane.finish()
     assert lane.overhead == pytest.approx(lane.SIDE)
 
@@ -373,6 +375,13 @@ def test_an_outage_a_pause_or_a_stalled_attempt_never_raises_the_time_per_song(l
     lane.finish()
     assert lane.overhead == pytest.approx(lane.SIDE)
     assert lane.estimator.rates[f"{lane.model}/float32"].songs == 6
+
+    lane.begin()  # a person's pause lets the running song finish: that is work
+    lane.pause(True, "user")
+    lane.now += lane.SEPARATE + lane.SIDE + 7.0
+    lane.finish()
+    lane.pause(False)
+    assert lane.overhead > lane.SIDE
 
 
 def test_an_idle_queue_is_never_said_to_take_longer_than_the_work_it_holds(lane: Any) -> None:
@@ -388,3 +397,11 @@ def test_an_idle_queue_is_never_said_to_take_longer_than_the_work_it_holds(lane:
     assert over_work(eta) <= 0, eta
     paused = lane.estimator.estimate([], queued, [], None, paused=True)
     assert over_work(paused) <= 0 and paused["seconds"] == pytest.approx(work_held(paused))
+
+
+def test_the_pauses_that_hold_a_running_song_are_the_services_own() -> None:
+    from stemdeck_watch.engine.eta import HOLDING
+    from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX
+    from stemdeck_watch.workers.cluster import PAUSE_CLUSTER
+
+    assert HOLDING == {PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_CLUSTER}

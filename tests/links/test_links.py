@@ -84,7 +84,9 @@ def test_a_malformed_url_is_a_clear_error_whoever_gives_it() -> None:
             check_url(url, "s.url")
         assert "the link in s.url is not a valid URL" in str(error.value)
         assert str(error.value).endswith("fix or delete the file")
-        assert _entry_url({"url": url, "webpage_url": "https://a.org/ok"}, "p") == "https://a.org/ok"
+        assert (
+            _entry_url({"url": url, "webpage_url": "https://a.org/ok"}, "p") == "https://a.org/ok"
+        )
 
 
 def test_garbage_named_like_a_link_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
