@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -214,18 +215,62 @@ def _lstat(path: Path) -> os.stat_result | None:
         raise ChoiceError(str(FilesystemError("read", path, reason=exc))) from exc
 
 
-def move_sidecar(source: Path, moved_to: Path) -> None:
+class _Any:
+    """Whatever sidecar is beside the song (see move_sidecar)."""
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Any = _Any()
+
+
+def sidecar_digest(source: Path) -> str | None:
+    """The sha256 of the sidecar beside `source` as it is now, or None without a (readable)
+    one: what tells the sidecar a song's choices were read from from one put there later."""
+    path = sidecar_of(source)
+    try:
+        if _lstat(path) is None:
+            return None
+        return hashlib.sha256(read_regular(path, SIDECAR_LIMIT)).hexdigest()
+    except (OSError, ChoiceError):
+        return None
+
+
+def move_sidecar(source: Path, moved_to: Path, used: str | None = ANY) -> str | None:
     """Take the song's sidecar along to where the song went (processed/ or failed/), named
-    after it there; a sidecar that cannot be moved stays and is logged, never fatal."""
+    after it there. `used`: the sha256 of the sidecar the song was separated with (None: it
+    had none); a sidecar that is not that one (it came, or changed, after the song started)
+    stays in the inbox, where a song dropped again beside it is separated with it. ANY: the
+    sidecar goes with the song whatever it holds (a failed song, whose choices are fixed where
+    it lies). Never under another name: the song's move left the sidecar's name free (see
+    `move_file`'s companion), and one taken since stays where it is. Returns why it stayed,
+    for the song's record, or None; never fatal."""
     sidecar = sidecar_of(source)
     try:
         found = _lstat(sidecar)
     except ChoiceError as exc:
         log.warning("the choices of %s stay in the inbox: %s", source.name, exc)
-        return
+        return None
     if moved_to == source or found is None or not stat.S_ISREG(found.st_mode):
-        return
+        return None
+    if used is not ANY and sidecar_digest(source) != used:
+        changed = used is not None
+        why = (
+            f"{sidecar.name} {'changed' if changed else 'arrived'} after the song started, "
+            f"so the song was separated without {'this version of ' if changed else ''}it; "
+            f"it stays in the inbox: put {source.name} back beside it to separate the song "
+            f"with it, or delete it"
+        )
+        log.warning("%s", why)
+        return why
+    target = sidecar_of(moved_to)
+    if os.path.lexists(target):
+        why = f"{sidecar} stays where it is: {target} is taken"
+        log.warning("%s", why)
+        return why
     try:
-        move_file(sidecar, sidecar_of(moved_to))
+        move_file(sidecar, target)
     except FilesystemError as exc:
         log.warning("the choices of %s stay in the inbox: %s", source.name, exc)
+    return None

@@ -219,18 +219,23 @@ def report_path(path: Path) -> Path:
     return path.with_name(with_suffix_bytes(path.name, ".error.txt"))
 
 
+# the files that go beside a moved file, named after where it goes (see move_file)
+Companion = Callable[[Path], "Path | tuple[Path, ...]"]
+
+
 def move_file(
     src: Path,
     dst: Path,
-    companion: Callable[[Path], Path] | None = None,
+    companion: Companion | None = None,
     *,
     within: Path | None = None,
 ) -> Path:
     """Move `src` to `dst`, or `dst (2)`… if taken; returns where it went.
 
-    `companion` names a file that will sit beside the target (a failed input's report): a
-    number is only taken when the companion's name is free too, so the pair shares it and a
-    stale report never describes a new failure.
+    `companion` names the files that will sit beside the target (a failed input's report, a
+    song's sidecar): a number is only taken when their names are free too, so they share it,
+    a stale report never describes a new failure and a sidecar never needs a number of its
+    own.
 
     A move cut off by a crash (the target already is the source, hard-linked or fully
     copied) is finished instead of making a second copy under a new number. Across
@@ -290,12 +295,13 @@ def _no_link_below(root: Path, folder: Path, src: Path, dst: Path) -> None:
         )
 
 
-def _free_target(dst: Path, companion: Callable[[Path], Path] | None) -> Path:
+def _free_target(dst: Path, companion: Companion | None) -> Path:
     n = 1
     while True:
         candidate = numbered(dst, n)
-        if not os.path.lexists(candidate) and (
-            companion is None or not os.path.lexists(companion(candidate))
+        beside = companion(candidate) if companion is not None else ()
+        if not os.path.lexists(candidate) and not any(
+            os.path.lexists(path) for path in ((beside,) if isinstance(beside, Path) else beside)
         ):
             return candidate
         n += 1
@@ -370,7 +376,7 @@ def _same_file(a: Path, b: Path) -> bool:
     return filecmp.cmp(a, b, shallow=False)
 
 
-def _copy_then_remove(src: Path, dst: Path, companion: Callable[[Path], Path] | None) -> Path:
+def _copy_then_remove(src: Path, dst: Path, companion: Companion | None) -> Path:
     tmp: Path | None = None
     try:
         with open(src, "rb") as reader, new_temp(dst, suffix=COPY_SUFFIX) as (tmp, writer):

@@ -7,14 +7,21 @@ segments of a few seconds, so a short song costs a whole one), and the seconds t
 lane was busy with it besides separating (decoding, writing stems, the beat grid). The busy
 time is measured from when the song started, or from when the song before it finished if it
 started earlier (decoded ahead, or separating while the one before was written out): so a busy
-queue is measured at the pace it really moves. The first songs count equally, later ones with a
+queue is measured at the pace it really moves. Only work counts: the time a song waited while
+the queue was paused for what holds a running song too (the inbox's or the outbox's share
+away, the stems waiting in scratch; the cluster not answering) is taken out, and a song put
+back in the queue (a machine fault, no room on the disk, a stop) is timed afresh when it
+starts again, so one outage or stalled attempt never makes every later song look slower. A
+pause a person chose lets the running song finish: its time is work.
+The first songs count equally, later ones with a
 fixed weight, so the figures follow a machine that got busier without forgetting at once; they
 are kept in the registry and survive a restart.
 
 A song's length comes from its header (`probe_duration`, under a millisecond), read once per
 job; a link not downloaded yet counts as the mean length measured. Without a measurement for a
 song's model there is no finish time: the estimate says so (`measured: false`) rather than
-guess. A paused queue says how long its songs will take, not when they will be done.
+guess. A paused queue says how long its songs will take, not when they will be done; an idle
+one is never said to need longer than the work it holds (`over_work`).
 
 The estimate is part of every snapshot (`GET /api/queue`, the page, the tray) and is written to
 the registry when it changes, for `status` (which reads the registry, not the service).
@@ -34,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stemdeck_watch.core.config import Settings
-from stemdeck_watch.core.events import EventBus, JobChanged
+from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,11 @@ SPREAD = 0.2  # lengths this varied (relative to their mean) allow fitting a fix
 MAX_TOOK = 200  # finished songs whose time is kept
 PROBES_PER_ESTIMATE = 16  # lengths read per estimate at most: a snapshot stays quick
 REFRESH_DEBOUNCE = 0.3  # seconds: a burst of changes makes one registry write
+# pause reasons that hold the running song as well as the queue: its time is a wait, not work
+# (a person's pause lets the song finish). The scheduler's PAUSE_INBOX and PAUSE_OUTBOX and
+# the cluster watch's PAUSE_CLUSTER, by value: importing the scheduler would load numpy into
+# `status`
+HOLDING = frozenset({"inbox", "outbox", "cluster"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +141,8 @@ class Estimator:
         self._presets: dict[str | None, Any] = {}
         self._started: dict[str, float] = {}
         self._last_final: float | None = None
+        self._held_since: float | None = None  # while a pause holds the running song: since
+        self._holds: list[tuple[float, float]] = []  # those since the oldest song began
         self._dirty = threading.Event()
         self._learnt = False
         self._stop = threading.Event()
@@ -136,6 +150,7 @@ class Estimator:
         self._written: str | None = None
         self._snapshot: Callable[[], dict[str, Any]] | None = None
         bus.subscribe(JobChanged, self._on_change)
+        bus.subscribe(QueueChanged, self._on_queue)
 
     # ------------------------------------------------------------ learning
 
@@ -174,8 +189,35 @@ class Estimator:
             if job.state is JobState.DONE and started is not None:
                 self._learn(job, started, previous)
             self._dirty.set()
-        elif job.state is JobState.QUEUED and job.id not in self._lengths:
-            self._dirty.set()
+        elif job.state is JobState.QUEUED:
+            if job.id in self._started:  # back in the queue: its next start is timed afresh
+                with self._lock:
+                    self._started.pop(job.id, None)
+                self._dirty.set()
+            elif job.id not in self._lengths:
+                self._dirty.set()
+
+    def _on_queue(self, event: QueueChanged) -> None:
+        """The queue paused or started: a pause that holds the running song (HOLDING) is
+        time its work is not measured in."""
+        held = event.paused and event.pause_reason in HOLDING
+        with self._lock:
+            now = self._clock()
+            if held and self._held_since is None:
+                self._held_since = now
+            elif not held and self._held_since is not None:
+                self._holds.append((self._held_since, now))
+                self._held_since = None
+                oldest = min([*self._started.values(), self._last_final or now, now])
+                self._holds = [span for span in self._holds if span[1] > oldest]
+
+    def _held_within(self, begin: float, end: float) -> float:
+        """Seconds a pause held the running song between `begin` and `end` (under the
+        lock)."""
+        spans = [*self._holds]
+        if self._held_since is not None:
+            spans.append((self._held_since, end))
+        return sum(max(0.0, min(end, b) - max(begin, a)) for a, b in spans)
 
     def _learn(self, job: Job, started: float, previous: float | None) -> None:
         from stemdeck_watch.stages.manifest import read_manifest
@@ -192,8 +234,9 @@ class Estimator:
         if length <= 0:
             return
         finished = job.finished_at or self._clock()
-        busy = finished - max(started, previous if previous and self.lanes == 1 else started)
+        begin = max(started, previous if previous and self.lanes == 1 else started)
         with self._lock:
+            busy = finished - begin - self._held_within(begin, finished)
             old = self.rates.pop(key, None) or Rate(0)
             self.rates[key] = old.add(length, separate, max(0.0, busy - separate))
             self.took[job.id] = round(finished - started, 3)
@@ -229,6 +272,8 @@ class Estimator:
         with self._lock:
             started = dict(self._started)
             last_final = self._last_final if self.lanes == 1 else None
+        if last_final is not None:  # never later than now (a clock set back meanwhile)
+            last_final = min(last_final, now)
         ordered = sorted(running, key=lambda j: started.get(j.id, now))
         ends: list[float | None] = [last_final] * self.lanes
         entries: dict[str, dict[str, Any]] = {}
@@ -392,6 +437,26 @@ class Estimator:
             if text != self._written:
                 self.registry.set_meta(ETA_META, text)
                 self._written = text
+
+
+def work_held(eta: dict[str, Any]) -> float | None:
+    """The seconds of work an estimate's songs hold: each song's own `seconds`, summed; None
+    where a song's time is not measured."""
+    seconds = [entry.get("seconds") for entry in (eta.get("jobs") or {}).values()]
+    if any(s is None for s in seconds):
+        return None
+    return float(sum(seconds))
+
+
+def over_work(eta: dict[str, Any]) -> float:
+    """How many seconds more than the work it holds an estimate says is left (after the
+    rounding of its figures to a tenth): never above 0 for an idle queue, where nothing
+    waits before its songs but each other. 0 where it says no time or holds an unmeasured
+    song."""
+    held, said = work_held(eta), eta.get("seconds")
+    if held is None or said is None:
+        return 0.0
+    return float(said) - held - 0.05 * (len(eta.get("jobs") or {}) + 1)
 
 
 def _rate_json(key: str, rate: Rate) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class JobRun:
     source: Path  # the file to separate: the input, or a link's download
     # where each setting came from (config, preset, a tag in the name, a sidecar)
     origins: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the sha256 of the sidecar the choices were read from (None: none; "": it changed while
+    # they were read, so which version was read is not known)
+    sidecar: str | None = None
     # how this attempt separates: as configured, or smaller / on the CPU after memory faults
     plan: Plan = dataclasses.field(default_factory=Plan)
     timer: StageTimer = dataclasses.field(default_factory=StageTimer)

@@ -57,7 +57,7 @@ from stemdeck_watch.links.fetch import download
 from stemdeck_watch.links.listing import Playlist
 from stemdeck_watch.links.linkfile import read_link
 from stemdeck_watch.stages import publish, songfolder
-from stemdeck_watch.stages.manifest import read_manifest, write_manifest
+from stemdeck_watch.stages.manifest import read_manifest, recorded_sidecar, write_manifest
 from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
@@ -146,7 +146,9 @@ class Pipeline:
                 return run.job
             # announced as done only once the hidden staging folder is gone too; checked
             # against the version of the input that was read
-            return self.file_input(run.job, Path(run.job.source), run.output, run.note)
+            return self.file_input(
+                run.job, Path(run.job.source), run.output, run.note, sidecar=run.sidecar
+            )
         finally:  # done (or failed) on record: a job waiting for this song looks again
             self._songs.release(run.job.id)
 
@@ -294,6 +296,15 @@ class Pipeline:
             on_progress=lambda v: run.report.progress(base + share * v),
         )
         run.timer.timings["separate"] = round(result.seconds, 3)
+        if sep.device not in ("auto", result.device):
+            log.info(
+                "%s: separated on %s, not on %s (separation.device, chosen by the %s): a "
+                "song runs where the worker runs",
+                job.name,
+                result.device or "the worker's device",
+                sep.device,
+                run.origins.get("separation.device", "config"),
+            )
         self.bus.publish(JobSeparated(job.id, result.worker_pid, result.seconds))
         control.check()
         run.separation = result
@@ -347,10 +358,22 @@ class Pipeline:
                 "settings": run.settings,
                 # where each setting came from: config, preset, a tag in the name, a sidecar
                 "settings_from": run.origins,
+                # the sidecar the choices were read from, as it was then (null: none)
+                "sidecar": (
+                    {
+                        "file": choices.sidecar_of(Path(job.source)).name,
+                        "sha256": run.sidecar or None,
+                    }
+                    if run.sidecar is not None
+                    else None
+                ),
                 "stems": song.entries,
                 **song.manifest,
                 "timings": run.timer.timings,
                 "versions": self.client.versions,
+                # where the worker separated it, as the worker said: not the setting, which
+                # a worker started for the config's device (or a fallback) need not follow
+                "device": result.device,
                 # the precision the worker separated in, and the figures that chose it
                 "precision": dict(model.precision) or {"precision": model.dtype},
                 # whether the compiled model separated it, and where the compile stands
@@ -425,8 +448,18 @@ class Pipeline:
         shares.wait_back("outbox", run.control)
         publish.remove_tree(run.staging)  # a half-written attempt
 
-    def file_input(self, job: Job, source: Path, output: Path, note: str | None = None) -> Job:
-        """Move the input to processed/ — only now that its stems are safely published."""
+    def file_input(
+        self,
+        job: Job,
+        source: Path,
+        output: Path,
+        note: str | None = None,
+        sidecar: str | None = choices.ANY,
+    ) -> Job:
+        """Move the input to processed/ — only now that its stems are safely published —
+        with the sidecar it was separated with (`sidecar`: its sha256, None for none; by
+        default as the manifest in `output` records it). A sidecar that came or changed
+        after the song started stays in the inbox, and the job's note says so."""
         error = note
         moved_to = source
         target = self.settings.paths.processed / PurePosixPath(job.rel_path)
@@ -458,7 +491,12 @@ class Pipeline:
             log.warning("%s", error)
         else:
             try:
-                moved_to = move_file(source, target, within=self.settings.paths.processed)
+                moved_to = move_file(
+                    source,
+                    target,
+                    companion=choices.sidecar_of,
+                    within=self.settings.paths.processed,
+                )
             except FilesystemError as exc:
                 if shares is not None and (
                     is_unreachable(exc)
@@ -469,7 +507,10 @@ class Pipeline:
                 error = f"stems published, but {exc}; the input stays in the inbox"
                 log.error("%s", error)
             else:
-                choices.move_sidecar(source, moved_to)
+                if sidecar is choices.ANY:
+                    sidecar = recorded_sidecar(output, job.id)
+                left = choices.move_sidecar(source, moved_to, sidecar)
+                error = "; ".join(filter(None, (error, left))) or None
         return self._update(
             job.id,
             state=JobState.DONE,
@@ -608,7 +649,12 @@ class Pipeline:
     # ------------------------------------------------------------ helpers
 
     def _new_run(self, job: Job, control: JobControl) -> JobRun:
+        # the sidecar as it was when the choices were read: one that comes or changes later
+        # is not the song's (file_input leaves it in the inbox, saying so)
+        sidecar = choices.sidecar_digest(Path(job.source))
         chosen = choices.for_job(self.settings, job)  # a bad tag or sidecar fails it now
+        if choices.sidecar_digest(Path(job.source)) != sidecar:
+            sidecar = ""  # which version was read is not known: none that is there now
         sep, out = chosen.separation, chosen.output
         repo = self.settings.resolve_model_repo(sep)
         folders = self.settings.paths
@@ -631,6 +677,7 @@ class Pipeline:
             folders.staging / job.id,
             Path(job.source),
             origins=chosen.origins,
+            sidecar=sidecar,
             plan=plan,
         )
 

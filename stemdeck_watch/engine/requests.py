@@ -180,7 +180,9 @@ class Requests:
                 except FilesystemError as exc:
                     raise Conflict(f"cannot retry {job.name}: {exc}") from None
                 report.unlink(missing_ok=True)
-                move_sidecar(failed, source)  # the choices (perhaps fixed) come back with it
+                # the choices (perhaps fixed) come back with it; a sidecar put in the inbox
+                # for it meanwhile is the newer one, and the old one stays in failed/
+                move_sidecar(failed, source)
             signature = FileSignature.of(os.stat(source))
             self._left.add(str(source))
             rel = PurePosixPath(source.relative_to(inbox).as_posix())

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from stemdeck_watch.core.choices import move_sidecar
+from stemdeck_watch.core.choices import ANY, move_sidecar, sidecar_of
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, FilesystemError
 from stemdeck_watch.core.events import ShareAway, ShareBack
@@ -43,6 +43,7 @@ from stemdeck_watch.core.paths import (
     report_path,
 )
 from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_USER, Scheduler
+from stemdeck_watch.stages.manifest import recorded_sidecar
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 from stemdeck_watch.util.ticker import Ticker
@@ -432,7 +433,9 @@ class ShareWatch(Ticker):
             )
         else:
             try:
-                where = move_file(source, target, within=self.folders[move.kind])
+                where = move_file(
+                    source, target, companion=sidecar_of, within=self.folders[move.kind]
+                )
             except FilesystemError as exc:
                 if is_unreachable(exc) or not self.check(move.kind):
                     return False
@@ -444,7 +447,15 @@ class ShareWatch(Ticker):
                         error=f"stems published, but {exc}; the input stays in the inbox",
                     )
                 return True
-            move_sidecar(source, where)  # the song's choices go with it
+            job = registry.get(move.job_id)
+            used = (  # into processed/: only the sidecar the song was separated with
+                recorded_sidecar(Path(job.output) if job and job.output else None, move.job_id)
+                if move.kind == "processed"
+                else ANY
+            )
+            left = move_sidecar(source, where, used)
+            if left and job is not None:
+                self.scheduler.update(move.job_id, error="; ".join(filter(None, (job.error, left))))
             if move.kind == "failed":
                 _place_report(target, where)
         registry.remove_pending_move(move.job_id)

@@ -21,7 +21,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from stemdeck_watch.core.choices import SIDECAR_SUFFIX, move_sidecar
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX, move_sidecar, sidecar_of
 from stemdeck_watch.core.config import WatchSettings
 from stemdeck_watch.core.events import JobChanged
 from stemdeck_watch.intake.filters import InboxFilter, readable_name
@@ -374,7 +374,7 @@ class InboxWatcher:
         if readable is None:
             return False
         try:
-            moved = move_file(path, path.with_name(readable))
+            moved = move_file(path, path.with_name(readable), companion=sidecar_of)
         except FilesystemError as exc:
             if path not in self._left:
                 self._left.add(path)

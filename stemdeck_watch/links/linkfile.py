@@ -49,20 +49,47 @@ def read_link(path: Path) -> str:
     return check_url(url, path.name)
 
 
-def check_url(url: str, where: str) -> str:
+def check_url(url: str, where: str, fix: str = "fix or delete the file") -> str:
+    """`url` as a web address to download, stripped; LinkError naming `where` otherwise.
+
+    The one check of a URL from outside (a link file, the API, a playlist's entries): only
+    http(s), a host, a port that is a port, text that UTF-8 can hold. `fix` says what to do
+    about it, for whoever gave the URL."""
     url = url.strip()
     if not url:
         raise LinkError(f"{where} holds no URL; save the link again")
-    scheme = urlsplit(url).scheme.lower()
-    if scheme not in ("http", "https"):
+    problem = url_problem(url)
+    if problem == "scheme":
         shown = url if len(url) <= 80 else url[:77] + "…"
         raise LinkError(
-            f"{where} points at {shown!r}, which is not a web address (only http "
-            f"and https links are downloaded)"
+            f"{where} points at {shown!r}, which is not a web "
+            f"address (only http and https links are downloaded)"
         )
-    if not urlsplit(url).netloc:
-        raise LinkError(f"{where} holds the malformed URL {url!r}")
+    if problem is not None:
+        shown = url if len(url) <= 80 else url[:77] + "…"
+        raise LinkError(f"the link in {where} is not a valid URL ({problem}): {shown!r}; {fix}")
     return url
+
+
+def url_problem(url: str) -> str | None:
+    """What makes `url` no web address to download ("scheme" for a scheme other than
+    http(s)), or None. Python's URL parser raises on some malformed addresses (an unclosed
+    IPv6 bracket, a port out of range) and text a lone surrogate is in cannot be sent: each
+    is a reason here, never an exception."""
+    try:
+        url.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"character {exc.start + 1} is a lone surrogate, not valid Unicode"
+    try:
+        parts = urlsplit(url)
+        scheme, host, _port = parts.scheme.lower(), parts.hostname, parts.port
+    except ValueError as exc:
+        return str(exc) or "it cannot be parsed"
+    if scheme not in ("http", "https"):
+        return "scheme"
+    if not host:
+        return "it names no host"
+    return None
 
 
 def _ini(path: Path, data: bytes, section: str) -> configparser.SectionProxy:

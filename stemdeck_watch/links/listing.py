@@ -10,9 +10,9 @@ import dataclasses
 import logging
 import re
 from typing import Any
-from urllib.parse import urlsplit
 
 from stemdeck_watch.core.errors import DownloadError
+from stemdeck_watch.links.linkfile import url_problem
 from stemdeck_watch.stages.naming import sanitise, song_name
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ def _entry_url(item: dict[str, Any], page: str) -> str | None:
             isinstance(candidate, str)
             and candidate != page
             and not re.search(r"\s", candidate)
-            and urlsplit(candidate).scheme in ("http", "https")
-            and urlsplit(candidate).netloc
+            and url_problem(candidate) is None
         ):
             return candidate
     return None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stemdeck_watch import __version__
+from stemdeck_watch.core.choices import ANY
 from stemdeck_watch.core.paths import fsync_dir
 from stemdeck_watch.util.safefile import open_new, read_json, sha256_of
 
@@ -106,3 +107,24 @@ def verify_folder(folder: Path) -> list[str]:
         if name in listed and listed[name].get("sha256") != e["sha256"]
     ]
     return problems
+
+
+def recorded_sidecar(folder: Path | None, job_id: str) -> Any:
+    """The sha256 of the sidecar the song's manifest says it was separated with, None where
+    it had none; ANY (core.choices) where the manifest cannot say: not this job's (a
+    duplicate's is the first copy's), unreadable, or written before manifests recorded it
+    (then a sidecar that chose a setting was the one)."""
+    try:
+        manifest = read_json(folder / MANIFEST, MAX_MANIFEST) if folder else None
+    except (OSError, ValueError):
+        return ANY
+    if not isinstance(manifest, dict) or manifest.get("job_id") != job_id:
+        return ANY
+    if "sidecar" in manifest:
+        found = manifest["sidecar"]
+        return found.get("sha256") if isinstance(found, dict) else None
+    origins = manifest.get("settings_from")
+    chosen = isinstance(origins, dict) and any(
+        str(origin).startswith("sidecar ") for origin in origins.values()
+    )
+    return ANY if chosen else None

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from stemdeck_watch import __version__
-from stemdeck_watch.core.choices import move_sidecar
+from stemdeck_watch.core.choices import move_sidecar, sidecar_of
 from stemdeck_watch.core.errors import FilesystemError
 from stemdeck_watch.core.jobs import FileSignature, Job
 from stemdeck_watch.core.paths import (
@@ -94,7 +94,12 @@ def quarantine(
         log.info("%s changed while its job ran; the new version stays in the inbox", source)
     else:
         try:
-            where = move_file(source, target, companion=report_path, within=failed_dir)
+            where = move_file(
+                source,
+                target,
+                companion=lambda path: (report_path(path), sidecar_of(path)),
+                within=failed_dir,
+            )
         except FilesystemError as exc:
             if is_unreachable(exc):
                 move_note = _deferred(source, target, str(exc), defer)

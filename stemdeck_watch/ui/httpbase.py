@@ -163,6 +163,12 @@ class JsonHandler(BaseHTTPRequestHandler):
             raise HttpError(400, "the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the request body must be a JSON object")
+        try:  # JSON's escapes can spell a lone surrogate, which no file or URL can hold
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise HttpError(
+                400, "the request body holds text that is not valid Unicode (a lone surrogate)"
+            ) from None
         return body
 
     def _query(self, *allowed: str) -> dict[str, str]:

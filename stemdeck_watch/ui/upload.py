@@ -174,7 +174,7 @@ def write_link(settings: Settings, url: str, name: str | None, preset: str | Non
             f"or control characters"
         )
     try:
-        url = check_url(url, "the link")
+        url = check_url(url, "the request", "send one web address, such as https://…")
     except LinkError as exc:
         raise Refused(str(exc)) from None
     folder = folder_for(settings, preset)

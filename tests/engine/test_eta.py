@@ -255,3 +255,153 @@ def test_a_preset_with_its_own_precision_is_estimated_at_that_precision(
         assert eta["rate"]["precision"] == "bfloat16", eta["rate"]  # the config's own: auto
     finally:
         registry.close()
+
+
+class _Lane:
+    """An Estimator fed as the service feeds it (job and queue events on its bus), on a clock
+    the test moves: each song separates in `SEPARATE` s of its `LENGTH` s and takes `SIDE` s
+    of other work."""
+
+    LENGTH, SEPARATE, SIDE = 10.0, 8.0, 1.0
+
+    def __init__(self, settings: Any, tmp_path: Path) -> None:
+        from stemdeck_watch.core.events import QueueChanged
+
+        self._queue_changed = QueueChanged
+        self.now = 1000.0
+        self.folder = tmp_path
+        self.registry = Registry.open(tmp_path / "registry.sqlite3")
+        self.bus = EventBus()
+        self.estimator = Estimator(
+            self.registry, settings, self.bus, clock=lambda: self.now, probe=lambda p: 10.0
+        )
+        self.count = 0
+        self.model = settings.separation.model
+
+    def job(self, state: JobState, **fields: Any) -> Job:
+        return Job(
+            id=f"{self.count:012d}",
+            name=f"song {self.count}",
+            kind=JobKind.FILE,
+            state=state,
+            source=str(self.folder / f"song {self.count}.wav"),
+            rel_path=f"song {self.count}.wav",
+            **fields,
+        )
+
+    def change(self, state: JobState, **fields: Any) -> None:
+        from stemdeck_watch.core.events import JobChanged
+
+        self.bus.publish(JobChanged(self.job(state, **fields)))
+
+    def pause(self, paused: bool, reason: str | None = "user") -> None:
+        self.bus.publish(self._queue_changed(paused, reason if paused else None, (), 0))
+
+    def begin(self) -> None:
+        self.count += 1
+        self.change(JobState.QUEUED)
+        self.change(JobState.DECODING)
+
+    def finish(self) -> None:
+        output = self.folder / f"out {self.count}"
+        output.mkdir()
+        (output / "vocals.wav").write_bytes(b"")
+        manifest = {
+            "job_id": f"{self.count:012d}",
+            "stems": [{"file": "vocals.wav"}],
+            "input": {"duration": self.LENGTH},
+            "timings": {"separate": self.SEPARATE},
+            "model": {"name": self.model},
+            "precision": {"precision": "float32"},
+        }
+        (output / "stemdeck.json").write_text(json.dumps(manifest))
+        self.change(JobState.DONE, output=str(output), finished_at=self.now)
+
+    def song(self) -> None:
+        """One song as measured without a wait: separation and the lane's own time."""
+        self.begin()
+        self.now += self.SEPARATE + self.SIDE
+        self.finish()
+
+    @property
+    def overhead(self) -> float:
+        return self.estimator.rates[f"{self.model}/float32"].overhead
+
+    def close(self) -> None:
+        self.registry.close()
+
+
+@pytest.fixture
+def lane(settings: Any, tmp_path: Path) -> Any:
+    made = _Lane(settings, tmp_path)
+    yield made
+    made.close()
+
+
+def test_an_outage_a_pause_or_a_stalled_attempt_never_raises_the_time_per_song(lane: Any) -> None:
+    """What the lane learns is work: a publish that waited 40 s for the outbox's share (the
+    queue paused "outbox" meanwhile), a link put back in the queue while the queue waited
+    for disk space, and an attempt the machine cut off (the song back in the queue, then
+    started again) each teach the time the song itself took, not the wait."""
+    for _ in range(3):
+        lane.song()
+    assert lane.overhead == pytest.approx(lane.SIDE)
+
+    lane.begin()  # its stems wait in scratch while the outbox's share is away
+    lane.now += lane.SEPARATE
+    lane.pause(True, "outbox")
+    lane.now += 40.0
+    lane.pause(False)
+    lane.now += lane.SIDE
+    lane.finish()
+    assert lane.overhead == pytest.approx(lane.SIDE)
+
+    lane.begin()  # downloaded, it does not fit: back to the queue, paused for disk
+    lane.now += 5.0
+    lane.change(JobState.QUEUED)
+    lane.pause(True, "disk")
+    lane.now += 600.0
+    lane.pause(False)
+    lane.change(JobState.DECODING)
+    lane.now += lane.SEPARATE + lane.SIDE
+    lane.finish()
+    assert lane.overhead == pytest.approx(lane.SIDE)
+
+    lane.begin()  # the worker stalls; after the stall limit the song goes back to the queue
+    lane.now += 60.0
+    lane.change(JobState.QUEUED, attempts=1)
+    lane.change(JobState.DECODING, attempts=1)  # the next attempt, timed afresh
+    lane.now += lane.SEPARATE + lane.SIDE
+    lane.finish()
+    assert lane.overhead == pytest.approx(lane.SIDE)
+    assert lane.estimator.rates[f"{lane.model}/float32"].songs == 6
+
+    lane.begin()  # a person's pause lets the running song finish: that is work
+    lane.pause(True, "user")
+    lane.now += lane.SEPARATE + lane.SIDE + 7.0
+    lane.finish()
+    lane.pause(False)
+    assert lane.overhead > lane.SIDE
+
+
+def test_an_idle_queue_is_never_said_to_take_longer_than_the_work_it_holds(lane: Any) -> None:
+    """With nothing running, the queue is done when its songs are: also where the last song
+    finished "later" than now (the clock was set back meanwhile)."""
+    from stemdeck_watch.engine.eta import over_work, work_held
+
+    lane.song()
+    lane.now -= 120.0  # the clock set back after the song finished
+    queued = [lane.job(JobState.QUEUED) for lane.count in range(10, 13)]
+    eta = lane.estimator.estimate([], queued, [], None)
+    assert work_held(eta) == pytest.approx(3 * (lane.SEPARATE + lane.SIDE), abs=0.2)
+    assert over_work(eta) <= 0, eta
+    paused = lane.estimator.estimate([], queued, [], None, paused=True)
+    assert over_work(paused) <= 0 and paused["seconds"] == pytest.approx(work_held(paused))
+
+
+def test_the_pauses_that_hold_a_running_song_are_the_services_own() -> None:
+    from stemdeck_watch.engine.eta import HOLDING
+    from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX
+    from stemdeck_watch.workers.cluster import PAUSE_CLUSTER
+
+    assert HOLDING == {PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_CLUSTER}

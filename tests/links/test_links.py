@@ -55,7 +55,10 @@ def test_all_three_link_formats_are_read(tmp_path: Path) -> None:
         (lambda d: url_file(d, "s.url", "data:audio/wav;base64,AAAA"), "not a web address"),
         (lambda d: url_file(d, "s.url", "ftp://example.org/a.mp3"), "not a web address"),
         (lambda d: url_file(d, "s.url", ""), "holds no URL"),
-        (lambda d: url_file(d, "s.url", "https://"), "malformed URL"),
+        (lambda d: url_file(d, "s.url", "https://"), "not a valid URL (it names no host)"),
+        (lambda d: url_file(d, "s.url", "http://[::1/x"), "not a valid URL (Invalid IPv6"),
+        (lambda d: url_file(d, "s.url", "http://a.org:99999/x"), "not a valid URL (Port"),
+        (lambda d: url_file(d, "s.url", "http://[zz]/x"), "not a valid URL ('zz'"),
         (
             lambda d: desktop_file(d, "s.desktop", "https://x.org/a", kind="Application"),
             "not a link (Type=Link)",
@@ -68,6 +71,22 @@ def test_refused_links_name_the_file_and_why(tmp_path: Path, make, expected: str
     with pytest.raises(LinkError) as error:
         read_link(path)
     assert expected in str(error.value) and path.name in str(error.value)
+
+
+def test_a_malformed_url_is_a_clear_error_whoever_gives_it() -> None:
+    """The one check of a URL from outside answers every malformed address with a reason,
+    never an exception of the URL parser: a link file's, the API's, a playlist entry's."""
+    from stemdeck_watch.links.linkfile import check_url
+    from stemdeck_watch.links.listing import _entry_url
+
+    for url in ("http://[::1/x", "http://a.org:port/x", "http://a.org/\ud800", "http://@/x"):
+        with pytest.raises(LinkError) as error:
+            check_url(url, "s.url")
+        assert "the link in s.url is not a valid URL" in str(error.value)
+        assert str(error.value).endswith("fix or delete the file")
+        assert (
+            _entry_url({"url": url, "webpage_url": "https://a.org/ok"}, "p") == "https://a.org/ok"
+        )
 
 
 def test_garbage_named_like_a_link_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:

@@ -240,6 +240,9 @@ def test_a_pasted_link_becomes_a_url_file_and_a_link_job(paused: Any) -> None:
     for bad, reason in (
         ({"url": "file:///etc/passwd"}, "not a web address"),
         ({"url": "http://x/a b"}, "without spaces"),
+        ({"url": "http://[::1/x"}, "not a valid URL (Invalid IPv6 URL)"),
+        ({"url": "http://127.0.0.1/\ud800"}, "not valid Unicode"),
+        ({"url": url, "name": "a\udc80"}, "not valid Unicode"),
         ({"url": url, "preset": "nope"}, "no preset"),
         ({"url": url, "extra": 1}, "unexpected field"),
     ):
