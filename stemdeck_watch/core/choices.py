@@ -33,11 +33,11 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
+from stemdeck_watch.core import dropgate
 from stemdeck_watch.core.config import (
     OutputSettings,
     SeparationSettings,
     Settings,
-    check_overrides,
     check_song_settings,
 )
 from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
@@ -141,12 +141,18 @@ def sidecar_choices(source: Path) -> dict[str, Any] | None:
         raise ChoiceError(str(FilesystemError("read", path, reason=exc))) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ChoiceError(f"could not parse {path.name}: {exc}; fix or remove it") from exc
+    except RecursionError:  # arrays or tables nested thousands deep: no song's setting
+        raise ChoiceError(
+            f"could not parse {path.name}: it nests tables or arrays thousands deep, "
+            f"deeper than any setting goes; fix or remove it"
+        ) from None
     return data
 
 
 def for_job(settings: Settings, job: Job) -> Chosen:
     """The job's separation and output settings — config, preset, name tags, sidecar — and
-    where each came from. ChoiceError names the tag, the key or the file that is wrong."""
+    where each came from. What the tags and the sidecar choose passes the drop's gate
+    (core/dropgate.py). ChoiceError names the tag, the key or the file that is wrong."""
     source = Path(job.source)
     overrides: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -155,7 +161,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         overrides[key], origins[key] = value, f"preset {job.preset}"
     tagged = name_choices(source.name)
     try:
-        checked = check_overrides({k: v for k, (v, _o) in tagged.items()}, "")
+        checked = dropgate.check_values({k: v for k, (v, _o) in tagged.items()}, "")
     except ConfigError as exc:
         raise ChoiceError(f"the name {source.name!r}: {exc}") from None
     for key, value in checked.items():
@@ -164,7 +170,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     if sidecar is not None:
         name = sidecar_of(source).name
         try:
-            checked = check_overrides(sidecar, "", dropped=True)
+            checked = dropgate.check_values(sidecar, "")
         except ConfigError as exc:
             raise ChoiceError(f"{name}: {exc}; fix {name} or remove it") from None
         for key, value in checked.items():
@@ -176,6 +182,10 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     out = dataclasses.replace(
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
+    try:
+        dropgate.check_song(sep, out, origins, settings, job.preset)
+    except ConfigError as exc:
+        raise ChoiceError(f"{source.name}: {exc}") from None
     try:
         check_song_settings(sep, out, f"{source.name}: ")
     except ConfigError as exc:

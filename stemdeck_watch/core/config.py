@@ -37,6 +37,7 @@ from stemdeck_watch.util.validators import (
     extension_list,
     layout_template,
     mix_table,
+    model_name,
     number,
     number_list,
     hub_url,
@@ -180,7 +181,7 @@ class QueueSettings:
 class SeparationSettings:
     model: str = key(
         "htdemucs",
-        text,
+        model_name,
         "Demucs model name (htdemucs, htdemucs_ft, "
         "htdemucs_6s, mdx_extra, …) or a name in model_repo",
     )
