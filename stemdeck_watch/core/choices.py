@@ -203,6 +203,23 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     return Chosen(sep, out, every)
 
 
+def separation_choices(settings: Settings, job: Job) -> str:
+    """What the job's drop (a sidecar, a name's tags) chose for its separation, as a report
+    names it ("segment = 7.8, shifts = 5 by the sidecar Song.wav.stemdeck.toml"), or "":
+    a machine fault under such a song may be the song's own doing."""
+    try:
+        chosen = for_job(settings, job)
+    except ChoiceError:
+        return ""
+    by: dict[str, list[str]] = {}
+    for key, origin in chosen.origins.items():
+        section, _, name = key.partition(".")
+        if section == "separation" and dropgate.is_dropped(origin):
+            value = getattr(chosen.separation, name)
+            by.setdefault(origin, []).append(f"{name} = {value!r}")
+    return "; ".join(f"{', '.join(keys)} by the {origin}" for origin, keys in by.items())
+
+
 def settings_for(settings: Settings, job: Job) -> tuple[SeparationSettings, OutputSettings]:
     """The job's settings with its choices, for planning (work ahead, the disk check): where
     the choices cannot be used, the preset's settings (the job fails on them when it runs)."""

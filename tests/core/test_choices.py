@@ -61,20 +61,22 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
         "Mixed [drums].wav",
         "Bad [vocal].wav",
         "Worse.wav",
+        "Evil.wav",
     ):
         write_song(made / name, 1.5, seed=len(name))
     (made / "Sided.wav.stemdeck.toml").write_text('format = "flac"\ntwo_stems = "bass"\n')
     (made / "Worse.wav.stemdeck.toml").write_text('modle = "htdemucs_6s"\n')
+    (made / "Evil.wav.stemdeck.toml").write_text('model = "hf://evil/htdemucs"\n')
     _service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
     # the sidecars first, as a person drops them together (a job reads its sidecar at start)
-    for name in ("Sided.wav.stemdeck.toml", "Worse.wav.stemdeck.toml"):
+    for name in ("Sided.wav.stemdeck.toml", "Worse.wav.stemdeck.toml", "Evil.wav.stemdeck.toml"):
         (made / name).replace(inbox / name)
-    for name in ("Tagged [vocals].wav", "Sided.wav", "Bad [vocal].wav", "Worse.wav"):
+    for name in ("Tagged [vocals].wav", "Sided.wav", "Bad [vocal].wav", "Worse.wav", "Evil.wav"):
         (made / name).replace(inbox / name)
     (inbox / "karaoke").mkdir(exist_ok=True)  # the service makes preset folders
     (made / "Mixed [drums].wav").replace(inbox / "karaoke" / "Mixed [drums].wav")
-    done = {Path(j.source).name: j for j in jobs.wait_final(5, timeout=240)}
+    done = {Path(j.source).name: j for j in jobs.wait_final(6, timeout=240)}
     outbox, processed, failed = (
         settings.paths.outbox,
         settings.paths.processed,
@@ -108,12 +110,16 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     assert "did you mean 'model'" in worse.error
     assert (failed / "Worse.wav").is_file() and (failed / "Worse.wav.stemdeck.toml").is_file()
     assert "modle" in (failed / "Worse.wav.error.txt").read_text()
+    evil = done["Evil.wav"]  # a model by URL: refused before the worker is asked for it
+    assert evil.state is JobState.FAILED
+    assert evil.error.startswith('Evil.wav.stemdeck.toml: model = "hf://evil/htdemucs" is not')
+    assert "Evil.wav.stemdeck.toml" in (failed / "Evil.wav.error.txt").read_text()
 
     # fixed where it failed, as the report says, and retried: the choices come back with it
     (failed / "Worse.wav.stemdeck.toml").write_text('format = "flac"\n')
     _service.scheduler.retry(worse.id)
     again = next(
-        j for j in jobs.wait_final(6, timeout=120) if j.id not in {x.id for x in done.values()}
+        j for j in jobs.wait_final(7, timeout=120) if j.id not in {x.id for x in done.values()}
     )
     assert again.state is JobState.DONE, again.error
     retried = read_manifest(outbox / "Worse")
