@@ -183,7 +183,8 @@ class SeparationSettings:
         "htdemucs",
         model_name,
         "Demucs model name (htdemucs, htdemucs_ft, "
-        "htdemucs_6s, mdx_extra, …) or a name in model_repo",
+        "htdemucs_6s, mdx_extra, …) or a name in model_repo; a plain "
+        "name, never a URL, a scheme such as hf:// or a path",
     )
     model_repo: str = key(
         "", text, 'a local folder of model files, fully offline; "" = the model hub'
