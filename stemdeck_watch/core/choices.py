@@ -183,7 +183,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
     try:
-        dropgate.check_song(sep, out, origins, settings, job.preset)
+        dropgate.check_song(sep, origins, settings, job.preset)
     except ConfigError as exc:
         raise ChoiceError(f"{source.name}: {exc}") from None
     try:

@@ -27,7 +27,6 @@ from typing import Any, Mapping
 from stemdeck_watch.core.config import (
     MACHINE_KEYS,
     OWNER_ONLY,
-    OutputSettings,
     SeparationSettings,
     Settings,
     check_overrides,
@@ -68,15 +67,14 @@ def check_values(values: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def check_song(
     sep: SeparationSettings,
-    out: OutputSettings,
     origins: Mapping[str, str],
     settings: Settings,
     preset: str | None,
 ) -> None:
-    """What a song's drop chose, merged with the config and the preset (`origins`: key →
-    where it came from, "config", "preset x", "sidecar …", "name tag […]"): a model from the
-    allow-list, a segment within that model's own. ConfigError names the origin."""
-    del out  # the output keys are bounded one by one; nothing of theirs depends on another
+    """What a song's drop chose, merged with the config and the preset (`sep`; `origins`:
+    key → where it came from, "config", "preset x", "sidecar …", "name tag […]"): a model
+    from the allow-list, a segment within that model's own. The output keys need nothing
+    of each other here: each is bounded alone. ConfigError names the origin."""
     model_from = origins.get("model", "config")
     if is_dropped(model_from) and not model_allowed(sep.model, settings, preset):
         raise ConfigError(
