@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # imported when the command runs: the parser is built for eve
     from stemdeck_watch.workers.models import ModelState, ModelStore
 
 EXIT_OK, EXIT_FAILED = 0, 1
+# what "verified" proves, said wherever the commands say it (docs: Models, Trust boundaries)
+PROVES = (
+    "each file's sha256 matches the checksum in its name: that finds damage in transfer or "
+    "on disk, not a file made to match (the checksum is short, and where it came with the "
+    "files their maker made it too)"
+)
 BAR = 30  # characters of the progress bar
 
 
@@ -41,11 +47,16 @@ def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
         "the cache, verified; an interrupted download resumes",
     )
     pull.add_argument("name", metavar="NAME", help="a model name, e.g. htdemucs")
-    actions.add_parser("verify", help="check every cached model file against its checksum")
+    actions.add_parser(
+        "verify",
+        help="check every cached model file against the checksum in its name "
+        "(finds damage, not a file made to match)",
+    )
     imports = actions.add_parser(
         "import",
         help="copy the model files of an offline copy "
-        "(a folder as on the model hub) into the cache, verified",
+        "(a folder as on the model hub) into the cache, verified; its lists "
+        "may add models, never redefine one demucs defines",
     )
     imports.add_argument(
         "folder",
@@ -191,6 +202,7 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
         f"verified, in {escape_controls(store.cache)} ({time.monotonic() - started:.1f} s)",
         file=out,
     )
+    print(f"verified: {PROVES}", file=out)
     return EXIT_OK
 
 
@@ -226,6 +238,7 @@ def _verify(store: ModelStore, out: TextIO, err: TextIO) -> int:
         f"{whole} of {len(checked)} model file(s) in {escape_controls(store.cache)} are whole",
         file=out,
     )
+    print(f"whole: {PROVES}", file=out)
     if damaged:
         print(f"stemdeck-watch: {damaged} damaged model file(s)", file=err)
         return EXIT_FAILED
@@ -236,6 +249,8 @@ def _import(store: ModelStore, folder: Path, out: TextIO, err: TextIO) -> int:
     imported, refused = store.import_folder(folder)
     for name in imported:
         print(f"imported {name}", file=out)
+    if imported:
+        print(f"verified: {PROVES}", file=out)
     for path, why in refused:
         print(f"refused  {escape_controls(path)}: {why}", file=err)
     index = store.index()

@@ -34,11 +34,11 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
+from stemdeck_watch.core import dropgate
 from stemdeck_watch.core.config import (
     OutputSettings,
     SeparationSettings,
     Settings,
-    check_overrides,
     check_song_settings,
 )
 from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
@@ -142,12 +142,18 @@ def sidecar_choices(source: Path) -> dict[str, Any] | None:
         raise ChoiceError(str(FilesystemError("read", path, reason=exc))) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ChoiceError(f"could not parse {path.name}: {exc}; fix or remove it") from exc
+    except RecursionError:  # arrays or tables nested thousands deep: no song's setting
+        raise ChoiceError(
+            f"could not parse {path.name}: it nests tables or arrays thousands deep, "
+            f"deeper than any setting goes; fix or remove it"
+        ) from None
     return data
 
 
 def for_job(settings: Settings, job: Job) -> Chosen:
     """The job's separation and output settings — config, preset, name tags, sidecar — and
-    where each came from. ChoiceError names the tag, the key or the file that is wrong."""
+    where each came from. What the tags and the sidecar choose passes the drop's gate
+    (core/dropgate.py). ChoiceError names the tag, the key or the file that is wrong."""
     source = Path(job.source)
     overrides: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -156,7 +162,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         overrides[key], origins[key] = value, f"preset {job.preset}"
     tagged = name_choices(source.name)
     try:
-        checked = check_overrides({k: v for k, (v, _o) in tagged.items()}, "")
+        checked = dropgate.check_values({k: v for k, (v, _o) in tagged.items()}, "")
     except ConfigError as exc:
         raise ChoiceError(f"the name {source.name!r}: {exc}") from None
     for key, value in checked.items():
@@ -165,7 +171,7 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     if sidecar is not None:
         name = sidecar_of(source).name
         try:
-            checked = check_overrides(sidecar, "", dropped=True)
+            checked = dropgate.check_values(sidecar, "")
         except ConfigError as exc:
             raise ChoiceError(f"{name}: {exc}; fix {name} or remove it") from None
         for key, value in checked.items():
@@ -177,6 +183,10 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     out = dataclasses.replace(
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
+    try:
+        dropgate.check_song(sep, origins, settings, job.preset)
+    except ConfigError as exc:
+        raise ChoiceError(f"{source.name}: {exc}") from None
     try:
         check_song_settings(sep, out, f"{source.name}: ")
     except ConfigError as exc:
@@ -192,6 +202,23 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         }
     )
     return Chosen(sep, out, every)
+
+
+def separation_choices(settings: Settings, job: Job) -> str:
+    """What the job's drop (a sidecar, a name's tags) chose for its separation, as a report
+    names it ("segment = 7.8, shifts = 5 by the sidecar Song.wav.stemdeck.toml"), or "":
+    a machine fault under such a song may be the song's own doing."""
+    try:
+        chosen = for_job(settings, job)
+    except ChoiceError:
+        return ""
+    by: dict[str, list[str]] = {}
+    for key, origin in chosen.origins.items():
+        section, _, name = key.partition(".")
+        if section == "separation" and dropgate.is_dropped(origin):
+            value = getattr(chosen.separation, name)
+            by.setdefault(origin, []).append(f"{name} = {value!r}")
+    return "; ".join(f"{', '.join(keys)} by the {origin}" for origin, keys in by.items())
 
 
 def settings_for(settings: Settings, job: Job) -> tuple[SeparationSettings, OutputSettings]:

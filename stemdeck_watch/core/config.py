@@ -37,6 +37,7 @@ from stemdeck_watch.util.validators import (
     extension_list,
     layout_template,
     mix_table,
+    model_name,
     number,
     number_list,
     hub_url,
@@ -180,9 +181,10 @@ class QueueSettings:
 class SeparationSettings:
     model: str = key(
         "htdemucs",
-        text,
+        model_name,
         "Demucs model name (htdemucs, htdemucs_ft, "
-        "htdemucs_6s, mdx_extra, …) or a name in model_repo",
+        "htdemucs_6s, mdx_extra, …) or a name in model_repo; a plain "
+        "name, never a URL, a scheme such as hf:// or a path",
     )
     model_repo: str = key(
         "", text, 'a local folder of model files, fully offline; "" = the model hub'

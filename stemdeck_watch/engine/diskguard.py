@@ -4,7 +4,9 @@ A song that runs out of disk half-way wastes its separation and, on a sync folde
 the machine with no room at all. So before a job starts, what it will write is estimated from
 the input's duration; if either filesystem lacks that plus a margin, the queue pauses for disk
 (`pause_reason = "disk"`), `disk_low` is announced, and the queue starts again by itself once
-room is back. A write that still fails is a failed job like any other (nothing partial in the
+room is back. Only where the disk is short for every song, though: a song whose own choices (a
+sidecar's or a tag's practice renders, stem file, formats) need more than the disk has, where
+it would fit as configured, fails alone with the reason naming them. A write that still fails is a failed job like any other (nothing partial in the
 outbox, the input safe).
 
 The check counts the work beside the worker too: a song still publishing behind, a song
@@ -26,8 +28,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from stemdeck_watch.core.choices import settings_for
-from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.choices import ChoiceError, for_job, settings_for
+from stemdeck_watch.core.config import OutputSettings, SeparationSettings, Settings
+from stemdeck_watch.core.dropgate import is_dropped
 from stemdeck_watch.core.errors import Cancelled
 from stemdeck_watch.core.events import DiskLow
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
@@ -44,6 +47,7 @@ BYTES_PER_SECOND = {"wav": {16: 176_400, 24: 264_600, 32: 352_800}, "flac": 120_
 DOWNLOAD_BYTES_PER_SECOND = 40_000  # 320 kbit/s: the richest audio stream sites commonly give
 REMEMBERED = 64  # probed durations kept (the head of the queue and a few behind it)
 NO_ROOM = "waiting for room on disk"  # a Cancelled's reason: the job goes back to the head
+Planned = tuple[SeparationSettings, OutputSettings]  # the settings a job's estimate is for
 
 
 class DiskGuard:
@@ -72,10 +76,14 @@ class DiskGuard:
         return self._short(self._needed(job, whole, self._beside(job)))
 
     def hold(self, job: Job) -> bool:
-        """True if the job must wait for room: the queue is paused for disk and told why."""
+        """True if the job must wait for room: the queue is paused for disk and told why.
+        Raises ChoiceError, pausing nothing, where the disk is short only for this song's
+        own choices (a sidecar's or a tag's): as configured it would fit, with them it
+        cannot fit even alone, so waiting would hold every song behind it for nothing."""
         short = self.shortfall(job)
         if short is None:
             return False
+        self._refuse_own_choices(job)
         folder, need, free = short
         log.warning(
             "not starting %s: it needs about %s on %s, %s is free; the queue is paused "
@@ -138,6 +146,31 @@ class DiskGuard:
         self.scheduler.start()
         return True
 
+    def _refuse_own_choices(self, job: Job) -> None:
+        """Fail `job` (ChoiceError naming what its drop chose) if the disk is short for its
+        own choices alone: the song as configured fits beside the work in flight, and with
+        its choices it does not fit even with nothing beside it."""
+        try:
+            chosen = for_job(self.settings, job)
+        except ChoiceError:
+            return  # it fails on them when it starts
+        dropped = {k: o for k, o in chosen.origins.items() if is_dropped(o)}
+        if not dropped:
+            return
+        if self._short(self._needed(job, True, self._beside(job), as_configured=True)):
+            return  # short for every song: the queue waits for room
+        alone = self._short(self._needed(job, True, []))
+        if alone is None:
+            return  # it fits once the work beside it is done
+        folder, need, free = alone
+        origins = " and the ".join(dict.fromkeys(dropped.values()))
+        raise ChoiceError(
+            f"{job.name}: what the {origins} chose ({', '.join(dropped)}) needs about "
+            f"{_mb(need)} on {folder}, {_mb(free)} is free: more than this disk has for "
+            f"one song (as configured it would fit); choose less there, or make room and "
+            f"retry it"
+        )
+
     # ------------------------------------------------------------ what a job still needs
 
     def _beside(self, job: Job) -> list[Job]:
@@ -155,9 +188,12 @@ class DiskGuard:
         found = (self.scheduler.registry.get(job_id) for job_id in sorted(ids))
         return [other for other in found if other is not None and not other.state.is_final]
 
-    def _needed(self, job: Job, whole: bool, beside: list[Job]) -> dict[Path, int]:
-        """Bytes still to be written on each filesystem by `job` and the jobs beside it."""
-        needs = self._remaining(job, whole)
+    def _needed(
+        self, job: Job, whole: bool, beside: list[Job], as_configured: bool = False
+    ) -> dict[Path, int]:
+        """Bytes still to be written on each filesystem by `job` and the jobs beside it;
+        `as_configured`: `job` without what its drop chose (its preset's settings)."""
+        needs = self._remaining(job, whole, as_configured)
         for other in beside:
             for folder, need in self._remaining(other, True).items():
                 needs[folder] = needs.get(folder, 0) + need
@@ -174,7 +210,7 @@ class DiskGuard:
                 return folder, need + MARGIN, free
         return None
 
-    def _remaining(self, job: Job, whole: bool) -> dict[Path, int]:
+    def _remaining(self, job: Job, whole: bool, as_configured: bool = False) -> dict[Path, int]:
         """What `job` has still to write: its estimate less what its scratch and staging
         folders hold already (a song prepared ahead, one half published)."""
         folders = self.settings.paths
@@ -189,8 +225,15 @@ class DiskGuard:
         scratch_need = max(0, self._download_bytes(job, seconds) - fetched)
         outbox_need = 0
         if whole and seconds is not None:
-            scratch_need += max(0, self._scratch_bytes(job, seconds) - (_size(scratch) - fetched))
-            outbox_need = max(0, self._outbox_bytes(job, seconds) - _size(staging))
+            planned = (
+                self.settings.for_preset(job.preset)
+                if as_configured
+                else settings_for(self.settings, job)
+            )
+            scratch_need += max(
+                0, self._scratch_bytes(planned, seconds) - (_size(scratch) - fetched)
+            )
+            outbox_need = max(0, self._outbox_bytes(planned, seconds) - _size(staging))
         if _same_filesystem(folders.scratch, folders.outbox):
             return {folders.outbox: scratch_need + outbox_need}
         return {folders.scratch: scratch_need, folders.outbox: outbox_need}
@@ -204,14 +247,14 @@ class DiskGuard:
         size = int((seconds or links.max_duration or UNKNOWN_SECONDS) * DOWNLOAD_BYTES_PER_SECOND)
         return min(size, links.max_filesize) if links.max_filesize else size
 
-    def _scratch_bytes(self, job: Job, seconds: float) -> int:
-        sep, _out = settings_for(self.settings, job)
+    def _scratch_bytes(self, planned: Planned, seconds: float) -> int:
+        sep, _out = planned
         return estimate_scratch_bytes(seconds, 6 if "6s" in sep.model else 4)
 
-    def _outbox_bytes(self, job: Job, seconds: float) -> int:
+    def _outbox_bytes(self, planned: Planned, seconds: float) -> int:
         """The stems and mixes in the chosen format (the DAW projects' mix too), and what the
         optional outputs add (a DJ stem file, practice renders)."""
-        sep, out = settings_for(self.settings, job)
+        sep, out = planned
         stems = 6 if "6s" in sep.model else 4
         # a DAW project plays the whole song as a mix on a muted track
         outputs = (2 if sep.two_stems else stems) + len(out.mixes) + bool(out.session)

@@ -16,6 +16,7 @@ import time
 import traceback
 from typing import Callable
 
+from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import SHUTDOWN, Cancelled, StageError, WorkerDied
 from stemdeck_watch.store.jobqueue import JobControl
@@ -313,7 +314,9 @@ class Dispatcher:
         fault = machine.fault_of(exc, self._worker_name(), time.time())
         faults = (*job.faults, fault)  # `job` as it was taken: with the attempts before
         if not machine.may_retry(faults, self.settings):
-            message, attempts = machine.failure(faults)
+            message, attempts = machine.failure(
+                faults, choices.separation_choices(self.settings, job)
+            )
             log.error("%s failed on every attempt: %s", job.name, attempts.replace("\n", "; "))
             self._failed(job, exc.stage, message, exc.details, faults, attempts)
             return

@@ -94,16 +94,19 @@ def may_retry(faults: tuple[Fault, ...], settings: Settings) -> bool:
     return len(faults) - memory <= settings.queue.worker_retries and memory <= MEMORY_STEPS
 
 
-def failure(faults: tuple[Fault, ...]) -> tuple[str, str]:
+def failure(faults: tuple[Fault, ...], chosen: str = "") -> tuple[str, str]:
     """(message, details) for a song whose every attempt a machine fault cut off: the
-    message names each attempt's reason, the details each attempt's worker and time."""
+    message names each attempt's reason, the details each attempt's worker and time.
+    `chosen`: what the song's own drop chose for its separation (a sidecar's segment,
+    shifts, model…), which may be why the machine failed, so the report names it."""
     count = len(faults)
     reasons = "; ".join(f"{n}) {fault.reason}" for n, fault in enumerate(faults, 1))
+    own = f"with the song's own choices ({chosen}), which may have caused it" if chosen else ""
     message = (
         f"the worker failed on {'both' if count == 2 else 'all'} {count} attempts, "
-        f"never because of the song: {reasons}"
+        f"{own or 'never because of the song'}: {reasons}"
         if count > 1
-        else f"the worker failed: {faults[0].reason}"
+        else f"the worker failed{' ' + own if own else ''}: {faults[0].reason}"
         if faults
         else "the worker failed"
     )

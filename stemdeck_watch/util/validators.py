@@ -6,6 +6,7 @@ expected …".
 from __future__ import annotations
 
 import math
+import re
 import string
 from pathlib import PurePosixPath
 from typing import Any, Callable
@@ -37,6 +38,15 @@ MODEL_STEMS: dict[str, tuple[str, ...]] = {
     },
     "htdemucs_6s": FOUR + ("guitar", "piano"),
 }
+# The segment (seconds) each of those models was trained on and separates in: 7.8 for the
+# Transformer models (their own length, never longer), 44 for the others (their `.yaml`).
+MODEL_SEGMENT: dict[str, float] = {
+    name: 7.8 if name.startswith("htdemucs") else 44.0 for name in MODEL_STEMS
+}
+# A model name as demucs looks one up: in its own lists, the hub's, or a model_repo folder.
+# Never a URL, a scheme (`hf://`, which demucs fetches from HuggingFace before anything
+# else) or a path: those would load code from somewhere nobody configured.
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 def number(
@@ -195,6 +205,17 @@ def extension_list(value: Any) -> tuple[str, ...]:
     if not cleaned or any(not v or "/" in v for v in cleaned):
         raise ValueError('a non-empty list of file extensions such as ["mp3", "wav"]')
     return cleaned
+
+
+def model_name(value: Any) -> str:
+    """A model's name: letters, digits, `_`, `.`, `-`; never a URL, a scheme or a path."""
+    if not isinstance(value, str) or not MODEL_NAME.fullmatch(value) or ".." in value:
+        raise ValueError(
+            'a model name such as "htdemucs" (letters, digits, _ . -), never a URL, '
+            "a scheme such as hf:// or a path; a model of your own goes in the folder "
+            "named by separation.model_repo"
+        )
+    return value
 
 
 def stem_name(value: Any) -> str:

@@ -9,8 +9,14 @@ and the other way round.
 
 A hub may serve its own `files.txt` and `<name>.yaml` at its root (a mirror of other models,
 or the tests' loopback mirror of a tiny one); they are kept beside the cache, per hub, and
-take precedence over demucs's own lists for that hub. `models import FOLDER` reads them from
-an offline copy too.
+take precedence over demucs's own lists for that hub: the hub is the owner's choice
+(`separation.model_hub`). `models import FOLDER` reads them from an offline copy too, but a
+folder only adds models: the names and checksums demucs defines stay demucs's.
+
+"Verified" means a file's sha256 starts with the checksum its name carries (8 hex digits
+in demucs's lists): it finds a file damaged in transfer or on disk. It is no proof of who
+made the file: the checksum is short, and where it came with the files (a hub's or a
+folder's list), whoever made the file made the checksum too.
 
 Nothing here imports torch but `ModelStore.load` (the worker's): `stemdeck-watch models`
 answers at once.
@@ -254,9 +260,19 @@ class ModelStore:
         return self.cache / INDEX_DIR / key
 
     def index(self) -> Index:
-        """demucs's lists, with this hub's own (kept from a pull or an import) over them."""
+        """demucs's lists, with this hub's own (kept from a pull or an import) over them. The
+        default hub serves no lists: what is kept for it came from an import, which adds
+        models but never redefines one demucs defines."""
         base = read_index(demucs_lists(), "demucs/remote")
-        return base.merge(read_index(self.lists, str(self.lists))) if self.lists.is_dir() else base
+        if not self.lists.is_dir():
+            return base
+        kept = read_index(self.lists, str(self.lists))
+        if self.hub == DEFAULT_HUB:
+            kept = Index(
+                {sig: f for sig, f in kept.files.items() if sig not in base.files},
+                {name: bag for name, bag in kept.bags.items() if name not in base.bags},
+            )
+        return base.merge(kept)
 
     def refresh(self, name: str) -> None:
         """Keep the hub's own `files.txt` and `<name>.yaml`, where it serves them (demucs's
@@ -408,6 +424,7 @@ class ModelStore:
                 f"model files (SIGNATURE-SHA256PREFIX.th)"
             )
         theirs = read_index(folder, str(folder))
+        _refuse_redefined(theirs, read_index(demucs_lists(), "demucs/remote"), folder)
         if theirs.files or theirs.bags:
             self.lists.mkdir(parents=True, exist_ok=True)
             for source in [folder / "files.txt", *sorted(folder.glob("*.yaml"))]:
@@ -456,6 +473,30 @@ class ModelStore:
         model = BagOfModels(models, bag.weights, bag.segment) if bag else models[0]
         model.eval()
         return model
+
+
+def _refuse_redefined(theirs: Index, demucs: Index, folder: Path) -> None:
+    """An imported folder's lists may add models, never change one demucs defines: its
+    `<name>.yaml` and the checksums of its files come from demucs's own lists, or a folder
+    could make `htdemucs` load any file (a model file is code) "verified" against the
+    checksum the same folder supplied. Raises ModelStoreError, naming the list."""
+    for name, bag in sorted(theirs.bags.items()):
+        if name in demucs.bags and bag != demucs.bags[name]:
+            raise ModelStoreError(
+                f"refused: {folder / (name + '.yaml')} redefines {name}, a model demucs "
+                f"itself defines; its files and checksums come from demucs's own list, never "
+                f"from an imported folder. Remove {name}.yaml from the folder (the files of "
+                f"the real {name} are taken by their names), or name a model of your own "
+                f"otherwise; nothing was imported"
+            )
+    for sig, entry in sorted(theirs.files.items()):
+        if sig in demucs.files and entry.name != demucs.files[sig].name:
+            raise ModelStoreError(
+                f"refused: {folder / 'files.txt'} lists {entry.name} for the model file "
+                f"{sig}, which demucs's own list names {demucs.files[sig].name}; a checksum of "
+                f"a model demucs defines never comes from an imported folder. Remove that "
+                f"line; nothing was imported"
+            )
 
 
 def _offset(report: OnProgress, before: int, total: int | None, present: int) -> None:

@@ -61,6 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from stemdeck_watch.util.validators import MODEL_NAME
 from stemdeck_watch.workers import heap, inverse
 from stemdeck_watch.workers.compilecache import CompileCache
 from stemdeck_watch.workers.compiled import CompiledSlot, members, using
@@ -149,8 +150,17 @@ class _DownloadReport:
 
 
 def load_model(name: str, repo: str | None) -> Any:
-    """Load a model the way demucs does, failing fast and clearly when it cannot be had."""
-    from demucs.pretrained import ModelLoadingError, get_model
+    """Load a model the way demucs does, failing fast and clearly when it cannot be had.
+
+    Only a plain model name is ever handed to demucs, whoever asked: demucs fetches an
+    `hf://` name from HuggingFace before it looks at any repo, and a model file is code."""
+    if not MODEL_NAME.fullmatch(name) or ".." in name:
+        raise ModelUnavailable(
+            f"could not load model {name!r}: not a model name (a URL, a scheme such as "
+            f"hf:// or a path is never loaded); name a model demucs defines, or one in "
+            f"separation.model_repo"
+        )
+    from demucs.pretrained import get_model
 
     if repo:
         folder = Path(repo)
@@ -168,11 +178,6 @@ def load_model(name: str, repo: str | None) -> Any:
                 f"{exc or type(exc).__name__}; model files there: "
                 f"{', '.join(present) or 'none'}"
             ) from None
-    if name.startswith("hf://"):  # demucs's own HuggingFace download
-        try:
-            return get_model(name)
-        except (ModelLoadingError, OSError) as exc:
-            raise ModelUnavailable(f"could not load model {name!r}: {exc}") from None
     return _from_cache(name)
 
 

@@ -25,6 +25,8 @@ from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core import choices
 from stemdeck_watch.workers import catalogue
 
+from stemdeck_watch.workers.models import ModelStore, ModelStoreError
+
 from support.helpers import config_data, wait_for, write_config
 from support.modelhub import ModelHub, build_mirror
 
@@ -205,12 +207,12 @@ def test_verify_finds_a_damaged_cached_file_and_pull_replaces_it(
 
 
 def test_import_copies_an_offline_copy_verified_and_refuses_a_damaged_file(
-    tmp_path: Path, model_repo: Path, mirror: Path, cache: Path
+    tmp_path: Path, model_repo: Path, cache: Path
 ) -> None:
     # the default hub (the internet): import must not need it
     config = write_config(tmp_path, model_repo, separation={"model": "htdemucs", "model_repo": ""})
     damaged = tmp_path / "damaged"
-    build_mirror(damaged, model_repo / "tiny.th")
+    build_mirror(damaged, model_repo / "tiny.th", name="offline")
     served = next((damaged / "hybrid_transformer").glob("*.th"))
     data = bytearray(served.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -220,13 +222,42 @@ def test_import_copies_an_offline_copy_verified_and_refuses_a_damaged_file(
     assert "refused" in result.stderr and "damaged" in result.stderr
     assert model_files(cache) == set() and leftovers(cache) == set()
 
-    result = models(config, "import", str(tmp_path / "mirror"))
+    offline = build_mirror(tmp_path / "offline", model_repo / "tiny.th", name="offline")
+    result = models(config, "import", str(tmp_path / "offline"))
     assert result.returncode == 0, result.stderr
-    assert f"imported {mirror.name}" in result.stdout
-    assert "models ready in" in result.stdout and "htdemucs" in result.stdout
-    assert (cache / mirror.name).read_bytes() == mirror.read_bytes()
-    listed = json.loads(models(config, "list", "--json").stdout)
-    assert listed["models"][0]["cached"] is True
+    assert f"imported {offline.name}" in result.stdout
+    # what "verified" proves, said where it is said
+    assert "verified: each file's sha256 matches the checksum in its name" in result.stdout
+    assert "finds damage in transfer or on disk, not a file made to match" in result.stdout
+    assert (cache / offline.name).read_bytes() == offline.read_bytes()
+    assert ModelStore(cache=cache).state("offline").cached
+
+
+def test_an_import_never_redefines_a_model_demucs_defines(
+    tmp_path: Path, model_repo: Path, cache: Path
+) -> None:
+    """A folder with its own `htdemucs.yaml` and `files.txt` would make the default model
+    load its file (a pickle: code), "verified" against the checksum the same folder gave:
+    refused, nothing copied, and htdemucs stays what demucs's own list says."""
+    store = ModelStore(cache=cache)
+    own = store.index().files_of("htdemucs")
+    hostile = tmp_path / "hostile"
+    build_mirror(hostile, model_repo / "tiny.th")  # htdemucs.yaml naming its own file
+    with pytest.raises(ModelStoreError, match=r"htdemucs.yaml redefines htdemucs, a model demucs"):
+        store.import_folder(hostile)
+    assert model_files(cache) == set() and not store.lists.exists()
+
+    listed = tmp_path / "listed"  # the checksum of a file demucs names, from the folder
+    fake = build_mirror(listed, model_repo / "tiny.th", name="mine", sig=own[0].sig)
+    with pytest.raises(ModelStoreError, match=rf"lists {fake.name} for the model file"):
+        store.import_folder(listed)
+    assert model_files(cache) == set()
+
+    # lists an earlier import kept for the default hub add models, never redefine one
+    store.lists.mkdir(parents=True)
+    (store.lists / "htdemucs.yaml").write_text("models: ['0a1b2c3d']\n")
+    (store.lists / "files.txt").write_text((hostile / "files.txt").read_text())
+    assert store.index().files_of("htdemucs") == own
 
 
 def test_the_model_hub_is_the_config_files_choice_never_a_presets_or_a_drops(

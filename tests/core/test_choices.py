@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stemdeck_watch.core.choices import ChoiceError, name_choices, song_name
-from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.core.choices import ChoiceError, for_job, name_choices, song_name
+from stemdeck_watch.core.config import default_toml, settings_from_dict
+from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
 
@@ -60,22 +62,24 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
         "Mixed [drums].wav",
         "Bad [vocal].wav",
         "Worse.wav",
+        "Evil.wav",
     ):
         write_song(made / name, 1.5, seed=len(name))
     (made / "Sided.wav.stemdeck.toml").write_text(
         'format = "flac"\ntwo_stems = "bass"\ndevice = "cuda"\n'
     )
     (made / "Worse.wav.stemdeck.toml").write_text('modle = "htdemucs_6s"\n')
+    (made / "Evil.wav.stemdeck.toml").write_text('model = "hf://evil/htdemucs"\n')
     _service, jobs = service_factory(settings)
     inbox = settings.paths.inbox
     # the sidecars first, as a person drops them together (a job reads its sidecar at start)
-    for name in ("Sided.wav.stemdeck.toml", "Worse.wav.stemdeck.toml"):
+    for name in ("Sided.wav.stemdeck.toml", "Worse.wav.stemdeck.toml", "Evil.wav.stemdeck.toml"):
         (made / name).replace(inbox / name)
-    for name in ("Tagged [vocals].wav", "Sided.wav", "Bad [vocal].wav", "Worse.wav"):
+    for name in ("Tagged [vocals].wav", "Sided.wav", "Bad [vocal].wav", "Worse.wav", "Evil.wav"):
         (made / name).replace(inbox / name)
     (inbox / "karaoke").mkdir(exist_ok=True)  # the service makes preset folders
     (made / "Mixed [drums].wav").replace(inbox / "karaoke" / "Mixed [drums].wav")
-    done = {Path(j.source).name: j for j in jobs.wait_final(5, timeout=240)}
+    done = {Path(j.source).name: j for j in jobs.wait_final(6, timeout=240)}
     outbox, processed, failed = (
         settings.paths.outbox,
         settings.paths.processed,
@@ -113,12 +117,16 @@ def test_choices_in_the_drop_set_that_songs_settings_and_bad_ones_fail_it_naming
     assert "did you mean 'model'" in worse.error
     assert (failed / "Worse.wav").is_file() and (failed / "Worse.wav.stemdeck.toml").is_file()
     assert "modle" in (failed / "Worse.wav.error.txt").read_text()
+    evil = done["Evil.wav"]  # a model by URL: refused before the worker is asked for it
+    assert evil.state is JobState.FAILED
+    assert evil.error.startswith('Evil.wav.stemdeck.toml: model = "hf://evil/htdemucs" is not')
+    assert "Evil.wav.stemdeck.toml" in (failed / "Evil.wav.error.txt").read_text()
 
     # fixed where it failed, as the report says, and retried: the choices come back with it
     (failed / "Worse.wav.stemdeck.toml").write_text('format = "flac"\n')
     _service.scheduler.retry(worse.id)
     again = next(
-        j for j in jobs.wait_final(6, timeout=120) if j.id not in {x.id for x in done.values()}
+        j for j in jobs.wait_final(7, timeout=120) if j.id not in {x.id for x in done.values()}
     )
     assert again.state is JobState.DONE, again.error
     retried = read_manifest(outbox / "Worse")
@@ -303,3 +311,106 @@ def test_a_sidecar_dropped_while_its_song_separates_is_left_for_the_next_drop(
     manifest = read_manifest(Path(done.output or ""))
     assert manifest is not None and manifest["sidecar"] is None
     assert manifest["settings_from"]["output.format"] == "config"
+
+
+def _job(song: Path, preset: str | None = None) -> Job:
+    return Job(
+        id="j",
+        name=song.stem,
+        kind=JobKind.FILE,
+        state=JobState.QUEUED,
+        source=str(song),
+        rel_path=song.name if preset is None else f"{preset}/{song.name}",
+        preset=preset,
+    )
+
+
+def test_a_sidecar_naming_a_model_by_url_fails_the_song_naming_the_sidecar_before_any_load(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hf://` makes demucs fetch a repository and build whatever class its metadata names
+    (code, as the service's user): a drop's model is a plain name from the allow-list, and
+    the song fails before anything is loaded or fetched."""
+
+    def no_network(*_args: object) -> None:
+        raise AssertionError("a connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    song = write_song(settings.paths.inbox / "Song.wav", 0.5)
+    sidecar = Path(f"{song}.stemdeck.toml")
+    for model in ("hf://evil/htdemucs", "https://evil.example/htdemucs", "file:///tmp/x", "../x"):
+        sidecar.write_text(f'model = "{model}"\n')
+        with pytest.raises(ChoiceError) as caught:
+            for_job(settings, _job(song))
+        message = str(caught.value)
+        assert message.startswith("Song.wav.stemdeck.toml: model = "), message
+        assert "never a URL, a scheme such as hf:// or a path" in message
+
+
+def test_a_drop_may_choose_only_models_demucs_defines_or_the_owner_configured(
+    settings, tmp_path: Path
+) -> None:
+    song = write_song(settings.paths.inbox / "Song.wav", 0.5)
+    sidecar = Path(f"{song}.stemdeck.toml")
+    for model in ("htdemucs_ft", "mdx_extra", "htdemucs"):
+        sidecar.write_text(f'model = "{model}"\n')
+        assert for_job(settings, _job(song)).separation.model == model
+    sidecar.write_text('model = "955717e8"\n')  # a file of demucs's hub, not a model it names
+    with pytest.raises(ChoiceError, match=r"chosen by the sidecar Song.wav.stemdeck.toml\) is"):
+        for_job(settings, _job(song))
+    data = default_toml()
+    data["folders"] = {n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed")}
+    data["presets"] = {"mine": {"model": "mymodel"}, "local": {"model_repo": str(tmp_path)}}
+    owner = settings_from_dict(data)
+    sidecar.write_text('model = "mymodel"\n')  # the owner's own preset names it
+    assert for_job(owner, _job(song)).separation.model == "mymodel"
+    sidecar.write_text('model = "other"\n')  # any plain name: it loads from the owner's folder
+    assert for_job(owner, _job(song, "local")).separation.model == "other"
+    with pytest.raises(ChoiceError, match="is not a model a file in the inbox may choose"):
+        for_job(owner, _job(song))
+
+
+@pytest.mark.parametrize(
+    "sidecar, message",
+    [
+        ("segment = 3600\n", r"segment = 3600 is longer than any model's own segment"),
+        ("segment = 20\n", r"segment = 20 \(chosen by the sidecar .*\) is longer than the model"),
+        ('model = "mdx_extra"\nsegment = 60\n', r"segment = 60 is longer"),
+        ("shifts = 20\n", r"shifts = 20 is more than a file in the inbox may choose: 0 to 5"),
+        ("overlap = 0.99\n", r"overlap = 0.99 is more than a file in the inbox may choose"),
+        (
+            "practice_speeds = [" + ", ".join(f"{25 + i / 100:.2f}" for i in range(7000)) + "]\n",
+            r"practice_speeds lists 7000 entries; a file in the inbox may choose at most 8",
+        ),
+        (
+            "[mixes]\n" + "".join(f'm{i} = ["drums"]\n' for i in range(9)),
+            r"mixes lists 9 entries",
+        ),
+        ("stall_seconds = 1e9\n", r"stall_seconds cannot be chosen by a file in the inbox"),
+        ("threads = 1024\n", r"threads cannot be chosen by a file in the inbox"),
+        ("x = " + "[" * 3000 + "]" * 3000 + "\n", r"could not parse Song.wav.stemdeck.toml: it"),
+        ("mixes." + ".".join(["a"] * 3000) + " = 1\n", r"mixes is nested deeper than"),
+    ],
+)
+def test_a_sidecar_past_the_drops_bounds_fails_the_song_naming_the_sidecar(
+    settings, sidecar: str, message: str
+) -> None:
+    """What one dropped file chooses cannot take the machine or the queue: a segment past
+    the model's own (11.8 GB for a 1-second song), minutes of shifts, 7,000 practice
+    renders, a watchdog turned off, or a table nested to exhaust the stack."""
+    song = write_song(settings.paths.inbox / "Song.wav", 0.5)
+    Path(f"{song}.stemdeck.toml").write_text(sidecar)
+    with pytest.raises(ChoiceError, match=message) as caught:
+        for_job(settings, _job(song))
+    assert "Song.wav" in str(caught.value)
+
+
+def test_within_the_drops_bounds_a_sidecar_still_chooses(settings) -> None:
+    song = write_song(settings.paths.inbox / "Song.wav", 0.5)
+    Path(f"{song}.stemdeck.toml").write_text(
+        "segment = 7.8\nshifts = 5\noverlap = 0.5\npractice_speeds = [50, 75]\n"
+    )
+    chosen = for_job(settings, _job(song))
+    assert (chosen.separation.segment, chosen.separation.shifts) == (7.8, 5)
+    assert chosen.output.practice_speeds == (50.0, 75.0)
+    assert chosen.origins["separation.segment"] == "sidecar Song.wav.stemdeck.toml"

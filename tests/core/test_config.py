@@ -169,3 +169,12 @@ def test_write_default_config_refuses_to_overwrite(tmp_path: Path) -> None:
 def test_example_configs_are_valid(example: Path) -> None:
     settings = load_settings(example)
     assert settings.source == example
+
+
+def test_a_model_is_a_plain_name_never_a_url_a_scheme_or_a_path() -> None:
+    """demucs fetches an `hf://` name from HuggingFace before it looks at any repo: the
+    config names models by plain name only, as the worker loads them."""
+    for model in ("hf://someone/htdemucs", "https://x.example/m", "../m", "a/b"):
+        with pytest.raises(ConfigError, match="never a URL, a scheme such as hf:// or a path"):
+            settings_from_dict({"separation": {"model": model}})
+    assert settings_from_dict({"separation": {"model": "955717e8"}}).separation.model

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
+from stemdeck_watch.core.choices import ChoiceError
 from stemdeck_watch.engine import diskguard
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.core.jobs import Job, JobKind, JobState, PlaylistRef
@@ -114,5 +117,40 @@ def test_the_disk_check_counts_the_outputs_a_song_chose_in_its_drop(settings) ->
         assert needed("small [mp3].wav") < plain  # mp3 stems take less than 16-bit wav
         # a DAW project plays the whole song on a muted track: one more 16-bit wav
         assert needed("daw.wav", 'session = ["reaper"]\n') - plain >= 44_100 * 4 * minute
+    finally:
+        scheduler.registry.close()
+
+
+def test_a_song_whose_own_choices_need_more_than_the_disk_fails_alone(settings) -> None:
+    """A sidecar asking for practice renders and a DJ stem file that the disk cannot hold
+    fails that song, naming the sidecar; the queue pauses for disk only when the disk is
+    short for every song (the song as configured would not fit either)."""
+    scheduler = open_scheduler(settings)
+    try:
+        source = write_song(settings.paths.inbox / "big.wav", 20.0)
+        job = Job(
+            id="big",
+            name="big",
+            kind=JobKind.FILE,
+            state=JobState.QUEUED,
+            source=str(source),
+            rel_path="big.wav",
+        )
+        short = DiskGuard(scheduler, settings, free=lambda _path: 0).shortfall(job)
+        assert short is not None
+        plain = short[1]  # as configured, margin included
+        Path(f"{source}.stemdeck.toml").write_text("practice = true\nstem_file = true\n")
+        room = plain + 1_000_000  # the song as configured fits; with its choices it does not
+        guard = DiskGuard(scheduler, settings, free=lambda _path: room)
+        with pytest.raises(ChoiceError) as caught:
+            guard.hold(job)
+        message = str(caught.value)
+        assert "what the sidecar big.wav.stemdeck.toml chose" in message
+        assert "output.practice" in message and "output.stem_file" in message
+        assert not scheduler.queue.paused
+
+        tight = DiskGuard(scheduler, settings, free=lambda _path: plain - 1_000_000)
+        assert tight.hold(job)  # short for every song: the queue waits for room
+        assert scheduler.queue.paused and scheduler.queue.pause_reason == "disk"
     finally:
         scheduler.registry.close()

@@ -101,6 +101,24 @@ def test_the_same_fault_twice_fails_the_song_with_both_reasons(
     assert json.loads(json.dumps(recorded.to_status()))["faults"][1]["kind"] == "died"
 
 
+def test_a_fault_under_a_songs_own_choices_names_them_in_its_report(
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
+    """The worker dies under a song whose sidecar chose how it separates: its report names
+    that choice as a possible cause, not "never because of the song"."""
+    settings = make_settings(queue={"worker_retries": 0})
+    service, jobs = service_factory(settings)
+    arm(faults, "exit")
+    (settings.paths.inbox / "song.wav.stemdeck.toml").write_text("shifts = 2\n")
+    drop(settings, "song.wav")
+    [job] = jobs.wait_final(1, 120)
+    assert job.state is JobState.FAILED
+    chosen = "shifts = 2 by the sidecar song.wav.stemdeck.toml"
+    assert f"with the song's own choices ({chosen}), which may have caused it" in job.error
+    report = (settings.paths.failed / "song.wav.error.txt").read_text()
+    assert chosen in report and "never because of the song" not in report
+
+
 def test_a_stalled_worker_is_stopped_after_the_stall_time_and_the_song_tried_again(
     make_settings: Any, service_factory: Any, faults: Path
 ) -> None:
