@@ -169,18 +169,44 @@ class BSRoformer(_Spectral):
         return self._istft(mixture * masks, audio.shape[-1])
 
 
-def mel_bands(sample_rate: int, n_fft: int, num_bands: int) -> np.ndarray:
-    """(bands, bins) bool: which STFT bins each mel band covers — librosa's Slaney mel filter
-    bank where it is positive, the first bin forced into the first band and the last bin into
-    the last (librosa leaves the first out, and the last is a rounding away from zero)."""
-    from librosa import filters
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (librosa's default): linear below 1 kHz, logarithmic above."""
+    mel = hz / (200.0 / 3)
+    log = hz >= 1000.0
+    mel[log] = 15.0 + np.log(hz[log] / 1000.0) / (np.log(6.4) / 27.0)
+    return mel
 
-    bank = filters.mel(sr=sample_rate, n_fft=n_fft, n_mels=num_bands)
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    hz = mel * (200.0 / 3)
+    log = mel >= 15.0
+    hz[log] = 1000.0 * np.exp((np.log(6.4) / 27.0) * (mel[log] - 15.0))
+    return hz
+
+
+def mel_bands(sample_rate: int, n_fft: int, num_bands: int) -> np.ndarray:
+    """(bands, bins) bool: which STFT bins each mel band covers — where the Slaney mel filter
+    bank (as `librosa.filters.mel(sr, n_fft, n_mels)` computes it, in the same float64
+    steps, stored as float32) is positive, with the first bin forced into the first band and
+    the last bin into the last (the bank leaves the first out, and the last is a rounding
+    away from zero). Written out rather than imported: librosa's filters module pulls in
+    scipy.signal, seconds of import for twenty lines of arithmetic."""
+    bins = np.fft.rfftfreq(n=n_fft, d=1.0 / sample_rate)
+    low, high = _hz_to_mel(np.array([0.0, sample_rate / 2.0]))
+    mels = _mel_to_hz(np.linspace(low, high, num_bands + 2))
+    widths = np.diff(mels)
+    ramps = np.subtract.outer(mels, bins)
+    bank = np.zeros((num_bands, len(bins)), dtype=np.float32)
+    for band in range(num_bands):
+        lower = -ramps[band] / widths[band]
+        upper = ramps[band + 2] / widths[band + 1]
+        bank[band] = np.maximum(0, np.minimum(lower, upper))
+    bank *= (2.0 / (mels[2 : num_bands + 2] - mels[:num_bands]))[:, None]
     bank[0, 0] = 1.0
     bank[-1, -1] = 1.0
     covered = bank > 0
     if not covered.any(axis=0).all():
-        raise ValueError(f"{num_bands} mel bands leave some of the {n_fft // 2 + 1} bins out")
+        raise ValueError(f"{num_bands} mel bands leave some of the {len(bins)} bins out")
     return covered
 
 

@@ -45,8 +45,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim_head: int, theta: float = 10000.0):
         super().__init__()
-        exponents = torch.arange(0, dim_head, 2, dtype=torch.float32)[: dim_head // 2] / dim_head
-        self.register_buffer("freqs", 1.0 / theta**exponents)
+        # computed on the CPU under any default device: a meta build (to compare keys and
+        # shapes) then pays no first-use cost of meta arithmetic
+        steps = torch.arange(0, dim_head, 2, dtype=torch.float32, device="cpu")
+        self.register_buffer("freqs", 1.0 / theta ** (steps[: dim_head // 2] / dim_head))
 
     def rotate(self, t: torch.Tensor) -> torch.Tensor:
         n = t.shape[-2]
