@@ -247,16 +247,19 @@ class MelBandRoformer(_Spectral):
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
         spec = self._stft(audio)
-        x = self.band_split(rearrange(spec[:, self.freq_indices], "b f t c -> b t (f c)"))
+        # the band tables are built on the CPU (see __init__); a no-op once moved with .to()
+        indices = self.freq_indices.to(spec.device)
+        bands_per_bin = self.num_bands_per_freq.to(spec.device)
+        x = self.band_split(rearrange(spec[:, indices], "b f t c -> b t (f c)"))
         x = self._trunk(x)
         masks = self._complex_masks(torch.stack([est(x) for est in self.mask_estimators], 1))
         mixture = torch.view_as_complex(spec.contiguous())[:, None]
         batch, stems, _, frames = masks.shape
-        index = self.freq_indices[None, None, :, None].expand(batch, stems, -1, frames)
+        index = indices[None, None, :, None].expand(batch, stems, -1, frames)
         summed = torch.zeros(
             batch, stems, mixture.shape[2], frames, dtype=masks.dtype, device=masks.device
         ).scatter_add_(2, index, masks)
-        averaged = summed / self.num_bands_per_freq[:, None].clamp(min=1)
+        averaged = summed / bands_per_bin[:, None].clamp(min=1)
         return self._istft(mixture * averaged, audio.shape[-1])
 
 

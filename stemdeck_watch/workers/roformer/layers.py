@@ -53,7 +53,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, t: torch.Tensor) -> torch.Tensor:
         n = t.shape[-2]
         positions = torch.arange(n, device=t.device, dtype=torch.float32)
-        angles = positions[:, None] * self.freqs.float()[None, :]
+        freqs = self.freqs.to(device=t.device, dtype=torch.float32)  # built on the CPU
+        angles = positions[:, None] * freqs[None, :]
         angles = angles.repeat_interleave(2, dim=-1)  # (n, rot): each angle turns one pair
         rot = angles.shape[-1]
         x, rest = t[..., :rot].float(), t[..., rot:]
