@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -86,15 +87,21 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         # weights_only: torch's restricted unpickler, the one safe way to read a .ckpt pickle
         data: Any = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()
         raise ModelError(
-            f"refused the checkpoint {path}: it needs more than tensors to load, and only "
-            f"plain state dicts are loaded (never arbitrary pickled objects). Torch says: "
-            f"{reason[0] if reason else exc}"
+            f"refused the checkpoint {path}: it is not a plain state dict of tensors "
+            f"({_unpickling_reason(exc)}); checkpoints are read only with torch's weights-only "
+            "reader, never as arbitrary pickles, so a file that needs more is not loaded"
         ) from exc
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise ModelError(f"could not read the checkpoint {path}: {exc}") from exc
     return _state_dict_of(data, path)
+
+
+def _unpickling_reason(exc: BaseException) -> str:
+    """What torch's weights-only reader stopped at (`Unsupported global: GLOBAL getattr`),
+    without its advice to load the file unrestricted."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. |\.?\n|$)", str(exc), re.S)
+    return found.group(1).strip() if found else str(exc).strip().splitlines()[0]
 
 
 def _state_dict_of(data: Any, path: Path) -> dict[str, torch.Tensor]:

@@ -145,7 +145,8 @@ def separate_stream(
     if frames <= 0:
         return
     module = model.module
-    device = next(iter(module.parameters())).device
+    weight = next(iter(module.parameters()), None)
+    device = weight.device if weight is not None else torch.device("cpu")
     plan = plan_chunks(frames, model.chunk_size, num_overlap or model.num_overlap)
     starts = list(plan.starts)
     stems, channels = len(model.stems), model.channels
