@@ -91,7 +91,22 @@ class RoformerConfig:
 
 
 class _Loader(yaml.SafeLoader):
-    """safe_load's loader, plus `!!python/tuple` as a plain tuple."""
+    """safe_load's loader, plus `!!python/tuple` as a plain tuple; a key given twice in one
+    mapping is an error (plain YAML loaders keep the last silently, so an edit that adds a
+    key the file already has would do nothing)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: safe_load's own error follows
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _tuple(loader: yaml.SafeLoader, node: yaml.Node) -> tuple[Any, ...]:
