@@ -38,6 +38,7 @@ from stemdeck_watch.workers.roformer.checkpoint import (
     load_roformer,
 )
 from stemdeck_watch.workers.roformer.config import BS, MEL, read_config
+from stemdeck_watch.workers.roformer.layers import Transformer
 from stemdeck_watch.workers.roformer.inference import (
     plan_chunks,
     separate_array,
@@ -419,43 +420,57 @@ def test_every_sample_is_weighed_and_the_padding_trimmed(num_overlap: int, frame
     assert worst_snr(expected, out) > 100
 
 
-def test_progress_rises_to_one_and_a_raise_stops_at_a_chunk(
-    small: dict[str, LoadedRoformer],
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_progress_rises_to_one_within_and_between_chunks(
+    small: dict[str, LoadedRoformer], batch_size: int
 ) -> None:
+    """After each chunk, and inside each chunk after each transformer (two in the small
+    model: one block of time and frequency), always rising."""
     model = small[BS]
     frames = int(model.chunk_size * 3.5)
-    mix = song(frames)
     seen: list[float] = []
-    separate_array(model, mix, on_progress=seen.append)
+    separate_array(model, song(frames), on_progress=seen.append, batch_size=batch_size)
     chunks = len(plan_chunks(frames, model.chunk_size, model.num_overlap).starts)
-    assert len(seen) == chunks and seen[-1] == 1.0
+    batches = -(-chunks // batch_size)
+    assert len(seen) == chunks + 2 * batches and seen[-1] == 1.0
     assert all(a < b for a, b in zip(seen, seen[1:]))
+
+
+def test_a_cancel_stops_inside_a_chunk(small: dict[str, LoadedRoformer]) -> None:
+    """Raising from the progress call after the second chunk's first transformer stops that
+    chunk there: its second transformer never runs, nothing of it is handed on, and the
+    engine's hooks are gone from the model afterwards."""
+    model = small[MEL]
+    frames = int(model.chunk_size * 3.5)
+    mix = song(frames)
+    chunks = len(plan_chunks(frames, model.chunk_size, model.num_overlap).starts)
 
     class Stop(Exception):
         pass
 
-    calls, handed = [0], [0]
-    forward = model.module.forward
-
-    def counting(audio: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        return forward(audio)
-
     def cancel(fraction: float) -> None:
-        if fraction >= 2 / chunks:
+        if fraction > 1 / chunks:
             raise Stop
 
-    def sink(block: np.ndarray) -> None:
-        handed[0] += block.shape[-1]
-
-    model.module.forward = counting  # type: ignore[method-assign]
+    handed, last_ran = [0], [0]
+    last = [m for m in model.module.modules() if isinstance(m, Transformer)][-1]
+    counter = last.register_forward_hook(lambda *_: last_ran.__setitem__(0, last_ran[0] + 1))
     try:
         with pytest.raises(Stop):
-            separate_stream(model, lambda a, b: mix[:, a:b], frames, sink, on_progress=cancel)
+            separate_stream(
+                model,
+                lambda a, b: mix[:, a:b],
+                frames,
+                lambda block: handed.__setitem__(0, handed[0] + block.shape[-1]),
+                on_progress=cancel,
+            )
     finally:
-        del model.module.forward
-    assert calls[0] == 2  # the chunk that raised was the last one computed
-    assert handed[0] < frames
+        counter.remove()
+    assert last_ran[0] == 1  # the first chunk's; the second stopped before it
+    border = plan_chunks(frames, model.chunk_size, model.num_overlap).border
+    # what the first chunk made final: up to the second chunk's start, less the padding
+    assert handed[0] == model.chunk_size // 2 - border
+    assert not any(m._forward_hooks for m in model.module.modules())
 
 
 def test_memory_is_bounded_by_the_chunk_not_the_song(small: dict[str, LoadedRoformer]) -> None:
