@@ -19,6 +19,8 @@ import json
 import math
 import pickle
 import re
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,7 +33,7 @@ from torch import nn
 
 from stemdeck_watch.core.errors import ModelError
 from stemdeck_watch.workers.precision import snr_db
-from stemdeck_watch.workers.roformer.catalogue import CATALOGUE, KNOWN
+from stemdeck_watch.workers.roformer.catalogue import CATALOGUE, KNOWN, MULTISONG
 from stemdeck_watch.workers.roformer.checkpoint import (
     LoadedRoformer,
     build_model,
@@ -527,3 +529,22 @@ def test_bfloat16_runs_close_to_float32(small: dict[str, LoadedRoformer]) -> Non
 def test_a_mix_of_the_wrong_channel_count_is_refused(small: dict[str, LoadedRoformer]) -> None:
     with pytest.raises(ValueError, match=r"takes \(2, frames\) audio"):
         separate_array(small[BS], song(1000)[:1])
+
+
+def test_the_catalogue_reads_without_torch() -> None:
+    """`models list` shows the catalogue without a worker: importing it imports no torch."""
+    code = (
+        "import sys, stemdeck_watch.workers.roformer.catalogue as c; "
+        "assert c.KNOWN; print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False"
+
+
+def test_every_catalogued_score_names_its_test_set() -> None:
+    for entry in CATALOGUE:
+        assert entry.scores and all(s.test_set and s.source for s in entry.scores)
+        assert entry.score("vocals", MULTISONG) is not None
+        assert entry.licence is None and entry.checkpoint_sha256 is None  # none published
