@@ -40,10 +40,11 @@ if not IMAGE:
     pytest.skip(
         "the image test runs in `make image-test`, which builds it", allow_module_level=True
     )
-MISSING = [tool for tool in ("buildah", "setpriv") if shutil.which(tool) is None]
+MISSING = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
+MISSING += ["root (to own the volumes as another user)"] if os.geteuid() != 0 else []
 if MISSING and os.environ.get("CI") != "true":
     pytest.skip(
-        f"{' and '.join(MISSING)} not installed (apt-get install buildah mmdebstrap)",
+        f"needs {' and '.join(MISSING)} (apt-get install buildah mmdebstrap)",
         allow_module_level=True,
     )
 
@@ -58,7 +59,7 @@ STOP_LIMIT = 10.0  # seconds a container runtime waits after SIGTERM before it k
 @pytest.fixture(scope="module")
 def container() -> Iterator[str]:
     """A working container of the image, its VOLUME declarations taken off (see above)."""
-    assert not MISSING, f"{' and '.join(MISSING)} not installed (apt-get install buildah)"
+    assert not MISSING, f"needs {' and '.join(MISSING)} (apt-get install buildah mmdebstrap)"
     made = subprocess.run(
         ["buildah", "from", "--quiet", f"{IMAGE}"],
         capture_output=True,
