@@ -108,10 +108,15 @@ base:
 	fi
 
 # the project's wheel in project/, the rest in dependencies/, replaced only when the set of
-# wheels changes (the image's dependency layer stays cached)
+# wheels changes (the image's dependency layer stays cached). torch first, on its own: a
+# TORCH_SPEC with its own --index-url (a CUDA build) must not become the index of the rest,
+# and the rest must take that very wheel, not a newer torch from PyPI
+
 wheelhouse: $(VENV)/.torch
 	rm -rf $(WHEELHOUSE)/.new && mkdir -p $(WHEELHOUSE)/.new $(WHEELHOUSE)/project
-	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE)/.new $(TORCH_SPEC) .
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE)/.new $(TORCH_SPEC)
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE)/.new \
+		--find-links $(WHEELHOUSE)/.new . $(WHEELHOUSE)/.new/torch-*.whl
 	rm -f $(WHEELHOUSE)/project/*.whl
 	mv $(WHEELHOUSE)/.new/stemdeck_watch-*.whl $(WHEELHOUSE)/project/
 	if [ "$$(ls $(WHEELHOUSE)/.new)" != "$$(ls $(WHEELHOUSE)/dependencies 2>/dev/null)" ]; then \
