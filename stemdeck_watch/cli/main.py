@@ -1,6 +1,6 @@
 """Command line: `stemdeck-watch run | demo | status [--json] | pause | start | cancel JOB |
 move JOB --after JOB|--first | retry JOB | remove JOB | open | doctor |
-models list|pull NAME|verify|import FOLDER | autostart [--remove] [--headless] |
+models list|pull NAME|verify|import FOLDER | health [--stall SECONDS] | autostart [--remove] [--headless] |
 config init [PATH]`.
 
 Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     from stemdeck_watch.cli.models import add_parser as add_models
 
     add_models(add)
+    from stemdeck_watch.cli.health import add_parser as add_health
+
+    add_health(add)
     autostart = add("autostart", help="start the service at login (the platform's own way)")
     autostart.add_argument(
         "--remove", action="store_true", help="remove what `autostart` installed"
@@ -116,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if args.command in STEERING_COMMANDS:
             return _steer(args, settings)
+        if args.command == "health":
+            from stemdeck_watch.cli.health import run as health
+
+            return health(args, settings)
         return {"run": _run, "status": _status, "doctor": _doctor, "models": _models}[args.command](
             args, settings
         )
