@@ -15,9 +15,9 @@ from typing import Callable
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.ui.api import ApiServer
+from stemdeck_watch.ui.web.api import ApiServer
 from stemdeck_watch.ui.folder import FolderRemote
-from stemdeck_watch.ui.notify import Notifier
+from stemdeck_watch.ui.desktop.notify import Notifier
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.engine.dispatcher import Dispatcher
 from stemdeck_watch.engine.eta import Estimator

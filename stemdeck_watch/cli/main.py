@@ -152,8 +152,8 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     import logging
 
-    from stemdeck_watch.ui.notify import check_urls
-    from stemdeck_watch.ui.tray import choose, run_with_tray
+    from stemdeck_watch.ui.desktop.notify import check_urls
+    from stemdeck_watch.ui.desktop.tray import choose, run_with_tray
     from stemdeck_watch.cli.logs import setup_logging
     from stemdeck_watch.service import Service
 
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     _on_stop_signals(stop)
     if tray.backend is None:
         if settings.tray.enabled == "auto" and not args.no_tray:
-            logging.getLogger("stemdeck_watch.ui.tray").info(
+            logging.getLogger("stemdeck_watch.ui.desktop.tray").info(
                 "no tray icon: %s; running headless", tray.reason
             )
         Service(settings).run_until(stop)
@@ -200,7 +200,7 @@ STEERING_COMMANDS = ("pause", "start", "cancel", "move", "retry", "remove", "ope
 
 def _steer(args: argparse.Namespace, settings: Settings) -> int:
     """The commands that steer the running service through its local API."""
-    from stemdeck_watch.ui.client import Client, job_path
+    from stemdeck_watch.ui.web.client import Client, job_path
 
     client = Client.connect(settings.paths.state)
     command = args.command
@@ -271,8 +271,8 @@ def _name_of(reply: dict) -> str:
 
 
 def _autostart(args: argparse.Namespace) -> int:
-    """Install (or remove) what starts the service at login; see ui/autostart.py."""
-    from stemdeck_watch.ui import autostart
+    """Install (or remove) what starts the service at login; see ui/desktop/autostart.py."""
+    from stemdeck_watch.ui.desktop import autostart
 
     home = Path.home()
     if args.remove:

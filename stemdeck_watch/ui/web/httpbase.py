@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from stemdeck_watch.ui import media
+from stemdeck_watch.ui.web import media
 
 log = logging.getLogger(__name__)
 

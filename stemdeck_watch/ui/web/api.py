@@ -31,10 +31,10 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from stemdeck_watch.core.config import ApiSettings
-from stemdeck_watch.ui import discovery, media, openapi, upload
-from stemdeck_watch.ui.httpbase import CountedBody, HttpError, JsonHandler, LoopbackServer
-from stemdeck_watch.ui.pagecode import OneTimeCodes
-from stemdeck_watch.ui.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
+from stemdeck_watch.ui.web import discovery, media, openapi, upload
+from stemdeck_watch.ui.web.httpbase import CountedBody, HttpError, JsonHandler, LoopbackServer
+from stemdeck_watch.ui.web.pagecode import OneTimeCodes
+from stemdeck_watch.ui.web.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
 from stemdeck_watch.core.errors import ConfigError, ControlError, JobNotFound
 from stemdeck_watch.core.events import EventBus
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.lock import running_pid
 
