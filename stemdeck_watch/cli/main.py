@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     from stemdeck_watch.cli.models import add_parser as add_models
 
     add_models(add)
+    from stemdeck_watch.cli.password import add_parser as add_password
+
+    add_password(add)
     autostart = add("autostart", help="start the service at login (the platform's own way)")
     autostart.add_argument(
         "--remove", action="store_true", help="remove what `autostart` installed"
@@ -116,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if args.command in STEERING_COMMANDS:
             return _steer(args, settings)
-        return {"run": _run, "status": _status, "doctor": _doctor, "models": _models}[args.command](
-            args, settings
-        )
+        return {
+            "run": _run,
+            "status": _status,
+            "doctor": _doctor,
+            "models": _models,
+            "password": _password,
+        }[args.command](args, settings)
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -319,6 +326,12 @@ def _autostart(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace, settings: Settings) -> int:
     from stemdeck_watch.cli.models import run
+
+    return run(args, settings)
+
+
+def _password(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.cli.password import run
 
     return run(args, settings)
 
