@@ -183,7 +183,13 @@ class Service:
             self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
             self.folder_remote.away = self.shares.away
             self.api = (
-                ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
+                ApiServer(
+                    self.scheduler,
+                    self.bus,
+                    self.settings.api,
+                    folders.state,
+                    base=self.settings.source.parent if self.settings.source else None,
+                )
                 if self.settings.api.enabled
                 else None
             )

@@ -174,6 +174,8 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
         "port": port,
         "pid": os.getpid(),
         "url": f"http://127.0.0.1:{port}/",
+        "cert": "",
+        "page": {"local": f"http://127.0.0.1:{port}/", "remote": [], "fingerprint": None},
     }
     token_file = state / discovery.TOKEN_FILE
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -188,6 +190,10 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
 
 
 @pytest.mark.slow
+def api_url(service: Any) -> str:
+    return f"http://127.0.0.1:{service.api.port}/"
+
+
 def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_settings, service_factory):
     settings = make_settings()
     service, _ = service_factory(settings)
@@ -195,7 +201,9 @@ def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_setting
     live = api.queue()
     on_disk = collect(settings)
     assert set(live) == set(on_disk)
-    assert live["service"] == {"running": True, "pid": os.getpid()}
+    page = {"local": api_url(service), "remote": [], "fingerprint": None}
+    assert live["service"] == {"running": True, "pid": os.getpid(), "page": page}
+    assert on_disk["service"] == live["service"]  # `status` says where the page is, too
     assert live["folders"] == on_disk["folders"] and live["jobs"] == [] and live["paused"] is False
 
     status, page, headers = api.call("GET", "/", token=NO_TOKEN)

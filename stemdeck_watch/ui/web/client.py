@@ -45,7 +45,12 @@ class Client:
     def __init__(self, found: discovery.Discovery, state_dir: Path):
         self.found = found
         self.state_dir = state_dir
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if found.scheme == "https":
+            from stemdeck_watch.ui.web.tls import client_context
+
+            handlers.append(urllib.request.HTTPSHandler(context=client_context(Path(found.cert))))
+        self._opener = urllib.request.build_opener(*handlers)
 
     @classmethod
     def connect(cls, state_dir: Path) -> Client:
