@@ -270,7 +270,7 @@ class _Handler(SignInRoutes, JsonHandler):
             path = urlsplit(self.path).path
             local = api.local_peer(self.client_address[0], self.connection.getsockname()[0])
             if path in ("/signin", "/signout"):
-                return self._signin(api, method, path, local)
+                return self._signin(api, method, path)
             signed_in = self._signed_in(api)
             if not local and not signed_in and path not in SIGNIN_PUBLIC:
                 return self._refuse_unsigned(api, method, path)

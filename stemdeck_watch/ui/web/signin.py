@@ -1,4 +1,5 @@
-"""Signing in from another device: sessions, the limit on wrong passwords, the sign-in page.
+"""Signing in from another device: sessions, the limit on wrong passwords, the sign-in page and
+its routes.
 
 A device that signs in gets a session: a random 256-bit token in a cookie the page's code
 cannot read (HttpOnly), that the browser sends only with requests from the page itself
@@ -186,7 +187,7 @@ class SignInRoutes(JsonHandler):
         )
         raise HttpError(401, f"{why}sign in first: open /signin on this address")
 
-    def _signin(self, api: Any, method: str, path: str, local: bool) -> None:
+    def _signin(self, api: Any, method: str, path: str) -> None:
         address = self.client_address[0]
         if path == "/signout":
             if method != "POST":
