@@ -32,6 +32,7 @@ SAMPLES: dict[tuple[str, ...], list[str]] = {
     ("models", "verify"): [],
     ("models", "import"): ["offline-copy"],
     ("autostart",): ["--headless"],
+    ("password",): ["--stdin"],
     ("config", "init"): ["x.toml"],
 }
 
