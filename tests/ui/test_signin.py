@@ -363,3 +363,29 @@ def test_the_cli_on_this_machine_uses_the_token_over_https_trusting_only_that_ce
             Client(forged, tmp_path / "a").get("/api/queue")
     finally:
         server.stop()
+
+
+def test_a_self_signed_certificate_names_the_hosts_and_is_kept_from_start_to_start(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    from stemdeck_watch.ui.web import tls
+
+    cert, key = tls.self_signed(tmp_path, ["0.0.0.0", "", "nas.local", "10.0.0.2"])
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(cert.parent.stat().st_mode) == 0o700
+    names = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    for name in ("DNS:localhost", "IP Address:127.0.0.1", "DNS:nas.local", "IP Address:10.0.0.2"):
+        assert name in names, names
+    assert "0.0.0.0" not in names
+    first = tls.fingerprint(cert)
+    assert re.fullmatch(r"([0-9A-F]{2}:){31}[0-9A-F]{2}", first)
+    assert tls.fingerprint(tls.self_signed(tmp_path, ["other.example"])[0]) == first
+    assert {p.name for p in cert.parent.iterdir()} == {"cert.pem", "key.pem"}  # nothing left

@@ -99,7 +99,7 @@ def self_signed(state_dir: Path, names: list[str]) -> tuple[Path, Path]:
 
 def _alt_names(names: list[str]) -> list[str]:
     seen: list[str] = []
-    for name in ["localhost", "127.0.0.1", "::1", *names]:
+    for name in ["localhost", "127.0.0.1", "::1", *filter(None, names)]:
         try:
             entry = f"IP:{ipaddress.ip_address(name)}"
         except ValueError:
