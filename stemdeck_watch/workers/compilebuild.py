@@ -120,6 +120,9 @@ def reap(cache: Path) -> None:
 
 def build(args: Any) -> dict[str, Any]:
     """Build the compiled model `args` describes into the cache; what to print."""
+    from stemdeck_watch.workers.faultseam import building
+
+    building()  # faults on purpose, where tests ask for them
     import torch
 
     from stemdeck_watch.workers.compilecache import INDUCTOR, CompileCache, folder_bytes

@@ -13,6 +13,8 @@ order, by removing it, and fails as `kind` says:
     oom-cuda  raise the error torch raises when CUDA runs out of memory
     oom-mps   raise the error torch raises when MPS runs out of memory
     stall-load  hang while loading a model, before reading it (its content is not read)
+    stall-build the background compile starts two compiler-like processes (one starting
+                one of its own) and hangs, before it imports torch
 
 Each file fires once, so a fault can be made to repeat (two files) or not (one). A file
 named `slow` is never claimed: while it is there, every segment takes the seconds it holds
@@ -31,6 +33,13 @@ from typing import Callable
 FAULTS_ENV = "STEMDECK_WORKER_FAULTS"
 KINDS = ("exit", "kill", "stall", "oom-cuda", "oom-mps")
 LOAD_KINDS = ("stall-load",)  # faults while a model loads, not at a segment
+BUILD_KINDS = ("stall-build",)  # faults of the background compile
+# a stand-in for a compiler process that starts one of its own; both wait for ever
+COMPILER = (
+    "import subprocess, sys, threading; "
+    "subprocess.Popen([sys.executable, '-c', 'import threading; threading.Event().wait()'], "
+    "stdin=subprocess.DEVNULL); threading.Event().wait()"
+)
 
 log = logging.getLogger("stemdeck_watch.worker.faults")
 
@@ -61,6 +70,20 @@ def loading() -> None:
     kind = _claim(Path(folder), None, LOAD_KINDS) if folder else None
     if kind is not None:
         fire(kind.removesuffix("-load"))
+
+
+def building() -> None:
+    """Fire the first build fault of `$STEMDECK_WORKER_FAULTS`, if one is armed: called as
+    the background compile starts."""
+    folder = os.environ.get(FAULTS_ENV)
+    if not folder or _claim(Path(folder), None, BUILD_KINDS) is None:
+        return
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        subprocess.Popen([sys.executable, "-c", COMPILER], stdin=subprocess.DEVNULL)
+    fire("stall")
 
 
 def _slow(path: Path) -> None:
