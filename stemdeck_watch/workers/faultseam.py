@@ -34,11 +34,11 @@ FAULTS_ENV = "STEMDECK_WORKER_FAULTS"
 KINDS = ("exit", "kill", "stall", "oom-cuda", "oom-mps")
 LOAD_KINDS = ("stall-load",)  # faults while a model loads, not at a segment
 BUILD_KINDS = ("stall-build",)  # faults of the background compile
-# a stand-in for a compiler process that starts one of its own; both wait for ever
+# a stand-in for a compiler process that starts one of its own; both wait for a signal
 COMPILER = (
-    "import subprocess, sys, threading; "
-    "subprocess.Popen([sys.executable, '-c', 'import threading; threading.Event().wait()'], "
-    "stdin=subprocess.DEVNULL); threading.Event().wait()"
+    "import signal, subprocess, sys; "
+    "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], "
+    "stdin=subprocess.DEVNULL); signal.pause()"
 )
 
 log = logging.getLogger("stemdeck_watch.worker.faults")
