@@ -66,7 +66,7 @@ from typing import Any, Callable, Iterator, TextIO
 from stemdeck_watch.workers import heap, inverse
 from stemdeck_watch.workers.compilecache import CompileCache
 from stemdeck_watch.workers.compiled import CompiledSlot, members, using
-from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
+from stemdeck_watch.workers.precision import Choice, autocast, choose, run_once, threads_for
 
 PROGRESS_PREFIX = "@@progress "
 LOAD_BEAT = "@load"  # the "id" of the progress a load reports
@@ -304,10 +304,17 @@ class Worker:
             ):
                 choice = Choice.from_dict(decided)
             else:
-                choice = choose(setting, self.device, model)
+                choice = choose(setting, self.device, model, self._beating)
                 log.info("precision for %s: %s (%s)", name, choice.precision, choice.reason)
             self._choices[key] = choice
         return self._choices[key]
+
+    def _beating(self, model: Any, device: str, precision: str, signal: Any) -> tuple[float, Any]:
+        """One calibration pass (precision.run_once), reported as a step of the load: a
+        calibration takes a few passes of a segment each."""
+        measured = run_once(model, device, precision, signal)
+        self.beat()
+        return measured
 
     def compiled(
         self, name: str, repo: str | None, precision: str, wanted: dict[str, Any] | None
