@@ -13,7 +13,8 @@ would outlive a service killed meanwhile, stopped for ever.
 Dying with the service takes two processes on Linux, since the compiler processes Inductor
 starts are the build's children, not the service's, and a stopped process can act on
 nothing. The process the service starts is a small keeper, the leader of a session of its
-own, at the service's priority and never stopped: it watches the service through a pidfd,
+own, never stopped (at idle priority, as the build: SIGKILL needs no CPU of it to act): it
+watches the service through a pidfd,
 adopts its descendants' orphans (a subreaper), and forks the build into a process group of
 its own (the group a song stops), which dies with the keeper (the parent-death signal). When
 the build ends, the service dies or asks it to go (SIGTERM), the keeper SIGKILLs the
@@ -175,6 +176,7 @@ def build(args: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    lower_priority()  # first: everything after, the build and torch's threads too, inherits it
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
     parser.add_argument("--model", required=True)
     parser.add_argument("--repo", default=None)
@@ -274,7 +276,7 @@ def _sweep(build: int) -> int:
 def _build_here(args: Any, armed: str) -> int:
     """Build in this process (it dies with its parent already); `armed`: the line that
     says so."""
-    priority = lower_priority()  # first: everything after, torch's threads too, inherits it
+    priority = lower_priority()  # as the keeper set it: what the log says
     print(armed, file=sys.stderr, flush=True)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
@@ -354,6 +356,7 @@ class CompileBuilder:
                 errors="replace",
                 start_new_session=sys.platform != "win32",
             )
+            lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
             write_replacing(self.cache / PID_FILE, f"{proc.pid} {started_at(proc.pid) or ''}")
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
