@@ -13,7 +13,7 @@ would outlive a service killed meanwhile, stopped for ever.
 Dying with the service takes two processes on Linux, since the compiler processes Inductor
 starts are the build's children, not the service's, and a stopped process can act on
 nothing. The process the service starts is a small keeper, the leader of a session of its
-own, never stopped (at idle priority, as the build: SIGKILL needs no CPU of it to act): it
+own, at the service's priority (its sweep must not wait for idle CPU) and never stopped: it
 watches the service through a pidfd,
 adopts its descendants' orphans (a subreaper), and forks the build into a process group of
 its own (the group a song stops), which dies with the keeper (the parent-death signal). When
@@ -176,7 +176,6 @@ def build(args: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    lower_priority()  # first: everything after, the build and torch's threads too, inherits it
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
     parser.add_argument("--model", required=True)
     parser.add_argument("--repo", default=None)
@@ -189,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if sys.platform == "linux" and lifetime.pidfds():
         return _keep(args)
+    lower_priority()  # first: everything after, torch's threads too, inherits it
     lifetime.die_with_parent()
     if args.parent and os.getppid() != args.parent:
         return 0  # the service was killed before die_with_parent took effect
@@ -276,7 +276,7 @@ def _sweep(build: int) -> int:
 def _build_here(args: Any, armed: str) -> int:
     """Build in this process (it dies with its parent already); `armed`: the line that
     says so."""
-    priority = lower_priority()  # as the keeper set it: what the log says
+    priority = lower_priority()  # first: everything after, torch's threads too, inherits it
     print(armed, file=sys.stderr, flush=True)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
@@ -356,7 +356,6 @@ class CompileBuilder:
                 errors="replace",
                 start_new_session=sys.platform != "win32",
             )
-            lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
             write_replacing(self.cache / PID_FILE, f"{proc.pid} {started_at(proc.pid) or ''}")
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
@@ -466,9 +465,12 @@ class CompileBuilder:
             return self._ended.get(key)
 
     def info(self) -> dict[str, Any] | None:
-        """The build in progress, if one runs: key, model, pid, started (time.time())."""
+        """The build in progress, if one runs: key, model, pid (the build's own, once it has
+        said it; its keeper's before), started (time.time())."""
         with self._lock:
-            return dict(self._building) if self._building else None
+            if not self._building:
+                return None
+            return {**self._building, "pid": self._group or self._building["pid"]}
 
     def close(self) -> None:
         """Stop a build in progress (its folder is never an entry) and start no more."""

@@ -363,3 +363,47 @@ def test_a_build_stopped_for_a_song_dies_with_a_killed_service_compilers_and_all
                 pipe.close()
         for pid in marked(mark):
             kill(pid)
+
+
+# ---------------------------------------------------------------- the service killed
+
+OWNER = """
+import sys, threading
+from stemdeck_watch.workers import zygote
+from stemdeck_watch.workers.local import WorkerClient
+client = WorkerClient("cpu")
+client.ensure_model("tiny", sys.argv[1])
+print(zygote.pid(), client.pid, flush=True)
+threading.Event().wait(120)
+"""
+
+
+def test_a_killed_service_leaves_neither_its_stopped_zygote_nor_its_stopped_worker(
+    model_repo: Path,
+) -> None:
+    """The service is SIGKILLed while its zygote and its worker are stopped (SIGSTOP): both
+    die with it, as nothing of them could act on the service's end."""
+    mark = new_mark()
+    service = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(model_repo)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, FAMILY_ENV: mark},
+    )
+    try:
+        assert service.stdout is not None
+        pids = [int(p) for p in service.stdout.readline().split()]
+        assert len(pids) == 2 and set(pids) <= set(marked(mark)), pids
+        for pid in pids:
+            freeze(pid)
+        wait_for(lambda: {marked(mark).get(p) for p in pids} == {"T"}, 10, "both to stop")
+        service.kill()
+        service.wait(10)
+        wait_none_left(mark, 10)
+    finally:
+        service.kill()
+        service.wait(10)
+        if service.stdout is not None:
+            service.stdout.close()
+        for pid in marked(mark):
+            kill(pid)
