@@ -52,24 +52,6 @@ def wait_none_left(mark: str, timeout: float, spare: Callable[[], set[int]] = se
     )
 
 
-def marked_zygote(mark: str) -> int:
-    """This process's zygote, started again with the mark (its workers carry it too); the
-    caller has put the mark into os.environ. Its pid."""
-    end_zygote()
-    zygote.ready()
-    pid = zygote.pid()
-    assert pid is not None and pid in marked(mark)
-    return pid
-
-
-def end_zygote() -> None:
-    """SIGKILL this process's zygote, if one runs, and wait until it is gone."""
-    running = zygote.pid()
-    if running is not None:
-        os.kill(running, signal.SIGKILL)
-        wait_for(lambda: zygote.pid() != running, 15, "the zygote to be gone")
-
-
 def children_of(pid: int) -> set[int]:
     """The live children of process `pid`."""
     return {p for p, (parent, state) in processes().items() if parent == pid and state != "Z"}
