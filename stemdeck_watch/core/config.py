@@ -265,7 +265,7 @@ class SeparationSettings:
         0.0,
         number(0, unit="(seconds)"),
         "a worker that reports no progress for this long while it "
-        "separates is stopped and the song tried again (a machine "
+        "separates or loads a model is stopped and the song tried again (a machine "
         "fault, queue.worker_retries); 0 = ten times the slowest "
         "segment measured on that worker, never under 60 s",
     )
