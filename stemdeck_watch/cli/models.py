@@ -67,8 +67,14 @@ def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def run(
-    args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    args: argparse.Namespace,
+    settings: Settings,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
 ) -> int:
+    # the streams as they are when the command runs, not when this module was imported (a
+    # caller, a test's capture, may have replaced and closed those since)
+    out, err = out or sys.stdout, err or sys.stderr
     from stemdeck_watch.workers import download
     from stemdeck_watch.workers.models import ModelStore, ModelStoreError
 
