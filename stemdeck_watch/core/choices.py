@@ -40,6 +40,7 @@ from stemdeck_watch.core.config import (
     SeparationSettings,
     Settings,
     check_song_settings,
+    with_recipe,
 )
 from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
 from stemdeck_watch.core.jobs import Job
@@ -54,6 +55,7 @@ STEMS = ("vocals", "drums", "bass", "other", "guitar", "piano")
 TAGS: dict[str, dict[str, Any]] = {
     "6s": {"model": "htdemucs_6s"},
     "ft": {"model": "htdemucs_ft"},
+    "best": {"recipe": "best"},
     **{stem: {"two_stems": stem} for stem in STEMS},
     **{fmt: {"format": fmt} for fmt in ("wav", "flac", "mp3")},
     "daw": {"session": ["dawproject", "reaper"]},
@@ -183,6 +185,9 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     out = dataclasses.replace(
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
+    if sep.recipe and sep.model != with_recipe(sep).model:
+        sep = with_recipe(sep)  # the recipe names the model: chosen where the recipe was
+        origins["model"] = origins.get("recipe", "config")
     try:
         dropgate.check_song(sep, origins, settings, job.preset)
     except ConfigError as exc:
