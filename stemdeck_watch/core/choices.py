@@ -55,12 +55,12 @@ STEMS = ("vocals", "drums", "bass", "other", "guitar", "piano")
 TAGS: dict[str, dict[str, Any]] = {
     "6s": {"model": "htdemucs_6s"},
     "ft": {"model": "htdemucs_ft"},
-    "best": {"recipe": "best"},
     **{stem: {"two_stems": stem} for stem in STEMS},
     **{fmt: {"format": fmt} for fmt in ("wav", "flac", "mp3")},
     "daw": {"session": ["dawproject", "reaper"]},
     "dj": {"stem_file": True},
     "practice": {"practice": True},
+    "best": {"recipe": "best"},  # core/recipes.py
 }
 _GROUP = re.compile(r"\s*\[([^\[\]]*)\]\s*$")
 
