@@ -278,6 +278,7 @@ class Pipeline:
             sha256=run.digest,
             settings_key=run.key,
             signature=job.signature,
+            made_by=_made_by(sep.recipe, sep.model, model.sources),
         )
         result = self.client.separate(
             job.id,
@@ -763,3 +764,9 @@ def _recipe_manifest(name: str) -> dict[str, str] | None:
     if recipe is None:
         return None
     return {"name": recipe.name, "vocals": recipe.vocals, "rest": recipe.rest}
+
+
+def _made_by(recipe: str, model: str, sources: tuple[str, ...]) -> dict[str, str]:
+    """Which model will make each stem: the recipe's, or the model alone."""
+    found = RECIPES.get(recipe)
+    return found.made_by(sources) if found else {stem: model for stem in sources}

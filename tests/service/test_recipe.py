@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from stemdeck_watch.core.jobs import JobState
+from stemdeck_watch.cli.status import render
+from stemdeck_watch.core.jobs import JobState, made_by_words
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
@@ -50,6 +51,11 @@ def test_a_song_tagged_best_gets_roformer_vocals_and_demucs_stems_that_add_up(
         "other": "htdemucs_ft",
     }
     assert manifest["settings_from"]["separation.recipe"] == "name tag [best]"
+    # the queue (status, the page) says it too, as the registry keeps it
+    assert job.to_status()["made_by"] == manifest["model"]["made_by"]
+    words = made_by_words(job.to_status()["made_by"])
+    assert words == f"drums, bass, other: htdemucs_ft; vocals: {ROFORMER}"
+    assert words in render(service.scheduler.snapshot())
     # the stems add up to the mix: float rounding of the subtractions, nothing more
     assert manifest["levels"]["residual_db"] < -100
     stems = [soundfile.read(folder / f"{s}.wav", dtype="float64")[0] for s in made(manifest)]
