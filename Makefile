@@ -18,7 +18,8 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test docs lint soak install bench $(addprefix bench-,$(BENCHES)) clean
+.PHONY: demo test docs lint soak install bench $(addprefix bench-,$(BENCHES)) clean \
+	base wheelhouse image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +80,58 @@ bench: $(addprefix bench-,$(filter-out ray,$(BENCHES)))
 bench-%:
 	$(MAKE) install EXTRAS=$(EXTRAS)$(if $(BENCH_EXTRAS_$*),$(comma)$(BENCH_EXTRAS_$*))
 	$(BIN)/python benchmarks/bench_$(subst -,_,$*).py $(BENCH_ARGS)
+
+# The container image (Containerfile, docs/guide/nas.md), built with buildah, no daemon:
+# the base (BASE; a localhost/ name is made here with mmdebstrap when missing, any other is
+# pulled), the wheelhouse (the project and every dependency as wheels, torch per TORCH_SPEC),
+# then the image; its layers are cached, so a rebuild after a code change reinstalls only the
+# project. `make image-test` runs the image's entrypoint on a song (tests/container/).
+IMAGE ?= localhost/stemdeck-watch:latest
+BASE ?= localhost/stemdeck-base:bookworm
+WHEELHOUSE ?= build/wheelhouse
+BUILDAH ?= buildah
+BASE_PATH := /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+base:
+	@if $(BUILDAH) inspect --type image $(BASE) >/dev/null 2>&1; then \
+		echo "base $(BASE): there"; \
+	elif [ "$(filter localhost/%,$(BASE))" ]; then \
+		mkdir -p build && rm -f build/base.tar && \
+		mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,tzdata,ca-certificates \
+			bookworm build/base.tar && \
+		container=$$($(BUILDAH) from scratch) && \
+		$(BUILDAH) add --quiet $$container build/base.tar / && \
+		$(BUILDAH) config --env PATH=$(BASE_PATH) --cmd /bin/sh $$container && \
+		$(BUILDAH) commit --quiet --rm $$container $(BASE) && rm -f build/base.tar; \
+	else \
+		$(BUILDAH) pull $(BASE); \
+	fi
+
+# the project's wheel in project/, the rest in dependencies/, replaced only when the set of
+# wheels changes (the image's dependency layer stays cached). torch first, on its own: a
+# TORCH_SPEC with its own --index-url (a CUDA build) must not become the index of the rest,
+# and the rest must take that very wheel, not a newer torch from PyPI
+
+wheelhouse: $(VENV)/.torch
+	rm -rf $(WHEELHOUSE)/.new && mkdir -p $(WHEELHOUSE)/.new $(WHEELHOUSE)/project
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE)/.new $(TORCH_SPEC)
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE)/.new \
+		--find-links $(WHEELHOUSE)/.new . $(WHEELHOUSE)/.new/torch-*.whl
+	rm -f $(WHEELHOUSE)/project/*.whl
+	mv $(WHEELHOUSE)/.new/stemdeck_watch-*.whl $(WHEELHOUSE)/project/
+	if [ "$$(ls $(WHEELHOUSE)/.new)" != "$$(ls $(WHEELHOUSE)/dependencies 2>/dev/null)" ]; then \
+		rm -rf $(WHEELHOUSE)/dependencies && mv $(WHEELHOUSE)/.new $(WHEELHOUSE)/dependencies; \
+	fi
+	rm -rf $(WHEELHOUSE)/.new
+
+image: base wheelhouse
+	$(BUILDAH) bud --quiet --isolation chroot --layers --format docker \
+		--build-arg BASE=$(BASE) --build-arg WHEELHOUSE=$(WHEELHOUSE) -f Containerfile -t $(IMAGE) .
+	$(BUILDAH) images --format '{{.Name}}:{{.Tag}} {{.Size}}' $(IMAGE)
+
+image-test: image install
+	STEMDECK_IMAGE=$(IMAGE) $(BIN)/python -m pytest -n 0 -p no:cacheprovider tests/container \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -167,7 +167,7 @@ def latency_service(
 
 
 def latency_notifier(work: Path, events: int, spacing: float) -> list[float]:
-    from stemdeck_watch.ui.notify import Notifier
+    from stemdeck_watch.ui.desktop.notify import Notifier
     from stemdeck_watch.core.events import EventBus, JobChanged
     from stemdeck_watch.core.jobs import Job, JobKind, JobState
 

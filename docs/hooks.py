@@ -33,8 +33,8 @@ PARSER_SOURCE = ("stemdeck_watch.cli.main", "_parser")
 CONFIG_SOURCE = "stemdeck_watch.core.config"
 # The OpenAPI document, a function of the service's base URL. While a checkout has no such
 # module, the API page is generated from ROUTES_SOURCE instead.
-OPENAPI_SOURCE = ("stemdeck_watch.ui.openapi", "document")
-ROUTES_SOURCE = ("stemdeck_watch.ui.api", "ROUTES")
+OPENAPI_SOURCE = ("stemdeck_watch.ui.web.openapi", "document")
+ROUTES_SOURCE = ("stemdeck_watch.ui.web.api", "ROUTES")
 BASE_URL = "http://127.0.0.1:PORT"
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->[ \t]*$", re.MULTILINE)

@@ -15,9 +15,9 @@ from typing import Callable
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
-from stemdeck_watch.ui.api import ApiServer
+from stemdeck_watch.ui.web.api import ApiServer
 from stemdeck_watch.ui.folder import FolderRemote
-from stemdeck_watch.ui.notify import Notifier
+from stemdeck_watch.ui.desktop.notify import Notifier
 from stemdeck_watch.engine.diskguard import DiskGuard
 from stemdeck_watch.engine.dispatcher import Dispatcher
 from stemdeck_watch.engine.eta import Estimator
@@ -183,7 +183,13 @@ class Service:
             self.folder_remote = FolderRemote(self.scheduler, folders.inbox, folders.outbox)
             self.folder_remote.away = self.shares.away
             self.api = (
-                ApiServer(self.scheduler, self.bus, self.settings.api, folders.state)
+                ApiServer(
+                    self.scheduler,
+                    self.bus,
+                    self.settings.api,
+                    folders.state,
+                    base=self.settings.source.parent if self.settings.source else None,
+                )
                 if self.settings.api.enabled
                 else None
             )

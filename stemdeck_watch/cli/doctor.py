@@ -287,7 +287,7 @@ def compiled_finding(title: str, compiled: dict) -> Finding:
 
 def check_tray(settings: Settings) -> Finding:
     """Whether `run` would show a tray icon here, and why not."""
-    from stemdeck_watch.ui.tray import detect
+    from stemdeck_watch.ui.desktop.tray import detect
 
     choice = detect(settings.tray.enabled)
     if choice.backend is not None:
@@ -302,7 +302,7 @@ def check_tray(settings: Settings) -> Finding:
 def check_notify(settings: Settings) -> list[Finding]:
     """Each notification target apprise can use; "desktop" says what it reaches or what is
     missing."""
-    from stemdeck_watch.ui.notify import DESKTOP, check_urls, resolve_desktop
+    from stemdeck_watch.ui.desktop.notify import DESKTOP, check_urls, resolve_desktop
     from stemdeck_watch.core.errors import ConfigError
 
     notify = settings.notify

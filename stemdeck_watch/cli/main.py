@@ -1,6 +1,6 @@
 """Command line: `stemdeck-watch run | demo | status [--json] | pause | start | cancel JOB |
 move JOB --after JOB|--first | retry JOB | remove JOB | open | doctor |
-models list|pull NAME|verify|import FOLDER | autostart [--remove] [--headless] |
+models list|pull NAME|verify|import FOLDER | health [--stall SECONDS] | autostart [--remove] [--headless] |
 config init [PATH]`.
 
 Exit codes everywhere: 0 success, 1 the operation failed, 2 bad usage or bad configuration.
@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     from stemdeck_watch.cli.models import add_parser as add_models
 
     add_models(add)
+    from stemdeck_watch.cli.health import add_parser as add_health
+
+    add_health(add)
+    from stemdeck_watch.cli.password import add_parser as add_password
+
+    add_password(add)
     autostart = add("autostart", help="start the service at login (the platform's own way)")
     autostart.add_argument(
         "--remove", action="store_true", help="remove what `autostart` installed"
@@ -116,9 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if args.command in STEERING_COMMANDS:
             return _steer(args, settings)
-        return {"run": _run, "status": _status, "doctor": _doctor, "models": _models}[args.command](
-            args, settings
-        )
+        if args.command == "health":
+            from stemdeck_watch.cli.health import run as health
+
+            return health(args, settings)
+        return {
+            "run": _run,
+            "status": _status,
+            "doctor": _doctor,
+            "models": _models,
+            "password": _password,
+        }[args.command](args, settings)
     except ConfigError as exc:
         print(f"stemdeck-watch: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -152,8 +166,8 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     import logging
 
-    from stemdeck_watch.ui.notify import check_urls
-    from stemdeck_watch.ui.tray import choose, run_with_tray
+    from stemdeck_watch.ui.desktop.notify import check_urls
+    from stemdeck_watch.ui.desktop.tray import choose, run_with_tray
     from stemdeck_watch.cli.logs import setup_logging
     from stemdeck_watch.service import Service
 
@@ -165,7 +179,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     _on_stop_signals(stop)
     if tray.backend is None:
         if settings.tray.enabled == "auto" and not args.no_tray:
-            logging.getLogger("stemdeck_watch.ui.tray").info(
+            logging.getLogger("stemdeck_watch.ui.desktop.tray").info(
                 "no tray icon: %s; running headless", tray.reason
             )
         Service(settings).run_until(stop)
@@ -200,7 +214,7 @@ STEERING_COMMANDS = ("pause", "start", "cancel", "move", "retry", "remove", "ope
 
 def _steer(args: argparse.Namespace, settings: Settings) -> int:
     """The commands that steer the running service through its local API."""
-    from stemdeck_watch.ui.client import Client, job_path
+    from stemdeck_watch.ui.web.client import Client, job_path
 
     client = Client.connect(settings.paths.state)
     command = args.command
@@ -271,8 +285,8 @@ def _name_of(reply: dict) -> str:
 
 
 def _autostart(args: argparse.Namespace) -> int:
-    """Install (or remove) what starts the service at login; see ui/autostart.py."""
-    from stemdeck_watch.ui import autostart
+    """Install (or remove) what starts the service at login; see ui/desktop/autostart.py."""
+    from stemdeck_watch.ui.desktop import autostart
 
     home = Path.home()
     if args.remove:
@@ -319,6 +333,12 @@ def _autostart(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace, settings: Settings) -> int:
     from stemdeck_watch.cli.models import run
+
+    return run(args, settings)
+
+
+def _password(args: argparse.Namespace, settings: Settings) -> int:
+    from stemdeck_watch.cli.password import run
 
     return run(args, settings)
 

@@ -19,6 +19,7 @@ from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.engine.eta import eta_words, stored as stored_eta
 from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 from stemdeck_watch.store.snapshot import RECENT_JOBS, build_snapshot, workers_of
+from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.util.safetext import escape_controls
 
 
@@ -81,7 +82,7 @@ def collect(settings: Settings, every_job: bool = False) -> dict[str, Any]:
         waiting,
         pause_reason,
         folders,
-        {"running": pid is not None, "pid": pid},
+        _service(folders.state, pid),
         notes,
         workers=workers,
         older=older,
@@ -115,6 +116,15 @@ def to_json(status: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}"
 
 
+def _service(state: Path, pid: int | None) -> dict[str, Any]:
+    """Whether the service runs, and (from its discovery file) where its page is reached."""
+    service: dict[str, Any] = {"running": pid is not None, "pid": pid}
+    found = discovery.read(state) if pid is not None else None
+    if found is not None and found.pid == pid and found.page:
+        service["page"] = found.page
+    return service
+
+
 def render(status: dict[str, Any], recent: int = 10) -> str:
     """`status` for a terminal. Names, errors and paths come from whoever named the files:
     their control characters are escaped (`\\x1b`, `\\n`), so none reaches the terminal as
@@ -122,6 +132,13 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     service = status["service"]
     running = f"running (pid {service['pid']})" if service["running"] else "stopped"
     lines = [f"service: {running}"]
+    page = service.get("page") or {}
+    if page.get("local"):
+        lines.append(f"page:    {page['local']} (this computer)")
+    for url in page.get("remote") or []:
+        lines.append(f"         {escape_controls(url)} (other devices, signed in)")
+    if page.get("fingerprint"):
+        lines.append(f"         certificate SHA-256 {page['fingerprint']}")
     if status["paused"]:
         why = {
             "user": "paused by you",

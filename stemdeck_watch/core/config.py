@@ -26,6 +26,7 @@ from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
 from stemdeck_watch.core.recipes import KNOWN as RECIPES
 from stemdeck_watch.core.recipes import recipe_name
+from stemdeck_watch.util.passwords import check_stored
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (
     MP3_RATES,
@@ -42,7 +43,9 @@ from stemdeck_watch.util.validators import (
     model_name,
     number,
     number_list,
+    host_names,
     hub_url,
+    listen_address,
     ray_address,
     sample_rate,
     show,
@@ -273,7 +276,7 @@ class SeparationSettings:
         0.0,
         number(0, unit="(seconds)"),
         "a worker that reports no progress for this long while it "
-        "separates is stopped and the song tried again (a machine "
+        "separates or loads a model is stopped and the song tried again (a machine "
         "fault, queue.worker_retries); 0 = ten times the slowest "
         "segment measured on that worker, never under 60 s",
     )
@@ -399,11 +402,13 @@ class NotifySettings:
 
 @dataclasses.dataclass(frozen=True)
 class ApiSettings:
-    enabled: bool = key(True, boolean, "the local HTTP API and queue page, on loopback")
+    enabled: bool = key(True, boolean, "the local HTTP API and queue page")
     host: str = key(
         "127.0.0.1",
-        choice("127.0.0.1", "localhost", "::1"),
-        "loopback only: any other address is a configuration error",
+        listen_address,
+        "the address the page and API listen on: loopback (127.0.0.1, localhost, ::1) for this "
+        "computer only; any other (0.0.0.0 = every address) lets other devices sign in, and "
+        "needs a password (`stemdeck-watch password`)",
     )
     port: int = key(
         0,
@@ -416,6 +421,30 @@ class ApiSettings:
         "largest song the queue page may upload into the inbox, in MB "
         "(a larger one is refused with the reason; copy it into the "
         "inbox instead)",
+    )
+    password_hash: str = key(
+        "",
+        check_stored,
+        "the page's password as a salted scrypt hash, never the password itself: set it with "
+        '`stemdeck-watch password`; "" = none (loopback only)',
+    )
+    hosts: tuple[str, ...] = key(
+        [],
+        host_names,
+        'names other devices reach this machine by ("nas.local"), besides its IP addresses: '
+        "a request naming any other host is refused",
+    )
+    https: bool = key(
+        False,
+        boolean,
+        "serve the page over HTTPS: with api.tls_cert and api.tls_key, or else a self-signed "
+        "certificate made at the first start (its fingerprint in `status`)",
+    )
+    tls_cert: str = key(
+        "", text, "the HTTPS certificate (PEM, with its chain); relative to the config file"
+    )
+    tls_key: str = key(
+        "", text, "its private key (PEM, not encrypted); relative to the config file"
     )
 
 

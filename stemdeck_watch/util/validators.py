@@ -5,6 +5,7 @@ expected …".
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import string
@@ -197,6 +198,43 @@ def hub_url(value: Any) -> str:
             'e.g. "https://dl.fbaipublicfiles.com/demucs/"'
         )
     return url if url.endswith("/") else url + "/"
+
+
+HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*"
+)
+
+
+def listen_address(value: Any) -> str:
+    """`api.host`: "localhost" or an IP address of this machine (0.0.0.0 or :: for all)."""
+    if value == "localhost":
+        return value
+    try:
+        return str(ipaddress.ip_address(text(value)))
+    except ValueError:
+        raise ValueError(
+            'an IP address ("127.0.0.1", "0.0.0.0" for every address, "192.168.1.20") '
+            'or "localhost"'
+        ) from None
+
+
+def host_names(value: Any) -> tuple[str, ...]:
+    """`api.hosts`: names (or IP addresses) this machine is reached by, without scheme or port."""
+    names = []
+    for item in text_list(value):
+        name = item.strip().lower().rstrip(".")
+        try:
+            names.append(str(ipaddress.ip_address(name.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        if not HOST_NAME.fullmatch(name):
+            raise ValueError(
+                f'a list of host names such as ["nas.local", "music.example.org"] '
+                f"(no scheme, port or path; {show(item)} is not one)"
+            )
+        names.append(name)
+    return tuple(names)
 
 
 def extension_list(value: Any) -> tuple[str, ...]:

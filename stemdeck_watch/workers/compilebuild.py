@@ -10,6 +10,19 @@ is stopped (SIGSTOP) and continued after: it runs only while the worker has noth
 It is stopped only once it has said it dies with the service (`ARMED`): one stopped before
 would outlive a service killed meanwhile, stopped for ever.
 
+Dying with the service takes two processes on Linux, since the compiler processes Inductor
+starts are the build's children, not the service's, and a stopped process can act on
+nothing. The process the service starts is a small keeper, the leader of a session of its
+own, at the service's priority (its sweep must not wait for idle CPU) and never stopped: it
+watches the service through a pidfd,
+adopts its descendants' orphans (a subreaper), and forks the build into a process group of
+its own (the group a song stops), which dies with the keeper (the parent-death signal). When
+the build ends, the service dies or asks it to go (SIGTERM), the keeper SIGKILLs the
+build's group and every process of its session and its adopted children, stopped or not,
+and exits. The service stops the build's group itself with SIGKILL when it closes, without
+waiting for the keeper. Elsewhere (no pidfds) the build is one process that dies with the
+service, and a stopped one's compilers are reaped by the next service (`reap`).
+
 It loads the model as the worker does, compiles each part of each network ahead of time into a
 build folder with a random name in the compiled-model cache (compiledgraph.py: the saved parts,
 and Inductor's code in the folder's own cache), loads them back and calls them once as the
@@ -20,7 +33,9 @@ one rename). The worker adopts the entry between two songs.
         --device cpu --cache DIR [--cap-mb N] [--threads N] [--parent PID]
 
 stdout: one JSON line at the end, {"ok": true, "key": K, "compile_seconds": F, "bytes": N} or
-{"ok": false, "error": TEXT}. It exits when its parent dies.
+{"ok": false, "error": TEXT}; stderr: `@@armed GROUP` once it dies with the service (GROUP: the
+process group to stop while a song separates), then what torch prints. It exits when its
+parent dies.
 
 `CompileBuilder` is the service's side: at most one build at a time, started when the worker
 reports that the compiled model it wants is not built, stopped with the service.
@@ -41,12 +56,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from stemdeck_watch.util.safefile import read_regular_text, write_replacing
+from stemdeck_watch.workers import lifetime
+from stemdeck_watch.workers.lifetime import proc_stat, started_at
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
-PID_FILE = "build.pid"  # in the cache: the process group of the build running, and its start
+PID_FILE = "build.pid"  # in the cache: the session of the build running, and its start
 ARMED = "@@armed"  # on stderr: the build dies with the service from now on, also when stopped
+CLOSE_TIMEOUT = 5.0  # seconds for a build asked to stop to be gone
+SERVICE_POLL = 1.0  # seconds between two looks at the service where no pidfd tells
 
 
 def lower_priority(pid: int = 0) -> str:
@@ -67,40 +86,11 @@ def lower_priority(pid: int = 0) -> str:
     return f"nice {os.nice(0)}"
 
 
-def die_with_parent() -> None:
-    """Be killed when the service dies, also while stopped (Linux; elsewhere the parent
-    watch ends a running build, and the next service reaps a stopped one)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def proc_stat(pid: int | str) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, … starttime at
-    19); OSError when the process is gone."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def started_at(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, Linux), None if it is gone: a pid
-    and its start time name one process, where a pid alone may be reused."""
-    try:
-        return int(proc_stat(pid)[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def reap(cache: Path) -> None:
     """Kill what is left of a build an earlier service started and could not end (it was
-    SIGKILLed while the build was stopped): the members of its process group that are
-    still a build or its compiler and started with it or after. Nothing, if its pid now
-    names another process."""
+    SIGKILLed while the build was stopped): the members of its session that are still a
+    build or its compiler and started with it or after. Nothing, if its pid now names
+    another process."""
     import signal
 
     try:
@@ -117,7 +107,7 @@ def reap(cache: Path) -> None:
         try:
             fields = proc_stat(pid)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            member = int(fields[2]) == group and int(fields[19]) >= start
+            member = int(fields[3]) == group and int(fields[19]) >= start
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not a process's stat
         ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
@@ -131,6 +121,9 @@ def reap(cache: Path) -> None:
 
 def build(args: Any) -> dict[str, Any]:
     """Build the compiled model `args` describes into the cache; what to print."""
+    from stemdeck_watch.workers.faultseam import building
+
+    building()  # faults on purpose, where tests ask for them
     import torch
 
     from stemdeck_watch.workers.compilecache import INDUCTOR, CompileCache, folder_bytes
@@ -183,8 +176,6 @@ def build(args: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    priority = lower_priority()  # first: everything after, torch's threads too, inherits it
-    die_with_parent()
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
     parser.add_argument("--model", required=True)
     parser.add_argument("--repo", default=None)
@@ -195,15 +186,104 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--parent", type=int, default=0)  # the service's pid
     args = parser.parse_args(argv)
+    if sys.platform == "linux" and lifetime.pidfds():
+        return _keep(args)
+    lower_priority()  # first: everything after, torch's threads too, inherits it
+    lifetime.die_with_parent()
     if args.parent and os.getppid() != args.parent:
         return 0  # the service was killed before die_with_parent took effect
-    print(ARMED, file=sys.stderr, flush=True)
+    return _build_here(args, ARMED)
+
+
+def _keep(args: Any) -> int:
+    """The keeper (see the module's docstring): fork the build, wait for it or the
+    service's end, then end whatever is left of the build; the build's exit code."""
+    import select
+    import signal
+
+    service = lifetime.pidfd(args.parent) if args.parent else None
+    if args.parent and (service is None or os.getppid() != args.parent):
+        return 0  # the service was killed before this could watch it
+    lifetime.adopt_orphans()
+    keeper = os.getpid()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)  # the group a song stops, without the keeper
+            lifetime.die_with_parent()
+            if os.getppid() == keeper:
+                code = _build_here(args, f"{ARMED} {os.getpid()}")
+        finally:
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(code)
+
+    class _Asked(Exception):
+        pass
+
+    def asked(*_: object) -> None:
+        raise _Asked
+
+    signal.signal(signal.SIGTERM, asked)
+    build = lifetime.pidfd(child)  # its parent, before reaping it: it names the build
+    watched = [fd for fd in (build, service) if fd is not None]
+    try:
+        while True:
+            readable, _, _ = select.select(watched, [], [], SERVICE_POLL)
+            if build in readable or service in readable:
+                break
+            if args.parent and os.getppid() != args.parent:
+                break
+    except _Asked:
+        pass
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return _sweep(child)
+
+
+def _sweep(build: int) -> int:
+    """SIGKILL the build's group, every process of this session and every child adopted,
+    until none is left (a fork in flight adds one), and reap them; the build's exit code."""
+    import signal
+
+    lifetime.kill_group(build)
+    me = os.getpid()
+    for _ in range(100):
+        left = [pid for pid in lifetime.session_members(me, me) if pid != me]
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        threading.Event().wait(0.01)
+    code = 1
+    deadline = time.monotonic() + CLOSE_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            threading.Event().wait(0.01)  # a child killed above, not a zombie yet
+            continue
+        if pid == build:
+            code = os.waitstatus_to_exitcode(status)
+    return 0 if code == 0 else 1
+
+
+def _build_here(args: Any, armed: str) -> int:
+    """Build in this process (it dies with its parent already); `armed`: the line that
+    says so."""
+    priority = lower_priority()  # first: everything after, torch's threads too, inherits it
+    print(armed, file=sys.stderr, flush=True)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # what torch prints goes to stderr; stdout is the result
     from stemdeck_watch.workers.worker import watch_parent
 
     threading.Thread(
-        target=watch_parent, args=(args.parent,), name="parent-watch", daemon=True
+        target=watch_parent, args=(os.getppid(),), name="parent-watch", daemon=True
     ).start()
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
     log.info("building at %s", priority)
@@ -230,6 +310,7 @@ class CompileBuilder:
         # the build said it dies with the service: only then may it be stopped (a build
         # stopped before would outlive a service killed meanwhile, stopped for ever)
         self._armed = threading.Event()
+        self._group: int | None = None  # the build's own process group, as it said
         self._building: dict[str, Any] | None = None
         self._ended: dict[str, dict[str, Any]] = {}  # key → the build's result
         self._closed = False
@@ -263,6 +344,7 @@ class CompileBuilder:
             if repo:
                 command += ["--repo", repo]
             self._armed.clear()
+            self._group = None
             self._proc = proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -274,7 +356,6 @@ class CompileBuilder:
                 errors="replace",
                 start_new_session=sys.platform != "win32",
             )
-            lower_priority(proc.pid)  # at once; the child sets it too, where this cannot
             write_replacing(self.cache / PID_FILE, f"{proc.pid} {started_at(proc.pid) or ''}")
             self._building = {"key": key, "model": model, "pid": proc.pid, "started": time.time()}
             log.info(
@@ -293,9 +374,15 @@ class CompileBuilder:
             assert proc.stderr is not None and proc.stdout is not None
             reader = threading.Thread(target=self._read_stderr, args=(proc, tail), daemon=True)
             reader.start()
+            # to the pipe's end: the build and everything it started are gone (`close` ends
+            # them, with the service, and the keeper with the build)
             with proc.stdout:
-                lines = proc.stdout.read().splitlines()
-            proc.wait()
+                lines = [line.rstrip("\n") for line in proc.stdout]
+            try:
+                proc.wait(CLOSE_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                lifetime.kill_group(proc.pid)
+                proc.wait(CLOSE_TIMEOUT)
             self._end_group(proc.pid)
             reader.join(5.0)
             proc.stderr.close()
@@ -328,19 +415,20 @@ class CompileBuilder:
 
     def _read_stderr(self, proc: subprocess.Popen[str], tail: collections.deque[str]) -> None:
         for line in proc.stderr or []:
-            if line.rstrip() == ARMED:
+            said = line.rstrip().split()
+            if said[:1] == [ARMED] and self._proc is proc:
+                self._group = int(said[1]) if len(said) > 1 and said[1].isdigit() else proc.pid
                 self._armed.set()
             else:
                 tail.append(line.rstrip())
 
     def _end_group(self, pid: int) -> None:
-        """The build ended: end what it left running in its process group (a compiler) and
+        """The build ended: end what it left running in its process groups (a compiler) and
         forget it, so nothing reaps that group id once it names something else."""
-        import signal
-
-        if sys.platform != "win32":
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
+        group = self._group
+        if group is not None and group != pid:
+            lifetime.kill_group(group)
+        lifetime.kill_group(pid)
         with contextlib.suppress(OSError):
             (self.cache / PID_FILE).unlink()
 
@@ -348,23 +436,25 @@ class CompileBuilder:
     def held(self) -> Iterator[None]:
         """While inside (the worker separates), the build in progress is stopped, once it
         dies with the service (its first moment, at idle priority, it goes on)."""
-        proc = self._proc
-        stopped = proc is not None and self._armed.is_set() and self._signal(proc, "SIGSTOP")
+        proc, group = self._proc, self._group
+        stopped = proc is not None and self._armed.is_set() and self._signal(proc, "SIGSTOP", group)
         try:
             yield
         finally:
             if stopped and proc is not None:
-                self._signal(proc, "SIGCONT")
+                self._signal(proc, "SIGCONT", group)
 
     @staticmethod
-    def _signal(proc: subprocess.Popen[str], name: str) -> bool:
-        """Send signal `name` to the build's process group (its compiler processes too)."""
+    def _signal(proc: subprocess.Popen[str], name: str, group: int | None = None) -> bool:
+        """Send signal `name` to the build's process group `group` (its compiler processes
+        too; default: the group of the process the service started), while that process
+        runs (its group's id is still its own)."""
         import signal
 
         if sys.platform == "win32" or proc.poll() is not None:
             return False
         try:
-            os.killpg(proc.pid, getattr(signal, name))
+            os.killpg(group or proc.pid, getattr(signal, name))
             return True
         except OSError:
             return False
@@ -375,23 +465,32 @@ class CompileBuilder:
             return self._ended.get(key)
 
     def info(self) -> dict[str, Any] | None:
-        """The build in progress, if one runs: key, model, pid, started (time.time())."""
+        """The build in progress, if one runs: key, model, pid (the build's own, once it has
+        said it; its keeper's before), started (time.time())."""
         with self._lock:
-            return dict(self._building) if self._building else None
+            if not self._building:
+                return None
+            return {**self._building, "pid": self._group or self._building["pid"]}
 
     def close(self) -> None:
         """Stop a build in progress (its folder is never an entry) and start no more."""
         with self._lock:
             self._closed = True
-            proc = self._proc
-        if proc is not None and proc.poll() is None:
-            self._signal(proc, "SIGTERM")
-            self._signal(proc, "SIGCONT")  # a stopped build could not act on it
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self._signal(proc, "SIGKILL")
-                proc.wait()
+            proc, group = self._proc, self._group
+        if proc is None or proc.poll() is not None:
+            return
+        if group is not None and group != proc.pid:
+            # the build and its compilers end now, stopped or not, by signal from here; the
+            # keeper then ends what is left of its session and exits
+            self._signal(proc, "SIGKILL", group)
+        self._signal(proc, "SIGTERM")
+        self._signal(proc, "SIGCONT")  # a stopped build (no keeper) could not act on it
+        try:
+            proc.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._signal(proc, "SIGKILL")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(CLOSE_TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -292,6 +292,7 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
                     threads=sep.threads,
                     precision=sep.precision,
                     compiling=compiling,
+                    stall_seconds=sep.stall_seconds,
                 )
             ],
         )

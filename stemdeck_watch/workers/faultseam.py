@@ -12,6 +12,9 @@ order, by removing it, and fails as `kind` says:
     stall     stop reporting progress and hang: a stuck driver, a deadlocked library
     oom-cuda  raise the error torch raises when CUDA runs out of memory
     oom-mps   raise the error torch raises when MPS runs out of memory
+    stall-load  hang while loading a model, before reading it (its content is not read)
+    stall-build the background compile starts two compiler-like processes (one starting
+                one of its own) and hangs, before it imports torch
 
 Each file fires once, so a fault can be made to repeat (two files) or not (one). A file
 named `slow` is never claimed: while it is there, every segment takes the seconds it holds
@@ -29,6 +32,14 @@ from typing import Callable
 
 FAULTS_ENV = "STEMDECK_WORKER_FAULTS"
 KINDS = ("exit", "kill", "stall", "oom-cuda", "oom-mps")
+LOAD_KINDS = ("stall-load",)  # faults while a model loads, not at a segment
+BUILD_KINDS = ("stall-build",)  # faults of the background compile
+# a stand-in for a compiler process that starts one of its own; both wait for a signal
+COMPILER = (
+    "import signal, subprocess, sys; "
+    "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], "
+    "stdin=subprocess.DEVNULL); signal.pause()"
+)
 
 log = logging.getLogger("stemdeck_watch.worker.faults")
 
@@ -52,6 +63,29 @@ def armed(on_progress: Callable[[float], None]) -> Callable[[float], None]:
     return report
 
 
+def loading() -> None:
+    """Fire the first load fault of `$STEMDECK_WORKER_FAULTS`, if one is armed: called as a
+    worker starts to load a model."""
+    folder = os.environ.get(FAULTS_ENV)
+    kind = _claim(Path(folder), None, LOAD_KINDS) if folder else None
+    if kind is not None:
+        fire(kind.removesuffix("-load"))
+
+
+def building() -> None:
+    """Fire the first build fault of `$STEMDECK_WORKER_FAULTS`, if one is armed: called as
+    the background compile starts."""
+    folder = os.environ.get(FAULTS_ENV)
+    if not folder or _claim(Path(folder), None, BUILD_KINDS) is None:
+        return
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        subprocess.Popen([sys.executable, "-c", COMPILER], stdin=subprocess.DEVNULL)
+    fire("stall")
+
+
 def _slow(path: Path) -> None:
     try:
         seconds = float(path.read_text().strip() or 0)
@@ -60,21 +94,22 @@ def _slow(path: Path) -> None:
     threading.Event().wait(seconds)
 
 
-def _claim(folder: Path, segment: int) -> str | None:
-    """The kind of the first fault due at `segment`, once it is claimed (removed)."""
+def _claim(folder: Path, segment: int | None, kinds: tuple[str, ...] = KINDS) -> str | None:
+    """The kind of the first fault of `kinds` due at `segment` (None: any), once it is
+    claimed (removed)."""
     try:
         names = sorted(p.name for p in folder.iterdir())
     except OSError:
         return None
     for name in names:
         kind = name.split("-", 1)[-1]
-        if kind not in KINDS:
+        if kind not in kinds:
             continue
         try:
             due = int((folder / name).read_text().strip() or 1)
         except (OSError, ValueError):
             due = 1
-        if due != segment:
+        if segment is not None and due != segment:
             continue
         try:
             (folder / name).unlink()

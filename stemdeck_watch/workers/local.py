@@ -15,8 +15,10 @@ import json
 import logging
 import os
 import queue
+import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,35 +40,73 @@ from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers import zygote
 from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
-from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, PROGRESS_PREFIX
+from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, LOAD_BEAT, PROGRESS_PREFIX
 
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("stemdeck_watch.worker")
 
 STDERR_TAIL_LINES = 40
 START_TIMEOUT = 300.0
+STOP_TIMEOUT = 5.0  # seconds for a worker SIGKILLed to be gone and its pipes read to the end
+EXIT_REPORT = 1.0  # … and for its exit code to come from its zygote (its parent) after
+CLOSE_TIMEOUT = 5.0  # seconds a worker asked to exit (its input closed) is given to go
+LOCK_TIMEOUT = 10.0  # seconds `close` waits for a request in flight before it stops the worker
+READ_POLL = 0.2  # seconds a reader waits on its pipe before it looks whether to give up
 
 
-def lines(pipe: IO[str]) -> Iterator[str]:
-    """The lines read from `pipe` until its end, or until it is closed under the reader."""
-    try:
-        yield from pipe
-    except ValueError:  # "I/O operation on closed file": stop() closed it
+def lines(pipe: IO[str], stop: threading.Event | None = None) -> Iterator[str]:
+    """The lines read from `pipe` until its end, or until `stop` is set (then within
+    READ_POLL). Read from its descriptor, never through its buffer: closing a file while
+    another thread reads it through its buffer waits for that read (CPython), and the end of a
+    pipe may never come while a process that holds it is stopped."""
+    if sys.platform == "win32" or stop is None:  # no select() on a pipe there
+        try:
+            yield from pipe
+        except ValueError:  # "I/O operation on closed file": stop() closed it
+            return
         return
+    fd = pipe.fileno()
+    pending = b""
+    while not stop.is_set():
+        try:
+            readable, _, _ = select.select([fd], [], [], READ_POLL)
+            chunk = os.read(fd, 65536) if readable else None
+        except (OSError, ValueError):
+            return
+        if chunk is None:
+            continue
+        if not chunk:
+            break
+        *complete, pending = (pending + chunk).split(b"\n")
+        for line in complete:
+            yield line.decode("utf-8", "replace") + "\n"
+    if pending and not stop.is_set():
+        yield pending.decode("utf-8", "replace")
 
 
 class _Process:
-    """One worker process with its reader threads."""
+    """One worker process with its reader threads.
 
-    def __init__(self, device: str, env: dict[str, str], threads: int = 0):
+    Ending it never waits on anyone: `end` SIGKILLs its process group straight from the
+    calling thread (a cancel, a shutdown: any thread); `stop` does that and then reaps, within
+    deadlines, on the thread that owns the worker (the dispatcher's)."""
+
+    def __init__(
+        self,
+        device: str,
+        env: dict[str, str],
+        threads: int = 0,
+        give_up: Callable[[], bool] | None = None,
+    ):
         self.device = device  # as asked for ("auto" included)
-        self.popen = zygote.start(["--device", device, "--threads", str(threads)], env)
+        self.popen = zygote.start(["--device", device, "--threads", str(threads)], env, give_up)
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.on_progress: Callable[[str, float], None] | None = None
         self.on_download: Callable[[dict[str, Any]], None] | None = None
         self.ready: dict[str, Any] | None = None
         self.model: ModelInfo | None = None
+        self._reading = threading.Event()  # set: the readers stop, whether the pipes ended
         self._threads = [
             threading.Thread(target=self._read_stdout, name=f"worker-{self.pid}-out", daemon=True),
             threading.Thread(target=self._read_stderr, name=f"worker-{self.pid}-err", daemon=True),
@@ -79,11 +119,11 @@ class _Process:
         return self.popen.pid
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return zygote.running(self.popen)
 
     def _read_stdout(self) -> None:
         assert self.popen.stdout is not None
-        for line in lines(self.popen.stdout):
+        for line in lines(self.popen.stdout, self._reading):
             try:
                 self.replies.put(json.loads(line))
             except ValueError:
@@ -93,7 +133,7 @@ class _Process:
 
     def _read_stderr(self) -> None:
         assert self.popen.stderr is not None
-        for line in lines(self.popen.stderr):
+        for line in lines(self.popen.stderr, self._reading):
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_PREFIX):
                 try:
@@ -126,35 +166,47 @@ class _Process:
         self.popen.stdin.write(json.dumps(request) + "\n")
         self.popen.stdin.flush()
 
-    def stop(self, grace: float = 0.5) -> None:
-        """Terminate now (cancel or shutdown); reaps the process and its reader threads."""
-        if self.alive():
-            self.popen.terminate()
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        # the readers end at the pipes' end, once the worker is gone; then their files close
-        # (one still open in a process the worker left behind ends its reader quietly)
+    def end(self) -> None:
+        """SIGKILL the worker and its process group now. Safe from any thread; never waits,
+        and needs neither the worker nor its zygote to answer (a stopped one ends too)."""
+        zygote.end(self.popen)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """End the worker (cancel, shutdown, a fault) and reap it and its readers, waiting
+        `timeout` seconds at most: on the thread that owns the worker."""
+        deadline = time.monotonic() + timeout
+        self.end()
+        if not zygote.gone(self.popen, timeout):
+            log.error("worker %d was still there %.0f s after SIGKILL", self.pid, timeout)
+        # its exit code, from its parent (a zygote that does not answer leaves it unknown)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(max(0.0, min(EXIT_REPORT, deadline - time.monotonic())))
+        # the readers end at the pipes' end, once the worker is gone (one still open in a
+        # process it left behind: at `_reading`); then their files close
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(2.0)
+                thread.join(max(0.1, deadline - time.monotonic()))
+        self._reading.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(2 * READ_POLL)
+        if any(t.is_alive() for t in self._threads if t is not threading.current_thread()):
+            return  # closing a pipe under its reader would wait for that read
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             try:
                 if pipe:
                     pipe.close()
-            except OSError:
+            except (OSError, ValueError):
                 pass
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Ask politely (close stdin) and wait; terminate if it does not go."""
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Ask politely (close stdin) and wait up to `timeout`; then end it."""
         try:
             if self.popen.stdin:
                 self.popen.stdin.close()
-            self.popen.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
+        except (OSError, ValueError):
             pass
+        zygote.gone(self.popen, timeout)
         self.stop()
 
     def stderr_tail(self) -> str:
@@ -173,8 +225,12 @@ class WorkerClient:
         precision: str = "auto",
         compiling: CompileSettings | None = None,
         builds: bool = True,
+        stall_seconds: float = 0.0,
     ):
         self.device = device
+        # separation.stall_seconds: a load gets the watch a separation gets (a request's
+        # own setting, when it gives one, for its separation)
+        self.stall_seconds = stall_seconds
         self.threads = threads  # separation.threads: 0 = one per physical core
         self.precision = precision  # separation.precision, unless a request says otherwise
         # choices measured on this machine, per (model, repo, setting): a worker restarted
@@ -203,6 +259,7 @@ class WorkerClient:
         self.download: dict[str, Any] | None = None
         self.on_download: Callable[[dict[str, Any] | None], None] | None = None
         self._loading = False  # a load request is in flight: download reports count
+        self._load_watch: Watch | None = None  # the load's watch: a download report beats it
         self._download_lock = threading.Lock()
         self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
 
@@ -246,7 +303,15 @@ class WorkerClient:
             if model is not None and model.serves(name, repo, setting):
                 if not self._compile_news(model):
                     return model
-            self._loading = True
+            # a load is watched as a separation is: the worker reports each step of it (and
+            # a download's progress); one silent past the stall limit is stopped
+            watch = self.pace().watch(self.pace().stall_limit(self.stall_seconds))
+
+            def beat(owner: str, _value: float) -> None:
+                if owner == LOAD_BEAT:
+                    watch.beat()
+
+            self._loading, self._load_watch, proc.on_progress = True, watch, beat
             try:
                 reply = self._call(
                     proc,
@@ -259,8 +324,11 @@ class WorkerClient:
                         "compile": self.compiling.request() if self.compiling else None,
                     },
                     control,
+                    watch,
+                    f"while it loaded model {name}",
                 )
             finally:
+                proc.on_progress = None
                 self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
             self._compile(proc.model, str((proc.ready or {}).get("device") or "cpu"))
@@ -354,9 +422,11 @@ class WorkerClient:
         the worker's stderr no longer counts."""
         with self._download_lock:
             if ended:
-                self._loading = False
+                self._loading, self._load_watch = False, None
             elif not self._loading:
                 return
+            elif self._load_watch is not None:
+                self._load_watch.beat()
             if report is None and self.download is None:
                 return
             self.download = report
@@ -449,25 +519,35 @@ class WorkerClient:
         return self._paces.setdefault(device, Pace())
 
     def stop(self) -> None:
-        """Terminate the worker now (cancel, shutdown). Safe from any thread."""
+        """End the worker now (cancel, shutdown): a signal from any thread, never a wait;
+        the thread in a request reaps it."""
         proc = self._proc
         if proc is not None:
-            proc.stop()
+            proc.end()
 
     def shutdown(self) -> None:
         """Stop the worker and start no new one (the service is stopping)."""
         self._shut = True
+        self.stop()
         if self.builder is not None:
             self.builder.close()
-        self.stop()
 
     def close(self) -> None:
+        """Let the worker go (it exits when its input closes) and reap it. A request still in
+        flight after LOCK_TIMEOUT is cut off: the worker is ended under it."""
         if self.builder is not None:
             self.builder.close()
-        with self._lock:
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT):
+            log.warning("a request to worker %s did not end; stopping the worker", self.pid)
+            self._shut = True
+            self.stop()
+            return
+        try:
             if self._proc is not None:
                 self._proc.close()
                 self._proc = None
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------ internals
 
@@ -491,9 +571,17 @@ class WorkerClient:
                 current.popen.returncode,
             )
             current.stop()
+
+        def give_up() -> bool:  # a start the zygote has not answered yet waits for no one
+            return self._shut or (control is not None and control.cancelled)
+
         try:
-            self._proc = proc = _Process(wanted, self._env, self.threads)
+            self._proc = proc = _Process(wanted, self._env, self.threads, give_up)
         except OSError as exc:  # no process to wait for: a fault of the machine, as a death
+            if self._shut:
+                raise Cancelled(SHUTDOWN) from None
+            if control is not None:
+                control.check()
             raise WorkerDied(
                 f"the separation worker could not be started: {exc}", worker="the local worker"
             ) from exc
@@ -512,6 +600,7 @@ class WorkerClient:
         request: dict[str, Any],
         control: JobControl | None,
         watch: Watch | None = None,
+        doing: str = "",
     ) -> dict[str, Any]:
         # every request carries a fresh number that the worker echoes: a late reply to an
         # earlier request (one cut off by a cancel) can never be taken for this one's
@@ -521,7 +610,9 @@ class WorkerClient:
             proc.send(request)
         except (BrokenPipeError, OSError):
             pass  # the process died; _wait reports it with its stderr
-        reply = self._wait(proc, control, lambda m: m.get("req") == request["req"], None, watch)
+        reply = self._wait(
+            proc, control, lambda m: m.get("req") == request["req"], None, watch, doing
+        )
         if not reply.get("ok"):
             if reply.get("kind") == "model":
                 raise ModelError(reply["error"])
@@ -548,16 +639,20 @@ class WorkerClient:
         match: Callable[[dict[str, Any]], bool],
         timeout: float | None,
         watch: Watch | None = None,
+        doing: str = "",
     ) -> dict[str, Any]:
         """The worker's reply `match` accepts. A cancel stops the worker (Cancelled); a
         worker that dies, does not start within `timeout` or stays silent past `watch`'s
-        limit is a machine fault (WorkerDied, WorkerStalled)."""
+        limit (`doing`: what it was at, for the message) is a machine fault (WorkerDied,
+        WorkerStalled). A cancel only signals the worker, from its own thread; this thread
+        (the worker's owner) reaps it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
-            if control is not None:  # a cancel from any thread stops the worker at once
-                stack.enter_context(control.registered(proc.stop))
+            if control is not None:  # a cancel from any thread ends the worker at once
+                stack.enter_context(control.registered(proc.end))
             while True:
-                if control is not None:
+                if control is not None and control.cancelled:
+                    proc.stop()
                     control.check()
                 try:
                     message = proc.replies.get(timeout=0.1)
@@ -575,7 +670,8 @@ class WorkerClient:
                         )
                         raise WorkerStalled(
                             f"the separation worker reported no progress for "
-                            f"{watch.silent():.0f} s (the stall limit is {watch.limit:.0f} s, "
+                            f"{watch.silent():.0f} s{' ' + doing if doing else ''} "
+                            f"(the stall limit is {watch.limit:.0f} s, "
                             f"separation.stall_seconds) and was stopped",
                             details=proc.stderr_tail(),
                             worker=_name(proc),
@@ -602,6 +698,13 @@ class WorkerClient:
         if zygote.lost(proc.popen):  # it ended with its zygote: nothing it did
             raise WorkerDied(
                 "the separation worker ended with the zygote it was forked from",
+                details=proc.stderr_tail(),
+                worker=_name(proc),
+            )
+        if code is None:  # its zygote, stopped or hung, did not say how it ended
+            raise WorkerDied(
+                "the separation worker stopped unexpectedly (its exit code is unknown: the "
+                "zygote it was forked from did not report it)",
                 details=proc.stderr_tail(),
                 worker=_name(proc),
             )

@@ -18,7 +18,9 @@ stdout, replies (nothing else is ever written to stdout):
      "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
-stderr: `@@progress {"id": JOB, "value": F}` lines, `@@download {"model": NAME, "done": BYTES,
+stderr: `@@progress {"id": JOB, "value": F}` lines (with "id": "@load" after each step of a
+load: read, placed on the device, warmed up, precision chosen, compiled model looked for; the
+service's watch on a load hears them as it hears a song's), `@@download {"model": NAME, "done": BYTES,
 "total": BYTES|null}` lines while a model is downloaded, and anything torch or demucs print.
 
 A pretrained model (no "repo") comes from the cache (torch.hub's checkpoints folder); one not
@@ -65,9 +67,10 @@ from stemdeck_watch.util.validators import MODEL_NAME
 from stemdeck_watch.workers import heap, inverse
 from stemdeck_watch.workers.compilecache import CompileCache
 from stemdeck_watch.workers.compiled import CompiledSlot, members, using
-from stemdeck_watch.workers.precision import Choice, autocast, choose, threads_for
+from stemdeck_watch.workers.precision import Choice, autocast, choose, run_once, threads_for
 
 PROGRESS_PREFIX = "@@progress "
+LOAD_BEAT = "@load"  # the "id" of the progress a load reports
 DOWNLOAD_PREFIX = "@@download "
 DOWNLOAD_EVERY = 0.25  # seconds between two download progress lines at most
 WINDOW_ENV = "STEMDECK_WINDOW_SECONDS"  # the worker's default window (tests, benchmarks)
@@ -257,8 +260,10 @@ def set_backends() -> None:
 
 
 class Worker:
-    def __init__(self, device: str, out: TextIO):
+    def __init__(self, device: str, out: TextIO, beat: Callable[[], None] | None = None):
         set_backends()
+        # called after each step of a load (the process's own worker reports it on stderr)
+        self.beat: Callable[[], None] = beat or (lambda: None)
         heap.hold_for_separation()  # what a segment frees, the next one reuses
         self.device = device
         self.out = out
@@ -292,10 +297,16 @@ class Worker:
 
                 release()  # the routed modules of the model let go
             self._compiled.clear()
+            from stemdeck_watch.workers.faultseam import loading
+
+            loading()  # faults on purpose, where tests ask for them
             model = load_model(name, repo)
+            self.beat()
             model.to(self.device)
             inverse.route(members(model))
+            self.beat()
             _warm_up(model, self.device)
+            self.beat()
             self._models[key] = model
         return self._models[key]
 
@@ -313,10 +324,17 @@ class Worker:
             ):
                 choice = Choice.from_dict(decided)
             else:
-                choice = choose(setting, self.device, model)
+                choice = choose(setting, self.device, model, self._beating)
                 log.info("precision for %s: %s (%s)", name, choice.precision, choice.reason)
             self._choices[key] = choice
         return self._choices[key]
+
+    def _beating(self, model: Any, device: str, precision: str, signal: Any) -> tuple[float, Any]:
+        """One calibration pass (precision.run_once), reported as a step of the load: a
+        calibration takes a few passes of a segment each."""
+        measured = run_once(model, device, precision, signal)
+        self.beat()
+        return measured
 
     def compiled(
         self, name: str, repo: str | None, precision: str, wanted: dict[str, Any] | None
@@ -351,9 +369,11 @@ class Worker:
                 request.get("precision") or "float32",
                 request.get("decided"),
             )
+            self.beat()
             slot = self.compiled(
                 request["model"], request.get("repo"), choice.precision, request.get("compile")
             )
+            self.beat()
             return {
                 "op": "load",
                 "ok": True,
@@ -599,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(threads_for(args.threads))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
-    worker = Worker(resolve_device(args.device), protocol)
+    worker = Worker(resolve_device(args.device), protocol, lambda: _progress(LOAD_BEAT, 0.0))
     _reply(
         protocol,
         {

@@ -14,22 +14,29 @@ that make the worker's, and its working folder) with the worker's stdin, stdout 
 attached (SCM_RIGHTS); the zygote answers `{"started": pid, "start": n}`, and `{"exited": pid,
 "start": n, "code": c}` once it has reaped that worker. Everything is keyed by the start's
 number, never by the pid: a pid comes round again in a long-running service, and a late answer
-to a start given up on must not be taken for the next one's. A signal for a worker goes
-through the zygote too: as its parent, it alone knows whether that worker is still running.
+to a start given up on must not be taken for the next one's. With `{"started": …}` comes a
+pidfd of the worker (SCM_RIGHTS), taken by the zygote before it could reap it, so it names that
+worker for certain: the service signals its worker's process group itself (`end`) and sees its
+end on that handle (`running`, `gone`), so a zygote that is stopped, hung or lost never holds a
+stop up. Its exit code still comes from the zygote, its parent, when the zygote can tell it.
 When the service's process ends, its end of the socket closes and the zygote exits; its
-workers, whose parent it was, then notice and exit too (worker.watch_parent), as they do when
-the service itself is their parent. A worker whose zygote was lost before it reported the
-worker's end is `lost(...)`: its exit code is not known, and it is not a sign of anything the
-worker did (not, say, the out-of-memory killer).
+workers die with it (the parent-death signal, which ends a stopped worker too). A worker whose
+zygote was lost before it reported the worker's end is `lost(...)`: its exit code is not known,
+and it is not a sign of anything the worker did (not, say, the out-of-memory killer).
+
+The zygote says once that its imports are done (`{"ready": pid}`): a start asked of a zygote
+that is ready must be answered within FORK_TIMEOUT (a fork takes milliseconds), one asked
+while it imports within START_TIMEOUT; a zygote that does not answer in time is killed and
+the next start brings a new one. A start may be given up on (a cancel, a shutdown) at once.
 
 Both ends of the protocol live in this module (the service's `_Zygote`, the zygote's
 `main`), so that a message is changed on both sides at once.
 
-Elsewhere (macOS, Windows), or with STEMDECK_WORKER_START=exec, a worker is a fresh
-interpreter. `start` returns either way something with Popen's pipes and life (`pid`,
+Elsewhere (macOS, Windows, a kernel without pidfds), or with STEMDECK_WORKER_START=exec, a
+worker is a fresh interpreter, in a session of its own that `end` signals. `start` returns either way something with Popen's pipes and life (`pid`,
 `returncode`, `poll`, `wait`, `terminate`, `kill`).
 
-    python -m stemdeck_watch.workers.zygote FD     (started by the service, never by hand)
+    python -m stemdeck_watch.workers.zygote FD PID   (started by the service, never by hand)
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import IO, Any, Protocol, Sequence
+import time
+from typing import IO, Any, Callable, Protocol, Sequence
+
+from stemdeck_watch.workers import lifetime
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,7 @@ START_ENV = "STEMDECK_WORKER_START"  # "exec": a fresh interpreter for every wor
 WORKER_MODULE = "stemdeck_watch.workers.worker"
 MESSAGE_BYTES = 1 << 20  # a request's JSON: argv, environment, folder
 START_TIMEOUT = 300.0  # seconds for the zygote's imports and one fork (a worker's own start)
+FORK_TIMEOUT = 15.0  # seconds for a zygote done with its imports to fork one worker
 READER = "zygote-reader"  # the service's thread that reads what the zygote reports
 LOST = -int(signal.SIGKILL)  # the exit code given a worker whose zygote is gone (see lost)
 
@@ -61,6 +72,10 @@ LOST = -int(signal.SIGKILL)  # the exit code given a worker whose zygote is gone
 class StartFailed(OSError):
     """A worker could not be started: the zygote ended, did not answer, or refused the
     request. Like a worker that dies as it starts, a fault of the machine, not of a song."""
+
+
+class StartAbandoned(StartFailed):
+    """The caller gave the start up (a cancel, a shutdown) before the zygote answered."""
 
 
 class _TooLarge(StartFailed):
@@ -97,7 +112,16 @@ class WorkerProcess(Protocol):
 
 def forks() -> bool:
     """Whether workers are forked from the zygote here."""
-    return sys.platform == "linux" and os.environ.get(START_ENV) != "exec"
+    return sys.platform == "linux" and os.environ.get(START_ENV) != "exec" and _has_pidfds()
+
+
+_pidfds: list[bool] = []
+
+
+def _has_pidfds() -> bool:
+    if not _pidfds:
+        _pidfds.append(lifetime.pidfds())
+    return _pidfds[0]
 
 
 def ready() -> None:
@@ -117,12 +141,47 @@ def lost(process: WorkerProcess) -> bool:
     return isinstance(process, _Forked) and process.lost
 
 
-def start(argv: list[str], env: dict[str, str]) -> WorkerProcess:
+def running(process: WorkerProcess) -> bool:
+    """Whether `process` has not ended (known without its zygote's answer)."""
+    if isinstance(process, _Forked):
+        return not process.exited()
+    return process.poll() is None
+
+
+def end(process: WorkerProcess) -> None:
+    """SIGKILL `process` and its process group now: from any thread, never waiting, and
+    needing no other process to answer (a stopped worker ends too)."""
+    if isinstance(process, _Forked):
+        process.end()
+    elif process.returncode is None:  # not reaped: its pid (its group's id) is still its own
+        if sys.platform == "win32":
+            with contextlib.suppress(OSError):
+                process.kill()
+        else:
+            lifetime.kill_group(process.pid)
+
+
+def gone(process: WorkerProcess, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `process` to end; whether it has."""
+    if isinstance(process, _Forked):
+        return process.exited(timeout)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def start(
+    argv: list[str], env: dict[str, str], give_up: Callable[[], bool] | None = None
+) -> WorkerProcess:
     """The worker (`python -m stemdeck_watch.workers.worker ARGV`) with `env` as its whole
-    environment, in a session of its own (Ctrl-C goes to the service, which stops it)."""
+    environment, in a session of its own (Ctrl-C goes to the service, which stops it).
+    `give_up`: asked while the zygote has not answered; True ends the wait at once
+    (StartAbandoned)."""
     if forks():
         try:
-            return _zygote().start(argv, env)
+            return _zygote().start(argv, env, give_up)
         except _TooLarge as exc:
             log.warning("%s: starting the worker as a fresh interpreter instead", exc)
     kwargs: dict[str, Any] = {}
@@ -159,14 +218,39 @@ def _zygote() -> _Zygote:
 
 
 class _Forked:
-    """A worker the zygote forked (start number `number`): its pipes, and its exit code once
-    the zygote reports it."""
+    """A worker the zygote forked (start number `number`): its pipes, its pidfd (the handle
+    that signals it and sees it end), and its exit code once the zygote reports it."""
 
-    def __init__(self, zygote: _Zygote, number: int, pid: int, pipes: Sequence[IO[str]]):
+    def __init__(
+        self, zygote: _Zygote, number: int, pid: int, pidfd: int, pipes: Sequence[IO[str]]
+    ):
         self._zygote, self.number, self.pid = zygote, number, pid
+        self._pidfd: int | None = pidfd
         self.stdin: IO[str] | None = pipes[0]
         self.stdout: IO[str] | None = pipes[1]
         self.stderr: IO[str] | None = pipes[2]
+
+    def __del__(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def exited(self, timeout: float = 0.0) -> bool:
+        """Whether it has ended, waiting up to `timeout` seconds (its pidfd says so, whether
+        or not the zygote has reaped it or can answer)."""
+        fd = self._pidfd
+        if fd is None or self.returncode is not None:
+            return True
+        return lifetime.exited(fd, timeout)
+
+    def end(self) -> None:
+        """SIGKILL it and its process group (its own session), straight from here."""
+        fd = self._pidfd
+        if fd is None or self.exited():
+            return  # its pid (its group's id) may name another process by now
+        lifetime.kill_group(self.pid)
+        lifetime.send(fd, signal.SIGKILL)
 
     @property
     def lost(self) -> bool:
@@ -193,56 +277,58 @@ class _Forked:
         self._signal(signal.SIGKILL)
 
     def _signal(self, signum: int) -> None:
-        if self.returncode is None:
-            self._zygote.signal(self.number, signum)
+        fd = self._pidfd
+        if fd is not None and not self.exited():
+            lifetime.send(fd, signum)
 
 
 class _Zygote:
     """The service's side: the zygote process, one request at a time, and a reader thread
-    that files what it reports, by start number."""
+    that starts it and then files what it reports, by start number. The zygote dies with
+    the thread that started it (its parent-death signal): the reader, which lives as long
+    as the zygote does."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # the zygote's environment, from which a start sends only what differs: one message
         # holds at most a socket buffer (about 200 KB), a whole environment may not fit
         self._environment = dict(os.environ)
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=self._environment,
-                cwd=None if _working_folder() else "/",
-                start_new_session=True,  # Ctrl-C goes to the service alone
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
         self._socket = ours
         self._request = threading.Lock()  # one start at a time
         self._state = threading.Condition()
-        # by start number (never reused, a few bytes per worker): the pid until its start
-        # takes it, the workers running, the exit codes, the workers that ended with the zygote
+        # by start number (never reused, a few bytes per worker): the pid and pidfd until its
+        # start takes them, the workers running, the exit codes, the workers that ended with
+        # the zygote, the starts given up on
         self._numbers = itertools.count(1)
-        self._started: dict[int, int] = {}
+        self._started: dict[int, tuple[int, int]] = {}
         self._running: set[int] = set()
         self._exits: dict[int, int] = {}
         self._lost: set[int] = set()
+        self._abandoned: set[int] = set()
+        self._ready = False  # its imports are done: a start is a fork, milliseconds
         self._gone = False
-        self._reader = threading.Thread(target=self._read, name=READER, daemon=True)
+        self._launched = threading.Event()
+        self._launch_error: BaseException | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._reader = threading.Thread(target=self._run, args=(theirs,), name=READER, daemon=True)
         self._reader.start()
+        self._launched.wait(START_TIMEOUT)
+        if self._process is None:
+            ours.close()
+            raise StartFailed(f"the worker zygote could not be started: {self._launch_error}")
 
     @property
     def pid(self) -> int:
+        assert self._process is not None
         return self._process.pid
 
     def alive(self) -> bool:
         with self._state:
             return not self._gone
 
-    def start(self, argv: list[str], env: dict[str, str]) -> _Forked:
+    def start(
+        self, argv: list[str], env: dict[str, str], give_up: Callable[[], bool] | None = None
+    ) -> _Forked:
         number = next(self._numbers)
         request = json.dumps(
             {
@@ -263,23 +349,9 @@ class _Zygote:
                 except OSError as exc:
                     failed = _TooLarge if exc.errno == errno.EMSGSIZE else StartFailed
                     raise failed(f"the worker zygote took no start request: {exc}") from exc
-                with self._state:
-                    if not self._state.wait_for(
-                        lambda: number in self._started or self._gone, START_TIMEOUT
-                    ):
-                        # its late answer would belong to no start: the next start
-                        # brings a new zygote
-                        self._process.kill()
-                        self._gone = True
-                        raise StartFailed(
-                            f"the worker zygote did not answer in {START_TIMEOUT:.0f} s "
-                            f"and was stopped"
-                        )
-                    if number not in self._started:
-                        raise StartFailed("the worker zygote ended (see the log above)")
-                    pid = self._started.pop(number)
+                pid, pidfd = self._answer(number, give_up)
         except BaseException:
-            for fd in ours:
+            for fd in ours:  # a worker started late reads the end of its input and exits
                 os.close(fd)
             raise
         finally:
@@ -290,16 +362,37 @@ class _Zygote:
             open(ours[1], encoding="utf-8", errors="replace"),
             open(ours[2], encoding="utf-8", errors="replace"),
         ]
-        return _Forked(self, number, pid, pipes)
+        return _Forked(self, number, pid, pidfd, pipes)
 
-    def signal(self, number: int, signum: int) -> None:
-        """Have the zygote send `signum` to the worker of start `number`, if it still runs."""
-        with contextlib.suppress(OSError):  # a zygote gone has no worker left to stop
-            self._socket.send(json.dumps({"signal": number, "signum": int(signum)}).encode())
+    def _answer(self, number: int, give_up: Callable[[], bool] | None) -> tuple[int, int]:
+        """The pid and pidfd of start `number`, as the zygote answers: within FORK_TIMEOUT
+        of a zygote done with its imports, START_TIMEOUT of one still at them."""
+        with self._state:
+            limit = FORK_TIMEOUT if self._ready else START_TIMEOUT
+            deadline = time.monotonic() + limit
+            while number not in self._started and not self._gone:
+                if give_up is not None and give_up():
+                    self._abandoned.add(number)
+                    raise StartAbandoned("the worker's start was given up")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # its late answer would belong to no start: the next start brings a
+                    # new zygote
+                    self._abandoned.add(number)
+                    self._gone = True
+                    if self._process is not None:
+                        self._process.kill()
+                    raise StartFailed(
+                        f"the worker zygote did not answer in {limit:.0f} s and was stopped"
+                    )
+                self._state.wait(min(left, 0.1))
+            if number not in self._started:
+                raise StartFailed("the worker zygote ended (see the log above)")
+            return self._started.pop(number)
 
     def wait(self, number: int, timeout: float | None) -> int | None:
         """The exit code of the worker of start `number`, waiting up to `timeout` for it
-        (None: running)."""
+        (None: running, or the zygote has not said)."""
         with self._state:
             self._state.wait_for(lambda: number in self._exits, timeout)
             return self._exits.get(number)
@@ -308,35 +401,74 @@ class _Zygote:
         with self._state:
             return number in self._lost
 
+    def _run(self, theirs: socket.socket) -> None:
+        """Start the zygote (from this thread: it dies with it), then read what it says."""
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=self._environment,
+                cwd=None if _working_folder() else "/",
+                start_new_session=True,  # Ctrl-C goes to the service alone
+            )
+        except BaseException as exc:
+            self._launch_error = exc
+            return
+        finally:
+            theirs.close()
+            self._launched.set()
+        self._read()
+
     def _read(self) -> None:
         try:
             while True:
-                data = self._socket.recv(MESSAGE_BYTES)
+                data, fds, _flags, _address = socket.recv_fds(self._socket, MESSAGE_BYTES, 1)
                 if not data:
                     break
-                message = json.loads(data)
-                with self._state:
-                    number = int(message["start"])
-                    if "started" in message:
-                        self._started[number] = int(message["started"])
-                        self._running.add(number)
-                    elif number in self._running:
-                        self._running.discard(number)
-                        self._exits[number] = int(message["code"])
-                    self._state.notify_all()
+                self._file(json.loads(data), fds)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("lost the worker zygote: %s", exc)
         with self._state:
-            # its workers lose their parent and exit by themselves (worker.watch_parent);
-            # to the service they are gone now, and the next start brings a new zygote
+            # its workers die with it (their parent-death signal); to the service they are
+            # gone now, and the next start brings a new zygote
             self._gone = True
             for number in self._running:
                 self._exits[number] = LOST
             self._lost |= self._running
             self._running.clear()
+            for _pid, fd in self._started.values():  # starts nobody took
+                os.close(fd)
+            self._started.clear()
             self._state.notify_all()
         self._socket.close()
-        self._process.wait()
+        assert self._process is not None
+        try:
+            self._process.wait(FORK_TIMEOUT)
+        except subprocess.TimeoutExpired:  # it said something that makes no sense: ended
+            self._process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(FORK_TIMEOUT)
+
+    def _file(self, message: dict[str, Any], fds: list[int]) -> None:
+        """File one report of the zygote: ready, a worker started (with its pidfd), ended."""
+        with self._state:
+            if "ready" in message:
+                self._ready = True
+                return
+            number = int(message["start"])
+            if "started" in message:
+                self._running.add(number)
+                if number in self._abandoned or not fds:  # nobody waits for this worker
+                    for fd in fds:
+                        lifetime.send(fd, signal.SIGKILL)
+                        os.close(fd)
+                else:
+                    self._started[number] = (int(message["started"]), fds[0])
+            elif number in self._running:
+                self._running.discard(number)
+                self._exits[number] = int(message["code"])
+            self._state.notify_all()
 
 
 def _working_folder() -> str | None:
@@ -351,10 +483,13 @@ def _working_folder() -> str | None:
 # ---------------------------------------------------------------- the zygote process
 
 
-def main(fd: int) -> int:
+def main(fd: int, service: int = 0) -> int:
     # the environment the service started it with, before any import changes it: each start
     # sends what the worker's differs by
     environment = dict(os.environ)
+    lifetime.die_with_parent()  # also while stopped: no zygote outlives its service
+    if service and os.getppid() != service:
+        return 0  # the service was gone before that took effect
     import demucs.apply  # noqa: F401 - the imports every worker needs, made once here
     import demucs.htdemucs  # noqa: F401
     import demucs.pretrained  # noqa: F401
@@ -363,6 +498,7 @@ def main(fd: int) -> int:
     import stemdeck_watch.workers.worker  # noqa: F401
 
     channel = socket.socket(fileno=fd)
+    channel.send(json.dumps({"ready": os.getpid()}).encode())
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -381,11 +517,6 @@ def main(fd: int) -> int:
             if not data:
                 return 0  # the service's process is gone
             request = json.loads(data)
-            if "signal" in request:
-                for child, number in children.items():  # not reaped: still that worker
-                    if number == int(request["signal"]):
-                        os.kill(child, int(request["signum"]))
-                continue
             zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
@@ -396,7 +527,13 @@ def main(fd: int) -> int:
             children[pid] = int(request["start"])
             for fd in fds:
                 os.close(fd)
-            channel.send(json.dumps({"started": pid, "start": children[pid]}).encode())
+            # taken before the child can be reaped (that happens on this thread): it names
+            # this worker for certain, for the service to signal and watch
+            handle = lifetime.pidfd(pid)
+            answer = json.dumps({"started": pid, "start": children[pid]}).encode()
+            socket.send_fds(channel, [answer], [] if handle is None else [handle])
+            if handle is not None:
+                os.close(handle)
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the service's process is gone
 
@@ -423,6 +560,9 @@ def _become_worker(
     watches `zygote`, its parent, from its first moment (one gone before is noticed too)."""
     code = 1
     try:
+        lifetime.die_with_parent()  # a zygote lost ends its workers, stopped ones too
+        if os.getppid() != zygote:
+            os._exit(0)  # it was lost before that took effect
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
@@ -456,4 +596,4 @@ def _become_worker(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(int(sys.argv[1])))
+    raise SystemExit(main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))

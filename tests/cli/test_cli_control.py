@@ -16,7 +16,7 @@ import pytest
 
 from stemdeck_watch.cli.main import main
 from stemdeck_watch.core.config import load_settings
-from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import wait_for, write_config
@@ -257,7 +257,7 @@ def test_the_browser_command_line_never_holds_the_token(
 ):
     """`open` and the tray start a browser, whose command line every local user can read
     (`ps`): it carries a one-time code that opens the page once, never the token."""
-    from stemdeck_watch.ui.tray import Tray
+    from stemdeck_watch.ui.desktop.tray import Tray
 
     service, _ = service_factory(load_settings(config))
     token = service.api.token

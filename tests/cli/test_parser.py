@@ -32,6 +32,8 @@ SAMPLES: dict[tuple[str, ...], list[str]] = {
     ("models", "verify"): [],
     ("models", "import"): ["offline-copy"],
     ("autostart",): ["--headless"],
+    ("password",): ["--stdin"],
+    ("health",): ["--stall", "60"],
     ("config", "init"): ["x.toml"],
 }
 

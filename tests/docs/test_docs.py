@@ -19,7 +19,7 @@ import pytest
 
 from stemdeck_watch.cli.main import _parser
 from stemdeck_watch.core.config import key_table
-from stemdeck_watch.ui.api import ROUTES
+from stemdeck_watch.ui.web.api import ROUTES
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -210,7 +210,7 @@ def test_a_song_publishing_behind_is_shown_beside_the_one_separating(
     cancelled from where it is shown (the page's Cancel sends its id)."""
     from stemdeck_watch.cli.status import render
     from stemdeck_watch.ui.folder import render_status_text
-    from stemdeck_watch.ui.tray import build_view
+    from stemdeck_watch.ui.desktop.tray import build_view
 
     service, jobs, a, b, held, separating = publishing_behind(
         request, make_settings, service_factory, monkeypatch

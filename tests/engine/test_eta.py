@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stemdeck_watch.ui.tray import build_view
+from stemdeck_watch.ui.desktop.tray import build_view
 from stemdeck_watch.engine.eta import RATES_META, Estimator
 from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.core.jobs import Job, JobKind, JobState

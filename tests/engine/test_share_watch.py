@@ -18,7 +18,7 @@ from stemdeck_watch.engine.scheduler import PAUSE_RESTORE, PAUSE_USER, Scheduler
 from stemdeck_watch.engine.shares import ShareWatch
 from stemdeck_watch.store.registry import Registry
 from stemdeck_watch.ui.folder import render_status_text
-from stemdeck_watch.ui.notify import Composer
+from stemdeck_watch.ui.desktop.notify import Composer
 from stemdeck_watch.workers.local import WorkerClient
 
 from support.helpers import add_job, open_scheduler

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.workers import zygote
 from stemdeck_watch.store.registry import REGISTRY_FILE
 

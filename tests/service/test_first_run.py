@@ -11,8 +11,8 @@ import pytest
 
 from stemdeck_watch.cli.status import collect, render
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.ui.client import Client
-from stemdeck_watch.ui.tray import build_view
+from stemdeck_watch.ui.web.client import Client
+from stemdeck_watch.ui.desktop.tray import build_view
 from stemdeck_watch.util.synth import write_song
 
 from support import browser as chrome

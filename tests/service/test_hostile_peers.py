@@ -24,7 +24,7 @@ import pytest
 
 from stemdeck_watch.core import paths
 from stemdeck_watch.ui.folder import STATUS_FILE, is_status_temp
-from stemdeck_watch.ui.notify import Note, Target
+from stemdeck_watch.ui.desktop.notify import Note, Target
 from stemdeck_watch.links.linkfile import LinkError, read_link
 from stemdeck_watch.intake.ownership import FOLDER, InboxOwnership, read_heartbeats
 from stemdeck_watch.core.paths import move_file

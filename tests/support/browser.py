@@ -63,8 +63,14 @@ def set_viewport(driver: Any, width: int, height: int) -> None:
 
 
 @contextlib.contextmanager
-def chromium(logs: Path, size: tuple[int, int] = DESKTOP) -> Iterator[Any]:
-    """A headless Chromium driven by chromedriver (its log in `logs`); quit on exit."""
+def chromium(
+    logs: Path,
+    size: tuple[int, int] = DESKTOP,
+    arguments: tuple[str, ...] = (),
+    reachable: tuple[str, ...] = (),
+) -> Iterator[Any]:
+    """A headless Chromium driven by chromedriver (its log in `logs`), with `arguments` added
+    to its command line; it reaches loopback and the `reachable` addresses only. Quit on exit."""
     require()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service as DriverService
@@ -79,8 +85,10 @@ def chromium(logs: Path, size: tuple[int, int] = DESKTOP) -> Iterator[Any]:
             "--headless=new",
             "--no-sandbox",
             "--disable-dev-shm-usage",
-            "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost",
+            "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost"
+            + "".join(f" , EXCLUDE {address}" for address in reachable),
             f"--window-size={size[0]},{size[1]}",
+            *arguments,
         ):
             options.add_argument(argument)
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})

@@ -72,8 +72,9 @@ def build_tiny(model_repo: Path, root: Path) -> BuiltCompile:
             info = builder.info()
             if info is None:
                 return True
-            with contextlib.suppress(OSError):  # it ended meanwhile
-                policies.add(os.sched_getscheduler(info["pid"]))
+            if builder._armed.is_set():  # the build itself (not its keeper) is known
+                with contextlib.suppress(OSError):  # it ended meanwhile
+                    policies.add(os.sched_getscheduler(info["pid"]))
             return False
 
         wait_for(ended, BUILD_TIMEOUT, "the tiny model's compile", interval=0.2)

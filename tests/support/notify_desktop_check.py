@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from stemdeck_watch.core.config import settings_from_dict  # noqa: E402
-from stemdeck_watch.ui.notify import Note, Notifier, Target  # noqa: E402
+from stemdeck_watch.ui.desktop.notify import Note, Notifier, Target  # noqa: E402
 from stemdeck_watch.core.events import EventBus, JobChanged  # noqa: E402
 from stemdeck_watch.core.jobs import Job, JobKind, JobState  # noqa: E402
 

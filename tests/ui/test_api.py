@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.ui import discovery
-from stemdeck_watch.ui.stream import Broadcaster, fingerprints
+from stemdeck_watch.ui.web import discovery
+from stemdeck_watch.ui.web.stream import Broadcaster, fingerprints
 from stemdeck_watch.core.events import EventBus, JobChanged, QueueChanged
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.cli.status import collect
@@ -174,6 +174,8 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
         "port": port,
         "pid": os.getpid(),
         "url": f"http://127.0.0.1:{port}/",
+        "cert": "",
+        "page": {"local": f"http://127.0.0.1:{port}/", "remote": [], "fingerprint": None},
     }
     token_file = state / discovery.TOKEN_FILE
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -188,6 +190,10 @@ def test_discovery_file_and_token_are_fresh_private_and_withdrawn(make_settings,
 
 
 @pytest.mark.slow
+def api_url(service: Any) -> str:
+    return f"http://127.0.0.1:{service.api.port}/"
+
+
 def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_settings, service_factory):
     settings = make_settings()
     service, _ = service_factory(settings)
@@ -195,7 +201,9 @@ def test_get_queue_is_the_status_object_and_the_page_needs_no_token(make_setting
     live = api.queue()
     on_disk = collect(settings)
     assert set(live) == set(on_disk)
-    assert live["service"] == {"running": True, "pid": os.getpid()}
+    page = {"local": api_url(service), "remote": [], "fingerprint": None}
+    assert live["service"] == {"running": True, "pid": os.getpid(), "page": page}
+    assert on_disk["service"] == live["service"]  # `status` says where the page is, too
     assert live["folders"] == on_disk["folders"] and live["jobs"] == [] and live["paused"] is False
 
     status, page, headers = api.call("GET", "/", token=NO_TOKEN)
@@ -604,7 +612,7 @@ def ipv6_loopback() -> bool:
 )
 def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
     from stemdeck_watch.core.config import ApiSettings
-    from stemdeck_watch.ui.api import ApiServer
+    from stemdeck_watch.ui.web.api import ApiServer
 
     server = ApiServer(IdleScheduler(), EventBus(), ApiSettings(host=host, port=0), tmp_path)
     server.start()
@@ -626,7 +634,7 @@ def test_the_server_binds_loopback_only(tmp_path, host, bound, url_host):
 
 def test_a_non_loopback_host_is_refused(tmp_path):
     from stemdeck_watch.core.config import ApiSettings
-    from stemdeck_watch.ui.api import ApiServer
+    from stemdeck_watch.ui.web.api import ApiServer
     from stemdeck_watch.core.errors import ConfigError
 
     for host in ("0.0.0.0", "192.168.1.2", "example.com", "::"):
@@ -636,7 +644,7 @@ def test_a_non_loopback_host_is_refused(tmp_path):
 
 def test_a_taken_port_fails_to_start_and_leaves_nothing_behind(tmp_path):
     from stemdeck_watch.core.config import ApiSettings
-    from stemdeck_watch.ui.api import ApiServer
+    from stemdeck_watch.ui.web.api import ApiServer
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -659,7 +667,7 @@ def api_on_registry(settings: Any) -> Any:
     from types import SimpleNamespace
 
     from stemdeck_watch.core.config import ApiSettings
-    from stemdeck_watch.ui.api import ApiServer
+    from stemdeck_watch.ui.web.api import ApiServer
 
     from support.helpers import open_scheduler
 
@@ -804,7 +812,7 @@ def test_deeply_nested_json_is_refused_with_400_not_a_500(api_on_registry):
 
 
 def test_a_one_time_page_code_works_once_and_only_for_a_minute():
-    from stemdeck_watch.ui.pagecode import CODE_TTL, MAX_CODES, OneTimeCodes
+    from stemdeck_watch.ui.web.pagecode import CODE_TTL, MAX_CODES, OneTimeCodes
 
     now = [1000.0]
     codes = OneTimeCodes(clock=lambda: now[0])

@@ -17,8 +17,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from stemdeck_watch.ui import api as api_module
-from stemdeck_watch.ui import openapi
+from stemdeck_watch.ui.web import api as api_module
+from stemdeck_watch.ui.web import openapi
 
 try:
     import schemathesis

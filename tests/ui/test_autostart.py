@@ -16,7 +16,7 @@ import pytest
 
 from support import desktop
 from stemdeck_watch.cli.main import main
-from stemdeck_watch.ui import autostart
+from stemdeck_watch.ui.desktop import autostart
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,9 +25,9 @@ import pytest
 
 from support import desktop
 from support.helpers import wait_for, write_config
-from stemdeck_watch.ui import discovery
-from stemdeck_watch.ui.client import Client
-from stemdeck_watch.ui.tray import COLOURS
+from stemdeck_watch.ui.web import discovery
+from stemdeck_watch.ui.web.client import Client
+from stemdeck_watch.ui.desktop.tray import COLOURS
 
 TRAY_HEIGHT = 32
 SUPPORT = Path(__file__).resolve().parents[1] / "support"

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from stemdeck_watch.core.config import settings_from_dict
-from stemdeck_watch.ui.notify import Channel, Note, Notifier, Target, check_urls
+from stemdeck_watch.ui.desktop.notify import Channel, Note, Notifier, Target, check_urls
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import (
     DiskLow,
@@ -154,7 +154,7 @@ def test_a_dead_target_costs_the_publisher_nothing_and_is_logged_once(settings, 
     """A closed port next to a live receiver: every publish returns at once, the live target
     gets every message, the dead one is logged once for its whole failure streak, and once
     something listens there again, "works again" is logged."""
-    caplog.set_level(logging.INFO, "stemdeck_watch.ui.notify")
+    caplog.set_level(logging.INFO, "stemdeck_watch.ui.desktop.notify")
     port = closed_port()
     dead = f"json://127.0.0.1:{port}/"
     bus = EventBus()

@@ -15,8 +15,8 @@ import threading
 import pytest
 
 from stemdeck_watch.core.config import settings_from_dict
-from stemdeck_watch.ui import discovery
-from stemdeck_watch.ui.tray import (
+from stemdeck_watch.ui.web import discovery
+from stemdeck_watch.ui.desktop.tray import (
     COLOURS,
     Tray,
     build_view,
@@ -326,7 +326,7 @@ def test_run_with_tray_enabled_and_no_display_exits_2(tmp_path, model_repo):
 
 
 def test_opening_folders_and_pages_per_platform(tmp_path, monkeypatch, caplog):
-    from stemdeck_watch.ui import opener
+    from stemdeck_watch.ui.desktop import opener
 
     assert opener.opener_command("linux") == ["xdg-open"]
     assert opener.opener_command("darwin") == ["open"]

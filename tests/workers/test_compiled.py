@@ -183,9 +183,9 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
     try:
         assert client.ensure_model("tiny", str(model_repo)).compiled["state"] == "building"
         assert client.builder is not None
-        info = client.builder.info()
-        assert info is not None
         wait_for(lambda: list(cache.glob(".build-*/inductor")), 120, "the build to start")
+        info = client.builder.info()  # the build's own process (it has said so by now)
+        assert info is not None
         with client.builder.held():  # as while the worker separates: the build is stopped
             wait_for(lambda: process_state(info["pid"]) == "T", 10, "the build to stop")
         wait_for(lambda: process_state(info["pid"]) != "T", 10, "the build to go on")

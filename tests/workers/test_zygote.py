@@ -103,7 +103,7 @@ def test_a_zygote_that_does_not_answer_is_replaced_and_no_worker_is_mistaken_for
     client = WorkerClient("cpu")
     try:
         with monkeypatch.context() as patch, pytest.raises(WorkerDied, match="not answer in 1 s"):
-            patch.setattr(zygote, "START_TIMEOUT", 1.0)
+            patch.setattr(zygote, "FORK_TIMEOUT", 1.0)  # a zygote done with its imports
             client.ensure_model("tiny", str(model_repo))
     finally:
         client.close()
@@ -162,9 +162,9 @@ def asked_to_start(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     asked = threading.Event()
     original = zygote._Zygote.start
 
-    def start(self: Any, argv: list[str], env: dict[str, str]) -> Any:
+    def start(self: Any, argv: list[str], env: dict[str, str], *rest: Any) -> Any:
         asked.set()
-        return original(self, argv, env)
+        return original(self, argv, env, *rest)
 
     monkeypatch.setattr(zygote._Zygote, "start", start)
     return asked

@@ -1,4 +1,4 @@
-"""The local HTTP API and its one event stream, on a loopback address only.
+"""The HTTP API and its one event stream: loopback only, or for other devices signed in.
 
 Threads, like the rest of the service: the standard library's ThreadingHTTPServer, one thread
 per connection, one connection per request (HTTP/1.0 semantics, so no idle keep-alive
@@ -14,29 +14,38 @@ bodies are capped. The static page needs no token: it holds nothing secret, and 
 token by trading a one-time code from its URL fragment (`pagecode.py`; the fragment never
 reaches a server, and the code is useless once traded or after a minute). The only other
 `/api/` requests without a token are that trade and the API's own description
-(`openapi.py`). The stream itself is `stream.py`.
+(`openapi.py`).
+
+With `api.host` other than loopback (a password set), other devices reach the same page and
+API once signed in (`signin.py`: a session cookie, HttpOnly and SameSite=Strict, Secure under
+HTTPS; wrong passwords limited per address), optionally over HTTPS (`tls.py`). Which names and
+origins are ours and which requests come from this machine is `gate.py`'s; a request from
+another device is refused everything but the sign-in page until it has signed in, and the
+token is not taken from it. The stream itself is `stream.py`.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
-from stemdeck_watch.core.config import ApiSettings
-from stemdeck_watch.ui import discovery, media, openapi, upload
-from stemdeck_watch.ui.httpbase import CountedBody, HttpError, JsonHandler, LoopbackServer
-from stemdeck_watch.ui.pagecode import OneTimeCodes
-from stemdeck_watch.ui.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
+from stemdeck_watch.core.config import ApiSettings, resolve_path
+from stemdeck_watch.ui.web import discovery, media, openapi, signin, tls, upload
+from stemdeck_watch.ui.web.gate import Gate, is_local, is_loopback, primary_address
+from stemdeck_watch.ui.web.httpbase import CountedBody, HttpError, JsonHandler, LoopbackServer
+from stemdeck_watch.ui.web.signin import SignInRoutes
+from stemdeck_watch.ui.web.pagecode import OneTimeCodes
+from stemdeck_watch.ui.web.stream import KEEPALIVE, PROGRESS_INTERVAL, Broadcaster
 from stemdeck_watch.core.errors import ConfigError, ControlError, JobNotFound
 from stemdeck_watch.core.events import EventBus
+from stemdeck_watch.util.passwords import verify_password
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,8 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, str]]] = [
 FILES = ("stem", "preview")  # answered with a file (HTTP Range), not JSON
 QUERIED = ("jobs", "upload")  # the only routes that take query parameters
 PUBLIC = ("/api/openapi.json", "/api/token")  # the only /api/ paths served without the token
+SIGNIN_PUBLIC = ("/signin", "/style.css")  # what another device gets before it signs in
+CHECK_WAIT = 5.0  # seconds a sign-in waits for the checks ahead of it before a 503
 PAGE_LIMIT, MAX_PAGE_LIMIT = 100, 1000  # GET /api/jobs: jobs per page, by default and at most
 CURSOR = re.compile(openapi.CURSOR)  # its `before`: a job's created_at and rowid
 
@@ -85,19 +96,36 @@ class ApiServer:
         settings: ApiSettings,
         state_dir: Path,
         *,
+        base: Path | None = None,
         keepalive: float = KEEPALIVE,
         progress_interval: float = PROGRESS_INTERVAL,
     ):
         host = "127.0.0.1" if settings.host == "localhost" else settings.host
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
+        if not is_loopback(host) and not settings.password_hash:
             raise ConfigError(
-                f"api.host = {settings.host!r} is not a loopback address; the "
-                f"API may only listen on 127.0.0.1, localhost or ::1"
+                f"api.host = {settings.host!r} is not a loopback address: other devices could "
+                f"reach the page, so it needs a password first: run `stemdeck-watch password` "
+                f'(or set api.host = "127.0.0.1" for this computer only)'
             )
+        self.password_hash = settings.password_hash
+        self.https = settings.https
+        self.names = tuple(settings.hosts)
+        self.cert: Path | None = None
+        self._tls: Any = None
+        if (settings.tls_cert or settings.tls_key) and not settings.https:
+            raise ConfigError("api.tls_cert and api.tls_key are used only with api.https = true")
+        if settings.https:
+            self.cert, key = self._certificate(settings, base or state_dir, state_dir, host)
+            self._tls = tls.server_context(self.cert, key)
+        self.sessions = signin.Sessions()
+        self.failures = signin.FailureLimit()
+        # one password check at a time: each takes 32 MiB and a tenth of a second or more, so
+        # a crowd of sign-ins at once would otherwise take the machine's memory
+        self._checking = threading.Semaphore(1)
+        self.gate = Gate(host, 0, self.names, self.https)
+        self._reach: dict[str, Any] = {}
+        # whether a connection comes from this machine (tests make every peer another device)
+        self.local_peer: Callable[[str, str], bool] = is_local
         self.scheduler, self.host, self.state_dir = scheduler, host, state_dir
         self.keepalive = keepalive
         self._wanted_port = settings.port
@@ -111,30 +139,69 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        return discovery.base_url(self.host, self.port)
+        return self.gate.local_url()
+
+    @staticmethod
+    def _certificate(
+        settings: ApiSettings, base: Path, state_dir: Path, host: str
+    ) -> tuple[Path, Path]:
+        if bool(settings.tls_cert) != bool(settings.tls_key):
+            raise ConfigError("set both api.tls_cert and api.tls_key, or neither (self-signed)")
+        if settings.tls_cert:
+            return resolve_path(settings.tls_cert, base), resolve_path(settings.tls_key, base)
+        names = [host, *settings.hosts]
+        if host in ("0.0.0.0", "::"):
+            names.append(primary_address(host) or "")
+        return tls.self_signed(state_dir, names)
 
     def start(self) -> None:
         """Bind (OSError if the port is taken), serve, then write the discovery file."""
         self.token = discovery.new_token()
-        self._httpd = LoopbackServer((self.host, self._wanted_port), self, _Handler)
+        self._httpd = LoopbackServer((self.host, self._wanted_port), self, _Handler, self._tls)
         self.port = self._httpd.server_address[1]
-        self._allowed_hosts = {
-            f"{name}:{self.port}" for name in ("127.0.0.1", "localhost", "[::1]")
-        }
-        self._allowed_origins = {f"http://{host}" for host in self._allowed_hosts}
+        self.gate = Gate(self.host, self.port, self.names, self.https)
+        self._reach = self.reach()
         self.broadcaster.start()
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.2,), name="stemdeck-api", daemon=True
         )
         self._thread.start()
         self._published = discovery.publish(
-            self.state_dir, self.host, self.port, os.getpid(), self.token
+            self.state_dir,
+            self.gate.cli_host(),
+            self.port,
+            os.getpid(),
+            self.token,
+            scheme=self.gate.scheme,
+            cert=str(self.cert or ""),
+            page=self._reach,
         )
         log.info(
             "local API and queue page on %s (token in %s)",
             self.url,
             self.state_dir / discovery.TOKEN_FILE,
         )
+        reach = self._reach
+        if reach["remote"] and not self.https:
+            log.warning(
+                "other devices reach the page over plain HTTP: their password and session "
+                "cross the network readable by anyone on it; set api.https = true"
+            )
+        if reach["remote"]:
+            log.info(
+                "other devices sign in to the queue page at %s%s",
+                ", ".join(reach["remote"]),
+                f" (certificate SHA-256 {reach['fingerprint']})" if reach["fingerprint"] else "",
+            )
+
+    def reach(self) -> dict[str, Any]:
+        """Where the page can be opened from: this machine, other devices, the certificate's
+        fingerprint under HTTPS (what a browser shows for a self-signed one)."""
+        return {
+            "local": self.url,
+            "remote": self.gate.remote_urls(),
+            "fingerprint": tls.fingerprint(self.cert) if self.cert else None,
+        }
 
     def stop(self) -> None:
         """Withdraw the discovery file, stop accepting, end every stream and connection, and
@@ -159,20 +226,32 @@ class ApiServer:
 
     def snapshot(self) -> dict[str, Any]:
         snap = dict(self.scheduler.snapshot())
-        snap.setdefault("service", {"running": True, "pid": os.getpid()})
+        service = dict(snap.get("service") or {"running": True, "pid": os.getpid()})
+        service["page"] = self._reach
+        snap["service"] = service
         return snap
 
     def host_allowed(self, host: str) -> bool:
-        return host.strip().lower() in self._allowed_hosts
+        return self.gate.host_allowed(host)
 
     def origin_allowed(self, origin: str) -> bool:
-        return origin.strip().lower() in self._allowed_origins
+        return self.gate.origin_allowed(origin)
+
+    def password_ok(self, presented: str) -> bool | None:
+        """Whether `presented` is the password; None when other checks kept this one waiting
+        past `CHECK_WAIT`."""
+        if not self._checking.acquire(timeout=CHECK_WAIT):
+            return None
+        try:
+            return bool(self.password_hash) and verify_password(presented, self.password_hash)
+        finally:
+            self._checking.release()
 
     def token_ok(self, presented: str) -> bool:
         return bool(self.token) and hmac.compare_digest(presented.encode(), self.token.encode())
 
 
-class _Handler(JsonHandler):
+class _Handler(SignInRoutes, JsonHandler):
     """One connection, one request: check, route, call the scheduler, answer JSON."""
 
     static_dir = PAGE_DIR
@@ -189,9 +268,21 @@ class _Handler(JsonHandler):
         try:
             self._check_host_and_origin(api)
             path = urlsplit(self.path).path
+            local = api.local_peer(self.client_address[0], self.connection.getsockname()[0])
+            if path in ("/signin", "/signout"):
+                return self._signin(api, method, path)
+            signed_in = self._signed_in(api)
+            if not local and not signed_in and path not in SIGNIN_PUBLIC:
+                return self._refuse_unsigned(api, method, path)
+            if signed_in and method not in ("GET", "HEAD") and not self.headers.get("Origin"):
+                raise HttpError(
+                    403,
+                    "refused: a signed-in request that changes something must "
+                    "come from the queue page (it sends an Origin header)",
+                )
             if path != "/api" and not path.startswith("/api/"):
                 return self._static(method, path)
-            if path not in PUBLIC:
+            if path not in PUBLIC and not signed_in:
                 self._authorize(api)
             name, params = _route(method, path)
             if name not in QUERIED and urlsplit(self.path).query:
@@ -217,10 +308,12 @@ class _Handler(JsonHandler):
         hosts = self.headers.get_all("Host") or []
         if len(hosts) != 1 or not api.host_allowed(hosts[0]):
             shown = hosts[0][:100] if hosts else "(none)"
+            names = ", ".join(["127.0.0.1", "localhost", *api.names])
+            also = ", or an address of this machine" if api.gate.remote else ""
             raise HttpError(
                 403,
-                f"refused: Host {shown!r} is not this service's loopback "
-                f"address (127.0.0.1:{api.port}, localhost:{api.port})",
+                f"refused: Host {shown!r} is not a name of this service (port {api.port} "
+                f"with {names}{also}); list other names in api.hosts",
             )
         origins = self.headers.get_all("Origin") or []
         if len(origins) > 1 or (origins and not api.origin_allowed(origins[0])):
@@ -228,25 +321,6 @@ class _Handler(JsonHandler):
                 403,
                 f"refused: requests from {origins[0][:100]!r} are not allowed; "
                 f"only the queue page served here may call the API",
-            )
-
-    def _authorize(self, api: ApiServer) -> None:
-        challenge = {"WWW-Authenticate": 'Bearer realm="stemdeck-watch"'}
-        header = self.headers.get("Authorization")
-        if not header:
-            raise HttpError(
-                401,
-                "missing token: send 'Authorization: Bearer <token>' with the "
-                "token from api.token in the service's state folder",
-                challenge,
-            )
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "bearer" or not api.token_ok(token.strip()):
-            raise HttpError(
-                401,
-                "wrong token: the service makes a new one at every start; read "
-                "api.token in its state folder again",
-                challenge,
             )
 
     # ------------------------------------------------------------ actions

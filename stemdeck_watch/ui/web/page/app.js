@@ -71,7 +71,7 @@
     let response;
     try {
       response = await fetch("/api/token", {
-        method: "POST", cache: "no-store", credentials: "omit",
+        method: "POST", cache: "no-store", credentials: "same-origin",
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify({ code: code }),
       });
@@ -90,8 +90,19 @@
     try { sessionStorage.removeItem(TOKEN_KEY); } catch (e) { /* nothing stored */ }
   }
 
+  /** The token's header; none for a device that signed in (its session cookie is sent). */
   function authHeaders(extra) {
-    return Object.assign({ Authorization: "Bearer " + token }, extra || {});
+    return Object.assign(token ? { Authorization: "Bearer " + token } : {}, extra || {});
+  }
+
+  /** Whether this browser signed in (its cookie cannot be read by the page, only used). */
+  async function signedIn() {
+    try {
+      const response = await fetch("/api/queue", { cache: "no-store", credentials: "same-origin" });
+      return response.ok;
+    } catch (e) {
+      return false;
+    }
   }
 
   // ------------------------------------------------------------------ small DOM helpers
@@ -494,6 +505,17 @@
     show($("folders"), true);
   }
 
+  /** Where the page can be opened from: this computer, and other devices when it listens
+   * wider (with the HTTPS certificate's fingerprint to compare with the browser's). */
+  function renderReach(service) {
+    const reach = service && service.page;
+    if (!reach || !reach.local) return;
+    const urls = [reach.local].concat(reach.remote || []);
+    setText($("reach-urls"), urls.join("  ·  "));
+    setText($("reach-fingerprint"), reach.fingerprint ? "certificate SHA-256 " + reach.fingerprint : "");
+    show($("reach"), true);
+  }
+
   function renderTitle(status) {
     const job = status.running;
     let title = "stemdeck-watch";
@@ -512,6 +534,7 @@
     renderWaiting(status.waiting || []);
     renderRecent(status.jobs || []);
     renderFolders(status.folders);
+    renderReach(status.service);
     renderTitle(status);
     restoreFocus(focus);
     document.body.dataset.loaded = "true";
@@ -520,7 +543,7 @@
   // ------------------------------------------------------------------ actions
 
   async function post(path, body) {
-    const init = { method: "POST", headers: authHeaders(), cache: "no-store", credentials: "omit" };
+    const init = { method: "POST", headers: authHeaders(), cache: "no-store", credentials: "same-origin" };
     if (body !== undefined) {
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body);
@@ -726,6 +749,11 @@
   }
 
   function refused(message) {
+    if (!token && !stopped) {  // a signed-in device whose session ended: sign in again
+      stopped = true;
+      location.assign("/signin");
+      return;
+    }
     if (window.StemdeckPlayer) window.StemdeckPlayer.close();
     stopped = true;
     forgetToken();
@@ -755,7 +783,7 @@
       const response = await fetch("/api/queue/events", {
         headers: authHeaders({ Accept: "text/event-stream" }),
         cache: "no-store",
-        credentials: "omit",
+        credentials: "same-origin",
         signal: abort.signal,
       });
       if (response.status === 401 || response.status === 403) {
@@ -823,7 +851,9 @@
       showHelp("This page link does not work", e.message);
       return;
     }
-    if (!token) {
+    if (!token && await signedIn()) {
+      show($("signout"), true);
+    } else if (!token) {
       stopped = true;
       setConnection("no-token", "not connected: no token");
       showHelp("No access token", "This page needs the service's token, and it has none.");

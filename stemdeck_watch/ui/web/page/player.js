@@ -51,7 +51,7 @@
   /** fetch with the token; an Error saying what the service answered when it refused. */
   async function get(s, url, range, signal) {
     const headers = s.env.headers(range ? { Range: range } : {});
-    const response = await fetch(url, { headers, cache: "no-store", credentials: "omit", signal });
+    const response = await fetch(url, { headers, cache: "no-store", credentials: "same-origin", signal });
     if (!response.ok) {
       let message = "the service answered " + response.status;
       try {

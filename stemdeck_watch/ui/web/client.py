@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from stemdeck_watch.ui import discovery
+from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.core.errors import StemdeckError
 from stemdeck_watch.core.lock import running_pid
 
@@ -45,7 +45,12 @@ class Client:
     def __init__(self, found: discovery.Discovery, state_dir: Path):
         self.found = found
         self.state_dir = state_dir
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if found.scheme == "https":
+            from stemdeck_watch.ui.web.tls import client_context
+
+            handlers.append(urllib.request.HTTPSHandler(context=client_context(Path(found.cert))))
+        self._opener = urllib.request.build_opener(*handlers)
 
     @classmethod
     def connect(cls, state_dir: Path) -> Client:

@@ -786,16 +786,21 @@ def document(
         "info": {
             "title": "stemdeck-watch local API",
             "version": __version__,
-            "description": "The running service's queue, on a loopback address only. "
-            "Every request needs `Authorization: Bearer <token>` (the "
+            "description": "The running service's queue. From the computer that runs it, "
+            "every request needs `Authorization: Bearer <token>` (the "
             "token is in `api.token` in the state folder, new at every "
-            "start) except the two marked otherwise.",
+            "start) except the two marked otherwise. From another device (`api.host` "
+            "other than loopback), every request needs the session cookie that signing in "
+            "at `/signin` gives, and no other.",
         },
         "servers": [{"url": base_url.rstrip("/")}],
-        "security": [{"bearer": []}],
+        "security": [{"bearer": []}, {"session": []}],
         "paths": paths,
         "components": {
             "schemas": copy.deepcopy(SCHEMAS),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "session": {"type": "apiKey", "in": "cookie", "name": "stemdeck-session"},
+            },
         },
     }

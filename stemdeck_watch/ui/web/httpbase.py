@@ -1,4 +1,4 @@
-"""HTTP plumbing under the local API: a loopback server that can drop every connection, and
+"""HTTP plumbing under the API: a server (HTTP or HTTPS) that can drop every connection, and
 a request handler whose answers are JSON (errors too), never cached, never framed, with the
 body capped and read away before answering.
 
@@ -14,6 +14,7 @@ import logging
 import re
 import socket
 import socketserver
+import ssl
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from stemdeck_watch.ui import media
+from stemdeck_watch.ui.web import media
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,25 @@ class LoopbackServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], api: Any, handler: type[BaseHTTPRequestHandler]):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        api: Any,
+        handler: type[BaseHTTPRequestHandler],
+        tls: ssl.SSLContext | None = None,
+    ):
         self.api = api  # what the handlers serve
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
         super().__init__(address, handler)
+        if tls is not None:
+            # the handshake happens on the connection's own thread, at its first read (and
+            # under its timeout), never in the accepting loop where one slow client would
+            # hold up every other
+            self.socket = tls.wrap_socket(
+                self.socket, server_side=True, do_handshake_on_connect=False
+            )
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind would look up the host's FQDN: a DNS query at every start
@@ -262,7 +276,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         for name, value in (
             ("Cache-Control", "no-store"),
             ("X-Content-Type-Options", "nosniff"),
-            ("Referrer-Policy", "no-referrer"),
+            # no address leaves for another site; and the page's own forms (sign in, sign
+            # out) keep their Origin: under no-referrer a browser sends `Origin: null`
+            ("Referrer-Policy", "same-origin"),
             ("X-Frame-Options", "DENY"),
             ("Content-Security-Policy", CSP),
             ("Cross-Origin-Resource-Policy", "same-origin"),

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stemdeck_watch.ui import opener
+from stemdeck_watch.ui.desktop import opener
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.events import Event, JobChanged
 from stemdeck_watch.core.jobs import JobState

@@ -113,7 +113,7 @@
     let data = null;
     try {
       response = await fetch("/api/links", {
-        method: "POST", cache: "no-store", credentials: "omit",
+        method: "POST", cache: "no-store", credentials: "same-origin",
         headers: env.headers({ "Content-Type": "application/json" }), body: JSON.stringify(body) });
       data = await response.json();
     } catch (e) {
@@ -175,7 +175,7 @@
     env = environment;
     let response;
     try {
-      response = await fetch("/api/intake", { headers: env.headers(), cache: "no-store", credentials: "omit" });
+      response = await fetch("/api/intake", { headers: env.headers(), cache: "no-store", credentials: "same-origin" });
       if (!response.ok) return;
       limits = await response.json();
     } catch (e) {

@@ -1,7 +1,8 @@
 """How the CLI (and the page launcher) find the running service: `<state>/api.json` + token.
 
 The port is picked at start (`api.port = 0`), so it has to be written down somewhere the CLI
-can read it: `api.json` names the port, the pid, the host and the URL; the bearer token sits in
+can read it: `api.json` names the port, the pid, the host and the URL (with the certificate to
+trust under HTTPS, and where other devices reach the page, for `status`); the bearer token sits in
 `api.token`, readable by the user only (0600) and fresh at every start, so a token that leaked
 (a screenshot, a shell history) is dead after the next restart. Both are written atomically
 (temp file + os.replace): a CLI reading at the wrong moment sees the old file or the new one,
@@ -18,6 +19,7 @@ import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 API_FILE = "api.json"
 TOKEN_FILE = "api.token"
@@ -31,29 +33,44 @@ class Discovery:
     port: int
     pid: int
     token: str
+    scheme: str = "http"
+    cert: str = ""  # under HTTPS: the certificate the CLI trusts (exactly that one)
+    page: dict[str, Any] = dataclasses.field(default_factory=dict)  # `ApiServer.reach()`
 
     @property
     def url(self) -> str:
-        return base_url(self.host, self.port)
+        return base_url(self.host, self.port, self.scheme)
 
 
-def base_url(host: str, port: int) -> str:
+def base_url(host: str, port: int, scheme: str = "http") -> str:
     """`http://127.0.0.1:8765/`; an IPv6 literal gets its brackets."""
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/"
 
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def publish(state_dir: Path, host: str, port: int, pid: int, token: str) -> Discovery:
+def publish(
+    state_dir: Path,
+    host: str,
+    port: int,
+    pid: int,
+    token: str,
+    *,
+    scheme: str = "http",
+    cert: str = "",
+    page: dict[str, Any] | None = None,
+) -> Discovery:
     """Write the token (0600) first, then `api.json`, both atomically: whoever sees the new
     `api.json` also finds the matching token."""
     state_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(state_dir / TOKEN_FILE, token + "\n", 0o600)
-    info = {"host": host, "port": port, "pid": pid, "url": base_url(host, port)}
+    found = Discovery(host, port, pid, token, scheme, cert, page or {})
+    info = {"host": host, "port": port, "pid": pid, "url": found.url, "cert": cert}
+    info["page"] = found.page
     _write_atomic(state_dir / API_FILE, json.dumps(info, indent=2) + "\n", 0o644)
-    return Discovery(host, port, pid, token)
+    return found
 
 
 def withdraw(state_dir: Path, mine: Discovery) -> None:
@@ -72,9 +89,11 @@ def read(state_dir: Path) -> Discovery | None:
         info = json.loads((state_dir / API_FILE).read_text(encoding="utf-8"))
         token = (state_dir / TOKEN_FILE).read_text(encoding="utf-8").strip()
         host, port, pid = str(info["host"]), int(info["port"]), int(info["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        scheme = "https" if str(info.get("url", "")).startswith("https:") else "http"
+        cert, page = str(info.get("cert") or ""), info.get("page") or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return Discovery(host, port, pid, token)
+    return Discovery(host, port, pid, token, scheme, cert, page if isinstance(page, dict) else {})
 
 
 def _write_atomic(path: Path, text: str, mode: int) -> None:
