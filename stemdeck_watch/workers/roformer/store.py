@@ -22,6 +22,7 @@ No torch here: `stemdeck-watch models` answers at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -156,7 +157,7 @@ class RoformerStore:
                 download.fetch(
                     file.url,
                     path,
-                    lambda present, before=done: report(before + present, None),
+                    functools.partial(_offset, report, done),
                     self.timeout,
                     limit=file.limit,
                 )
@@ -204,6 +205,11 @@ class RoformerStore:
             if file.sha256 is None:
                 notes.append(f"{file.name}: " + UNPINNED.format(sha=sha256_of(path)))
         return imported, refused, notes
+
+
+def _offset(report: OnProgress, before: int, present: int) -> None:
+    """A file's progress as the checkpoint's: the bytes of the file before it added."""
+    report(before + present, None)
 
 
 def _copy_in(source: Path, dest: Path) -> None:
