@@ -20,8 +20,8 @@ in the instrumental (the RoFormer's misses) goes to "other", where it was in the
 Progress: the RoFormer's part is LEAD_SHARE of the song, reported after each of its
 transformers (seconds apart even on a CPU, so the stall watchdog hears from it), Demucs's the
 rest; a cancel or a fault stops either inside. The memory ladder: a shrunk request
-(`shrink`, after the memory ran out) halves the RoFormer's batch as it halves Demucs's
-window, and the pipeline moves the song to the CPU after that, as for Demucs alone.
+(`shrink`, after the memory ran out) halves the RoFormer's batch (`lead_batch`) as it halves
+Demucs's window, and the pipeline moves the song to the CPU after that, as for Demucs alone.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def separate_led(
     from stemdeck_watch.workers.roformer.inference import separate_file
 
     step = request["lead"]
-    shrink = int(request.get("shrink") or 0)
-    batch = max(1, int(step.get("batch_size") or 1) >> shrink)
+    weight = next(iter(lead.module.parameters()), None)
+    device = weight.device.type if weight is not None else "cpu"
+    batch = lead_batch(step.get("batch_size"), lead.config.batch_size, device, request)
     output_dir.mkdir(parents=True, exist_ok=True)
     work = output_dir / WORK
     shutil.rmtree(work, ignore_errors=True)  # a failed attempt's
@@ -130,6 +131,14 @@ def separate_led(
         shutil.rmtree(work, ignore_errors=True)
     made_by = {stem: str(step["model"]) if stem in led else str(request["model"]) for stem in stems}
     return stems, made_by
+
+
+def lead_batch(asked: int | None, own: int, device: str, request: dict[str, Any]) -> int:
+    """Chunks the RoFormer runs at once: as asked, else its configuration's own on a GPU
+    (the figure it was published with) and one on a CPU (as fast, and the least memory);
+    halved for each time the memory ran out under the song (`shrink`), down to one."""
+    batch = int(asked or (own if device != "cpu" else 1))
+    return max(1, batch >> int(request.get("shrink") or 0))
 
 
 def _difference(minuend: Path, subtrahends: list[Path], out: Path) -> None:

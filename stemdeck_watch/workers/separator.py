@@ -64,7 +64,7 @@ class Lead:
 
     model: str
     engine: str = "roformer"
-    batch_size: int = 1  # a CPU is as fast with one and needs least memory
+    batch_size: int | None = None  # None: the configuration's own on a GPU, one on a CPU
     num_overlap: int | None = None  # None: the checkpoint configuration's own
     precision: str = "float32"  # bfloat16 was measured far slower on a CPU (benchmarks)
 

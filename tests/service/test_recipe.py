@@ -134,3 +134,47 @@ def test_a_cancel_stops_the_roformer_at_once(
     assert job.state is JobState.CANCELLED
     assert time.monotonic() - started < 5  # the worker is stopped, not waited for
     assert outbox_entries(settings.paths.outbox) == set()
+
+
+def test_out_of_memory_under_the_roformer_halves_its_batch_then_goes_to_the_cpu(
+    recipe_repo: Path, service_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory runs out inside the RoFormer (as torch says it on MPS, then CUDA): the
+    second attempt runs shrunk (the RoFormer's batch halved, Demucs's window too), the third
+    on the fallback device; the song is separated by recipe all the same."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    for n, kind in enumerate(("oom-mps", "oom-cuda"), 1):
+        (faults / f"{n}-{kind}").write_text("1")  # the RoFormer's first report
+    monkeypatch.setenv(FAULTS_ENV, str(faults))
+    settings = recipe_settings(
+        tmp_path,
+        recipe_repo,
+        separation={"recipe": "best", "device": "auto", "fallback_device": "cpu"},
+    )
+    service, jobs = service_factory(settings)
+    write_song(settings.paths.inbox / "Song.wav", 1.0)
+    job = jobs.wait_final(1)[0]
+    assert job.state is JobState.DONE, job.error
+    assert [(f.kind, f.device) for f in job.faults] == [("memory", "mps"), ("memory", "cuda")]
+    manifest = read_manifest(Path(job.output or ""))
+    assert manifest["memory_plan"]["device"] == "cpu" and manifest["memory_plan"]["shrink"] == 1
+    assert manifest["model"]["made_by"]["vocals"] == ROFORMER
+
+
+@pytest.mark.parametrize(
+    "asked, device, shrink, batch",
+    [
+        (None, "cuda", 0, 4),
+        (None, "cuda", 1, 2),
+        (None, "cuda", 3, 1),
+        (None, "cpu", 0, 1),
+        (8, "cpu", 1, 4),
+    ],
+)
+def test_the_roformers_batch_is_its_own_on_a_gpu_one_on_a_cpu_and_halved_per_shrink(
+    asked, device, shrink, batch
+) -> None:
+    from stemdeck_watch.workers.recipe import lead_batch
+
+    assert lead_batch(asked, 4, device, {"shrink": shrink}) == batch
