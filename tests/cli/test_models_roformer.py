@@ -124,3 +124,21 @@ def test_import_takes_the_published_names_and_never_the_folders_checksums(
     )
     assert f"imported {ENTRY.checkpoint_file}" in result.stdout
     assert "unchecked" in result.stdout
+
+
+def test_doctor_says_a_recipes_roformer_is_missing_and_where_it_is_found(
+    tmp_path: Path, model_repo: Path, recipe_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stemdeck_watch.cli.doctor import check_recipes
+    from stemdeck_watch.core.config import settings_from_dict
+
+    from support.helpers import config_data
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    data = config_data(tmp_path, model_repo, separation={"model_repo": "", "recipe": "best"})
+    data["presets"] = {"offline": {"model_repo": str(recipe_repo)}}
+    [cached, offline] = check_recipes(settings_from_dict(data))
+    assert not cached.ok and f"models pull {NAME}" in cached.detail
+    assert ENTRY.checkpoint_file in cached.detail
+    assert offline.ok and offline.title == "recipe best (preset offline)"
+    assert str(recipe_repo) in offline.detail
