@@ -9,13 +9,17 @@ stdin, requests (each may carry "req": N, which its reply echoes):
      "compile": {"setting": "auto"|"on"|"off", "cache": DIR, "cap_mb": F}|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
-     "precision": P, "mean": F, "std": F, "window": F, "shrink": N}  (the last five optional)
+     "precision": P, "mean": F, "std": F, "window": F, "shrink": N,
+     "lead": {"engine": "roformer", "model": NAME, "batch_size": N|null,
+              "num_overlap": N|null, "precision": P}}  (the last six optional;
+     "lead": a recipe's model first, workers/recipe.py)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
      "sources": [...], "precision": CHOICE, "compiled": COMPILED}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
-     "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL}
+     "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL,
+     "made_by": {STEM: MODEL}}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines (with "id": "@load" after each step of a
