@@ -185,7 +185,12 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     out = dataclasses.replace(
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
-    if sep.recipe and sep.model != with_recipe(sep).model:
+    if sep.recipe and _nearer(origins.get("model", "config"), origins.get("recipe", "config")):
+        # a model chosen nearer the song than the recipe ([6s] under a recipe of the
+        # config): that model alone separates it
+        sep = dataclasses.replace(sep, recipe="")
+        origins["recipe"] = origins["model"]
+    elif sep.recipe and sep.model != with_recipe(sep).model:
         sep = with_recipe(sep)  # the recipe names the model: chosen where the recipe was
         origins["model"] = origins.get("recipe", "config")
     try:
@@ -207,6 +212,18 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         }
     )
     return Chosen(sep, out, every)
+
+
+_STRENGTH = ("config", "preset", "name tag", "sidecar")  # weakest first
+
+
+def _nearer(origin: str, than: str) -> bool:
+    """Whether a setting from `origin` is stronger than one from `than`."""
+
+    def strength(where: str) -> int:
+        return next((i for i, kind in enumerate(_STRENGTH) if where.startswith(kind)), 0)
+
+    return strength(origin) > strength(than)
 
 
 def separation_choices(settings: Settings, job: Job) -> str:

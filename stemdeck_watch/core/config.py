@@ -595,6 +595,8 @@ class Settings:
         out = dataclasses.replace(
             self.output, **{k: v for k, v in overrides.items() if k in _field_names(OutputSettings)}
         )
+        if "model" in overrides and "recipe" not in overrides:
+            sep = dataclasses.replace(sep, recipe="")  # the preset's model alone
         return with_recipe(sep), out
 
 

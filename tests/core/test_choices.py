@@ -445,3 +445,26 @@ def test_a_preset_names_a_recipe_and_the_config_checks_it() -> None:
     data["presets"] = {"best": {"recipe": "fastest"}}
     with pytest.raises(ConfigError, match='presets.best.recipe = "fastest" is not allowed'):
         settings_from_dict(data)
+
+
+def test_a_model_chosen_nearer_the_song_than_the_recipe_separates_it_alone(tmp_path: Path) -> None:
+    """A recipe in the config, `[6s]` on a song: six stems from htdemucs_6s, no recipe; and
+    `[best]` under a preset that names a model: the recipe."""
+    data = default_toml()
+    data["folders"] = {
+        n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
+    data["separation"]["recipe"] = "best"
+    data["presets"] = {"six": {"model": "htdemucs_6s"}}
+    settings = settings_from_dict(data)
+    settings.paths.inbox.mkdir(parents=True)
+    assert settings.for_preset("six")[0].recipe == ""
+    six = for_job(settings, _job(write_song(settings.paths.inbox / "Six [6s].wav", 0.5)))
+    assert (six.separation.recipe, six.separation.model) == ("", "htdemucs_6s")
+    assert six.origins["separation.recipe"] == "name tag [6s]"
+    (settings.paths.inbox / "six").mkdir()
+    best = write_song(settings.paths.inbox / "six" / "Best [best].wav", 0.5)
+    chosen = for_job(settings, _job(best, "six"))
+    assert (chosen.separation.recipe, chosen.separation.model) == ("best", "htdemucs_ft")
+    plain = for_job(settings, _job(write_song(settings.paths.inbox / "Plain.wav", 0.5)))
+    assert (plain.separation.recipe, plain.separation.model) == ("best", "htdemucs_ft")
