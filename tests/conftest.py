@@ -8,6 +8,7 @@ that owned it stopped.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -84,6 +85,29 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+    return folder
+
+
+@pytest.fixture(scope="session")
+def recipe_repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model_repo folder for the recipe `best`: a tiny BS-RoFormer with random weights saved
+    as the published `bs_roformer_viperx_1297` (its `.ckpt` and YAML under their published
+    names), and `htdemucs_ft` as the tiny Demucs model (a bag of `tiny`)."""
+    folder = tmp_path_factory.mktemp("recipe-models")
+    shutil.copy(model_repo / "tiny.th", folder / "tiny.th")
+    (folder / "htdemucs_ft.yaml").write_text("models: ['tiny']\n")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stemdeck_watch.workers.tinymodel",
+            str(folder),
+            "--roformer",
+            "bs_roformer_viperx_1297",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return folder
 
 

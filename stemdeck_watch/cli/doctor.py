@@ -210,6 +210,46 @@ def check_models(settings: Settings) -> list[Finding]:
             findings.append(compiled_finding(title, info.compiled))
     finally:
         client.close()
+    return findings + check_recipes(settings)
+
+
+def check_recipes(settings: Settings) -> list[Finding]:
+    """Whether each recipe the config or a preset names has its RoFormer's two files where
+    the worker looks for them: the service does not download a RoFormer by itself."""
+    from stemdeck_watch.core.recipes import KNOWN as RECIPES
+    from stemdeck_watch.workers.models import ModelStore
+    from stemdeck_watch.workers.roformer.store import where
+
+    cache = ModelStore(settings.separation.model_hub).cache
+    findings, seen = [], set()
+    for preset in (None, *settings.presets):
+        sep, _ = settings.for_preset(preset)
+        recipe = RECIPES.get(sep.recipe)
+        repo = settings.resolve_model_repo(sep)
+        if recipe is None or (recipe.name, repo) in seen:
+            continue
+        seen.add((recipe.name, repo))
+        title = f"recipe {recipe.name}" + (f" (preset {preset})" if preset else "")
+        files = where(recipe.vocals, cache, repo)
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            how = (
+                f"put them in separation.model_repo ({repo})"
+                if repo
+                else f"run `stemdeck-watch models pull {recipe.vocals}`"
+            )
+            findings.append(
+                Finding(
+                    False,
+                    title,
+                    f"the RoFormer {recipe.vocals} is missing {', '.join(missing)}: {how}; "
+                    f"songs under this recipe fail until it is there",
+                )
+            )
+        else:
+            findings.append(
+                Finding(True, title, f"the RoFormer {recipe.vocals} is in {files[0].parent}")
+            )
     return findings
 
 

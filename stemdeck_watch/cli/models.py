@@ -1,5 +1,5 @@
-"""`models`: the pretrained Demucs models — list them, download one, check the cache, import
-an offline copy. The service downloads a missing model by itself on first use; these
+"""`models`: the pretrained Demucs models and the catalogued RoFormer checkpoints — list them
+with what each scores as published, download one, check the cache, import an offline copy. The service downloads a missing model by itself on first use; these
 commands do it ahead, with a progress bar, or without a network at all (`import`). They
 never import torch: they answer at once, also while the service runs.
 """
@@ -7,6 +7,7 @@ never import torch: they answer at once, also while the service runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -16,10 +17,13 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safetext import escape_controls
+from stemdeck_watch.core.recipes import RECIPES
 from stemdeck_watch.workers.catalogue import CATALOGUE
+from stemdeck_watch.workers.roformer import catalogue as roformer_catalogue
 
 if TYPE_CHECKING:  # imported when the command runs: the parser is built for every command
     from stemdeck_watch.workers.models import ModelState, ModelStore
+    from stemdeck_watch.workers.roformer.store import RoformerStore
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # what "verified" proves, said wherever the commands say it (docs: Models, Trust boundaries)
@@ -28,12 +32,19 @@ PROVES = (
     "on disk, not a file made to match (the checksum is short, and where it came with the "
     "files their maker made it too)"
 )
+# ...and for a file the catalogue holds no sha256 for (no RoFormer checkpoint has one published)
+PROVES_NOTHING = (
+    "no sha256 is published for it, so neither damage nor a different file can be found: "
+    "compare the sha256 shown with a copy you trust"
+)
 BAR = 30  # characters of the progress bar
 
 
 def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
     """The `models` command and its actions, on the CLI's parser."""
-    models = add("models", help="the Demucs models: list, download, check, import")
+    models = add(
+        "models", help="the Demucs models and RoFormer checkpoints: list, download, check, import"
+    )
     actions = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     listing = actions.add_parser(
         "list",
@@ -46,7 +57,9 @@ def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
         help="download a model from separation.model_hub into "
         "the cache, verified; an interrupted download resumes",
     )
-    pull.add_argument("name", metavar="NAME", help="a model name, e.g. htdemucs")
+    pull.add_argument(
+        "name", metavar="NAME", help="a model name, e.g. htdemucs or bs_roformer_viperx_1297"
+    )
     actions.add_parser(
         "verify",
         help="check every cached model file against the checksum in its name "
@@ -62,7 +75,8 @@ def add_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
         "folder",
         metavar="FOLDER",
         type=Path,
-        help="the folder holding the .th files (and files.txt, .yaml)",
+        help="the folder holding the .th files (and files.txt, .yaml), or the RoFormer "
+        ".ckpt and .yaml files under their published names",
     )
 
 
@@ -78,22 +92,33 @@ def run(
     from stemdeck_watch.workers import download
     from stemdeck_watch.workers.models import ModelStore, ModelStoreError
 
+    from stemdeck_watch.workers.roformer.store import RoformerStore, RoformerStoreError
+
     store = ModelStore(settings.separation.model_hub)
+    roformers = RoformerStore(store.cache, settings.separation.model_hub)
     action = args.models_command
     try:
         if action == "list":
-            return _list(store, settings, args.json, out)
+            return _list(store, roformers, settings, args.json, out)
+        if action == "pull" and args.name in roformer_catalogue.KNOWN:
+            return _pull_roformer(roformers, settings, args.name, out, err)
         if action == "pull":
             return _pull(store, settings, args.name, out, err)
         if action == "verify":
-            return _verify(store, out, err)
-        return _import(store, args.folder, out, err)
-    except (ModelStoreError, download.DownloadError) as exc:
+            return max(_verify(store, out, err), _verify_roformers(roformers, out, err))
+        return _import(store, roformers, args.folder, out, err)
+    except (ModelStoreError, RoformerStoreError, download.DownloadError) as exc:
         print(f"stemdeck-watch: {escape_controls(exc)}", file=err)
         return EXIT_FAILED
 
 
-def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> int:
+def _list(
+    store: ModelStore,
+    roformers: RoformerStore,
+    settings: Settings,
+    as_json: bool,
+    out: TextIO,
+) -> int:
     index = store.index()
     states = [store.state(entry.name, index) for entry in CATALOGUE]
     chosen = settings.separation.model
@@ -104,8 +129,13 @@ def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> 
                     "hub": redact_url(store.hub),
                     "cache": str(store.cache),
                     "model": chosen,
+                    "recipe": settings.separation.recipe or None,
                     "model_repo": settings.separation.model_repo or None,
                     "models": [_as_dict(s) for s in states],
+                    "roformer": [
+                        _roformer_dict(entry, roformers) for entry in roformer_catalogue.CATALOGUE
+                    ],
+                    "recipes": [dataclasses.asdict(recipe) for recipe in RECIPES],
                 },
                 indent=2,
             ),
@@ -135,7 +165,8 @@ def _list(store: ModelStore, settings: Settings, as_json: bool, out: TextIO) -> 
         f"also guitar, piano)",
         file=out,
     )
-    print(f"cache: {escape_controls(store.cache)}", file=out)
+    _list_roformers(roformers, settings, out)
+    print(f"\ncache: {escape_controls(store.cache)}", file=out)
     print(f"hub:   {escape_controls(redact_url(store.hub))}", file=out)
     if settings.separation.model_repo:
         print(
@@ -170,6 +201,120 @@ def _cached_words(state: ModelState) -> str:
     if state.present:
         return f"{state.present} of {state.files} files"
     return "no"
+
+
+def _roformer_dict(entry: roformer_catalogue.Checkpoint, store: RoformerStore) -> dict[str, Any]:
+    state = store.state(entry.name)
+    return {
+        "name": entry.name,
+        "architecture": entry.architecture,
+        "trained_by": entry.trained_by,
+        "stems": list(entry.stems),
+        "size_mb": entry.megabytes,
+        "parameters": entry.parameters,
+        "licence": entry.licence,
+        "source": entry.checkpoint_url,
+        "config_source": entry.config_url,
+        "checkpoint_sha256": entry.checkpoint_sha256,
+        "config_sha256": entry.config_sha256,
+        "scores": [dataclasses.asdict(score) for score in entry.scores],
+        "cached": state.cached,
+        "partial_bytes": state.partial_bytes,
+    }
+
+
+def _list_roformers(store: RoformerStore, settings: Settings, out: TextIO) -> None:
+    """The RoFormer checkpoints, each score with its test set (figures on different sets do
+    not compare), and the recipes that use them."""
+    print("\nRoFormer checkpoints (vocals; SDR in dB as published, by test set):", file=out)
+    for entry in roformer_catalogue.CATALOGUE:
+        state = store.state(entry.name)
+        cached = (
+            "yes"
+            if state.cached
+            else f"partly ({download_mb(state.partial_bytes)} MB; pull resumes)"
+            if state.partial_bytes
+            else "no"
+        )
+        print(
+            f"  {entry.name}  {entry.architecture}, by {entry.trained_by}, ≈{entry.megabytes} MB, "
+            f"licence: {entry.licence or 'not published'}, sha256: "
+            f"{'pinned' if state.pinned else 'not published'}, cached: {cached}",
+            file=out,
+        )
+        for score in entry.scores:
+            print(f"      {score.stem:<12} {score.sdr:7.2f}  {score.test_set}", file=out)
+        print(f"      source: {entry.checkpoint_url}", file=out)
+    print("\nrecipes (separation.recipe; tag [best]):", file=out)
+    for recipe in RECIPES:
+        mark = " *" if recipe.name == settings.separation.recipe else ""
+        print(
+            f"  {recipe.name}{mark}: vocals {recipe.vocals}, drums/bass/other {recipe.rest}; "
+            f"{recipe.about}",
+            file=out,
+        )
+    print(
+        "compare figures on the same test set only; on the "
+        f"{roformer_catalogue.MULTISONG} ZFTurbo's table gives its fine-tuned HTDemucs4 "
+        "vocals model 8.78",
+        file=out,
+    )
+
+
+def _pull_roformer(
+    store: RoformerStore, settings: Settings, name: str, out: TextIO, err: TextIO
+) -> int:
+    if settings.separation.model_repo:
+        print(
+            f"note: separation.model_repo is set, so the service loads {escape_controls(name)} "
+            f"from {escape_controls(settings.separation.model_repo)}, not from this cache",
+            file=err,
+        )
+    from stemdeck_watch.workers import download
+
+    bar = ProgressBar(name, err)
+    started = time.monotonic()
+    try:
+        try:
+            paths, notes = store.pull(name, bar.update)
+        finally:
+            bar.close()
+    except (download.Interrupted, KeyboardInterrupt) as exc:
+        what = escape_controls(exc) if str(exc) else f"interrupted at {bar.words()}"
+        print(
+            f"stemdeck-watch: {what}; run `stemdeck-watch models pull "
+            f"{escape_controls(name)}` again to resume",
+            file=err,
+        )
+        return EXIT_FAILED
+    size = sum(path.stat().st_size for path in paths)
+    checked = "unchecked" if notes else "verified"
+    print(
+        f"{escape_controls(name)}: ready, {len(paths)} file(s), {download_mb(size)} MB, "
+        f"{checked}, in {escape_controls(store.folder)} ({time.monotonic() - started:.1f} s)",
+        file=out,
+    )
+    for note in notes:
+        print(f"unchecked: {escape_controls(note)}", file=out)
+    if len(notes) < len(paths):
+        print("verified: each file's sha256 equals the one the catalogue pins", file=out)
+    return EXIT_OK
+
+
+def _verify_roformers(store: RoformerStore, out: TextIO, err: TextIO) -> int:
+    damaged = 0
+    for path, problem, pinned in store.verify():
+        if problem is not None:
+            damaged += 1
+            print(f"DAMAGED  {path.name}: {problem}; delete it and pull again", file=out)
+        elif pinned:
+            print(f"ok       {path.name}", file=out)
+        else:
+            print(f"unpinned {path.name}: {PROVES_NOTHING}", file=out)
+    if damaged:
+        print(f"stemdeck-watch: {damaged} damaged RoFormer file(s)", file=err)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: TextIO) -> int:
@@ -213,6 +358,7 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
 
 
 def _verify(store: ModelStore, out: TextIO, err: TextIO) -> int:
+    """The Demucs files of the cache."""
     checked = store.verify()
     index = store.index()
     users: dict[str, list[str]] = {}
@@ -251,19 +397,32 @@ def _verify(store: ModelStore, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def _import(store: ModelStore, folder: Path, out: TextIO, err: TextIO) -> int:
+def _import(
+    store: ModelStore, roformers: RoformerStore, folder: Path, out: TextIO, err: TextIO
+) -> int:
     imported, refused = store.import_folder(folder)
     for name in imported:
         print(f"imported {name}", file=out)
     if imported:
         print(f"verified: {PROVES}", file=out)
+    theirs, refused_theirs, notes = roformers.import_folder(folder)
+    for name in theirs:
+        print(f"imported {name}", file=out)
+    for note in notes:
+        print(f"unchecked: {escape_controls(note)}", file=out)
+    imported += theirs
+    refused += refused_theirs
     for path, why in refused:
         print(f"refused  {escape_controls(path)}: {why}", file=err)
     index = store.index()
     ready = [entry.name for entry in CATALOGUE if store.state(entry.name, index).cached]
     print(f"models ready in {escape_controls(store.cache)}: {', '.join(ready) or 'none'}", file=out)
     if not imported and not refused:
-        print(f"stemdeck-watch: no model files (.th) in {escape_controls(folder)}", file=err)
+        print(
+            f"stemdeck-watch: no model files (.th, or a catalogued RoFormer's .ckpt and "
+            f".yaml) in {escape_controls(folder)}",
+            file=err,
+        )
     return EXIT_OK if imported and not refused else EXIT_FAILED
 
 

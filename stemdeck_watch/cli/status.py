@@ -14,7 +14,7 @@ from typing import Any
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import StemdeckError
-from stemdeck_watch.core.jobs import Job, JobKind, JobState
+from stemdeck_watch.core.jobs import Job, JobKind, JobState, made_by_words
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.engine.eta import eta_words, stored as stored_eta
 from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
@@ -183,6 +183,8 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
             f"{'now:' if i == 0 else '':<9}{label(each)} — {each['state']} "
             f"{each['progress'] * 100:.0f}%{_attempt(each)}"
         )
+        if made_by_words(each.get("made_by")):  # a recipe: which model makes which stem
+            lines.append(f"{'':<9}  {escape_controls(made_by_words(each.get('made_by')))}")
     queued = status["queued"]
     lines.append(
         f"queued:  {len(queued)}"
@@ -219,6 +221,8 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
             )
             detail = j["output"] if j["state"] == JobState.DONE.value else (j["error"] or "")
             lines.append(f"  {when}  {j['state']:<9} {label(j)}  {_short(detail)}")
+            if j["state"] == JobState.DONE.value and made_by_words(j.get("made_by")):
+                lines.append(f"{'':<25}{escape_controls(made_by_words(j.get('made_by')))}")
     older = len(finished) - min(len(finished), recent) + status.get("older_jobs", 0)
     if older:
         lines.append(f"  … and {older} older job(s): `stemdeck-watch status --all` lists every job")

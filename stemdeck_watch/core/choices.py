@@ -40,6 +40,7 @@ from stemdeck_watch.core.config import (
     SeparationSettings,
     Settings,
     check_song_settings,
+    with_recipe,
 )
 from stemdeck_watch.core.errors import ConfigError, FilesystemError, StageError
 from stemdeck_watch.core.jobs import Job
@@ -59,6 +60,7 @@ TAGS: dict[str, dict[str, Any]] = {
     "daw": {"session": ["dawproject", "reaper"]},
     "dj": {"stem_file": True},
     "practice": {"practice": True},
+    "best": {"recipe": "best"},  # core/recipes.py
 }
 _GROUP = re.compile(r"\s*\[([^\[\]]*)\]\s*$")
 
@@ -183,6 +185,14 @@ def for_job(settings: Settings, job: Job) -> Chosen:
     out = dataclasses.replace(
         settings.output, **{k: v for k, v in overrides.items() if k not in fields}
     )
+    if sep.recipe and _nearer(origins.get("model", "config"), origins.get("recipe", "config")):
+        # a model chosen nearer the song than the recipe ([6s] under a recipe of the
+        # config): that model alone separates it
+        sep = dataclasses.replace(sep, recipe="")
+        origins["recipe"] = origins["model"]
+    elif sep.recipe and sep.model != with_recipe(sep).model:
+        sep = with_recipe(sep)  # the recipe names the model: chosen where the recipe was
+        origins["model"] = origins.get("recipe", "config")
     try:
         dropgate.check_song(sep, origins, settings, job.preset)
     except ConfigError as exc:
@@ -202,6 +212,18 @@ def for_job(settings: Settings, job: Job) -> Chosen:
         }
     )
     return Chosen(sep, out, every)
+
+
+_STRENGTH = ("config", "preset", "name tag", "sidecar")  # weakest first
+
+
+def _nearer(origin: str, than: str) -> bool:
+    """Whether a setting from `origin` is stronger than one from `than`."""
+
+    def strength(where: str) -> int:
+        return next((i for i, kind in enumerate(_STRENGTH) if where.startswith(kind)), 0)
+
+    return strength(origin) > strength(than)
 
 
 def separation_choices(settings: Settings, job: Job) -> str:

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.paths import default_config_file, default_state_dir
+from stemdeck_watch.core.recipes import KNOWN as RECIPES
+from stemdeck_watch.core.recipes import recipe_name
 from stemdeck_watch.util.passwords import check_stored
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.validators import (
@@ -188,6 +190,15 @@ class SeparationSettings:
         "Demucs model name (htdemucs, htdemucs_ft, "
         "htdemucs_6s, mdx_extra, …) or a name in model_repo; a plain "
         "name, never a URL, a scheme such as hf:// or a path",
+    )
+    recipe: str = key(
+        "",
+        recipe_name,
+        "which model makes which stem, by name: best (vocals from the BS-RoFormer "
+        "bs_roformer_viperx_1297, drums, bass and other from htdemucs_ft run on the mix "
+        "minus those vocals), best_quick (the same vocals, the rest from htdemucs), mel "
+        "(vocals from mel_band_roformer_kj); the recipe names its models, so model is not "
+        'used; "" = model alone',
     )
     model_repo: str = key(
         "", text, 'a local folder of model files, fully offline; "" = the model hub'
@@ -584,7 +595,17 @@ class Settings:
         out = dataclasses.replace(
             self.output, **{k: v for k, v in overrides.items() if k in _field_names(OutputSettings)}
         )
-        return sep, out
+        if "model" in overrides and "recipe" not in overrides:
+            sep = dataclasses.replace(sep, recipe="")  # the preset's model alone
+        return with_recipe(sep), out
+
+
+def with_recipe(sep: SeparationSettings) -> SeparationSettings:
+    """`sep` with its recipe's Demucs model as the model: a recipe names its models."""
+    recipe = RECIPES.get(sep.recipe)
+    if recipe is None or sep.model == recipe.rest:
+        return sep
+    return dataclasses.replace(sep, model=recipe.rest)
 
 
 def resolve_path(value: str, base: Path) -> Path:
@@ -692,6 +713,7 @@ def settings_from_dict(data: Mapping[str, Any], source: Path | None = None) -> S
     sections = {
         name: _build_section(cls, data.get(name, {}), f"{name}.") for name, cls in SECTIONS.items()
     }
+    sections["separation"] = with_recipe(sections["separation"])
     settings = Settings(**sections, presets=_build_presets(data.get("presets", {})), source=source)
     _check_folders(settings)
     for preset in (None, *settings.presets):

@@ -12,6 +12,8 @@ chooses is held to the drop's own allow-list and bounds, tighter than the owner'
   owner configured (`separation.model`, a preset's); with a `model_repo` configured, any
   plain name, which loads from that folder only. Never a URL, a scheme such as `hf://` or
   a path: a model file is code the worker runs;
+- a recipe (`recipe`, `[best]`): a name from core/recipes.py only, whose models are the
+  catalogue's; never a checkpoint, a URL or a folder;
 - the work and room one song may take: `segment` within the model's own, `shifts` and
   `overlap` capped, lists (practice speeds, mixes) short, text short, tables shallow.
 
@@ -32,6 +34,7 @@ from stemdeck_watch.core.config import (
     check_overrides,
 )
 from stemdeck_watch.core.errors import ConfigError
+from stemdeck_watch.core.recipes import KNOWN as RECIPES
 from stemdeck_watch.util.validators import MODEL_NAME, MODEL_SEGMENT, MODEL_STEMS, show
 
 # Keys a drop never sets: where model files come from (code the worker loads), and how the
@@ -134,6 +137,11 @@ def is_dropped(origin: str) -> bool:
 
 
 def _check_bounds(key: str, value: Any, where: str) -> None:
+    if key == "recipe" and value and value not in RECIPES:
+        raise ConfigError(
+            f"{where}recipe = {show(value)} is not a recipe: a file in the inbox may choose "
+            f"one of {', '.join(RECIPES)}"
+        )
     if key == "shifts" and value > MAX_SHIFTS:
         raise ConfigError(
             f"{where}shifts = {value} is more than a file in the inbox may choose: 0 to "

@@ -180,6 +180,9 @@ class Job:
     playlist: PlaylistRef | None = None  # the playlist link or entry this job is
     # the attempts the machine cut off (worker died, stalled, out of memory), oldest first
     faults: tuple[Fault, ...] = ()
+    # which model makes (made) which stem, (stem, model) in the model's order: from when it
+    # separates; a recipe's are two models
+    made_by: tuple[tuple[str, str], ...] = ()
 
     def to_status(self) -> dict[str, Any]:
         """The job object of `status --json`."""
@@ -199,7 +202,35 @@ class Job:
             # attempts the machine cut off (the worker died, stalled, ran out of memory);
             # the song was tried again after each
             "faults": [fault.to_dict() for fault in self.faults],
+            # stem → the model that makes it (null: not separating yet)
+            "made_by": dict(self.made_by) or None,
         }
+
+
+def made_by_json(made_by: Any) -> str | None:
+    """The registry's text of `Job.made_by` (a mapping or pairs), or None for none."""
+    pairs = list(made_by.items()) if isinstance(made_by, dict) else list(made_by or ())
+    return json.dumps(pairs) if pairs else None
+
+
+def made_by_of(text: str | None) -> tuple[tuple[str, str], ...]:
+    """`Job.made_by` from the registry's text; unreadable text is none (it only informs)."""
+    try:
+        pairs = json.loads(text) if text else []
+        return tuple((str(stem), str(model)) for stem, model in pairs)
+    except (ValueError, TypeError):
+        return ()
+
+
+def made_by_words(made_by: dict[str, str] | None) -> str:
+    """ "vocals: bs_roformer_viperx_1297; drums, bass, other: htdemucs_ft" where more than
+    one model makes a song's stems; "" where one does (the worker's model says it)."""
+    by_model: dict[str, list[str]] = {}
+    for stem, model in (made_by or {}).items():
+        by_model.setdefault(model, []).append(stem)
+    if len(by_model) < 2:
+        return ""
+    return "; ".join(f"{', '.join(stems)}: {model}" for model, stems in by_model.items())
 
 
 ID_PREFIX_MIN = 6  # a shorter ref is a name only: "5" or "bad" must not pick a stranger's id

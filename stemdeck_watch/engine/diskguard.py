@@ -249,7 +249,10 @@ class DiskGuard:
 
     def _scratch_bytes(self, planned: Planned, seconds: float) -> int:
         sep, _out = planned
-        return estimate_scratch_bytes(seconds, 6 if "6s" in sep.model else 4)
+        stems = 6 if "6s" in sep.model else 4
+        # a recipe holds, at its peak, the RoFormer's vocals, the instrumental and the
+        # Demucs model's own stems beside the "other" written from them (workers/recipe.py)
+        return estimate_scratch_bytes(seconds, stems + (3 if sep.recipe else 0))
 
     def _outbox_bytes(self, planned: Planned, seconds: float) -> int:
         """The stems and mixes in the chosen format (the DAW projects' mix too), and what the

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import MACHINE_KEYS, SERVICE_ONLY, Settings
+from stemdeck_watch.core.recipes import KNOWN as RECIPES
 from stemdeck_watch.core.errors import (
     Cancelled,
     DecodeError,
@@ -61,7 +62,7 @@ from stemdeck_watch.stages.manifest import read_manifest, recorded_sidecar, writ
 from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers.separator import Separator
+from stemdeck_watch.workers.separator import Lead, Separator
 
 if TYPE_CHECKING:
     from stemdeck_watch.engine.diskguard import DiskGuard
@@ -277,6 +278,7 @@ class Pipeline:
             sha256=run.digest,
             settings_key=run.key,
             signature=job.signature,
+            made_by=_made_by(sep.recipe, sep.model, model.sources),
         )
         result = self.client.separate(
             job.id,
@@ -294,6 +296,7 @@ class Pipeline:
             shrink=run.plan.shrink,
             device=run.plan.device,
             on_progress=lambda v: run.report.progress(base + share * v),
+            lead=Lead(RECIPES[sep.recipe].vocals) if sep.recipe else None,
         )
         run.timer.timings["separate"] = round(result.seconds, 3)
         if sep.device not in ("auto", result.device):
@@ -352,7 +355,12 @@ class Pipeline:
                     "repo": model.repo or None,
                     "samplerate": model.samplerate,
                     "sources": list(model.sources),
+                    # which model made which stem (a recipe's lead made its stems)
+                    "made_by": result.made_by or {s: run.sep.model for s in model.sources},
                 },
+                # the recipe (separation.recipe): its vocal model and the Demucs model for
+                # the rest; null: the model alone
+                "recipe": _recipe_manifest(run.sep.recipe),
                 "preset": job.preset,
                 **({"link": run.link.manifest()} if run.link else {}),
                 "settings": run.settings,
@@ -749,3 +757,16 @@ class Publishing:
 
     def finish(self) -> Job:
         return self.pipeline.finish(self.run)
+
+
+def _recipe_manifest(name: str) -> dict[str, str] | None:
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        return None
+    return {"name": recipe.name, "vocals": recipe.vocals, "rest": recipe.rest}
+
+
+def _made_by(recipe: str, model: str, sources: tuple[str, ...]) -> dict[str, str]:
+    """Which model will make each stem: the recipe's, or the model alone."""
+    found = RECIPES.get(recipe)
+    return found.made_by(sources) if found else {stem: model for stem in sources}

@@ -17,13 +17,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from stemdeck_watch.core.jobs import Fault, FileSignature, Job, JobKind, JobState, PlaylistRef
+from stemdeck_watch.core.jobs import (
+    Fault,
+    FileSignature,
+    Job,
+    JobKind,
+    JobState,
+    PlaylistRef,
+    made_by_json,
+    made_by_of,
+)
 from stemdeck_watch.core.paths import private_dir, private_file, tighten
 
 log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "registry.sqlite3"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -49,7 +58,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     sha256 TEXT,
     settings_key TEXT,
     playlist TEXT,
-    faults TEXT
+    faults TEXT,
+    made_by TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_source ON jobs (source);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
@@ -78,11 +88,12 @@ MIGRATIONS = {
     3: ("ALTER TABLE jobs ADD COLUMN playlist TEXT",),
     4: (PENDING_MOVES,),
     5: ("ALTER TABLE jobs ADD COLUMN faults TEXT",),
+    6: ("ALTER TABLE jobs ADD COLUMN made_by TEXT",),
 }
 _JOB_COLUMNS = (
     "id, name, kind, state, source, rel_path, preset, progress, output, error, stage, size, "
     "mtime_ns, inode, attempts, created_at, updated_at, finished_at, version, sha256, "
-    "settings_key, playlist, faults"
+    "settings_key, playlist, faults, made_by"
 )
 _UPDATABLE = {
     "name",
@@ -101,6 +112,7 @@ _UPDATABLE = {
     "settings_key",
     "playlist",
     "faults",
+    "made_by",
 }
 
 
@@ -216,7 +228,7 @@ class Registry:
         sig = job.signature
         self._db.execute(
             f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES "
-            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 job.id,
                 job.name,
@@ -241,6 +253,7 @@ class Registry:
                 job.settings_key,
                 job.playlist.to_json() if job.playlist else None,
                 Fault.to_json(job.faults),
+                made_by_json(job.made_by),
             ),
         )
         return job
@@ -278,6 +291,8 @@ class Registry:
                 columns[name] = value.to_json()
             elif name == "faults":
                 columns[name] = Fault.to_json(tuple(value))
+            elif name == "made_by":
+                columns[name] = made_by_json(value)
             else:
                 columns[name] = value
         columns["updated_at"] = self._clock()
@@ -617,6 +632,7 @@ def _job(row: tuple[Any, ...]) -> Job:
         settings_key,
         playlist,
         faults,
+        made_by,
     ) = row
     signature = FileSignature(size, mtime_ns, inode) if size is not None else None
     return Job(
@@ -641,4 +657,5 @@ def _job(row: tuple[Any, ...]) -> Job:
         settings_key=settings_key,
         playlist=PlaylistRef.from_json(playlist),
         faults=Fault.from_json(faults),
+        made_by=made_by_of(made_by),
     )

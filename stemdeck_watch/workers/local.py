@@ -38,7 +38,7 @@ from stemdeck_watch.workers.compilebuild import CompileBuilder
 from stemdeck_watch.workers.compilecache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers import zygote
-from stemdeck_watch.workers.separator import ModelInfo, Separation
+from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
 from stemdeck_watch.workers.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, LOAD_BEAT, PROGRESS_PREFIX
 
@@ -456,6 +456,7 @@ class WorkerClient:
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
+        lead: Lead | None = None,
     ) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
@@ -483,6 +484,8 @@ class WorkerClient:
             request["window"] = float(window)
         if shrink:
             request["shrink"] = int(shrink)
+        if lead is not None:
+            request["lead"] = lead.to_request()
         with self._lock:
             proc = self._ensure_process(control, device)
             watch = self.pace().watch(self.pace().stall_limit(stall_seconds))

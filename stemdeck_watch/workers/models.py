@@ -172,14 +172,22 @@ def parse_bag(text: str, where: str) -> Bag:
 
 
 def read_index(folder: Path, where: str) -> Index:
-    """The lists in `folder` (`files.txt`, `*.yaml`), whichever it has."""
+    """The lists in `folder` (`files.txt`, `*.yaml`), whichever it has; a catalogued
+    RoFormer's configuration (a `.yaml` too, under its published name) is not a list."""
     index = Index()
     listing = folder / "files.txt"
     if listing.is_file():
         index.files = parse_files(listing.read_text(encoding="utf-8"), f"{where}/files.txt")
-    for path in sorted(folder.glob("*.yaml")):
+    for path in _bag_files(folder):
         index.bags[path.stem] = parse_bag(path.read_text(encoding="utf-8"), f"{where}/{path.name}")
     return index
+
+
+def _bag_files(folder: Path) -> list[Path]:
+    from stemdeck_watch.workers.roformer.catalogue import CATALOGUE as ROFORMERS
+
+    theirs = {entry.config_file for entry in ROFORMERS}
+    return [path for path in sorted(folder.glob("*.yaml")) if path.name not in theirs]
 
 
 def demucs_lists() -> Path:
@@ -427,7 +435,7 @@ class ModelStore:
         _refuse_redefined(theirs, read_index(demucs_lists(), "demucs/remote"), folder)
         if theirs.files or theirs.bags:
             self.lists.mkdir(parents=True, exist_ok=True)
-            for source in [folder / "files.txt", *sorted(folder.glob("*.yaml"))]:
+            for source in [folder / "files.txt", *_bag_files(folder)]:
                 if source.is_file():
                     write_replacing(self.lists / source.name, source.read_text(encoding="utf-8"))
         by_name = {f.name: f for f in self.index().files.values()}

@@ -286,6 +286,7 @@ class SeparationActor:
             "done": True,
             "seconds": time.monotonic() - started,
             **self._worker.sizes(request, model),
+            "made_by": self._worker.made_by,
         }
 
     def _discard(self, job_id: str) -> None:

@@ -56,7 +56,7 @@ from stemdeck_watch.workers.chunked import WINDOW_SECONDS
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
-from stemdeck_watch.workers.separator import ModelInfo, Separation
+from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
 from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,7 @@ class RayWorkerClient:
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
+        lead: Lead | None = None,
     ) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
@@ -225,6 +226,8 @@ class RayWorkerClient:
         }
         if stats is not None:
             request["mean"], request["std"] = float(stats[0]), float(stats[1])
+        if lead is not None:
+            request["lead"] = lead.to_request()
         with self._lock:
             actor = self._ensure_actor(control, device)
             started = time.monotonic()

@@ -56,6 +56,23 @@ class ModelInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lead:
+    """A model a recipe runs on the mix before the Demucs model (workers/recipe.py): which
+    engine, which checkpoint, and that engine's own settings (a RoFormer's: chunks per batch,
+    how many chunks cover each sample, the precision), apart from Demucs's shifts, overlap
+    and segment. The Demucs model separates what it leaves."""
+
+    model: str
+    engine: str = "roformer"
+    batch_size: int | None = None  # None: the configuration's own on a GPU, one on a CPU
+    num_overlap: int | None = None  # None: the checkpoint configuration's own
+    precision: str = "float32"  # bfloat16 was measured far slower on a CPU (benchmarks)
+
+    def to_request(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class Separation:
     """What a separate request made: one `<stem>.npy` per stem, by whom, how long it took,
     and with what window and segment (seconds; None: the model's own) on which device."""
@@ -67,6 +84,7 @@ class Separation:
     segment: float | None = None
     device: str | None = None
     compiled: bool = False  # the compiled model separated it
+    made_by: dict[str, str] = dataclasses.field(default_factory=dict)  # stem → model
 
     def sizes(self) -> dict[str, Any]:
         """The window, segment and device, for the manifest."""
@@ -81,6 +99,7 @@ class Separation:
             "segment": reply.get("segment"),
             "device": reply.get("device"),
             "compiled": bool(reply.get("compiled")),
+            "made_by": {str(k): str(v) for k, v in (reply.get("made_by") or {}).items()},
         }
 
 
@@ -149,8 +168,13 @@ class Separator(Protocol):
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
+        lead: Lead | None = None,
     ) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
+
+        `shifts`, `overlap`, `segment` and `stats` are the Demucs model's settings; `lead`:
+        a recipe's model run on the mix first, with its own (`Lead`), whose stems replace
+        the Demucs model's (`Separation.made_by` says which model made which).
 
         `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
         accumulated them; without them the worker makes one extra pass over the input.

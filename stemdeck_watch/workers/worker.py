@@ -9,13 +9,17 @@ stdin, requests (each may carry "req": N, which its reply echoes):
      "compile": {"setting": "auto"|"on"|"off", "cache": DIR, "cap_mb": F}|null}
     {"op": "separate", "id": JOB, "model": NAME, "repo": PATH|null, "input": NPY,
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
-     "precision": P, "mean": F, "std": F, "window": F, "shrink": N}  (the last five optional)
+     "precision": P, "mean": F, "std": F, "window": F, "shrink": N,
+     "lead": {"engine": "roformer", "model": NAME, "batch_size": N|null,
+              "num_overlap": N|null, "precision": P}}  (the last six optional;
+     "lead": a recipe's model first, workers/recipe.py)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
      "sources": [...], "precision": CHOICE, "compiled": COMPILED}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
-     "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL}
+     "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL,
+     "made_by": {STEM: MODEL}}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines (with "id": "@load" after each step of a
@@ -271,6 +275,21 @@ class Worker:
         self._choices: dict[tuple[str, str | None, str], Choice] = {}
         self._compiled: dict[tuple[str, str | None, str], CompiledSlot] = {}
         self.ran_compiled = False  # the latest separation ran the compiled model throughout
+        self._leads: dict[tuple[str, str | None], Any] = {}  # a recipe's RoFormer (one)
+        self.made_by: dict[str, str] = {}  # the latest separation's stem → model
+
+    def lead(self, name: str, repo: str | None) -> Any:
+        """A recipe's RoFormer, loaded on its first song and kept (one at a time)."""
+        from stemdeck_watch.workers.recipe import LeadUnavailable, load_lead
+
+        key = (name, repo)
+        if key not in self._leads:
+            self._leads.clear()
+            try:
+                self._leads[key] = load_lead(name, repo, self.device)
+            except LeadUnavailable as exc:
+                raise ModelUnavailable(str(exc)) from None
+        return self._leads[key]
 
     def model(self, name: str, repo: str | None) -> Any:
         key = (name, repo)
@@ -393,6 +412,7 @@ class Worker:
             "seconds": time.monotonic() - started,
             "precision": request.get("precision") or "float32",
             **self.sizes(request, model),
+            "made_by": self.made_by,
         }
 
     def _compiled_for(self, request: dict[str, Any]) -> CompiledSlot | None:
@@ -423,16 +443,40 @@ class Worker:
         input_path: Path,
         output_dir: Path,
         on_progress: Callable[[float], None],
+        arm: bool = True,
     ) -> dict[str, Path]:
         """Separate the decoded song at `input_path` into `output_dir` as a separate request
         asks (model, shifts, overlap, segment, precision, window, shrink, the input's
-        statistics): the one reading of a request, for this process's pipe and for a Ray
-        actor."""
+        statistics; a recipe's "lead" model first: workers/recipe.py): the one reading of a
+        request, for this process's pipe and for a Ray actor."""
         from stemdeck_watch.workers.chunked import separate_to_files
         from stemdeck_watch.workers.faultseam import armed
 
-        on_progress = armed(on_progress)  # faults on purpose, where tests ask for them
+        if arm:
+            on_progress = armed(on_progress)  # faults on purpose, where tests ask for them
         model = self.model(request["model"], request.get("repo"))
+        self.made_by = {str(stem): request["model"] for stem in model.sources}
+        if request.get("lead"):
+            from stemdeck_watch.workers.recipe import separate_led
+
+            lead = self.lead(str(request["lead"]["model"]), request.get("repo"))
+            if (lead.samplerate, lead.channels) != (model.samplerate, model.audio_channels):
+                raise ModelUnavailable(
+                    f"the RoFormer {request['lead']['model']!r} takes {lead.channels} "
+                    f"channel(s) at {lead.samplerate} Hz, the model {request['model']!r} "
+                    f"{model.audio_channels} at {model.samplerate} Hz: a recipe needs both alike"
+                )
+            paths, self.made_by = separate_led(
+                lead,
+                request,
+                input_path,
+                output_dir,
+                on_progress,
+                lambda rest, source, into, report: self.separate_files(
+                    rest, source, into, report, arm=False
+                ),
+            )
+            return paths
         stats = None
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))

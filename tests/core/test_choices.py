@@ -10,6 +10,7 @@ import pytest
 
 from stemdeck_watch.core.choices import ChoiceError, for_job, name_choices, song_name
 from stemdeck_watch.core.config import default_toml, settings_from_dict
+from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
@@ -414,3 +415,56 @@ def test_within_the_drops_bounds_a_sidecar_still_chooses(settings) -> None:
     assert (chosen.separation.segment, chosen.separation.shifts) == (7.8, 5)
     assert chosen.output.practice_speeds == (50.0, 75.0)
     assert chosen.origins["separation.segment"] == "sidecar Song.wav.stemdeck.toml"
+
+
+def test_a_recipe_is_chosen_by_name_from_the_catalogue_only(settings) -> None:
+    """`[best]`, a sidecar's or a preset's `recipe` choose a recipe of core/recipes.py, whose
+    Demucs model becomes the song's model; a name not on that list (a checkpoint, a path, a
+    URL) fails the song naming the sidecar and what may be chosen."""
+    song = write_song(settings.paths.inbox / "Song [best].wav", 0.5)
+    chosen = for_job(settings, _job(song))
+    assert (chosen.separation.recipe, chosen.separation.model) == ("best", "htdemucs_ft")
+    assert chosen.origins["separation.recipe"] == "name tag [best]"
+    assert chosen.origins["separation.model"] == "name tag [best]"
+    plain = write_song(settings.paths.inbox / "Plain.wav", 0.5)
+    for value in ("bs_roformer_viperx_1297", "../models/x", "https://example.invalid/x.ckpt"):
+        Path(f"{plain}.stemdeck.toml").write_text(f'recipe = "{value}"\n')
+        with pytest.raises(ChoiceError, match="Plain.wav.stemdeck.toml: recipe = .* one of best"):
+            for_job(settings, _job(plain))
+    Path(f"{plain}.stemdeck.toml").write_text('recipe = "mel"\n')
+    chosen = for_job(settings, _job(plain))
+    assert (chosen.separation.recipe, chosen.separation.model) == ("mel", "htdemucs_ft")
+
+
+def test_a_preset_names_a_recipe_and_the_config_checks_it() -> None:
+    data = default_toml()
+    data["presets"] = {"best": {"recipe": "best_quick"}}
+    loaded = settings_from_dict(data)
+    sep, _out = loaded.for_preset("best")
+    assert (sep.recipe, sep.model) == ("best_quick", "htdemucs")
+    data["presets"] = {"best": {"recipe": "fastest"}}
+    with pytest.raises(ConfigError, match='presets.best.recipe = "fastest" is not allowed'):
+        settings_from_dict(data)
+
+
+def test_a_model_chosen_nearer_the_song_than_the_recipe_separates_it_alone(tmp_path: Path) -> None:
+    """A recipe in the config, `[6s]` on a song: six stems from htdemucs_6s, no recipe; and
+    `[best]` under a preset that names a model: the recipe."""
+    data = default_toml()
+    data["folders"] = {
+        n: str(tmp_path / n) for n in ("inbox", "outbox", "processed", "failed", "state")
+    }
+    data["separation"]["recipe"] = "best"
+    data["presets"] = {"six": {"model": "htdemucs_6s"}}
+    settings = settings_from_dict(data)
+    settings.paths.inbox.mkdir(parents=True)
+    assert settings.for_preset("six")[0].recipe == ""
+    six = for_job(settings, _job(write_song(settings.paths.inbox / "Six [6s].wav", 0.5)))
+    assert (six.separation.recipe, six.separation.model) == ("", "htdemucs_6s")
+    assert six.origins["separation.recipe"] == "name tag [6s]"
+    (settings.paths.inbox / "six").mkdir()
+    best = write_song(settings.paths.inbox / "six" / "Best [best].wav", 0.5)
+    chosen = for_job(settings, _job(best, "six"))
+    assert (chosen.separation.recipe, chosen.separation.model) == ("best", "htdemucs_ft")
+    plain = for_job(settings, _job(write_song(settings.paths.inbox / "Plain.wav", 0.5)))
+    assert (plain.separation.recipe, plain.separation.model) == ("best", "htdemucs_ft")

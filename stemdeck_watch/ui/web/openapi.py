@@ -117,6 +117,12 @@ SCHEMAS: dict[str, Any] = {
                 "after each",
                 "items": {"$ref": "#/components/schemas/Fault"},
             },
+            "made_by": {
+                "type": ["object", "null"],
+                "description": "stem → the model that makes it (a recipe's vocal "
+                "model for its vocals); null before the song separates",
+                "additionalProperties": {"type": "string"},
+            },
         },
     },
     "Fault": {

@@ -330,6 +330,18 @@
     return faults.length ? "attempt " + (faults.length + 1) : "";
   }
 
+  // "vocals: bs_roformer_viperx_1297; drums, bass, other: htdemucs_ft" where a recipe's
+  // models make the song's stems; "" where one model makes them all
+  function madeByText(job) {
+    const byModel = new Map();
+    for (const [stem, model] of Object.entries(job.made_by || {})) {
+      if (!byModel.has(model)) byModel.set(model, []);
+      byModel.get(model).push(stem);
+    }
+    if (byModel.size < 2) return "";
+    return Array.from(byModel, ([model, stems]) => stems.join(", ") + ": " + model).join("; ");
+  }
+
   function faultsText(job) {
     return (job.faults || []).map((fault, n) => "attempt " + (n + 1) + ": " + fault.reason).join("\n");
   }
@@ -355,7 +367,8 @@
     else detail = job.error || (job.state === "cancelled" ? "cancelled" : "");
     const detailEl = li.querySelector(".detail");
     setText(detailEl, detail);
-    setAttr(detailEl, "title", job.state === "done" ? job.output : null);
+    setAttr(detailEl, "title", job.state === "done"
+      ? [job.output, madeByText(job)].filter(Boolean).join("\n") : null);
     const took = current && current.eta && current.eta.took ? current.eta.took[job.id] : undefined;
     setText(li.querySelector(".time"), when(job.finished_at || job.created_at)
       + (took !== undefined && job.state === "done" ? " · took " + span(took) : ""));
@@ -415,6 +428,7 @@
     setText($("running-stage"), (STAGES[job.state] || job.state) + (job.preset ? " · preset " + job.preset : "") +
                                 (job.playlist ? " · " + playlistText(job) : "") +
                                 (attemptText(job) ? " · " + attemptText(job) : "") +
+                                (madeByText(job) ? " · " + madeByText(job) : "") +
                                 (expected && expected.finish ? " · done ~" + clockAt(expected.finish) : ""));
     setAttr($("running-stage"), "title", faultsText(job) || null);
     const bar = $("running-progress");
