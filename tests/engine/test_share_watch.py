@@ -146,9 +146,10 @@ def test_a_registry_from_before_pending_moves_gains_them(tmp_path: Path) -> None
     path = tmp_path / "registry.sqlite3"
     Registry.open(path).close()
     db = sqlite3.connect(path)
-    # as version 3 left it: no pending moves, no faults column
+    # as version 3 left it: no pending moves, no faults or made_by column
     db.executescript(
-        "DROP TABLE pending_moves; ALTER TABLE jobs DROP COLUMN faults; PRAGMA user_version = 3;"
+        "DROP TABLE pending_moves; ALTER TABLE jobs DROP COLUMN faults;"
+        " ALTER TABLE jobs DROP COLUMN made_by; PRAGMA user_version = 3;"
     )
     db.close()
     registry = Registry.open(path)
