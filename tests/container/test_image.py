@@ -351,6 +351,7 @@ def test_with_a_password_the_page_signs_in_another_address_and_refuses_other_nam
             fingerprint(cert)
             in (share / "config" / "state" / "logs").joinpath("stemdeck-watch.log").read_text()
         )
+        assert health(container, share).returncode == 0  # the CLI's token, over HTTPS
         said = entrypoint(container, share, "status").stdout  # where the page is reached
         assert f"https://nas.example:{api.port}/ (other devices, signed in)" in said, said
         assert f"certificate SHA-256 {fingerprint(cert)}" in said
