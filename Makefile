@@ -92,16 +92,27 @@ WHEELHOUSE ?= build/wheelhouse
 BUILDAH ?= buildah
 BASE_PATH := /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
+# what the base holds (openssl: the page's self-signed certificate); a local base made with
+# another list is made again
+BASE_PACKAGES := python3,python3-venv,tzdata,ca-certificates,openssl
+BASE_LABEL := io.stemdeck.packages
+
 base:
-	@if $(BUILDAH) inspect --type image $(BASE) >/dev/null 2>&1; then \
+	@if [ -z "$(filter localhost/%,$(BASE))" ] \
+			&& $(BUILDAH) inspect --type image $(BASE) >/dev/null 2>&1; then \
+		echo "base $(BASE): there"; \
+	elif [ "$(filter localhost/%,$(BASE))" ] && [ "$$($(BUILDAH) inspect --type image \
+			--format '{{index .OCIv1.Config.Labels "$(BASE_LABEL)"}}' $(BASE) 2>/dev/null)" \
+			= "$(BASE_PACKAGES)" ]; then \
 		echo "base $(BASE): there"; \
 	elif [ "$(filter localhost/%,$(BASE))" ]; then \
 		mkdir -p build && rm -f build/base.tar && \
-		mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,tzdata,ca-certificates \
+		mmdebstrap --quiet --variant=minbase --include=$(BASE_PACKAGES) \
 			bookworm build/base.tar && \
 		container=$$($(BUILDAH) from scratch) && \
 		$(BUILDAH) add --quiet $$container build/base.tar / && \
-		$(BUILDAH) config --env PATH=$(BASE_PATH) --cmd /bin/sh $$container && \
+		$(BUILDAH) config --env PATH=$(BASE_PATH) --cmd /bin/sh \
+			--label $(BASE_LABEL)=$(BASE_PACKAGES) $$container && \
 		$(BUILDAH) commit --quiet --rm $$container $(BASE) && rm -f build/base.tar; \
 	else \
 		$(BUILDAH) pull $(BASE); \

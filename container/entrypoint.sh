@@ -2,8 +2,11 @@
 # The image's entrypoint. As root it makes the volumes' top folders the share's user's where
 # the runtime made them (a missing host folder, a new named volume: root's), then runs itself
 # again as PUID:PGID (setpriv: no root left, no supplementary groups, no way back up); as that
-# user, with UMASK, it writes the first config, fetches the model, and replaces itself with the
-# service, which then gets the runtime's SIGTERM directly.
+# user, with UMASK, it writes the first config, stores the page's password (PASSWORD_FILE,
+# FILE__PASSWORD or PASSWORD) as its hash and STEMDECK_HOSTS as api.hosts, fetches the model,
+# and replaces itself with the service, which then gets the runtime's SIGTERM directly; the
+# password's variables are not passed on to it. With no password set, the page stays on the
+# container's loopback (`run --page-local`) and the log says how to set one.
 #   (no arguments) | run [OPTIONS]   the service, headless
 #   COMMAND [ARGS]                    `stemdeck-watch COMMAND` as the share's user, e.g.
 #                                     `models import /models/offline`, `status`, `health`
@@ -52,8 +55,9 @@ case "${1:-run}" in
 esac
 [ "$#" -gt 0 ] && shift
 
-# the first config and the model, in a child the runtime's SIGTERM reaches (a shell that is
-# process 1 ignores it): an interrupted download resumes at the next start
+# the first config, the password and the model, in a child the runtime's SIGTERM reaches (a
+# shell that is process 1 ignores it): an interrupted download resumes at the next start.
+# It exits 3 where the page has no password yet: then the page stays on loopback
 stopping=""
 python3 -m stemdeck_watch.cli.container "$CONFIG" &
 child=$!
@@ -65,5 +69,9 @@ if [ -n "$stopping" ]; then
     exit 143
 fi
 trap - TERM INT
-[ "$status" = 0 ] || exit "$status"
-exec stemdeck-watch --config "$CONFIG" run --no-tray "$@"
+unset PASSWORD PASSWORD_FILE FILE__PASSWORD
+case "$status" in
+    0) exec stemdeck-watch --config "$CONFIG" run --no-tray "$@" ;;
+    3) exec stemdeck-watch --config "$CONFIG" run --no-tray --page-local "$@" ;;
+    *) exit "$status" ;;
+esac

@@ -70,7 +70,7 @@ def problems(
 
 
 def _ask_api(settings: Settings) -> None:
-    from stemdeck_watch.ui.client import Client
+    from stemdeck_watch.ui.web.client import Client
 
     Client.connect(settings.paths.state).get("/api/queue")
 

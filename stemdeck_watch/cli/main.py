@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     run = add("run", help="run the service in the foreground (Ctrl-C stops it)")
     run.add_argument("--no-tray", action="store_true", help="no tray icon (servers)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug output on the terminal")
+    run.add_argument(
+        "--page-local",
+        action="store_true",
+        help="the page on loopback this run, whatever api.host says (a container with no "
+        "password yet)",
+    )
     demo = add("demo", help="offline demo: a tiny model on two synthetic songs")
     demo.add_argument("--dir", type=Path, help="workspace to use (default: a new temporary folder)")
     status = add("status", help="show the queue (works while stopped too)")
@@ -171,6 +177,12 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     from stemdeck_watch.cli.logs import setup_logging
     from stemdeck_watch.service import Service
 
+    if args.page_local:
+        import dataclasses
+
+        settings = dataclasses.replace(
+            settings, api=dataclasses.replace(settings.api, host="127.0.0.1")
+        )
     check_urls(settings.notify)  # a URL apprise cannot use: exit 2, before anything starts
     tray = choose(settings.tray.enabled, no_tray=args.no_tray)  # tray.enabled = true: or exit 2
     log_file = setup_logging(settings.paths.state, verbose=args.verbose)

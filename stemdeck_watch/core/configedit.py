@@ -31,9 +31,11 @@ _TABLE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.-]+)\s*\]\s*(#.*)?$")
 _ANY_TABLE = re.compile(r"^\s*\[")
 
 
-def set_key(path: Path, section: str, name: str, value: str, *, secret: bool = False) -> None:
-    """Set `[section] name = "value"` in the config file at `path` (created if missing).
-    `secret`: the file is left readable by its owner only."""
+def set_key(
+    path: Path, section: str, name: str, value: str | list[str], *, secret: bool = False
+) -> None:
+    """Set `[section] name = "value"` (or a list of strings) in the config file at `path`
+    (created if missing). `secret`: the file is left readable by its owner only."""
     path = Path(path)
     try:
         old = path.read_text(encoding="utf-8") if path.exists() else ""
@@ -67,9 +69,14 @@ def _parse(text: str, path: Path) -> dict[str, Any]:
 
 
 def _edited(
-    text: str, data: dict[str, Any], section: str, name: str, value: str, path: Path
+    text: str, data: dict[str, Any], section: str, name: str, value: str | list[str], path: Path
 ) -> str:
-    line = f"{name} = {_toml_string(value)}"
+    shown = (
+        _toml_string(value)
+        if isinstance(value, str)
+        else "[" + ", ".join(_toml_string(item) for item in value) + "]"
+    )
+    line = f"{name} = {shown}"
     newline = "\r\n" if "\r\n" in text else "\n"
     lines = text.splitlines(keepends=True)
     start = next(
@@ -88,8 +95,9 @@ def _edited(
     key = re.compile(rf"^\s*{re.escape(name)}\s*=")
     for i in range(start + 1, end):
         if key.match(lines[i]):
-            ending = newline if lines[i].endswith(("\n", "\r")) else ""
-            lines[i] = line + ending
+            last = _value_end(lines, i, end)
+            ending = newline if lines[last].endswith(("\n", "\r")) else ""
+            lines[i : last + 1] = [line + ending]
             return "".join(lines)
     last = max(
         (
@@ -103,6 +111,18 @@ def _edited(
         lines[last] += newline
     lines.insert(last + 1, line + newline)
     return "".join(lines)
+
+
+def _value_end(lines: list[str], first: int, end: int) -> int:
+    """The last line of the key set on line `first`: a value may span lines (an array
+    written one item a line); it ends at the first line where the key's text parses."""
+    for last in range(first, end):
+        try:
+            tomllib.loads("".join(lines[first : last + 1]))
+        except tomllib.TOMLDecodeError:
+            continue
+        return last
+    return first  # the whole file's parse, after the edit, says what is wrong
 
 
 def _toml_string(value: str) -> str:

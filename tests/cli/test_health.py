@@ -84,3 +84,10 @@ def test_a_service_whose_api_does_not_answer_is_unhealthy(settings, running):
 
     found = problems(settings, stall=600, ask_api=hangs)
     assert len(found) == 1 and "does not answer" in found[0] and "timed out" in found[0]
+
+
+def test_the_real_question_to_the_api_is_asked_and_its_failure_said(settings, running):
+    """No seam: `health` asks the service's own API, here one that never published its
+    address, and says so rather than failing on its way there."""
+    found = problems(settings, stall=600)
+    assert len(found) == 1 and "does not answer" in found[0], found

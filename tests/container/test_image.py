@@ -2,13 +2,18 @@
 bind-mounted from folders a non-root user owns, PUID/PGID/UMASK set, the tiny model in a
 mounted folder (no network). A dropped song becomes stems owned by PUID:PGID with the
 umask's modes; `health` answers 0 while it runs; a SIGTERM mid-song stops it within a
-runtime's 10 s with the song back in the queue, and the next start publishes it once.
+runtime's 10 s with the song back in the queue, and the next start publishes it once. With a
+password in its environment the config keeps only its hash and the page listens on every
+address over HTTPS: this machine gets the page, a request naming another host is refused, and
+another address (a network namespace's, see tests/support/netns.py) gets the sign-in page and,
+with the password, the queue page.
 
 `make image-test` builds the image and runs this file (STEMDECK_IMAGE names the image);
 `make test` skips it. It runs the image with `buildah run --isolation chroot`, which needs no
 daemon and no runtime that sets resource limits. Two things of that isolation shape the test:
-it shares the host's process IDs, so the SIGTERM goes to the service's own pid as a runtime's
-stop does (`buildah run` itself answers a SIGTERM by killing its child outright), and its
+it shares the host's process IDs and network, so the SIGTERM goes to the service's own pid
+as a runtime's stop does, and the page listens on this machine's addresses (the test gives it a
+free port) (`buildah run` itself answers a SIGTERM by killing its child outright), and its
 `-v` does not cover a folder the image declares a VOLUME, so the test's working container
 has the declarations taken off (the runtime's own volumes are what `-v` replaces elsewhere).
 Without buildah the test skips with the reason, except under CI=true, where it fails.
@@ -16,11 +21,13 @@ Without buildah the test skips with the reason, except under CI=true, where it f
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import signal
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -28,12 +35,17 @@ import pytest
 import tomli_w
 
 from stemdeck_watch.cli.container import container_config
+from stemdeck_watch.core.config import load_settings
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.core.lock import running_pid
 from stemdeck_watch.store.registry import REGISTRY_FILE, Registry
+from stemdeck_watch.ui.web.tls import client_context, fingerprint
+from stemdeck_watch.util.passwords import verify_password
 from stemdeck_watch.util.synth import write_song
 
 from support.helpers import wait_for
+from support.netns import inside, private_link
+from support.sshfs_share import free_port
 
 IMAGE = os.environ.get("STEMDECK_IMAGE")
 if not IMAGE:
@@ -42,6 +54,7 @@ if not IMAGE:
     )
 MISSING = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
 MISSING += ["root (to own the volumes as another user)"] if os.geteuid() != 0 else []
+MISSING += ["ip (apt-get install iproute2)"] if shutil.which("ip") is None else []
 if MISSING and os.environ.get("CI") != "true":
     pytest.skip(
         f"needs {' and '.join(MISSING)} (apt-get install buildah mmdebstrap)",
@@ -54,6 +67,7 @@ PUID = PGID = 1234
 UMASK = 0o002
 VOLUMES = ("inbox", "outbox", "processed", "failed", "config", "models")
 STOP_LIMIT = 10.0  # seconds a container runtime waits after SIGTERM before it kills
+PASSWORD = "couch potato 42"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +106,7 @@ def share(tmp_path: Path, model_repo: Path) -> Path:
     data["separation"].update(model="tiny", model_repo="/repo", device="cpu")
     data["watch"]["settle_seconds"] = 0.3
     data["output"]["beat_grid"] = False  # librosa's import: seconds the test need not wait
+    data["api"]["port"] = free_port()  # the host's network: not a port something else holds
     (tmp_path / "config" / "stemdeck.toml").write_text(tomli_w.dumps(data))
     for path in [tmp_path, *tmp_path.rglob("*")]:
         if path.name != "failed":
@@ -102,7 +117,7 @@ def share(tmp_path: Path, model_repo: Path) -> Path:
 class Started:
     """The image's entrypoint running under `buildah run`, its output in a file."""
 
-    def __init__(self, container: str, share: Path, log: Path):
+    def __init__(self, container: str, share: Path, log: Path, extra: dict[str, str]):
         mounts = [f"--volume={share / v}:/{v}" for v in VOLUMES]
         mounts += [f"--volume={share / 'repo'}:/repo:ro", f"--volume={share / 'faults'}:/faults"]
         env = {
@@ -112,6 +127,7 @@ class Started:
             "TZ": "Europe/Berlin",
             "STEMDECK_WORKER_FAULTS": "/faults",  # workers/faultseam.py: `slow` holds songs
             "STEMDECK_ONEDNN": "0",  # the tiny model's first song in 0.4 s, not 2.5 s
+            **extra,
         }
         self.share, self.log = share, log
         self._output: IO[bytes] = open(log, "ab")
@@ -170,8 +186,8 @@ def start(container: str, share: Path, tmp_path_factory) -> Iterator:
     log = tmp_path_factory.mktemp("log") / "container.log"
     runs: list[Started] = []
 
-    def started() -> Started:
-        runs.append(Started(container, share, log))
+    def started(**extra: str) -> Started:
+        runs.append(Started(container, share, log, extra))
         return runs[-1]
 
     yield started
@@ -181,6 +197,11 @@ def start(container: str, share: Path, tmp_path_factory) -> Iterator:
 
 def health(container: str, share: Path) -> subprocess.CompletedProcess[str]:
     """The image's health check, as the runtime runs it beside the service (`docker exec`)."""
+    return entrypoint(container, share, "health")
+
+
+def entrypoint(container: str, share: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`stemdeck-entrypoint ARGS` beside the service, as `docker exec` runs it."""
     return subprocess.run(
         [
             "buildah",
@@ -193,7 +214,7 @@ def health(container: str, share: Path) -> subprocess.CompletedProcess[str]:
             container,
             "--",
             "stemdeck-entrypoint",
-            "health",
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -228,6 +249,9 @@ def test_a_dropped_song_becomes_stems_the_shares_user_owns_with_the_umask(contai
     config = (share / "config" / "stemdeck.toml").read_bytes()
     running = start()
     assert health(container, share).returncode == 0
+    # no password: the page on the container's loopback, and the log says how to set one
+    assert "docker exec -it stemdeck stemdeck-entrypoint password" in running.said()
+    assert "other devices" not in entrypoint(container, share, "status").stdout
     drop(share, "First Song.wav", 6, seed=1)
     folder = share / "outbox" / "First Song"
     wait_for(lambda: (share / "processed" / "First Song.wav").exists(), 120, running.said)
@@ -276,3 +300,83 @@ def test_a_sigterm_mid_song_requeues_it_and_the_next_start_publishes_it_once(
     assert songs(share / "outbox") == ["Long Song"]
     assert [p.name for p in (share / "processed").iterdir()] == ["Long Song.wav"]
     assert not list((share / "failed").iterdir())
+
+
+def ask(
+    address: str,
+    port: int,
+    path: str,
+    cert: Path,
+    *,
+    host: str = "",
+    method: str = "GET",
+    form: dict[str, str] | None = None,
+    cookie: str = "",
+) -> tuple[int, http.client.HTTPResponse, str]:
+    """One HTTPS request to the page, trusting exactly its certificate: (status, the answer,
+    its body)."""
+    connection = http.client.HTTPSConnection(
+        address, port, timeout=20, context=client_context(cert)
+    )
+    origin = f"{address}:{port}"
+    headers = {"Host": host or origin, "Origin": f"https://{origin}"}
+    body = None
+    if form is not None:
+        body = urllib.parse.urlencode(form).encode()
+        headers["Content-Type"] = "application/x-www-form-urlencoded"
+    if cookie:
+        headers["Cookie"] = cookie
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        answer = connection.getresponse()
+        return answer.status, answer, answer.read(1 << 20).decode("utf-8", "replace")
+    finally:
+        connection.close()
+
+
+def test_with_a_password_the_page_signs_in_another_address_and_refuses_other_names(
+    container, share, start
+):
+    config = share / "config" / "stemdeck.toml"
+    with private_link() as (namespace, here, _device):
+        running = start(PASSWORD=PASSWORD, STEMDECK_HOSTS="nas.example, 192.0.2.7")
+        text = config.read_text()
+        assert PASSWORD not in text  # only its hash
+        api = load_settings(config).api
+        assert (api.host, api.https, api.hosts) == ("0.0.0.0", True, ("nas.example", "192.0.2.7"))
+        assert verify_password(PASSWORD, api.password_hash)
+        cert = share / "config" / "state" / "tls" / "cert.pem"
+        wait_for(lambda: (share / "config" / "state" / "api.json").exists(), 60, running.said)
+        assert (
+            fingerprint(cert)
+            in (share / "config" / "state" / "logs").joinpath("stemdeck-watch.log").read_text()
+        )
+        assert health(container, share).returncode == 0  # the CLI's token, over HTTPS
+        said = entrypoint(container, share, "status").stdout  # where the page is reached
+        assert f"https://nas.example:{api.port}/ (other devices, signed in)" in said, said
+        assert f"certificate SHA-256 {fingerprint(cert)}" in said
+
+        # this machine (loopback): the page itself; another name than the service's: refused
+        status, _, body = ask("127.0.0.1", api.port, "/", cert)
+        assert status == 200 and 'id="password"' not in body, body[:300]
+        status, _, _ = ask("127.0.0.1", api.port, "/", cert, host=f"evil.example:{api.port}")
+        assert status == 403
+
+        # another address: the sign-in page only, then the queue page with the password
+        def as_another_device() -> list[tuple[int, str]]:
+            seen = [ask(here, api.port, path, cert)[::2] for path in ("/", "/api/jobs", "/signin")]
+            status, answer, _ = ask(
+                here, api.port, "/signin", cert, method="POST", form={"password": PASSWORD}
+            )
+            cookie = (answer.getheader("Set-Cookie") or "").split(";")[0]
+            seen.append((status, cookie))
+            seen.append(ask(here, api.port, "/", cert, cookie=cookie)[::2])
+            return seen
+
+        seen = inside(namespace, as_another_device)
+        (unsigned, _), (api_status, _), (signin, form), (signed, cookie), (page, body) = seen
+        assert (unsigned, api_status, signin) == (303, 401, 200) and 'id="password"' in form
+        assert signed == 303 and cookie.startswith("__Host-stemdeck-session=")
+        assert page == 200 and 'id="password"' not in body
+        assert running.stop() < STOP_LIMIT
+    assert "Traceback" not in running.said()
