@@ -129,12 +129,12 @@ class Scheduler(Requests):
         """A job for the same inbox path spelled in another Unicode normal form (macOS
         writes names decomposed, most others composed) with the same size and mtime: the
         same song, which must not become two jobs and two outbox folders."""
+        if str(source).isascii():
+            return None  # the common case: one spelling only, no lookup
         try:
             rel = source.relative_to(self.settings.paths.inbox).as_posix()
         except ValueError:
             return None
-        if rel.isascii():
-            return None  # the common case: one spelling only, no lookup
         for job in self.registry.with_rel_path(_nfc(rel)):
             if (
                 job.source != str(source)
@@ -176,20 +176,34 @@ class Scheduler(Requests):
             kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
             if self._lane_full(kind):
                 if str(source) not in self._waiting:
-                    since = self._clock()
-                    self._waiting[str(source)] = (kind, since)
-                    self._unsaved.append((str(source), kind, since))
-                    if not getattr(self._batch, "open", False):
-                        self._flush_waiting()
-                    log.info(
-                        "queue full (%d %ss pending): %s waits in the inbox",
-                        self._limit(kind),
-                        kind.value,
-                        source,
-                    )
-                    self._announce_queue()
+                    self._hold(source, kind)
                 return None
             return self._create(source, rel_path, signature)
+
+    def _hold(self, source: Path, kind: JobKind) -> None:
+        """`source` waits in the inbox until its lane has room. Within an intake tick
+        (`admitting`) the first such file is logged and the tick ends with one line and one
+        announcement for them all; alone, it is written, logged and announced at once."""
+        since = self._clock()
+        self._waiting[str(source)] = (kind, since)
+        self._unsaved.append((str(source), kind, since))
+        held: dict[JobKind, int] | None = (
+            self._batch.held if getattr(self._batch, "open", False) else None
+        )
+        if held is not None:
+            held[kind] = held.get(kind, 0) + 1
+            if held[kind] > 1:
+                return  # counted in the tick's line (status lists every waiting file)
+        else:
+            self._flush_waiting()
+        log.info(
+            "queue full (%d %ss pending): %s waits in the inbox",
+            self._limit(kind),
+            kind.value,
+            source,
+        )
+        if held is None:
+            self._announce_queue()
 
     def _create(self, source: Path, rel_path: PurePosixPath, signature: FileSignature) -> Job:
         preset = rel_path.parts[0] if len(rel_path.parts) > 1 else None
@@ -256,16 +270,30 @@ class Scheduler(Requests):
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
-        """Admit many files (one intake tick) with one registry write for all that wait: a
-        library of 10,000 files dropped at once must not cost 10,000 disk syncs. A crash
-        before the write loses nothing — the files are still in the inbox and the start-up
-        scan finds them again."""
+        """Admit many files (one intake tick) with one registry write, one log line and one
+        queue announcement for all that wait: a library of 10,000 files dropped at once must
+        not cost 10,000 disk syncs, nor wake every listener 10,000 times. A crash before the
+        write loses nothing — the files are still in the inbox and the start-up scan finds
+        them again."""
         self._batch.open = True
+        self._batch.held = {}
         try:
             yield
         finally:
             self._batch.open = False
             self._flush_waiting()
+            held: dict[JobKind, int] = self._batch.held
+            for kind, count in held.items():
+                if count > 1:
+                    log.info(
+                        "queue full (%d %ss pending): %d more %ss wait in the inbox",
+                        self._limit(kind),
+                        kind.value,
+                        count - 1,
+                        kind.value,
+                    )
+            if held:
+                self._announce_queue()
 
     def _flush_waiting(self) -> None:
         with self._lock:

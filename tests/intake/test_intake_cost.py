@@ -1,0 +1,114 @@
+"""What a library dropped at once costs the intake, counted rather than timed: the work done
+per file stays that file's own (a stat, its registry lookups), and what can be done once per
+tick is (the inbox's links resolved, the queue announced, the waiting files logged)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from stemdeck_watch.core.config import Settings
+from stemdeck_watch.core.events import QueueChanged
+from stemdeck_watch.intake.stability import SWEEP_SECONDS, StabilityTracker
+from stemdeck_watch.intake.watcher import InboxWatcher
+
+from support.helpers import open_scheduler
+
+FILES = 300
+LANE = 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def counting(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, under: Path | None = None
+) -> list[int]:
+    """Count the calls of `owner.name` (only those about a path under `under`, if given)."""
+    calls = [0]
+    real: Callable[..., Any] = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if under is None or str(args[0]).startswith(str(under)):
+            calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def library(folder: Path, count: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"song{i:04}.wav" for i in range(count)]
+    for path in paths:
+        path.write_bytes(b"RIFF" + os.urandom(32))
+    return paths
+
+
+def test_a_library_settling_in_one_tick_costs_each_file_only_its_own_lookups(
+    make_settings: Callable[..., Settings],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = make_settings(queue={"max_pending_files": LANE})
+    scheduler = open_scheduler(settings)
+    clock = Clock()
+    watcher = InboxWatcher(settings.watch, settings.paths.inbox, scheduler, clock=clock)
+    library(settings.paths.inbox, FILES)
+    watcher.scan(settings.paths.inbox)
+    watcher.admit_ready()  # the first look at each file decides nothing
+    clock.now += settings.watch.settle_seconds + 0.1
+    announced: list[QueueChanged] = []
+    scheduler.bus.subscribe(QueueChanged, announced.append)
+    realpaths = counting(monkeypatch, os.path, "realpath")
+    lookups = counting(monkeypatch, scheduler.registry, "latest_for_source")
+    with caplog.at_level(logging.DEBUG, logger="stemdeck_watch.engine.scheduler"):
+        watcher.admit_ready()
+    assert len(scheduler.queue.order()) == LANE
+    assert len(scheduler.waiting()) == FILES - LANE
+    assert lookups[0] == FILES  # one lookup per file, not one before the lock and one in it
+    assert realpaths[0] == 1  # the inbox, once for the tick
+    assert len(announced) == 1  # the queue and its waiting files, announced once
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == LANE + 2, lines[-5:]  # each job queued, the first file held, a sum
+    assert lines[-1] == (
+        f"queue full ({LANE} files pending): {FILES - LANE - 1} more files wait in the inbox"
+    )
+    scheduler.registry.close()
+
+
+def test_the_tracker_looks_again_only_at_files_that_may_have_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two sweeps (a tick apart) a call of `ready` stats only the files whose quiet
+    period may be over: the intake calls it every few milliseconds while a library settles."""
+    clock = Clock()
+    tracker = StabilityTracker(3.0, clock)
+    early, late = library(tmp_path / "early", 100), library(tmp_path / "late", 100)
+    stats = counting(monkeypatch, os, "stat", under=tmp_path)
+
+    def looked_at(now: float, settled: int) -> int:
+        clock.now, stats[0] = now, 0
+        assert len(tracker.ready()) == settled
+        return stats[0]
+
+    for song in early:
+        tracker.touch(song)
+    assert looked_at(1000.0, 0) == 100  # the first look at each
+    clock.now = 1001.0
+    for song in late:
+        tracker.touch(song)
+    assert looked_at(1001.0, 0) == 200  # a sweep, and the first look at the late ones
+    assert looked_at(1002.9, 0) == 200  # a sweep
+    assert looked_at(1003.0, 100) == 100  # the early ones are due: only they are looked at
+    assert looked_at(1003.05, 0) == 0  # nothing due, no sweep: nothing looked at
+    assert looked_at(1002.9 + SWEEP_SECONDS, 0) == 100  # a sweep looks at every one left
