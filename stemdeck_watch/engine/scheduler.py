@@ -226,8 +226,10 @@ class Scheduler(Requests):
                 signature=self._kept(signature),
             )
         )
+        # appended: no order to write. A queued job without a saved place comes last on
+        # disk, in arrival order (Registry.queued_order), which is where it is; rewriting
+        # every queued job's place per new one made a library dropped at once quadratic
         self.queue.put(job.id)
-        self._save_order()
         log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
         self.bus.publish(JobChanged(job))
         return job
@@ -305,8 +307,10 @@ class Scheduler(Requests):
     def _lane_full(self, kind: JobKind) -> bool:
         """Whether the lane has no room; announces QueueFull once each time a lane fills."""
         limit = self._limit(kind)
-        pending = sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind)
-        full = pending >= limit
+        # a lane holds no more jobs than the whole queue: counted only when it might be full
+        full = self.queue.size() >= limit and (
+            sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind) >= limit
+        )
         if full and kind not in self._full:
             self._full.add(kind)
             self.bus.publish(QueueFull(kind.value, limit))
@@ -560,16 +564,33 @@ class Scheduler(Requests):
             pending=self.registry.pending_moves(),
         )
         if self.eta is not None:
-            by_id = {job.id: job for job in jobs}
-            snap["eta"] = self.eta.estimate(
-                [job for job in jobs if job.state.is_running],
-                [by_id[i] for i in order if i in by_id],
-                jobs,
-                snap["worker"],
-                paused=snap["paused"],
-                probe=snap["pause_reason"] != PAUSE_INBOX,
-            )
+            snap["eta"] = self._estimate(jobs, order, snap["worker"])
         return snap
+
+    def estimate(self) -> dict[str, Any] | None:
+        """The snapshot's `eta` alone (what the estimator keeps in the registry for
+        `status`), without the rest of a snapshot: no status object per job and no waiting
+        list, which for a library dropped at once are tens of thousands of objects."""
+        if self.eta is None:
+            return None
+        jobs, _older = self.registry.recent(RECENT_JOBS)
+        workers = workers_of(self.registry)
+        return self._estimate(jobs, self.queue.order(), workers[0] if workers else None)
+
+    def _estimate(
+        self, jobs: list[Job], order: list[str], worker: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        by_id = {job.id: job for job in jobs}
+        paused = self.queue.pause_reason if self.queue.paused else None
+        result: dict[str, Any] = self.eta.estimate(
+            [job for job in jobs if job.state.is_running],
+            [by_id[i] for i in order if i in by_id],
+            jobs,
+            worker,
+            paused=paused is not None,
+            probe=paused != PAUSE_INBOX,
+        )
+        return result
 
     def jobs_page(
         self, before: tuple[float, int] | None, limit: int

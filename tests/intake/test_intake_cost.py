@@ -112,3 +112,36 @@ def test_the_tracker_looks_again_only_at_files_that_may_have_settled(
     assert looked_at(1003.0, 100) == 100  # the early ones are due: only they are looked at
     assert looked_at(1003.05, 0) == 0  # nothing due, no sweep: nothing looked at
     assert looked_at(1002.9 + SWEEP_SECONDS, 0) == 100  # a sweep looks at every one left
+
+
+def test_files_queued_in_one_tick_rewrite_no_order_and_keep_it_on_disk(
+    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new job goes to the end of the queue, where a job without a saved place comes on
+    disk: nothing to rewrite (every queued job's place per new job was quadratic), and a
+    restart finds the queue in its order."""
+    settings = make_settings(queue={"max_pending_files": 10 * FILES})
+    scheduler = open_scheduler(settings)
+    clock = Clock()
+    watcher = InboxWatcher(settings.watch, settings.paths.inbox, scheduler, clock=clock)
+    library(settings.paths.inbox, FILES)
+    watcher.scan(settings.paths.inbox)
+    watcher.admit_ready()
+    clock.now += settings.watch.settle_seconds + 0.1
+    orders = counting(monkeypatch, scheduler.registry, "save_order")
+    kinds = counting(monkeypatch, scheduler, "_kind_of")
+    watcher.admit_ready()
+    assert len(scheduler.queue.order()) == FILES
+    assert orders[0] == 0
+    assert kinds[0] == 0  # a lane far from full is not counted job by job
+    scheduler.queue.move(scheduler.queue.order()[-1], after=None)  # as `move --first` does
+    scheduler._save_order()
+    watcher.tracker.touch(settings.paths.inbox / "song9999.wav")
+    (settings.paths.inbox / "song9999.wav").write_bytes(b"RIFF")
+    watcher.admit_ready()
+    clock.now += settings.watch.settle_seconds + 0.1
+    watcher.admit_ready()
+    assert scheduler.registry.queued_order() == scheduler.queue.order()
+    last = scheduler.registry.latest_for_source(str(settings.paths.inbox / "song9999.wav"))
+    assert last is not None and scheduler.queue.order()[-1] == last.id
+    scheduler.registry.close()
