@@ -13,6 +13,8 @@ import pytest
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.events import QueueChanged
+from stemdeck_watch.engine import scheduler as scheduler_module
+from stemdeck_watch.engine.eta import Estimator
 from stemdeck_watch.intake.stability import SWEEP_SECONDS, StabilityTracker
 from stemdeck_watch.intake.watcher import InboxWatcher
 
@@ -144,4 +146,27 @@ def test_files_queued_in_one_tick_rewrite_no_order_and_keep_it_on_disk(
     assert scheduler.registry.queued_order() == scheduler.queue.order()
     last = scheduler.registry.latest_for_source(str(settings.paths.inbox / "song9999.wav"))
     assert last is not None and scheduler.queue.order()[-1] == last.id
+    scheduler.registry.close()
+
+
+def test_the_estimate_kept_for_status_is_built_without_a_snapshot(
+    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the estimator keeps for `status` is the estimate alone: a snapshot of a library
+    dropped at once is a status object per job and per waiting file, every refresh."""
+    settings = make_settings(queue={"max_pending_files": 40})
+    scheduler = open_scheduler(settings)
+    scheduler.eta = Estimator(scheduler.registry, settings, scheduler.bus, clock=lambda: 1000.0)
+    clock = Clock()
+    watcher = InboxWatcher(settings.watch, settings.paths.inbox, scheduler, clock=clock)
+    library(settings.paths.inbox, 60)
+    watcher.scan(settings.paths.inbox)
+    watcher.admit_ready()
+    clock.now += settings.watch.settle_seconds + 0.1
+    watcher.admit_ready()
+    snapshots = counting(monkeypatch, scheduler_module, "build_snapshot")
+    eta = scheduler.estimate()
+    assert snapshots[0] == 0
+    assert eta is not None and eta["songs"] == 40
+    assert eta == scheduler.snapshot()["eta"]  # the same estimate a snapshot holds
     scheduler.registry.close()
