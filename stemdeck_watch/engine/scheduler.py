@@ -74,6 +74,7 @@ class Scheduler(Requests):
         self._unsaved: list[tuple[str, JobKind, float]] = []  # waiting files not yet on disk
         self._batch = threading.local()
         self._kinds: dict[str, JobKind | None] = {}
+        self._deciding: dict[JobKind, int] = {}  # jobs an intake tick made, not written yet
         self.eta: Any = None  # the service's engine.eta.Estimator: snapshots say when songs finish
         self._gone_count = 0  # deletes handled so far (see submit_file)
         self._inodes = True
@@ -135,7 +136,10 @@ class Scheduler(Requests):
             rel = source.relative_to(self.settings.paths.inbox).as_posix()
         except ValueError:
             return None
-        for job in self.registry.with_rel_path(_nfc(rel)):
+        # the jobs this intake tick made are not written yet (`admitting`)
+        created: list[Job] = getattr(self._batch, "created", [])
+        making = [job for job in created if job.rel_path == _nfc(rel)]
+        for job in making + self.registry.with_rel_path(_nfc(rel)):
             if (
                 job.source != str(source)
                 and job.state is not JobState.CANCELLED
@@ -214,25 +218,50 @@ class Scheduler(Requests):
         # without its tag group: `Song [6s].mp3` is published as `Song`
         name = _nfc(song_name(source.stem if source.suffix else source.name))
         kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
-        job = self.registry.add(
-            Job(
-                id=new_job_id(),
-                name=name,
-                kind=kind,
-                state=JobState.QUEUED,
-                source=str(source),
-                rel_path=_nfc(str(rel_path)),
-                preset=preset,
-                signature=self._kept(signature),
-            )
+        job = Job(
+            id=new_job_id(),
+            name=name,
+            kind=kind,
+            state=JobState.QUEUED,
+            source=str(source),
+            rel_path=_nfc(str(rel_path)),
+            preset=preset,
+            signature=self._kept(signature),
         )
-        # appended: no order to write. A queued job without a saved place comes last on
-        # disk, in arrival order (Registry.queued_order), which is where it is; rewriting
-        # every queued job's place per new one made a library dropped at once quadratic
-        self.queue.put(job.id)
-        log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
-        self.bus.publish(JobChanged(job))
-        return job
+        if getattr(self._batch, "open", False):
+            self._batch.created.append(job)  # written with the tick's others (`admitting`)
+            self._deciding[kind] = self._deciding.get(kind, 0) + 1
+            return job
+        return self._enqueue([self.registry.add(job)])[0]
+
+    def _write_created(self) -> None:
+        """The jobs this tick made, in one registry transaction, then queued and announced.
+        A file deleted meanwhile (its delete found no job to cancel yet) makes none."""
+        jobs: list[Job] = self._batch.created
+        self._batch.created = []
+        if not jobs:
+            return
+        with self._lock:
+            try:
+                if self._gone_count != self._batch.gone:
+                    jobs = [job for job in jobs if _signature_now(Path(job.source)) is not None]
+                self._enqueue(self.registry.add_all(jobs))
+            finally:
+                self._deciding.clear()
+
+    def _enqueue(self, jobs: list[Job]) -> list[Job]:
+        """Jobs written to the registry go to the end of the queue and are announced.
+
+        Appended: no order to write. A queued job without a saved place comes last on disk,
+        in arrival order (Registry.queued_order), which is where it is; rewriting every
+        queued job's place per new one made a library dropped at once quadratic."""
+        with self._lock:
+            for job in jobs:
+                self.queue.put(job.id)
+                preset = f" (preset {job.preset})" if job.preset else ""
+                log.info("queued %s as job %s%s", job.source, job.id, preset)
+                self.bus.publish(JobChanged(job))
+        return jobs
 
     def learn_inbox_filesystem(self) -> None:
         """Whether the inbox is on a share (looked at again when its share answers): a
@@ -272,18 +301,24 @@ class Scheduler(Requests):
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
-        """Admit many files (one intake tick) with one registry write, one log line and one
-        queue announcement for all that wait: a library of 10,000 files dropped at once must
-        not cost 10,000 disk syncs, nor wake every listener 10,000 times. A crash before the
-        write loses nothing — the files are still in the inbox and the start-up scan finds
-        them again."""
+        """Admit many files (one intake tick) with one registry write for the jobs it makes
+        and one for the files that wait, one log line and one queue announcement for these:
+        a library of 10,000 files dropped at once must not cost 10,000 disk syncs, nor wake
+        every listener 10,000 times. The tick's jobs are queued and announced once written.
+        A crash before the write loses nothing — the files are still in the inbox and the
+        start-up scan finds them again."""
         self._batch.open = True
         self._batch.held = {}
+        self._batch.created = []
+        self._batch.gone = self._gone_count
         try:
             yield
         finally:
             self._batch.open = False
-            self._flush_waiting()
+            try:
+                self._write_created()
+            finally:
+                self._flush_waiting()
             held: dict[JobKind, int] = self._batch.held
             for kind, count in held.items():
                 if count > 1:
@@ -307,9 +342,12 @@ class Scheduler(Requests):
     def _lane_full(self, kind: JobKind) -> bool:
         """Whether the lane has no room; announces QueueFull once each time a lane fills."""
         limit = self._limit(kind)
-        # a lane holds no more jobs than the whole queue: counted only when it might be full
-        full = self.queue.size() >= limit and (
-            sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind) >= limit
+        # a lane holds no more jobs than the whole queue (and the jobs an intake tick is
+        # making): counted job by job only when it might be full
+        deciding = self._deciding.get(kind, 0)
+        full = self.queue.size() + deciding >= limit and (
+            sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind) + deciding
+            >= limit
         )
         if full and kind not in self._full:
             self._full.add(kind)

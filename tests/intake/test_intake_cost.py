@@ -132,8 +132,10 @@ def test_files_queued_in_one_tick_rewrite_no_order_and_keep_it_on_disk(
     clock.now += settings.watch.settle_seconds + 0.1
     orders = counting(monkeypatch, scheduler.registry, "save_order")
     kinds = counting(monkeypatch, scheduler, "_kind_of")
+    writes = counting(monkeypatch, scheduler.registry, "add_all")
     watcher.admit_ready()
     assert len(scheduler.queue.order()) == FILES
+    assert writes[0] == 1  # the tick's jobs in one transaction, not one disk sync per job
     assert orders[0] == 0
     assert kinds[0] == 0  # a lane far from full is not counted job by job
     scheduler.queue.move(scheduler.queue.order()[-1], after=None)  # as `move --first` does
@@ -169,4 +171,38 @@ def test_the_estimate_kept_for_status_is_built_without_a_snapshot(
     assert snapshots[0] == 0
     assert eta is not None and eta["songs"] == 40
     assert eta == scheduler.snapshot()["eta"]  # the same estimate a snapshot holds
+    scheduler.registry.close()
+
+
+def test_a_file_deleted_while_its_tick_is_admitted_becomes_no_job(
+    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick's jobs are written at its end: a file deleted before then (its delete found
+    no job to cancel yet) makes none, and the lane counts the jobs the tick is making."""
+    settings = make_settings(queue={"max_pending_files": 50})
+    scheduler = open_scheduler(settings)
+    clock = Clock()
+    watcher = InboxWatcher(settings.watch, settings.paths.inbox, scheduler, clock=clock)
+    songs = library(settings.paths.inbox, 80)
+    watcher.scan(settings.paths.inbox)
+    watcher.admit_ready()
+    clock.now += settings.watch.settle_seconds + 0.1
+    submit = scheduler.submit_file
+    submitted: list[Path] = []
+
+    def submit_then_delete(*args: Any) -> Any:
+        if len(submitted) == 30:  # the first one is a job of this tick by now
+            submitted[0].unlink()
+            scheduler.file_gone(submitted[0])
+        submitted.append(args[0])
+        return submit(*args)
+
+    monkeypatch.setattr(scheduler, "submit_file", submit_then_delete)
+    watcher.admit_ready()
+    assert len(submitted) == len(songs)
+    assert scheduler.registry.latest_for_source(str(submitted[0])) is None
+    # the lane counted the tick's own jobs: 50 made (one of them dropped), the rest wait
+    assert len(scheduler.queue.order()) == 49
+    assert len(scheduler.waiting()) == 30
+    assert scheduler.registry.queued_order() == scheduler.queue.order()
     scheduler.registry.close()
