@@ -189,10 +189,11 @@ def library(root: Path, repo: Path, mode: str, files: int, args: Any, tree: Path
         for i in range(files):
             os.rename(stage / f"song{i:05}.wav", inbox / f"song{i:05}.wav")
         renamed = time.monotonic() - began
-        counts = (0, 0)
+        counts, tree = (0, 0), 0.0
         while sum(counts) < files and time.monotonic() - began < 300:
             pace.wait(0.05)
             counts = accounted()
+            tree = max(tree, _tree_rss_mb(service.pid))
         took = time.monotonic() - began
         cpu = _proc_stat(service.pid) - cpu_before
         if spy is not None:
@@ -215,6 +216,8 @@ def library(root: Path, repo: Path, mode: str, files: int, args: Any, tree: Path
             "seconds": took,
             "service_cpu_s": cpu,
             "peak_rss_mb": peak,
+            # the service with its worker (and the zygote it was forked from), sampled
+            "tree_rss_mb": tree,
             "status_calls": len(status_times),
             "slowest_status_s": max(status_times, default=0.0),
             "median_status_s": median(status_times) if status_times else 0.0,
@@ -280,6 +283,22 @@ def _cpu(pid: int, seconds: float) -> float:
     before, wall = _proc_stat(pid), time.monotonic()
     threading.Event().wait(seconds)
     return (_proc_stat(pid) - before) / (time.monotonic() - wall)
+
+
+def _tree_rss_mb(pid: int) -> float:
+    """The resident memory of a process and every process below it, now."""
+    total, todo = 0, [pid]
+    while todo:
+        proc = Path(f"/proc/{todo.pop()}")
+        try:
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            for task in (proc / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+    return total / 1024
 
 
 def _peak_rss_mb(pid: int) -> float:
