@@ -216,7 +216,7 @@ def library(root: Path, repo: Path, mode: str, files: int, args: Any, tree: Path
             "seconds": took,
             "service_cpu_s": cpu,
             "peak_rss_mb": peak,
-            # the service with its worker (and the zygote it was forked from), sampled
+            # the service with its worker (and the zygote it was forked from), sampled (PSS)
             "tree_rss_mb": tree,
             "status_calls": len(status_times),
             "slowest_status_s": max(status_times, default=0.0),
@@ -286,13 +286,15 @@ def _cpu(pid: int, seconds: float) -> float:
 
 
 def _tree_rss_mb(pid: int) -> float:
-    """The resident memory of a process and every process below it, now."""
+    """The memory of a process and every process below it, now: their proportional set
+    sizes (a worker forked from the zygote shares most of its pages with it; summing their
+    RSS would count those twice)."""
     total, todo = 0, [pid]
     while todo:
         proc = Path(f"/proc/{todo.pop()}")
         try:
-            for line in (proc / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in (proc / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total += int(line.split()[1])
             for task in (proc / "task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
