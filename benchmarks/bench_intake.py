@@ -189,11 +189,11 @@ def library(root: Path, repo: Path, mode: str, files: int, args: Any, tree: Path
         for i in range(files):
             os.rename(stage / f"song{i:05}.wav", inbox / f"song{i:05}.wav")
         renamed = time.monotonic() - began
-        counts, tree = (0, 0), 0.0
+        counts, tree_mb = (0, 0), 0.0
         while sum(counts) < files and time.monotonic() - began < 300:
             pace.wait(0.05)
             counts = accounted()
-            tree = max(tree, _tree_rss_mb(service.pid))
+            tree_mb = max(tree_mb, _tree_rss_mb(service.pid))
         took = time.monotonic() - began
         cpu = _proc_stat(service.pid) - cpu_before
         if spy is not None:
@@ -217,7 +217,7 @@ def library(root: Path, repo: Path, mode: str, files: int, args: Any, tree: Path
             "service_cpu_s": cpu,
             "peak_rss_mb": peak,
             # the service with its worker (and the zygote it was forked from), sampled (PSS)
-            "tree_rss_mb": tree,
+            "tree_rss_mb": tree_mb,
             "status_calls": len(status_times),
             "slowest_status_s": max(status_times, default=0.0),
             "median_status_s": median(status_times) if status_times else 0.0,
