@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.core.errors import ConfigError
@@ -73,6 +73,11 @@ class Service:
         self._guard: DiskGuard | None = None
         self._playlists: Playlists | None = None
         self.shares: ShareWatch | None = None  # which folders answer (made at start)
+
+    def _estimate(self) -> dict[str, Any]:
+        """What the estimator keeps in the registry for `status`: the estimate alone, not a
+        whole snapshot of the queue."""
+        return {"eta": self.scheduler.estimate()}
 
     @property
     def started(self) -> bool:
@@ -214,7 +219,7 @@ class Service:
         self.prefetcher.start()
         self.intake.start()
         self.folder_remote.start()
-        self.eta.start(self.scheduler.snapshot)
+        self.eta.start(self._estimate)
         self._started = True
         self._start_api()
         self._log_start()
@@ -335,7 +340,7 @@ class Service:
             self.folder_remote.start()
         if not self.eta.alive():
             log.error("the estimate thread died; restarting it")
-            self.eta.start(self.scheduler.snapshot)
+            self.eta.start(self._estimate)
         if self.notifier is not None:
             self.notifier.restart_dead()
         if self.ownership is not None and not self.ownership.alive():

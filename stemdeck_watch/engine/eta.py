@@ -54,6 +54,7 @@ SPREAD = 0.2  # lengths this varied (relative to their mean) allow fitting a fix
 MAX_TOOK = 200  # finished songs whose time is kept
 PROBES_PER_ESTIMATE = 16  # lengths read per estimate at most: a snapshot stays quick
 REFRESH_DEBOUNCE = 0.3  # seconds: a burst of changes makes one registry write
+REFRESH_SPACING = 9.0  # at least this many times its own duration between two refreshes
 # pause reasons that hold the running song as well as the queue: its time is a wait, not work
 # (a person's pause lets the song finish). The scheduler's PAUSE_INBOX and PAUSE_OUTBOX and
 # the cluster watch's PAUSE_CLUSTER, by value: importing the scheduler would load numpy into
@@ -411,15 +412,20 @@ class Estimator:
         return self._thread is not None and self._thread.is_alive()
 
     def _keep(self) -> None:
+        pause = REFRESH_DEBOUNCE
         while not self._stop.is_set():
             self._dirty.wait(60.0)
-            if self._stop.wait(REFRESH_DEBOUNCE):
+            if self._stop.wait(pause):
                 break
             self._dirty.clear()
+            began = time.monotonic()
             try:
                 self.write(self._snapshot() if self._snapshot else None)
             except Exception:
                 log.exception("could not keep the queue's estimate for status; going on")
+            # a long queue (a library dropped at once) takes a while to estimate: refreshed
+            # while it keeps changing, it would take a core from the intake
+            pause = max(REFRESH_DEBOUNCE, REFRESH_SPACING * (time.monotonic() - began))
 
     def write(self, snapshot: dict[str, Any] | None) -> None:
         """Store what was learnt, and the snapshot's estimate if it changed."""

@@ -74,6 +74,7 @@ class Scheduler(Requests):
         self._unsaved: list[tuple[str, JobKind, float]] = []  # waiting files not yet on disk
         self._batch = threading.local()
         self._kinds: dict[str, JobKind | None] = {}
+        self._deciding: dict[JobKind, int] = {}  # jobs an intake tick made, not written yet
         self.eta: Any = None  # the service's engine.eta.Estimator: snapshots say when songs finish
         self._gone_count = 0  # deletes handled so far (see submit_file)
         self._inodes = True
@@ -129,13 +130,16 @@ class Scheduler(Requests):
         """A job for the same inbox path spelled in another Unicode normal form (macOS
         writes names decomposed, most others composed) with the same size and mtime: the
         same song, which must not become two jobs and two outbox folders."""
+        if str(source).isascii():
+            return None  # the common case: one spelling only, no lookup
         try:
             rel = source.relative_to(self.settings.paths.inbox).as_posix()
         except ValueError:
             return None
-        if rel.isascii():
-            return None  # the common case: one spelling only, no lookup
-        for job in self.registry.with_rel_path(_nfc(rel)):
+        # the jobs this intake tick made are not written yet (`admitting`)
+        created: list[Job] = getattr(self._batch, "created", [])
+        making = [job for job in created if job.rel_path == _nfc(rel)]
+        for job in making + self.registry.with_rel_path(_nfc(rel)):
             if (
                 job.source != str(source)
                 and job.state is not JobState.CANCELLED
@@ -176,20 +180,34 @@ class Scheduler(Requests):
             kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
             if self._lane_full(kind):
                 if str(source) not in self._waiting:
-                    since = self._clock()
-                    self._waiting[str(source)] = (kind, since)
-                    self._unsaved.append((str(source), kind, since))
-                    if not getattr(self._batch, "open", False):
-                        self._flush_waiting()
-                    log.info(
-                        "queue full (%d %ss pending): %s waits in the inbox",
-                        self._limit(kind),
-                        kind.value,
-                        source,
-                    )
-                    self._announce_queue()
+                    self._hold(source, kind)
                 return None
             return self._create(source, rel_path, signature)
+
+    def _hold(self, source: Path, kind: JobKind) -> None:
+        """`source` waits in the inbox until its lane has room. Within an intake tick
+        (`admitting`) the first such file is logged and the tick ends with one line and one
+        announcement for them all; alone, it is written, logged and announced at once."""
+        since = self._clock()
+        self._waiting[str(source)] = (kind, since)
+        self._unsaved.append((str(source), kind, since))
+        held: dict[JobKind, int] | None = (
+            self._batch.held if getattr(self._batch, "open", False) else None
+        )
+        if held is not None:
+            held[kind] = held.get(kind, 0) + 1
+            if held[kind] > 1:
+                return  # counted in the tick's line (status lists every waiting file)
+        else:
+            self._flush_waiting()
+        log.info(
+            "queue full (%d %ss pending): %s waits in the inbox",
+            self._limit(kind),
+            kind.value,
+            source,
+        )
+        if held is None:
+            self._announce_queue()
 
     def _create(self, source: Path, rel_path: PurePosixPath, signature: FileSignature) -> Job:
         preset = rel_path.parts[0] if len(rel_path.parts) > 1 else None
@@ -200,23 +218,50 @@ class Scheduler(Requests):
         # without its tag group: `Song [6s].mp3` is published as `Song`
         name = _nfc(song_name(source.stem if source.suffix else source.name))
         kind = JobKind.LINK if is_link_file(source) else JobKind.FILE
-        job = self.registry.add(
-            Job(
-                id=new_job_id(),
-                name=name,
-                kind=kind,
-                state=JobState.QUEUED,
-                source=str(source),
-                rel_path=_nfc(str(rel_path)),
-                preset=preset,
-                signature=self._kept(signature),
-            )
+        job = Job(
+            id=new_job_id(),
+            name=name,
+            kind=kind,
+            state=JobState.QUEUED,
+            source=str(source),
+            rel_path=_nfc(str(rel_path)),
+            preset=preset,
+            signature=self._kept(signature),
         )
-        self.queue.put(job.id)
-        self._save_order()
-        log.info("queued %s as job %s%s", source, job.id, f" (preset {preset})" if preset else "")
-        self.bus.publish(JobChanged(job))
-        return job
+        if getattr(self._batch, "open", False):
+            self._batch.created.append(job)  # written with the tick's others (`admitting`)
+            self._deciding[kind] = self._deciding.get(kind, 0) + 1
+            return job
+        return self._enqueue([self.registry.add(job)])[0]
+
+    def _write_created(self) -> None:
+        """The jobs this tick made, in one registry transaction, then queued and announced.
+        A file deleted meanwhile (its delete found no job to cancel yet) makes none."""
+        jobs: list[Job] = self._batch.created
+        self._batch.created = []
+        if not jobs:
+            return
+        with self._lock:
+            try:
+                if self._gone_count != self._batch.gone:
+                    jobs = [job for job in jobs if _signature_now(Path(job.source)) is not None]
+                self._enqueue(self.registry.add_all(jobs))
+            finally:
+                self._deciding.clear()
+
+    def _enqueue(self, jobs: list[Job]) -> list[Job]:
+        """Jobs written to the registry go to the end of the queue and are announced.
+
+        Appended: no order to write. A queued job without a saved place comes last on disk,
+        in arrival order (Registry.queued_order), which is where it is; rewriting every
+        queued job's place per new one made a library dropped at once quadratic."""
+        with self._lock:
+            for job in jobs:
+                self.queue.put(job.id)
+                preset = f" (preset {job.preset})" if job.preset else ""
+                log.info("queued %s as job %s%s", job.source, job.id, preset)
+                self.bus.publish(JobChanged(job))
+        return jobs
 
     def learn_inbox_filesystem(self) -> None:
         """Whether the inbox is on a share (looked at again when its share answers): a
@@ -256,16 +301,36 @@ class Scheduler(Requests):
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
-        """Admit many files (one intake tick) with one registry write for all that wait: a
-        library of 10,000 files dropped at once must not cost 10,000 disk syncs. A crash
-        before the write loses nothing — the files are still in the inbox and the start-up
-        scan finds them again."""
+        """Admit many files (one intake tick) with one registry write for the jobs it makes
+        and one for the files that wait, one log line and one queue announcement for these:
+        a library of 10,000 files dropped at once must not cost 10,000 disk syncs, nor wake
+        every listener 10,000 times. The tick's jobs are queued and announced once written.
+        A crash before the write loses nothing — the files are still in the inbox and the
+        start-up scan finds them again."""
         self._batch.open = True
+        self._batch.held = {}
+        self._batch.created = []
+        self._batch.gone = self._gone_count
         try:
             yield
         finally:
             self._batch.open = False
-            self._flush_waiting()
+            try:
+                self._write_created()
+            finally:
+                self._flush_waiting()
+            held: dict[JobKind, int] = self._batch.held
+            for kind, count in held.items():
+                if count > 1:
+                    log.info(
+                        "queue full (%d %ss pending): %d more %ss wait in the inbox",
+                        self._limit(kind),
+                        kind.value,
+                        count - 1,
+                        kind.value,
+                    )
+            if held:
+                self._announce_queue()
 
     def _flush_waiting(self) -> None:
         with self._lock:
@@ -277,8 +342,13 @@ class Scheduler(Requests):
     def _lane_full(self, kind: JobKind) -> bool:
         """Whether the lane has no room; announces QueueFull once each time a lane fills."""
         limit = self._limit(kind)
-        pending = sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind)
-        full = pending >= limit
+        # a lane holds no more jobs than the whole queue (and the jobs an intake tick is
+        # making): counted job by job only when it might be full
+        deciding = self._deciding.get(kind, 0)
+        full = self.queue.size() + deciding >= limit and (
+            sum(1 for job_id in self.queue.order() if self._kind_of(job_id) is kind) + deciding
+            >= limit
+        )
         if full and kind not in self._full:
             self._full.add(kind)
             self.bus.publish(QueueFull(kind.value, limit))
@@ -532,16 +602,33 @@ class Scheduler(Requests):
             pending=self.registry.pending_moves(),
         )
         if self.eta is not None:
-            by_id = {job.id: job for job in jobs}
-            snap["eta"] = self.eta.estimate(
-                [job for job in jobs if job.state.is_running],
-                [by_id[i] for i in order if i in by_id],
-                jobs,
-                snap["worker"],
-                paused=snap["paused"],
-                probe=snap["pause_reason"] != PAUSE_INBOX,
-            )
+            snap["eta"] = self._estimate(jobs, order, snap["worker"])
         return snap
+
+    def estimate(self) -> dict[str, Any] | None:
+        """The snapshot's `eta` alone (what the estimator keeps in the registry for
+        `status`), without the rest of a snapshot: no status object per job and no waiting
+        list, which for a library dropped at once are tens of thousands of objects."""
+        if self.eta is None:
+            return None
+        jobs, _older = self.registry.recent(RECENT_JOBS)
+        workers = workers_of(self.registry)
+        return self._estimate(jobs, self.queue.order(), workers[0] if workers else None)
+
+    def _estimate(
+        self, jobs: list[Job], order: list[str], worker: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        by_id = {job.id: job for job in jobs}
+        paused = self.queue.pause_reason if self.queue.paused else None
+        result: dict[str, Any] = self.eta.estimate(
+            [job for job in jobs if job.state.is_running],
+            [by_id[i] for i in order if i in by_id],
+            jobs,
+            worker,
+            paused=paused is not None,
+            probe=paused != PAUSE_INBOX,
+        )
+        return result
 
     def jobs_page(
         self, before: tuple[float, int] | None, limit: int

@@ -23,6 +23,7 @@ from typing import Callable
 from stemdeck_watch.core.jobs import FileSignature
 
 CLOSED_SETTLE_SECONDS = 1.0
+SWEEP_SECONDS = 0.25  # every candidate is looked at this often (a tick of the intake)
 
 
 @dataclasses.dataclass
@@ -44,6 +45,7 @@ class StabilityTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._candidates: dict[Path, _Candidate] = {}
+        self._swept = float("-inf")  # when every candidate was last looked at
 
     def touch(self, path: Path, closed: bool | None = None) -> None:
         """A watcher event (or a scan) saw `path`: restart its quiet period. `closed`: whether
@@ -88,20 +90,36 @@ class StabilityTracker:
         return self.closed_settle_seconds if candidate.closed else self.settle_seconds
 
     def ready(self) -> list[tuple[Path, FileSignature]]:
-        """Stat every candidate; return (and stop tracking) those that have settled."""
+        """Stat the candidates that may have settled (and those not looked at yet); return
+        (and stop tracking) those that have. Every candidate is looked at once per
+        SWEEP_SECONDS too, so a file that grows without an event restarts its wait about
+        when it grew: the intake may call this every few milliseconds while a library
+        settles, and 10,000 stats per call would be most of its work."""
         now = self._clock()
-        done: list[tuple[Path, FileSignature]] = []
+        sweep = now - self._swept >= SWEEP_SECONDS
+        if sweep:
+            self._swept = now
         with self._lock:
-            items = list(self._candidates.items())
+            items = [
+                (path, candidate)
+                for path, candidate in self._candidates.items()
+                if sweep
+                or candidate.signature is None
+                or now - candidate.quiet_since >= self._quiet_needed(candidate)
+            ]
+        looked: list[tuple[Path, _Candidate, FileSignature | None]] = []
         for path, candidate in items:
             try:
-                signature = FileSignature.of(os.stat(path))
+                looked.append((path, candidate, FileSignature.of(os.stat(path))))
             except OSError:
-                with self._lock:
-                    self._candidates.pop(path, None)
-                continue
-            with self._lock:
+                looked.append((path, candidate, None))
+        done: list[tuple[Path, FileSignature]] = []
+        with self._lock:
+            for path, candidate, signature in looked:
                 if self._candidates.get(path) is not candidate:
+                    continue  # forgotten, or gone and tracked anew meanwhile
+                if signature is None:  # gone
+                    del self._candidates[path]
                     continue
                 if candidate.signature is None:  # first look: never ready on one stat
                     candidate.signature = signature

@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from stemdeck_watch.core.paths import report_path, unique_path
 from stemdeck_watch.util.safefile import write_replacing
@@ -45,9 +46,13 @@ def link_refusal(path: Path, real_inbox: str) -> str | None:
     )
 
 
-def outside_inbox(path: Path, real_inbox: str) -> bool:
-    """True for a file the inbox reaches only through a linked folder."""
-    return not _within(os.path.realpath(path.parent), real_inbox)
+def outside_inbox(
+    path: Path, real_inbox: str, resolve: Callable[[Path], str] = os.path.realpath
+) -> bool:
+    """True for a file the inbox reaches only through a linked folder. `resolve` resolves a
+    folder's links (the intake's remembers each folder for one tick: a library dropped at
+    once lies in a handful of folders)."""
+    return not _within(resolve(path.parent), real_inbox)
 
 
 def _plain_folders(root: Path, folder: Path) -> bool:

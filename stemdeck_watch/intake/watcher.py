@@ -108,6 +108,7 @@ class InboxWatcher:
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
         self._left: set[Path] = set()  # files not taken, logged once (linked or unreadable folders)
+        self._real: dict[Path, str] = {}  # folders with their links resolved, this tick
         # set by the service: whether the inbox's share is there (a watcher that reports
         # every file deleted is not believed while it is away)
         self.shares: ShareWatch | None = None
@@ -304,9 +305,7 @@ class InboxWatcher:
                     folders, self._scan_dirs = self._scan_dirs, []
                 for folder in folders:
                     self.scan(folder)
-                with self.scheduler.admitting():
-                    for path, signature in self.tracker.ready():
-                        self._admit(path, signature)
+                self.admit_ready()
             except Exception:
                 # a file whose job could not be recorded (a failed registry write) is ready no
                 # more: a rescan soon offers it again, without hammering a failing disk
@@ -348,8 +347,24 @@ class InboxWatcher:
                 if self._eligible(path):
                     self.tracker.touch(path)
 
+    def admit_ready(self) -> None:
+        """Hand every file that has settled to the scheduler, as one batch (one tick): a
+        library dropped at once settles in a few ticks of thousands of files each, so
+        what can be done once per tick is (the inbox's links resolved, the waiting lane
+        written, the queue announced)."""
+        ready = self.tracker.ready()
+        if not ready:
+            return
+        self._real = {}  # folders resolved anew each tick
+        with self.scheduler.admitting():
+            for path, signature in ready:
+                self._admit(path, signature)
+
     def _admit(self, path: Path, signature) -> None:  # type: ignore[no-untyped-def]
-        if not self._eligible(path) or self._renamed_readable(path):
+        """Hand a settled file to the scheduler (which decides whether it is wanted, under
+        its lock). Only eligible paths are ever tracked (events, scans and ended jobs are
+        filtered before `touch`), so the filter is not asked again here."""
+        if self._renamed_readable(path):
             return
         rel = PurePosixPath(path.relative_to(self.inbox).as_posix())
         if not _utf8(str(rel)):  # a folder's name is not UTF-8: nothing can record it
@@ -363,8 +378,15 @@ class InboxWatcher:
             return
         if self._not_followed(path, rel):
             return
-        if self.scheduler.wants(path, signature):
-            self.scheduler.submit_file(path, rel, signature)
+        self.scheduler.submit_file(path, rel, signature)
+
+    def _realpath(self, folder: Path) -> str:
+        """`folder` with its links resolved, once per intake tick (a library dropped at once
+        lies in a handful of folders)."""
+        found = self._real.get(folder)
+        if found is None:
+            found = self._real[folder] = os.path.realpath(folder)
+        return found
 
     def _renamed_readable(self, path: Path) -> bool:
         """A file whose name is not UTF-8 is renamed in place to a readable name (never
@@ -387,8 +409,8 @@ class InboxWatcher:
     def _not_followed(self, path: Path, rel: PurePosixPath) -> bool:
         """A link to a file goes to failed/ with the reason; a file behind a linked folder
         is left where it lives (logged once). True if `path` is either."""
-        real_inbox = os.path.realpath(self.inbox)  # once per file: the inbox may be a link
-        if outside_inbox(path, real_inbox):
+        real_inbox = self._realpath(self.inbox)  # the inbox itself may be a link
+        if outside_inbox(path, real_inbox, self._realpath):
             if path not in self._left:
                 self._left.add(path)
                 log.warning(

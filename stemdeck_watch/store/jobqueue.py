@@ -116,6 +116,9 @@ class JobQueue:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._order: collections.deque[str] = collections.deque()
+        # the same ids as a set: "is it queued?" in one step, not a walk of the whole queue
+        # (a library dropped at once queues thousands, each asking once)
+        self._queued: set[str] = set()
         self._paused = False
         self._pause_reason: str | None = None
         # per consumer slot (one per worker): the job taken and the job running there
@@ -136,7 +139,7 @@ class JobQueue:
 
     def put(self, job_id: str, front: bool = False) -> None:
         with self._lock:
-            if job_id in self._order:
+            if job_id in self._queued:
                 return
             self._returned.pop(job_id, None)
             self._avoid.pop(job_id, None)
@@ -144,6 +147,7 @@ class JobQueue:
                 self._order.appendleft(job_id)
             else:
                 self._order.append(job_id)
+            self._queued.add(job_id)
             self._changed.notify_all()
 
     def put_back(self, job_id: str, avoid: int | None = None) -> None:
@@ -157,7 +161,7 @@ class JobQueue:
         with self._lock:
             if avoid is not None:
                 self._avoid[job_id] = avoid
-            if job_id in self._order:
+            if job_id in self._queued:
                 return
             taken = next((c.taken for c in self._controls() if c.job_id == job_id), 0)
             at = 0
@@ -168,28 +172,29 @@ class JobQueue:
             ):
                 at += 1
             self._order.insert(at, job_id)
+            self._queued.add(job_id)
             self._returned[job_id] = taken
             self._changed.notify_all()
 
     def discard(self, job_id: str) -> bool:
         with self._lock:
             self._avoid.pop(job_id, None)
-            try:
-                self._order.remove(job_id)
-            except ValueError:
+            if job_id not in self._queued:
                 return False
+            self._order.remove(job_id)
+            self._queued.discard(job_id)
             return True
 
     def move(self, job_id: str, after: str | None) -> list[str] | None:
         """Put `job_id` right after `after` (first when None; last when `after` is no longer
         queued); returns the new order, or None if `job_id` is not queued."""
         with self._lock:
-            if job_id not in self._order:
+            if job_id not in self._queued:
                 return None
             self._order.remove(job_id)
             if after is None:
                 self._order.appendleft(job_id)
-            elif after in self._order:
+            elif after in self._queued:
                 self._order.insert(self._order.index(after) + 1, job_id)
             else:
                 self._order.append(job_id)
@@ -201,8 +206,9 @@ class JobQueue:
         nothing to cancel: the queue does not hold it, or its stems are already going out
         (committed)."""
         with self._lock:
-            if job_id in self._order:
+            if job_id in self._queued:
                 self._order.remove(job_id)
+                self._queued.discard(job_id)
                 return "queued"
             found = [
                 (c, where)
@@ -243,6 +249,7 @@ class JobQueue:
             if not ready or self._closed:
                 return None
             control = JobControl(self._order.popleft())
+            self._queued.discard(control.job_id)
             self._avoid.pop(control.job_id, None)
             control.taken = next(self._takes)
             # every job still queued was behind this one: a job put back before now no
@@ -316,6 +323,11 @@ class JobQueue:
     def order(self) -> list[str]:
         with self._lock:
             return list(self._order)
+
+    def size(self) -> int:
+        """Jobs queued (not taken), without copying the order."""
+        with self._lock:
+            return len(self._order)
 
     def running(self) -> JobControl | None:
         """The first worker's job (running, else taken, else publishing behind); None when

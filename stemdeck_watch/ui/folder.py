@@ -65,6 +65,7 @@ class FolderRemote:
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._last_written = float("-inf")
+        self._status_took = 0.0  # seconds the last STATUS.txt took to render
         self._listed_stamp: int | None = None  # the inbox's mtime when last listed
         self._list_again_at = float("-inf")
         self._pause_path: Path | None = None
@@ -109,7 +110,8 @@ class FolderRemote:
                     next_check = now + PAUSE_CHECK_EVERY
                 if (
                     self._dirty.is_set()
-                    and now - self._last_written >= STATUS_EVERY
+                    # a long queue's status takes a while to write: never most of the time
+                    and now - self._last_written >= max(STATUS_EVERY, 9 * self._status_took)
                     and not self.away("outbox")
                 ):
                     self._dirty.clear()
@@ -172,7 +174,9 @@ class FolderRemote:
 
     def write_status(self) -> None:
         self._last_written = self._clock()
+        began = time.monotonic()
         text = render_status_text(self.scheduler.snapshot(), running=not self._stop.is_set())
+        self._status_took = time.monotonic() - began
         try:  # a failed rewrite leaves the last status whole and no temporary file
             write_replacing(self.status_path, text)
         except OSError as exc:
