@@ -159,27 +159,47 @@ class Hands:
         return True
 
 
+def listing(folder: Path) -> list[Path]:
+    """What `folder` holds now, sorted; nothing where it is gone or no folder. The service
+    makes and removes folders in the outbox (its staging folder, a song's, a preset's) while
+    the test looks: a folder that went between the look at its parent and the look inside it
+    is simply not there any more, never a failure of the test."""
+    try:
+        return sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def scan_outbox(outbox: Path) -> tuple[dict[str, dict[str, Any] | None], list[str], list[str]]:
-    """(song folders -> complete manifest or None, stray entries, staging leftovers)."""
+    """(song folders -> complete manifest or None, stray entries, staging leftovers). A folder
+    removed or renamed while it is looked at is left out (a half folder is one that stays)."""
     folders: dict[str, dict[str, Any] | None] = {}
     stray: list[str] = []
     staging: list[str] = []
     for entry in sorted(outbox / name for name in outbox_entries(outbox)):
         if entry.name == STAGING:
-            staging += [p.name for p in entry.iterdir()]
+            staging += [p.name for p in listing(entry)]
         elif entry.is_symlink() and entry.name in PLANTED:
             continue  # the test's own link, planted where the service makes a folder
+        elif not os.path.lexists(entry):
+            continue  # gone since the listing
         elif entry.name.startswith(".") or not entry.is_dir():
             stray.append(entry.name)
         elif _preset_folder(entry):
-            for inner in sorted(entry.iterdir()):
+            for inner in listing(entry):
                 if inner.is_dir() and not inner.name.startswith("."):
-                    folders[f"{entry.name}/{inner.name}"] = read_manifest(inner)
-                else:
+                    _manifest_of(inner, f"{entry.name}/{inner.name}", folders)
+                elif os.path.lexists(inner):
                     stray.append(f"{entry.name}/{inner.name}")
         else:
-            folders[entry.name] = read_manifest(entry)
+            _manifest_of(entry, entry.name, folders)
     return folders, stray, staging
+
+
+def _manifest_of(folder: Path, rel: str, folders: dict[str, dict[str, Any] | None]) -> None:
+    manifest = read_manifest(folder)
+    if manifest is not None or folder.is_dir():  # None and gone: removed while read
+        folders[rel] = manifest
 
 
 def _preset_folder(entry: Path) -> bool:
@@ -188,4 +208,6 @@ def _preset_folder(entry: Path) -> bool:
     nothing (made for a song whose publish then failed)."""
     if entry.name != PRESET and not re.fullmatch(re.escape(PRESET) + r" \(\d+\)", entry.name):
         return False
-    return not (entry / MANIFEST).exists() and all(p.is_dir() for p in entry.iterdir())
+    return not (entry / MANIFEST).exists() and all(
+        p.is_dir() or not os.path.lexists(p) for p in listing(entry)
+    )

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
-from seams_folders import Hashes, scan_outbox, sha_of, url_in
+from seams_folders import Hashes, listing, scan_outbox, sha_of, url_in
 from seams_service import JobRow, RegistryView, ServiceProcess, read_registry
 
 # kinds of problem (the tag each message starts with) to look past: defects known and not fixed
@@ -218,14 +218,16 @@ class Model:
             f"[leftover] a leftover in the outbox's staging folder: {name}" for name in staging
         ]
         for folder in (self.processed, self.failed):
-            problems += [
-                f"[leftover] a hidden leftover in {folder.name}/: {p.name}"
-                for p in folder.rglob(".*")
-            ]
-        if not view.order and self.scratch.is_dir():
+            for _dirpath, dirs, files in os.walk(folder):  # what goes meanwhile is skipped
+                problems += [
+                    f"[leftover] a hidden leftover in {folder.name}/: {name}"
+                    for name in dirs + files
+                    if name.startswith(".")
+                ]
+        if not view.order:
             problems += [
                 f"[leftover] a scratch leftover with an empty queue: {p.name}"
-                for p in self.scratch.iterdir()
+                for p in listing(self.scratch)
             ]
         for rel, manifest in folders.items():
             job_id = str((manifest or {}).get("job_id"))

@@ -51,6 +51,7 @@ from seams_folders import (
     STAGING,
     Hands,
     link_text,
+    listing,
     scan_outbox,
     write_example_config,
 )
@@ -494,7 +495,7 @@ def whole_compiles(root: Path) -> list[str]:
     """[compiled] every compiled model in the cache is whole: what the build wrote is what
     its entry lists (a kill, a restart, a worker loading it never leave half of one)."""
     problems = []
-    for folder in root.iterdir() if root.is_dir() else []:
+    for folder in listing(root):  # a build renamed into place meanwhile is seen next step
         if not folder.is_dir() or folder.name.startswith(BUILD_PREFIX):
             continue
         try:
