@@ -28,7 +28,12 @@ PRESET = "duo"
 SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav")
 LINK_SLOT = "l.url"
 STAGING = Folders(*[Path("/")] * 5).staging.name
-PLANTED = (STAGING, PRESET)  # where the test plants links in the outbox
+# where the test plants links in the outbox: folders the service makes, and the name a
+# careless writer would give STATUS.txt's temporary copy (written through, or renamed into
+# place as a link, it changes the file the link points at)
+STATUS_TEMP = ".STATUS.txt.tmp"
+PLANTED = (STAGING, PRESET, STATUS_TEMP)
+VICTIM = b"a file of the user's, outside every folder the service may write\n"
 _names = itertools.count()
 
 

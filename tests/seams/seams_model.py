@@ -27,6 +27,7 @@ KNOWN = frozenset(filter(None, os.environ.get("STEMDECK_MODEL_KNOWN", "").split(
 STALL = 90.0  # seconds without any change before a queue that should finish counts as stuck
 DISK_STALL = 15.0
 RETRIES = 2  # queue.worker_retries: a song whose worker died this often is not failed
+FINAL = ("done", "failed", "cancelled")
 
 
 class Model:
@@ -126,6 +127,31 @@ class Model:
             if len(rels) > 1
         ]
         return problems + self._nothing_lost()
+
+    def check_jobs(self, view: RegistryView) -> list[str]:
+        """[sha] a manifest and the job it names agree on the input's sha256 (the job's
+        record is what a duplicate is matched by). [tombstone] a job removed stays removed:
+        no job in flight is for the version of a file a tombstone keeps out."""
+        problems = []
+        folders, _stray, _staging = scan_outbox(self.outbox)
+        for rel, manifest in folders.items():
+            job = view.jobs.get(str((manifest or {}).get("job_id")))
+            if manifest is None or job is None or job.id in self.excused:
+                continue
+            got = manifest["input"]["sha256"]
+            if job.state == "done" and job.sha256 and job.sha256 != got:
+                problems.append(
+                    f"[sha] outbox/{rel} holds the stems of {self.name(got)}, but job "
+                    f"{job.id} ({job.rel_path}) that it names recorded {self.name(job.sha256)}"
+                )
+        for job in view.jobs.values():
+            kept_out = view.tombstones.get(job.source, "none")
+            if job.state not in FINAL and kept_out == job.signature and job.signature:
+                problems.append(
+                    f"[tombstone] {job.rel_path} ({job.id}) is {job.state}, though its "
+                    f"version was removed (a tombstone keeps it out)"
+                )
+        return problems
 
     def _holds_its_song(self, rel: str, manifest: dict[str, Any]) -> list[str]:
         """The manifest's input is a version the test placed where the manifest says."""

@@ -26,6 +26,7 @@ run); `STEMDECK_MODEL_SEED=N` replays seed N, `STEMDECK_MODEL_BLOB=…` the blob
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import itertools
 import json
@@ -49,6 +50,8 @@ from seams_folders import (
     SLOTS,
     PLANTED,
     STAGING,
+    STATUS_TEMP,
+    VICTIM,
     Hands,
     link_text,
     listing,
@@ -57,7 +60,9 @@ from seams_folders import (
 )
 from seams_model import Model, order_kept, outstanding, wait_quiet
 from seams_run import World, make_world, run_profiles
+from seams_scripts import EXTRA, run_scripts
 from seams_service import RegistryView, ServiceProcess, SmallDisk, read_registry
+from stemdeck_watch.ui.folder import STATUS_FILE
 from support.compiled import BuiltCompile
 
 pytestmark = pytest.mark.slow
@@ -80,7 +85,18 @@ settings.register_profile(
     "seams-soak", COMMON, max_examples=10, stateful_step_count=40, derandomize=False
 )
 FINAL = ("done", "failed", "cancelled")
+POLL = 0.05  # seconds between looks while the test waits on the service
+# a song whose preparing ahead was decided just before the disk was filled is no fault
+AHEAD_GRACE = 0.5
 _numbers = itertools.count()
+
+
+def logged_at(line: str) -> float:
+    """When the service logged `line` (its log's asctime: local, to the millisecond)."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return 0.0
 
 
 def guarded(step: Callable[..., None]) -> Callable[..., None]:
@@ -119,6 +135,9 @@ class SeamsMachine(RuleBasedStateMachine):
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
         self.dropped: list[int] = []  # the songs dropped, in order
+        # where the log was, and the time, when the test filled the disk
+        self.full_since: tuple[int, float] | None = None
+        self.frozen: int | None = None  # the worker the test holds stopped (SIGSTOP)
 
     # ------------------------------------------------------------ setup and teardown
 
@@ -158,6 +177,7 @@ class SeamsMachine(RuleBasedStateMachine):
         try:
             self.finish()
         finally:
+            self.thaw()
             if self.service is not None:
                 self.service.force()
             if self.disk is not None:
@@ -173,9 +193,11 @@ class SeamsMachine(RuleBasedStateMachine):
         must finish, every invariant hold, and the service stop cleanly."""
         if self.service is None:
             return
+        self.thaw()
         if self.disk is not None:
             self.disk.free()
             self.model.disk_tight = False
+            self.full_since = None
         if self.model.paused:
             self.post("/api/queue/start")
             self.model.paused = False
@@ -240,6 +262,48 @@ class SeamsMachine(RuleBasedStateMachine):
                 "\n".join(problems) + f"\nthe service's log ends:\n{self.service.tail(40)}"
             )
 
+    @contextlib.contextmanager
+    def frozen_worker(self) -> Iterator[None]:
+        """The separation worker held stopped (SIGSTOP) for a moment: the song it separates
+        stays separating while the test acts around it (well within the stall limit)."""
+        assert self.service is not None
+        pid = self.service.worker_pid()
+        if pid is not None and self.frozen is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                self.frozen = pid
+        try:
+            yield
+        finally:
+            self.thaw()
+
+    def thaw(self) -> None:
+        if self.frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.frozen, signal.SIGCONT)
+            self.frozen = None
+
+    def prepared(self, job_id: str, limit: float = 5.0) -> None:
+        """Wait until the work prepared ahead for `job_id` is there (its scratch folder
+        holds files that stopped growing), or `limit` s."""
+        scratch = self.model.scratch / job_id
+        deadline = time.monotonic() + limit
+        last = -1
+        while time.monotonic() < deadline:
+            size = sum(p.stat().st_size for p in listing(scratch) if p.is_file())
+            if size and size == last:
+                return
+            last = size
+            time.sleep(POLL * 6)
+
+    def until_queued(self, count: int, limit: float = 30.0) -> None:
+        """Wait until `count` jobs are queued (a script's songs, dropped while paused)."""
+        deadline = time.monotonic() + limit
+        while len(self.view().order) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{count} jobs were not queued within {limit:.0f} s")
+            time.sleep(POLL)
+
     # ------------------------------------------------------------ the inbox and the outbox
 
     @rule(
@@ -283,22 +347,30 @@ class SeamsMachine(RuleBasedStateMachine):
     @rule(
         song=st.integers(0, SONGS - 1),
         how=st.sampled_from(["stamp", "inplace", "atomic"]),
-        after=st.sampled_from([0.3, 0.0]),
+        after=st.sampled_from([0.3, 0.0, "prepared"]),
     )
     @guarded
-    def replace_next(self, song: int, how: str, after: float) -> None:
+    def replace_next(self, song: int, how: str, after: float | str) -> None:
         """The next song in the queue replaced `after` s into the separation of the one
-        before it (its decode or download prepared ahead by then): by another song, a link by
-        another URL."""
+        before it (its decode or download prepared ahead by then), or once its work ahead
+        is there ("prepared": the worker held stopped meanwhile, so the song before it is
+        still separating): by another song, a link by another URL."""
         job_id = self.pick("next", 0)
         if job_id is not None:
-            time.sleep(after)
-            rel = self.view().jobs[job_id].rel_path
-            if rel == LINK_SLOT:
-                self._link(song, "inplace" if how == "inplace" else "atomic")
-            elif rel in SLOTS:
-                self._put(rel, song, how)
-            self.world.tally["next song replaced"] += 1
+            with self.frozen_worker() if after == "prepared" else contextlib.nullcontext():
+                if after == "prepared":
+                    self.prepared(job_id)
+                else:
+                    time.sleep(float(after))
+                self._replace(job_id, song, how)
+
+    def _replace(self, job_id: str, song: int, how: str) -> None:
+        rel = self.view().jobs[job_id].rel_path
+        if rel == LINK_SLOT:
+            self._link(song, "inplace" if how == "inplace" else "atomic")
+        elif rel in SLOTS:
+            self._put(rel, song, how)
+        self.world.tally["next song replaced"] += 1
 
     def _link(self, song: int, how: str) -> None:
         self.model.touching(self.view(), LINK_SLOT)
@@ -384,14 +456,20 @@ class SeamsMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ the service's life
 
-    @rule(how=st.sampled_from(["not now", "clean", "kill"]))
+    @rule(how=st.sampled_from(["not now", "clean", "kill", "clean while publishing"]))
     @guarded
     def restart(self, how: str) -> None:
         """Stop the service cleanly, or SIGKILL it, and start it again on the same folders
-        ("not now" keeps these slow steps rarer, and the simplest example cheap)."""
+        ("not now" keeps these slow steps rarer, and the simplest example cheap); "clean
+        while publishing" waits for a song written out behind the next one, and stops the
+        service then (both are cut off, and must come back in their order)."""
         assert self.service is not None
         if how == "not now":
             return
+        if how == "clean while publishing":
+            self.pick("publishing", 0)
+            how = "clean"
+        self.thaw()
         before = self.view()
         self.world.tally[f"restart ({how})"] += 1
         if how == "kill":
@@ -399,6 +477,8 @@ class SeamsMachine(RuleBasedStateMachine):
         else:
             self.service.stop()
         self.service.start()
+        if self.full_since is not None:
+            self.full_since = (0, self.full_since[1])  # a new life, a new log
         self.check(
             order_kept(
                 before, self.view(), "clean restart" if how == "clean" else "SIGKILL and restart"
@@ -444,8 +524,12 @@ class SeamsMachine(RuleBasedStateMachine):
         if fill:
             self.disk.fill()
             self.world.tally["disk filled"] += 1
+            if self.full_since is None:
+                assert self.service is not None
+                self.full_since = (len(self.service.output()), time.time())
         else:
             self.disk.free()
+            self.full_since = None
         self.model.disk_tight = fill
 
     @rule(where=st.sampled_from(PLANTED))
@@ -454,14 +538,17 @@ class SeamsMachine(RuleBasedStateMachine):
         """A peer who can write the shared outbox plants a link where the service makes a
         folder, while nothing is there: at its hidden staging folder (the next song written
         removes it) or at the preset's folder of songs (its next song goes to `duo (2)`, past
-        it); songs are published as ever, and nothing lands where the link points."""
+        it), or at a guessable temporary name of STATUS.txt, pointing at a file of the
+        user's; songs are published as ever, and nothing changes where the link points."""
         assert self.root is not None
-        folder = self.model.outbox / where
-        (self.root / "elsewhere").mkdir(exist_ok=True)
-        if os.path.lexists(folder):
+        place = self.model.outbox / where
+        elsewhere = self.root / "elsewhere"
+        elsewhere.mkdir(exist_ok=True)
+        (elsewhere / "victim.txt").write_bytes(VICTIM)
+        if os.path.lexists(place):
             return  # a song is being written there, or the folder is made already
         with contextlib.suppress(FileExistsError):  # the service made it meanwhile
-            folder.symlink_to(self.root / "elsewhere")
+            place.symlink_to(elsewhere / "victim.txt" if where == STATUS_TEMP else elsewhere)
             self.world.tally[f"link planted at {where}"] += 1
 
     @rule(until=st.sampled_from(["quiet", "0.3 s", "1 s", "2.5 s"]))
@@ -483,9 +570,57 @@ class SeamsMachine(RuleBasedStateMachine):
             self.check(self.model.check_step(self.view()))
             assert self.root is not None
             self.check(whole_compiles(self.root / "state" / "compiled"))
-            elsewhere = self.root / "elsewhere"
-            if elsewhere.is_dir() and any(elsewhere.iterdir()):
-                self.check([f"[link] the service wrote through a planted link: {elsewhere}"])
+            self.check(self.written_elsewhere() + self.outside_folders())
+            self.check(self.model.check_jobs(self.view()))
+            self.check(self.ahead_on_a_full_disk())
+
+    def written_elsewhere(self) -> list[str]:
+        """[link] where the test's planted links point, only what the test put there."""
+        assert self.root is not None
+        elsewhere = self.root / "elsewhere"
+        found = {p.name for p in listing(elsewhere)}
+        victim = elsewhere / "victim.txt"
+        if found - {"victim.txt"} or (victim.exists() and victim.read_bytes() != VICTIM):
+            return [f"[link] the service wrote through a planted link: {sorted(found)}"]
+        status = self.model.outbox / STATUS_FILE
+        if status.is_symlink():
+            return [f"[link] {STATUS_FILE} is a link the service renamed into place"]
+        return []
+
+    def outside_folders(self) -> list[str]:
+        """[outside] nothing the service writes lies outside its folders: the example's
+        folder holds what the test made, and the service's own folders."""
+        assert self.root is not None
+        known = {"inbox", "processed", "failed", "state", "trash", "away", "outbox", "vol"}
+        known |= {"logs", "elsewhere", "taken", "stemdeck.toml"}
+        return [
+            f"[outside] {p} is outside every folder"
+            for p in listing(self.root)
+            if p.name not in known
+        ]
+
+    def ahead_on_a_full_disk(self) -> list[str]:
+        """[ahead] no song is prepared ahead once the disk has no room for it (the test
+        filled it below the disk check's margin: nothing fits beside the song in flight)."""
+        assert self.service is not None
+        if self.full_since is None:
+            return []
+        offset, filled = self.full_since
+        return [
+            f"[ahead] the disk is full, yet {line.split(': ', 1)[-1]}"
+            for line in self.service.output()[offset:].splitlines()
+            if " ahead while " in line and logged_at(line) > filled + AHEAD_GRACE
+        ]
+
+    def looked_ahead(self, limit: float = 5.0) -> None:
+        """Wait until the service decided whether to prepare the next song ahead since the
+        disk was filled (it says so either way), or `limit` s."""
+        deadline = time.monotonic() + limit
+        offset = self.full_since[0] if self.full_since else 0
+        while time.monotonic() < deadline:
+            if " ahead" in self.service.output()[offset:]:
+                return
+            time.sleep(POLL)
 
 
 # ---------------------------------------------------------------- running it
@@ -514,7 +649,7 @@ def whole_compiles(root: Path) -> list[str]:
 
 @pytest.fixture
 def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iterator[World]:
-    with make_world(tmp_path, model_repo, SONGS, compiled_tiny) as made:
+    with make_world(tmp_path, model_repo, SONGS + EXTRA, compiled_tiny) as made:
         yield made
 
 
@@ -522,4 +657,13 @@ def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iter
 def test_the_seams_hold_whatever_people_do(world: World) -> None:
     if world.small_disk:
         print(f"the disk rules are left out: {world.small_disk}")
+    # the written sequences first (seams_scripts.py): STEMDECK_MODEL_SCRIPTS=0 leaves them
+    # out, =NAME,NAME runs those alone; a replay of a seed or blob leaves them out
+    chosen = os.environ.get("STEMDECK_MODEL_SCRIPTS")
+    replay = os.environ.get("STEMDECK_MODEL_SEED") or os.environ.get("STEMDECK_MODEL_BLOB")
+    if chosen and chosen != "0":
+        run_scripts(lambda: SeamsMachine(world), chosen.replace("_", " ").split(","))
+        return
+    if chosen is None and not replay:
+        run_scripts(lambda: SeamsMachine(world))
     run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS, world.tally)
