@@ -23,6 +23,7 @@ from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 from support.helpers import config_data, outbox_entries
 
 PRESET = "duo"
+UPLOAD_PRESET = "solo"  # songs come only through the API; a peer may plant a link there
 # where songs are dropped: a preset folder too, and a song named like that folder (its stems
 # folder and the preset's folder of songs meet in the outbox: one is never put in the other)
 SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav")
@@ -63,7 +64,7 @@ def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
     )
     # the worker adopts the tiny model's compiled form ("on": "auto" skips a model that small)
     data["separation"]["compile"] = "on"
-    data["presets"] = {PRESET: {"two_stems": "vocals"}}
+    data["presets"] = {PRESET: {"two_stems": "vocals"}, UPLOAD_PRESET: {"two_stems": "drums"}}
     config = root / "stemdeck.toml"
     config.write_text(tomli_w.dumps(data))
     return config
@@ -208,10 +209,11 @@ def _manifest_of(folder: Path, rel: str, folders: dict[str, dict[str, Any] | Non
 
 
 def _preset_folder(entry: Path) -> bool:
-    """The preset's folder of songs: `duo`, or `duo (2)` where the song `duo` or a planted
-    link holds `duo`; it holds song folders only (a song's half folder holds files), or
-    nothing (made for a song whose publish then failed)."""
-    if entry.name != PRESET and not re.fullmatch(re.escape(PRESET) + r" \(\d+\)", entry.name):
+    """A preset's folder of songs: `duo` (or `solo`, the uploads' preset), or `duo (2)` where
+    the song `duo` or a planted link holds `duo`; it holds song folders only (a song's half
+    folder holds files), or nothing (made for a song whose publish then failed)."""
+    presets = "|".join(re.escape(name) for name in (PRESET, UPLOAD_PRESET))
+    if not re.fullmatch(rf"(?:{presets})(?: \(\d+\))?", entry.name):
         return False
     return not (entry / MANIFEST).exists() and all(
         p.is_dir() or not os.path.lexists(p) for p in listing(entry)

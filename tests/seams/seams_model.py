@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX
 from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
 from seams_folders import Hashes, listing, scan_outbox, sha_of, url_in
@@ -51,6 +52,10 @@ class Model:
         self.removed_outputs: dict[str, float] = {}  # output path -> when its job was removed
         self.must_cancel: dict[str, str] = {}  # job id -> why the cancel surely came in time
         self.excused: set[str] = set()  # jobs whose input the test rewrote while it was read
+        # sidecars written with a song: (inbox rel path, when, kind); written late: (rel, when,
+        # sha of its bytes)
+        self.sidecars: list[tuple[str, float, str]] = []
+        self.late: list[tuple[str, float, str]] = []
 
     # ------------------------------------------------------------ what the test did
 
@@ -69,6 +74,12 @@ class Model:
         job = view.latest_for(str(self.inbox / rel))
         if job is not None and job.state in ("downloading", "decoding", "publishing"):
             self.excused.add(job.id)
+
+    def sidecar_with(self, rel: str, kind: str) -> None:
+        self.sidecars.append((rel, time.time(), kind))
+
+    def late_sidecar(self, rel: str, data: bytes) -> None:
+        self.late.append((rel, time.time(), sha_of(data)))
 
     def took_away(self, rel: str) -> None:
         self.taken[rel] = time.time()
@@ -145,6 +156,12 @@ class Model:
                     f"{job.id} ({job.rel_path}) that it names recorded {self.name(job.sha256)}"
                 )
         for job in view.jobs.values():
+            error = job.error or ""
+            if "could not load model" in error and "evil" in error:
+                problems.append(
+                    f"[model] {job.rel_path} ({job.id}): a worker was asked to load a model a "
+                    f"drop named, outside the catalogue and the owner's repo: {error}"
+                )
             kept_out = view.tombstones.get(job.source, "none")
             if job.state not in FINAL and kept_out == job.signature and job.signature:
                 problems.append(
@@ -229,7 +246,7 @@ class Model:
         for dirpath, dirs, names in os.walk(self.inbox):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in names:
-                if not name.startswith("."):
+                if not name.startswith(".") and not name.endswith(SIDECAR_SUFFIX):
                     try:
                         st = os.stat(Path(dirpath) / name)
                     except FileNotFoundError:
@@ -286,9 +303,54 @@ class Model:
                     f"machine cut off only {job.faults} attempt(s) (the worker "
                     f"died under it; {RETRIES} more are allowed): {job.error}"
                 )
+        problems += self._sidecars(view)
         if self.paused and view.pause_reason not in ("user", "disk"):
             now = f"paused for {view.pause_reason}" if view.pause_reason else "running"
             problems.append(f"[pause] the test paused the queue, and it is {now}")
+        return problems
+
+    def _sidecars(self, view: RegistryView) -> list[str]:
+        """[sidecar] a song whose sidecar it cannot take fails naming the sidecar, never as
+        an unexpected error; one whose sidecar holds a misspelt key or names a model outside
+        the catalogue and the owner's repo is not separated. [late] a sidecar written after
+        its song was taken is never moved beside it as if it had been used, without a word."""
+        problems = []
+        for rel, when, kind in self.sidecars:
+            later = [
+                j for j in view.jobs.values() if j.rel_path == rel and j.created_at >= when - 1
+            ]
+            job = min(later, key=lambda j: j.created_at) if later else None
+            if job is None or job.id in self.excused:
+                continue
+            error = job.error or ""
+            if job.state == "failed" and (
+                "unexpected error" in error
+                or ("sidecar" not in error and SIDECAR_SUFFIX not in error)
+            ):
+                problems.append(
+                    f"[sidecar] {rel} ({job.id}) with a sidecar ({kind}) failed without "
+                    f"naming it: {error}"
+                )
+            if job.state == "done" and kind in ("misspelt", "model by URL"):
+                problems.append(
+                    f"[sidecar] {rel} ({job.id}) was separated though its sidecar was {kind}"
+                )
+        logs = "".join(
+            p.read_text(errors="replace") for p in listing(self.root / "logs") if p.is_file()
+        )
+        for rel, _when, sha in self.late:
+            name = Path(rel).name + SIDECAR_SUFFIX
+            moved = [
+                p
+                for folder in (self.processed, self.failed)
+                for p in folder.rglob(f"*{SIDECAR_SUFFIX[:-5]}*")
+                if self.hashes.of(p) == sha
+            ]
+            if moved and name not in logs:
+                problems.append(
+                    f"[late] the sidecar of {rel}, written after its song was taken, was moved "
+                    f"to {moved[0].relative_to(self.root)} without a word in the log"
+                )
         return problems
 
     def _done_job(self, job: JobRow) -> list[str]:
