@@ -56,8 +56,9 @@ docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
-# the model-based seams test (tests/seams/test_model_based.py) for an hour: long random
-# sequences, a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
+# the model-based seams test (tests/seams/test_model_based.py) for an hour: its written
+# sequences, then long random sequences of every rule (sidecars, uploads, held and killed
+# processes too), a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
 # SOAK_SECONDS changes how long; then the kill test with 20 kills and a minute's randomised
 # afternoon (the suite runs 8 kills and 20 s)
 SOAK_SECONDS ?= 3600

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from stemdeck_watch.core.choices import SIDECAR_SUFFIX
+from stemdeck_watch.core.jobs import settings_key_of
 from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
 from seams_folders import Hashes, listing, scan_outbox, sha_of, url_in
@@ -130,7 +131,9 @@ class Model:
             if manifest is None:
                 continue
             problems += self._holds_its_song(rel, manifest)
-            twins[(manifest["input"]["sha256"], manifest.get("preset"))].append(rel)
+            # the same settings: its preset's, and a sidecar's or a tag's on top
+            key = (manifest.get("preset"), settings_key_of(manifest.get("settings")))
+            twins[(manifest["input"]["sha256"], key)].append(rel)
         problems += [
             f"[twice] {self.name(sha)} was separated {len(rels)} times with the same "
             f"settings (on_duplicate = skip): {sorted(rels)}"

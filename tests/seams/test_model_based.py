@@ -105,6 +105,7 @@ FAMILIES = frozenset({"links", "api", "life", "disk", "plant", "sidecar", "uploa
 POLL = 0.05  # seconds between looks while the test waits on the service
 # a cancel is answered at once; a loaded CI machine gets room past the service's 2 s
 CANCEL_BOUND = 5.0
+ETA_PER_SONG = 20.0  # seconds: the most a quiet queue may estimate for one of its songs
 # a song whose preparing ahead was decided just before the disk was filled is no fault
 AHEAD_GRACE = 0.5
 _numbers = itertools.count()
@@ -282,6 +283,24 @@ class SeamsMachine(RuleBasedStateMachine):
                 dup = job.error is not None and job.error.startswith("already separated")
                 self.world.tally[f"{job.kind} {job.state}{' (a duplicate)' if dup else ''}"] += 1
         self.check(self.model.check_step(view) + self.model.check_quiet(view))
+        self.check(self.idle_eta())
+
+    def idle_eta(self) -> list[str]:
+        """[eta] the estimate of an idle queue is never larger than the work it holds: each
+        song here is 1.2 s of audio, which the tiny model separates in about a second (a
+        wait, a failed attempt or an outage is no work)."""
+        assert self.service is not None
+        status, reply = self.service.api("GET", "/api/queue")
+        eta = reply.get("eta") if status == 200 else None
+        if not eta or eta.get("seconds") is None:
+            return []
+        bound = ETA_PER_SONG * eta["songs"]
+        if eta["seconds"] > bound:
+            return [
+                f"[eta] the idle queue's estimate is {eta['seconds']:.0f} s for "
+                f"{eta['songs']} song(s) of 1.2 s (at most {bound:.0f} s): {eta}"
+            ]
+        return []
 
     def check(self, problems: list[str]) -> None:
         problems = outstanding(problems)
