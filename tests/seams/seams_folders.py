@@ -89,16 +89,16 @@ def url_in(path: Path) -> str | None:
 
 
 class Hashes:
-    """sha256 of files, remembered by (device, inode, size, mtime): a step hashes only what
-    changed since the last one."""
+    """sha256 of files, remembered by (device, inode, size, mtime, ctime): a step hashes only
+    what changed since the last one (`cp -p` onto a file keeps all but its ctime)."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[int, int, int, int], str] = {}
+        self._known: dict[tuple[int, int, int, int, int], str] = {}
 
     def of(self, path: Path) -> str | None:
         try:
             st = path.stat()
-            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             if key not in self._known:
                 self._known[key] = sha_of(path.read_bytes())
             return self._known[key]
@@ -125,19 +125,24 @@ class Hands:
 
     def place(self, rel: str, data: bytes, how: str) -> str:
         """Put `data` at inbox/`rel`: "atomic" (a hidden temp file renamed over it, as editors
-        save), "inplace" (rewritten in the same file) or "stamp" (a new file with the old size
-        and mtime, as `cp -p` or `rsync -t` leave it). Returns how it was done in the end."""
+        save), "inplace" (rewritten in the same file), "stamp" (a new file with the old size
+        and mtime, as `cp -p` or `rsync -t` leave it) or "cp -p onto" (rewritten in the same
+        file, its mtime set back: `cp -p` onto an existing file). Returns how it was done in
+        the end."""
         path = self.inbox / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        if how == "inplace":
+        if how in ("inplace", "cp -p onto"):
             self._keep(path, copy=True)
             try:
+                before = path.stat()
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
             except FileNotFoundError:
                 how = "atomic"
             else:
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)
+                if how == "cp -p onto":  # the same file, size and mtime: only ctime moved
+                    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
                 return how
         temp = path.with_name(f".{path.name}.{next(_names)}.tmp")
         temp.write_bytes(data)

@@ -80,10 +80,10 @@ def duplicates(machine: Any) -> None:
 
 
 def ahead(machine: Any) -> None:
-    """A song replaced by a copy with its size and time (`cp -p`) once it was decoded
-    ahead; a link edited once its download was prepared ahead."""
+    """A song overwritten by a copy with its size and time (`cp -p` onto it) once it was
+    decoded ahead; a link edited once its download was prepared ahead."""
     queued_in_order(machine, [("a.wav", FIRST + 2), ("b.wav", FIRST + 3)])
-    step(machine, "replace_next", song=FIRST + 4, how="stamp", after="prepared")
+    step(machine, "replace_next", song=FIRST + 4, how="cp -p onto", after="prepared")
     step(machine, "wait", until="quiet")
     queued_in_order(machine, [("a.wav", FIRST + 5), ("l.url", FIRST + 6)])
     step(machine, "replace_next", song=FIRST + 7, how="inplace", after="prepared")
@@ -96,7 +96,7 @@ def full_disk(machine: Any) -> None:
     if machine.disk is None:
         return  # no small disk here
     queued_in_order(machine, [("duo/a.wav", FIRST)])  # a new song with the preset's settings
-    if machine.pick("separating", 0) is not None:
+    if machine.until_separating():
         with machine.frozen_worker():
             step(machine, "fill_disk", fill=True)
             step(machine, "drop", slot="b.wav", song=FIRST + 1, how="atomic")
@@ -115,7 +115,7 @@ def behind(machine: Any) -> None:
     step(machine, "plant_link", where=STATUS_TEMP)
     queued_in_order(machine, [("a.wav", 0), ("b.wav", 1), ("duo.wav", 2), ("duo/a.wav", 3)])
     step(machine, "cancel", phase="publishing", pick=0)
-    step(machine, "restart", how="clean while publishing")
+    step(machine, "restart", how="clean while held")
     step(machine, "wait", until="quiet")
 
 

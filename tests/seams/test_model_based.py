@@ -26,7 +26,6 @@ run); `STEMDECK_MODEL_SEED=N` replays seed N, `STEMDECK_MODEL_BLOB=…` the blob
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import itertools
 import json
@@ -106,17 +105,7 @@ POLL = 0.05  # seconds between looks while the test waits on the service
 # a cancel is answered at once; a loaded CI machine gets room past the service's 2 s
 CANCEL_BOUND = 5.0
 ETA_PER_SONG = 20.0  # seconds: the most a quiet queue may estimate for one of its songs
-# a song whose preparing ahead was decided just before the disk was filled is no fault
-AHEAD_GRACE = 0.5
 _numbers = itertools.count()
-
-
-def logged_at(line: str) -> float:
-    """When the service logged `line` (its log's asctime: local, to the millisecond)."""
-    try:
-        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    except ValueError:
-        return 0.0
 
 
 def guarded(step: Callable[..., None]) -> Callable[..., None]:
@@ -155,8 +144,9 @@ class SeamsMachine(RuleBasedStateMachine):
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
         self.dropped: list[int] = []  # the songs dropped, in order
-        # where the log was, and the time, when the test filled the disk
-        self.full_since: tuple[int, float] | None = None
+        # where the service's log was when the test filled the disk (a decision to prepare
+        # a song ahead taken a moment before is logged within microseconds of it)
+        self.full_since: int | None = None
         self.frozen: int | None = None  # the worker the test holds stopped (SIGSTOP)
         self.swarm: frozenset[str] = FAMILIES  # the families of rules this example draws
 
@@ -314,16 +304,19 @@ class SeamsMachine(RuleBasedStateMachine):
     def frozen_worker(self) -> Iterator[None]:
         """The separation worker held stopped (SIGSTOP) for a moment: the song it separates
         stays separating while the test acts around it (well within the stall limit)."""
+        self.hold_worker()
+        try:
+            yield
+        finally:
+            self.thaw()
+
+    def hold_worker(self) -> None:
         assert self.service is not None
         pid = self.service.worker_pid()
         if pid is not None and self.frozen is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
                 self.frozen = pid
-        try:
-            yield
-        finally:
-            self.thaw()
 
     def thaw(self) -> None:
         if self.frozen is not None:
@@ -343,6 +336,16 @@ class SeamsMachine(RuleBasedStateMachine):
                 return
             last = size
             time.sleep(POLL * 6)
+
+    def until_separating(self, limit: float = 180.0) -> bool:
+        """Wait until a song is at the worker (separating, not only decoding: the worker may
+        still be starting), or `limit` s; whether one is."""
+        deadline = time.monotonic() + limit
+        while not any(j.state == "separating" for j in self.view().jobs.values()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL)
+        return True
 
     def until_queued(self, count: int, limit: float = 30.0) -> None:
         """Wait until `count` jobs are queued (a script's songs, dropped while paused)."""
@@ -395,7 +398,7 @@ class SeamsMachine(RuleBasedStateMachine):
 
     @rule(
         song=st.integers(0, SONGS - 1),
-        how=st.sampled_from(["stamp", "inplace", "atomic"]),
+        how=st.sampled_from(["stamp", "inplace", "atomic", "cp -p onto"]),
         after=st.sampled_from([0.3, 0.0, "prepared"]),
     )
     @guarded
@@ -509,29 +512,40 @@ class SeamsMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ the service's life
 
     @precondition(lambda self: "life" in self.swarm)
-    @rule(how=st.sampled_from(["not now", "clean", "kill", "clean while publishing"]))
+    @rule(
+        how=st.sampled_from(
+            ["not now", "clean", "kill", "clean while publishing", "clean while held"]
+        )
+    )
     @guarded
     def restart(self, how: str) -> None:
         """Stop the service cleanly, or SIGKILL it, and start it again on the same folders
         ("not now" keeps these slow steps rarer, and the simplest example cheap); "clean
         while publishing" waits for a song written out behind the next one, and stops the
-        service then (both are cut off, and must come back in their order)."""
+        service then (both are cut off, and must come back in their order); "clean while
+        held" holds the worker stopped meanwhile, so that the song it separates is cut off
+        after the one publishing (tag: sigstop)."""
         assert self.service is not None
         if how == "not now":
             return
-        if how == "clean while publishing":
-            self.pick("publishing", 0)
+        if how == "clean while held" and "sigstop" in KNOWN:
+            how = "clean while publishing"
+        if how in ("clean while publishing", "clean while held"):
+            if self.pick("publishing", 0) is not None and how == "clean while held":
+                self.hold_worker()
             how = "clean"
-        self.thaw()
+        else:
+            self.thaw()
         before = self.view()
         self.world.tally[f"restart ({how})"] += 1
         if how == "kill":
             self.service.kill()
         else:
             self.service.stop()
+        self.frozen = None  # a worker held stopped ended with its service
         self.service.start()
         if self.full_since is not None:
-            self.full_since = (0, self.full_since[1])  # a new life, a new log
+            self.full_since = 0  # a new life, a new log
         self.check(
             order_kept(
                 before, self.view(), "clean restart" if how == "clean" else "SIGKILL and restart"
@@ -581,7 +595,7 @@ class SeamsMachine(RuleBasedStateMachine):
             self.world.tally["disk filled"] += 1
             if self.full_since is None:
                 assert self.service is not None
-                self.full_since = (len(self.service.output()), time.time())
+                self.full_since = len(self.service.output())
         else:
             self.disk.free()
             self.full_since = None
@@ -757,18 +771,17 @@ class SeamsMachine(RuleBasedStateMachine):
         assert self.service is not None
         if self.full_since is None:
             return []
-        offset, filled = self.full_since
         return [
-            f"[ahead] the disk is full, yet {line.split(': ', 1)[-1]}"
-            for line in self.service.output()[offset:].splitlines()
-            if " ahead while " in line and logged_at(line) > filled + AHEAD_GRACE
+            f"[ahead] the disk is full, yet {line.split('INFO', 1)[-1].strip()}"
+            for line in self.service.output()[self.full_since :].splitlines()
+            if " ahead while " in line
         ]
 
     def looked_ahead(self, limit: float = 5.0) -> None:
         """Wait until the service decided whether to prepare the next song ahead since the
         disk was filled (it says so either way), or `limit` s."""
         deadline = time.monotonic() + limit
-        offset = self.full_since[0] if self.full_since else 0
+        offset = self.full_since or 0
         while time.monotonic() < deadline:
             if " ahead" in self.service.output()[offset:]:
                 return
