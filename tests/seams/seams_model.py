@@ -319,16 +319,14 @@ class Model:
         its song was taken is never moved beside it as if it had been used, without a word."""
         problems = []
         for rel, when, kind in self.sidecars:
-            later = [
-                j for j in view.jobs.values() if j.rel_path == rel and j.created_at >= when - 1
-            ]
+            later = [j for j in view.jobs.values() if j.rel_path == rel and j.created_at >= when]
             job = min(later, key=lambda j: j.created_at) if later else None
             if job is None or job.id in self.excused:
                 continue
             error = job.error or ""
+            unnamed = "sidecar" not in error and SIDECAR_SUFFIX not in error
             if job.state == "failed" and (
-                "unexpected error" in error
-                or ("sidecar" not in error and SIDECAR_SUFFIX not in error)
+                "unexpected error" in error or (kind != "good" and unnamed)
             ):
                 problems.append(
                     f"[sidecar] {rel} ({job.id}) with a sidecar ({kind}) failed without "
@@ -344,10 +342,11 @@ class Model:
         for rel, _when, sha in self.late:
             name = Path(rel).name + SIDECAR_SUFFIX
             moved = [
-                p
+                Path(dirpath) / file
                 for folder in (self.processed, self.failed)
-                for p in folder.rglob(f"*{SIDECAR_SUFFIX[:-5]}*")
-                if self.hashes.of(p) == sha
+                for dirpath, _dirs, files in os.walk(folder)
+                for file in files
+                if SIDECAR_SUFFIX[:-5] in file and self.hashes.of(Path(dirpath) / file) == sha
             ]
             if moved and name not in logs:
                 problems.append(

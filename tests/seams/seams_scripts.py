@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any, Callable
 
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX
+
 from seams_folders import STATUS_TEMP
 
 Script = Callable[[Any], None]
@@ -52,6 +54,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # written out behind)
 FIRST = 4
 EXTRA = 8  # songs FIRST .. FIRST + EXTRA - 1
+HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
 def duplicates(machine: Any) -> None:
@@ -113,6 +116,9 @@ def behind(machine: Any) -> None:
     are written, a clean stop while another is; a link planted at STATUS.txt's guessable
     temporary name meanwhile. The rules' own songs, none separated yet."""
     step(machine, "plant_link", where=STATUS_TEMP)
+    # b is written out when the service is stopped: practice mp3s and a stem file make that
+    # take long enough to be cut off, while the worker and its zygote are held
+    machine.hands.place("b.wav" + SIDECAR_SUFFIX, HEAVY, "atomic")
     queued_in_order(machine, [("a.wav", 0), ("b.wav", 1), ("duo.wav", 2), ("duo/a.wav", 3)])
     step(machine, "cancel", phase="publishing", pick=0)
     step(machine, "restart", how="clean while held")

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from stemdeck_watch.ui import discovery
 from stemdeck_watch.workers import zygote
@@ -268,11 +268,14 @@ class ServiceProcess:
             int(p) for p in re.findall(r"started separation worker (\d+)", self.output())
         }
 
-    def stop(self) -> None:
-        """A clean stop (SIGTERM, as the service's own signal handler takes it)."""
+    def stop(self, between: Callable[[], None] | None = None) -> None:
+        """A clean stop (SIGTERM, as the service's own signal handler takes it); `between`
+        runs after the signal, before the wait for the service to end."""
         assert self.proc is not None
         self._track()
         self.proc.send_signal(signal.SIGTERM)
+        if between is not None:
+            between()
         try:
             code = self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:

@@ -104,6 +104,7 @@ FAMILIES = frozenset({"links", "api", "life", "disk", "plant", "sidecar", "uploa
 POLL = 0.05  # seconds between looks while the test waits on the service
 # a cancel is answered at once; a loaded CI machine gets room past the service's 2 s
 CANCEL_BOUND = 5.0
+CUT_OFF_WAIT = 20.0  # seconds a stop's first cut-off is waited for while the worker is held
 ETA_PER_SONG = 20.0  # seconds: the most a quiet queue may estimate for one of its songs
 _numbers = itertools.count()
 
@@ -147,7 +148,7 @@ class SeamsMachine(RuleBasedStateMachine):
         # where the service's log was when the test filled the disk (a decision to prepare
         # a song ahead taken a moment before is logged within microseconds of it)
         self.full_since: int | None = None
-        self.frozen: int | None = None  # the worker the test holds stopped (SIGSTOP)
+        self.frozen: list[int] = []  # the processes the test holds stopped (SIGSTOP)
         self.swarm: frozenset[str] = FAMILIES  # the families of rules this example draws
 
     # ------------------------------------------------------------ setup and teardown
@@ -310,19 +311,31 @@ class SeamsMachine(RuleBasedStateMachine):
         finally:
             self.thaw()
 
+    def thaw_once_cut_off(self) -> None:
+        """During a stop with the worker and its zygote held: let them go on once the song
+        publishing was cut off (so the one at the worker is cut off after it), or after a
+        moment."""
+        assert self.service is not None
+        deadline = time.monotonic() + CUT_OFF_WAIT
+        while "cut off by shutdown" not in self.service.output():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(POLL)
+        self.thaw()
+
     def hold_worker(self) -> None:
         assert self.service is not None
         pid = self.service.worker_pid()
-        if pid is not None and self.frozen is None:
+        if pid is not None and pid not in self.frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-                self.frozen = pid
+                self.frozen.append(pid)
 
     def thaw(self) -> None:
-        if self.frozen is not None:
+        for pid in self.frozen:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.frozen, signal.SIGCONT)
-            self.frozen = None
+                os.kill(pid, signal.SIGCONT)
+        self.frozen = []
 
     def prepared(self, job_id: str, limit: float = 5.0) -> None:
         """Wait until the work prepared ahead for `job_id` is there (its scratch folder
@@ -530,9 +543,16 @@ class SeamsMachine(RuleBasedStateMachine):
             return
         if how == "clean while held" and "sigstop" in KNOWN:
             how = "clean while publishing"
+        between: Callable[[], None] | None = None
         if how in ("clean while publishing", "clean while held"):
             if self.pick("publishing", 0) is not None and how == "clean while held":
                 self.hold_worker()
+                zygote = self.service.zygote_pid()
+                if zygote is not None and self.frozen:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(zygote, signal.SIGSTOP)
+                        self.frozen.append(zygote)
+                between = self.thaw_once_cut_off
             how = "clean"
         else:
             self.thaw()
@@ -541,8 +561,8 @@ class SeamsMachine(RuleBasedStateMachine):
         if how == "kill":
             self.service.kill()
         else:
-            self.service.stop()
-        self.frozen = None  # a worker held stopped ended with its service
+            self.service.stop(between)
+        self.frozen = []  # what was held stopped ended with its service
         self.service.start()
         if self.full_since is not None:
             self.full_since = 0  # a new life, a new log
@@ -688,11 +708,11 @@ class SeamsMachine(RuleBasedStateMachine):
         if "sigstop" in KNOWN:
             return
         pid = self.service.worker_pid() if which == "worker" else self.service.zygote_pid()
-        if pid is None or self.frozen is not None:
+        if pid is None or self.frozen:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
-            self.frozen = pid
+            self.frozen.append(pid)
             self.world.tally[f"{which} held stopped"] += 1
         try:
             if then == "cancel":
