@@ -536,13 +536,11 @@ class SeamsMachine(RuleBasedStateMachine):
         ("not now" keeps these slow steps rarer, and the simplest example cheap); "clean
         while publishing" waits for a song written out behind the next one, and stops the
         service then (both are cut off, and must come back in their order); "clean while
-        held" holds the worker stopped meanwhile, so that the song it separates is cut off
-        after the one publishing (tag: sigstop)."""
+        held" holds the worker and its zygote stopped meanwhile, until the one publishing was
+        cut off, so that the song at the worker is cut off after it."""
         assert self.service is not None
         if how == "not now":
             return
-        if how == "clean while held" and "sigstop" in KNOWN:
-            how = "clean while publishing"
         between: Callable[[], None] | None = None
         if how in ("clean while publishing", "clean while held"):
             if self.pick("publishing", 0) is not None and how == "clean while held":
