@@ -146,6 +146,8 @@ def run_scripts(machine: Callable[[], Any], names: list[str] | None = None) -> N
             for section, script in SECTIONS.items():
                 if names is None or section in names:
                     script(made)
+                    if made.failure is not None:
+                        break  # the rest would only draw: the failure names this section
                     if VERBOSE:
                         print(f"section {section!r}: {time.monotonic() - started:.0f} s")
         except Exception as exc:

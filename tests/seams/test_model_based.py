@@ -7,13 +7,18 @@ another one) into the inbox or a preset folder, replace it (an editor's atomic s
 in place, `cp -p`'s same size and mtime), delete it or move it out, save and edit a link to a
 loopback server, take a stems folder out of the outbox, cancel / move / retry / remove through
 the API, pause and start, restart cleanly, SIGKILL, SIGKILL the worker process mid-song or the
-zygote it was forked from at any time, fill and free a small disk (root only).
+zygote it was forked from at any time, hold either stopped (SIGSTOP), fill and free a small
+disk (root only), plant links where the service writes, write sidecars (good, misspelt,
+hostile, late), upload songs through the API. Swarm testing: each example draws only some
+families of rules (FAMILIES). Written sequences (seams_scripts.py) run first and reach the
+seams where defects were found before; `make mutants` measures what the whole net catches.
 
 A plain reference model (tests/seams_model.py) says what must hold after every step: every
 outbox folder holds the stems of a version of the song its manifest names; no folder
 disappears but the one a removed job published, or one the test took away; a cancel that came
 in time is never published; no half folder; nothing the test dropped is lost; a song whose
-worker died under it once is not failed for it. At quiet points
+worker died under it once is not failed for it; no model a drop named is loaded; nothing is
+written through a planted link or outside the service's folders. At quiet points
 (`wait(until="quiet")`, and the end of every example) the queue must finish, and every done job's
 folder must hold the stems of its own input; after a restart or a kill the queue keeps its order.
 
