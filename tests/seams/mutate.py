@@ -55,6 +55,19 @@ def copy_tree(into: Path) -> None:
         shutil.copy2(ROOT / name, target, follow_symlinks=False)
 
 
+def left_running(tree: Path) -> None:
+    """SIGKILL what a run left behind in this copy: the services the test started run in
+    sessions of their own (with their workers), so killing the test's group misses them."""
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if Path(os.readlink(entry / "cwd")).is_relative_to(tree):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to look at
+
+
 def run_one(
     patch: Path | None, work: Path, limit: float, env: dict[str, str]
 ) -> tuple[str, float, str]:
@@ -84,6 +97,7 @@ def run_one(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
             code = None
+    left_running(tree)
     seconds = time.monotonic() - started
     text = log.read_text(errors="replace")
     if code is None:
