@@ -18,7 +18,7 @@ EXTRAS ?= test
 comma := ,
 INSTALLED := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test docs lint soak install bench $(addprefix bench-,$(BENCHES)) clean \
+.PHONY: demo test docs lint soak mutants install bench $(addprefix bench-,$(BENCHES)) clean \
 	base wheelhouse image image-test
 
 $(BIN)/python:
@@ -57,8 +57,9 @@ docs:
 	$(MAKE) install EXTRAS=$(DOCS_EXTRAS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
-# the model-based seams test (tests/seams/test_model_based.py) for an hour: long random
-# sequences, a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
+# the model-based seams test (tests/seams/test_model_based.py) for an hour: its written
+# sequences, then long random sequences of every rule (sidecars, uploads, held and killed
+# processes too), a new seed per round (each printed; STEMDECK_MODEL_SEED=N replays one);
 # SOAK_SECONDS changes how long; then the kill test with 20 kills and a minute's randomised
 # afternoon (the suite runs 8 kills and 20 s)
 SOAK_SECONDS ?= 3600
@@ -67,6 +68,16 @@ soak: install
 		-p no:cacheprovider tests/seams/test_model_based.py $(PYTEST_ARGS)
 	STEMDECK_KILLS=20 STEMDECK_STRESS_SECONDS=60 $(BIN)/python -m pytest -s -x \
 		-p no:cacheprovider tests/service/test_kill.py tests/service/test_stress.py $(PYTEST_ARGS)
+
+# the seams test measured by mutation: each tests/seams/mutants/NAME.patch puts back one
+# defect fixed before, in a copy of this working tree in a temporary folder (the checkout is
+# never touched); the model-based test runs there as `make test` runs it, one mutant at a
+# time, and a table says which it kills. The tree without a patch runs first and must pass.
+# MUTANTS="NAME …" runs some of them; MUTANT_LIMIT is each run's limit in seconds
+MUTANTS ?=
+MUTANT_LIMIT ?= 900
+mutants: install
+	$(BIN)/python tests/seams/mutate.py --limit $(MUTANT_LIMIT) $(MUTANTS)
 
 # every benchmark is benchmarks/bench_NAME.py, run by `make bench-NAME` (hyphens for
 # underscores: bench-work-beside); BENCH_ARGS go to it, e.g. BENCH_ARGS="--runs 3".

@@ -23,12 +23,18 @@ from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 from support.helpers import config_data, outbox_entries
 
 PRESET = "duo"
+UPLOAD_PRESET = "solo"  # songs come only through the API; a peer may plant a link there
 # where songs are dropped: a preset folder too, and a song named like that folder (its stems
 # folder and the preset's folder of songs meet in the outbox: one is never put in the other)
 SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav")
 LINK_SLOT = "l.url"
 STAGING = Folders(*[Path("/")] * 5).staging.name
-PLANTED = (STAGING, PRESET)  # where the test plants links in the outbox
+# where the test plants links in the outbox: folders the service makes, and the name a
+# careless writer would give STATUS.txt's temporary copy (written through, or renamed into
+# place as a link, it changes the file the link points at)
+STATUS_TEMP = ".STATUS.txt.tmp"
+PLANTED = (STAGING, PRESET, STATUS_TEMP)
+VICTIM = b"a file of the user's, outside every folder the service may write\n"
 _names = itertools.count()
 
 
@@ -58,7 +64,7 @@ def write_example_config(root: Path, outbox: Path, model_repo: Path) -> Path:
     )
     # the worker adopts the tiny model's compiled form ("on": "auto" skips a model that small)
     data["separation"]["compile"] = "on"
-    data["presets"] = {PRESET: {"two_stems": "vocals"}}
+    data["presets"] = {PRESET: {"two_stems": "vocals"}, UPLOAD_PRESET: {"two_stems": "drums"}}
     config = root / "stemdeck.toml"
     config.write_text(tomli_w.dumps(data))
     return config
@@ -83,16 +89,16 @@ def url_in(path: Path) -> str | None:
 
 
 class Hashes:
-    """sha256 of files, remembered by (device, inode, size, mtime): a step hashes only what
-    changed since the last one."""
+    """sha256 of files, remembered by (device, inode, size, mtime, ctime): a step hashes only
+    what changed since the last one (`cp -p` onto a file keeps all but its ctime)."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[int, int, int, int], str] = {}
+        self._known: dict[tuple[int, int, int, int, int], str] = {}
 
     def of(self, path: Path) -> str | None:
         try:
             st = path.stat()
-            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             if key not in self._known:
                 self._known[key] = sha_of(path.read_bytes())
             return self._known[key]
@@ -119,19 +125,24 @@ class Hands:
 
     def place(self, rel: str, data: bytes, how: str) -> str:
         """Put `data` at inbox/`rel`: "atomic" (a hidden temp file renamed over it, as editors
-        save), "inplace" (rewritten in the same file) or "stamp" (a new file with the old size
-        and mtime, as `cp -p` or `rsync -t` leave it). Returns how it was done in the end."""
+        save), "inplace" (rewritten in the same file), "stamp" (a new file with the old size
+        and mtime, as `cp -p` or `rsync -t` leave it) or "cp -p onto" (rewritten in the same
+        file, its mtime set back: `cp -p` onto an existing file). Returns how it was done in
+        the end."""
         path = self.inbox / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        if how == "inplace":
+        if how in ("inplace", "cp -p onto"):
             self._keep(path, copy=True)
             try:
+                before = path.stat()
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
             except FileNotFoundError:
                 how = "atomic"
             else:
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)
+                if how == "cp -p onto":  # the same file, size and mtime: only ctime moved
+                    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
                 return how
         temp = path.with_name(f".{path.name}.{next(_names)}.tmp")
         temp.write_bytes(data)
@@ -159,33 +170,56 @@ class Hands:
         return True
 
 
+def listing(folder: Path) -> list[Path]:
+    """What `folder` holds now, sorted; nothing where it is gone or no folder. The service
+    makes and removes folders in the outbox (its staging folder, a song's, a preset's) while
+    the test looks: a folder that went between the look at its parent and the look inside it
+    is simply not there any more, never a failure of the test."""
+    try:
+        return sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def scan_outbox(outbox: Path) -> tuple[dict[str, dict[str, Any] | None], list[str], list[str]]:
-    """(song folders -> complete manifest or None, stray entries, staging leftovers)."""
+    """(song folders -> complete manifest or None, stray entries, staging leftovers). A folder
+    removed or renamed while it is looked at is left out (a half folder is one that stays)."""
     folders: dict[str, dict[str, Any] | None] = {}
     stray: list[str] = []
     staging: list[str] = []
     for entry in sorted(outbox / name for name in outbox_entries(outbox)):
         if entry.name == STAGING:
-            staging += [p.name for p in entry.iterdir()]
+            staging += [p.name for p in listing(entry)]
         elif entry.is_symlink() and entry.name in PLANTED:
             continue  # the test's own link, planted where the service makes a folder
+        elif not os.path.lexists(entry):
+            continue  # gone since the listing
         elif entry.name.startswith(".") or not entry.is_dir():
             stray.append(entry.name)
         elif _preset_folder(entry):
-            for inner in sorted(entry.iterdir()):
+            for inner in listing(entry):
                 if inner.is_dir() and not inner.name.startswith("."):
-                    folders[f"{entry.name}/{inner.name}"] = read_manifest(inner)
-                else:
+                    _manifest_of(inner, f"{entry.name}/{inner.name}", folders)
+                elif os.path.lexists(inner):
                     stray.append(f"{entry.name}/{inner.name}")
         else:
-            folders[entry.name] = read_manifest(entry)
+            _manifest_of(entry, entry.name, folders)
     return folders, stray, staging
 
 
+def _manifest_of(folder: Path, rel: str, folders: dict[str, dict[str, Any] | None]) -> None:
+    manifest = read_manifest(folder)
+    if manifest is not None or folder.is_dir():  # None and gone: removed while read
+        folders[rel] = manifest
+
+
 def _preset_folder(entry: Path) -> bool:
-    """The preset's folder of songs: `duo`, or `duo (2)` where the song `duo` or a planted
-    link holds `duo`; it holds song folders only (a song's half folder holds files), or
-    nothing (made for a song whose publish then failed)."""
-    if entry.name != PRESET and not re.fullmatch(re.escape(PRESET) + r" \(\d+\)", entry.name):
+    """A preset's folder of songs: `duo` (or `solo`, the uploads' preset), or `duo (2)` where
+    the song `duo` or a planted link holds `duo`; it holds song folders only (a song's half
+    folder holds files), or nothing (made for a song whose publish then failed)."""
+    presets = "|".join(re.escape(name) for name in (PRESET, UPLOAD_PRESET))
+    if not re.fullmatch(rf"(?:{presets})(?: \(\d+\))?", entry.name):
         return False
-    return not (entry / MANIFEST).exists() and all(p.is_dir() for p in entry.iterdir())
+    return not (entry / MANIFEST).exists() and all(
+        p.is_dir() or not os.path.lexists(p) for p in listing(entry)
+    )

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX
+from stemdeck_watch.core.jobs import settings_key_of
 from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
-from seams_folders import Hashes, scan_outbox, sha_of, url_in
+from seams_folders import Hashes, listing, scan_outbox, sha_of, url_in
 from seams_service import JobRow, RegistryView, ServiceProcess, read_registry
 
 # kinds of problem (the tag each message starts with) to look past: defects known and not fixed
@@ -27,6 +29,7 @@ KNOWN = frozenset(filter(None, os.environ.get("STEMDECK_MODEL_KNOWN", "").split(
 STALL = 90.0  # seconds without any change before a queue that should finish counts as stuck
 DISK_STALL = 15.0
 RETRIES = 2  # queue.worker_retries: a song whose worker died this often is not failed
+FINAL = ("done", "failed", "cancelled")
 
 
 class Model:
@@ -50,6 +53,10 @@ class Model:
         self.removed_outputs: dict[str, float] = {}  # output path -> when its job was removed
         self.must_cancel: dict[str, str] = {}  # job id -> why the cancel surely came in time
         self.excused: set[str] = set()  # jobs whose input the test rewrote while it was read
+        # sidecars written with a song: (inbox rel path, when, kind); written late: (rel, when,
+        # sha of its bytes)
+        self.sidecars: list[tuple[str, float, str]] = []
+        self.late: list[tuple[str, float, str]] = []
 
     # ------------------------------------------------------------ what the test did
 
@@ -68,6 +75,12 @@ class Model:
         job = view.latest_for(str(self.inbox / rel))
         if job is not None and job.state in ("downloading", "decoding", "publishing"):
             self.excused.add(job.id)
+
+    def sidecar_with(self, rel: str, kind: str) -> None:
+        self.sidecars.append((rel, time.time(), kind))
+
+    def late_sidecar(self, rel: str, data: bytes) -> None:
+        self.late.append((rel, time.time(), sha_of(data)))
 
     def took_away(self, rel: str) -> None:
         self.taken[rel] = time.time()
@@ -118,7 +131,9 @@ class Model:
             if manifest is None:
                 continue
             problems += self._holds_its_song(rel, manifest)
-            twins[(manifest["input"]["sha256"], manifest.get("preset"))].append(rel)
+            # the same settings: its preset's, and a sidecar's or a tag's on top
+            key = (manifest.get("preset"), settings_key_of(manifest.get("settings")))
+            twins[(manifest["input"]["sha256"], key)].append(rel)
         problems += [
             f"[twice] {self.name(sha)} was separated {len(rels)} times with the same "
             f"settings (on_duplicate = skip): {sorted(rels)}"
@@ -126,6 +141,37 @@ class Model:
             if len(rels) > 1
         ]
         return problems + self._nothing_lost()
+
+    def check_jobs(self, view: RegistryView) -> list[str]:
+        """[sha] a manifest and the job it names agree on the input's sha256 (the job's
+        record is what a duplicate is matched by). [tombstone] a job removed stays removed:
+        no job in flight is for the version of a file a tombstone keeps out."""
+        problems = []
+        folders, _stray, _staging = scan_outbox(self.outbox)
+        for rel, manifest in folders.items():
+            job = view.jobs.get(str((manifest or {}).get("job_id")))
+            if manifest is None or job is None or job.id in self.excused:
+                continue
+            got = manifest["input"]["sha256"]
+            if job.state == "done" and job.sha256 and job.sha256 != got:
+                problems.append(
+                    f"[sha] outbox/{rel} holds the stems of {self.name(got)}, but job "
+                    f"{job.id} ({job.rel_path}) that it names recorded {self.name(job.sha256)}"
+                )
+        for job in view.jobs.values():
+            error = job.error or ""
+            if "could not load model" in error and "evil" in error:
+                problems.append(
+                    f"[model] {job.rel_path} ({job.id}): a worker was asked to load a model a "
+                    f"drop named, outside the catalogue and the owner's repo: {error}"
+                )
+            kept_out = view.tombstones.get(job.source, "none")
+            if job.state not in FINAL and kept_out == job.signature and job.signature:
+                problems.append(
+                    f"[tombstone] {job.rel_path} ({job.id}) is {job.state}, though its "
+                    f"version was removed (a tombstone keeps it out)"
+                )
+        return problems
 
     def _holds_its_song(self, rel: str, manifest: dict[str, Any]) -> list[str]:
         """The manifest's input is a version the test placed where the manifest says."""
@@ -203,7 +249,7 @@ class Model:
         for dirpath, dirs, names in os.walk(self.inbox):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in names:
-                if not name.startswith("."):
+                if not name.startswith(".") and not name.endswith(SIDECAR_SUFFIX):
                     try:
                         st = os.stat(Path(dirpath) / name)
                     except FileNotFoundError:
@@ -218,14 +264,16 @@ class Model:
             f"[leftover] a leftover in the outbox's staging folder: {name}" for name in staging
         ]
         for folder in (self.processed, self.failed):
-            problems += [
-                f"[leftover] a hidden leftover in {folder.name}/: {p.name}"
-                for p in folder.rglob(".*")
-            ]
-        if not view.order and self.scratch.is_dir():
+            for _dirpath, dirs, files in os.walk(folder):  # what goes meanwhile is skipped
+                problems += [
+                    f"[leftover] a hidden leftover in {folder.name}/: {name}"
+                    for name in dirs + files
+                    if name.startswith(".")
+                ]
+        if not view.order:
             problems += [
                 f"[leftover] a scratch leftover with an empty queue: {p.name}"
-                for p in self.scratch.iterdir()
+                for p in listing(self.scratch)
             ]
         for rel, manifest in folders.items():
             job_id = str((manifest or {}).get("job_id"))
@@ -258,9 +306,53 @@ class Model:
                     f"machine cut off only {job.faults} attempt(s) (the worker "
                     f"died under it; {RETRIES} more are allowed): {job.error}"
                 )
+        problems += self._sidecars(view)
         if self.paused and view.pause_reason not in ("user", "disk"):
             now = f"paused for {view.pause_reason}" if view.pause_reason else "running"
             problems.append(f"[pause] the test paused the queue, and it is {now}")
+        return problems
+
+    def _sidecars(self, view: RegistryView) -> list[str]:
+        """[sidecar] a song whose sidecar it cannot take fails naming the sidecar, never as
+        an unexpected error; one whose sidecar holds a misspelt key or names a model outside
+        the catalogue and the owner's repo is not separated. [late] a sidecar written after
+        its song was taken is never moved beside it as if it had been used, without a word."""
+        problems = []
+        for rel, when, kind in self.sidecars:
+            later = [j for j in view.jobs.values() if j.rel_path == rel and j.created_at >= when]
+            job = min(later, key=lambda j: j.created_at) if later else None
+            if job is None or job.id in self.excused:
+                continue
+            error = job.error or ""
+            unnamed = "sidecar" not in error and SIDECAR_SUFFIX not in error
+            if job.state == "failed" and (
+                "unexpected error" in error or (kind != "good" and unnamed)
+            ):
+                problems.append(
+                    f"[sidecar] {rel} ({job.id}) with a sidecar ({kind}) failed without "
+                    f"naming it: {error}"
+                )
+            if job.state == "done" and kind in ("misspelt", "model by URL"):
+                problems.append(
+                    f"[sidecar] {rel} ({job.id}) was separated though its sidecar was {kind}"
+                )
+        logs = "".join(
+            p.read_text(errors="replace") for p in listing(self.root / "logs") if p.is_file()
+        )
+        for rel, _when, sha in self.late:
+            name = Path(rel).name + SIDECAR_SUFFIX
+            moved = [
+                Path(dirpath) / file
+                for folder in (self.processed, self.failed)
+                for dirpath, _dirs, files in os.walk(folder)
+                for file in files
+                if SIDECAR_SUFFIX[:-5] in file and self.hashes.of(Path(dirpath) / file) == sha
+            ]
+            if moved and name not in logs:
+                problems.append(
+                    f"[late] the sidecar of {rel}, written after its song was taken, was moved "
+                    f"to {moved[0].relative_to(self.root)} without a word in the log"
+                )
         return problems
 
     def _done_job(self, job: JobRow) -> list[str]:

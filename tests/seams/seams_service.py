@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from stemdeck_watch.ui.web import discovery
 from stemdeck_watch.workers import zygote
@@ -37,6 +37,10 @@ RUNNING = ("downloading", "decoding", "separating", "publishing")
 START_TIMEOUT = 180.0  # a loaded CI machine: the worker's torch import alone can take a minute
 STOP_TIMEOUT = 120.0
 GONE_TIMEOUT = 60.0
+# no model is ever downloaded in an example (the owner's repo holds the tiny model): a load of
+# a model a drop named fails at once with its name in the job's error, and nothing leaves
+# this machine (a hub on a closed loopback port)
+NO_DOWNLOADS = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
 
 # ---------------------------------------------------------------- the registry, read-only
@@ -219,6 +223,7 @@ class ServiceProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **NO_DOWNLOADS},
         )
         deadline = time.monotonic() + START_TIMEOUT
         while STARTED not in self.output():
@@ -263,11 +268,14 @@ class ServiceProcess:
             int(p) for p in re.findall(r"started separation worker (\d+)", self.output())
         }
 
-    def stop(self) -> None:
-        """A clean stop (SIGTERM, as the service's own signal handler takes it)."""
+    def stop(self, between: Callable[[], None] | None = None) -> None:
+        """A clean stop (SIGTERM, as the service's own signal handler takes it); `between`
+        runs after the signal, before the wait for the service to end."""
         assert self.proc is not None
         self._track()
         self.proc.send_signal(signal.SIGTERM)
+        if between is not None:
+            between()
         try:
             code = self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -320,10 +328,15 @@ class ServiceProcess:
             self._log = None
 
     def api(
-        self, method: str, path: str, body: dict[str, Any] | None = None
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        upload: bytes | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """One API request with this life's token; (status, reply). A refused request (4xx)
-        is an answer like any other; the caller decides."""
+        is an answer like any other; the caller decides. `upload`: a file's bytes, sent as
+        the page sends a dropped file."""
         assert self.proc is not None
         found = discovery.read(self.state)
         if found is None or found.pid != self.proc.pid:
@@ -332,11 +345,14 @@ class ServiceProcess:
                 f"address in {self.state}:\n{self.tail()}"
             )
         data = json.dumps(body or {}).encode() if method == "POST" else None
+        kind = "application/json"
+        if upload is not None:
+            data, kind = upload, "application/octet-stream"
         request = urllib.request.Request(
             found.url + path.lstrip("/"),
             data=data,
             method=method,
-            headers={"Authorization": f"Bearer {found.token}", "Content-Type": "application/json"},
+            headers={"Authorization": f"Bearer {found.token}", "Content-Type": kind},
         )
         try:
             with urllib.request.urlopen(request, timeout=60) as reply:

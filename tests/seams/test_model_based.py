@@ -7,13 +7,18 @@ another one) into the inbox or a preset folder, replace it (an editor's atomic s
 in place, `cp -p`'s same size and mtime), delete it or move it out, save and edit a link to a
 loopback server, take a stems folder out of the outbox, cancel / move / retry / remove through
 the API, pause and start, restart cleanly, SIGKILL, SIGKILL the worker process mid-song or the
-zygote it was forked from at any time, fill and free a small disk (root only).
+zygote it was forked from at any time, hold either stopped (SIGSTOP), fill and free a small
+disk (root only), plant links where the service writes, write sidecars (good, misspelt,
+hostile, late), upload songs through the API. Swarm testing: each example draws only some
+families of rules (FAMILIES). Written sequences (seams_scripts.py) run first and reach the
+seams where defects were found before; `make mutants` measures what the whole net catches.
 
 A plain reference model (tests/seams_model.py) says what must hold after every step: every
 outbox folder holds the stems of a version of the song its manifest names; no folder
 disappears but the one a removed job published, or one the test took away; a cancel that came
 in time is never published; no half folder; nothing the test dropped is lost; a song whose
-worker died under it once is not failed for it. At quiet points
+worker died under it once is not failed for it; no model a drop named is loaded; nothing is
+written through a planted link or outside the service's folders. At quiet points
 (`wait(until="quiet")`, and the end of every example) the queue must finish, and every done job's
 folder must hold the stems of its own input; after a restart or a kill the queue keeps its order.
 
@@ -41,21 +46,27 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from stemdeck_watch.stages.manifest import MANIFEST
+from stemdeck_watch.core.choices import SIDECAR_SUFFIX
+from stemdeck_watch.ui.folder import STATUS_FILE
 from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
 from seams_folders import (
     LINK_SLOT,
     SLOTS,
     PLANTED,
-    STAGING,
+    PRESET,
+    UPLOAD_PRESET,
+    STATUS_TEMP,
+    VICTIM,
     Hands,
     link_text,
+    listing,
     scan_outbox,
     write_example_config,
 )
-from seams_model import Model, order_kept, outstanding, wait_quiet
+from seams_model import KNOWN, Model, order_kept, outstanding, wait_quiet
 from seams_run import World, make_world, run_profiles
+from seams_scripts import EXTRA, run_scripts
 from seams_service import RegistryView, ServiceProcess, SmallDisk, read_registry
 from support.compiled import BuiltCompile
 
@@ -73,12 +84,33 @@ COMMON = settings(
     phases=(Phase.explicit, Phase.generate, Phase.shrink),
 )
 settings.register_profile(
-    "seams-short", COMMON, max_examples=6, stateful_step_count=14, derandomize=True
+    "seams-short", COMMON, max_examples=4, stateful_step_count=14, derandomize=True
 )
 settings.register_profile(
     "seams-soak", COMMON, max_examples=10, stateful_step_count=40, derandomize=False
 )
 FINAL = ("done", "failed", "cancelled")
+# a sidecar's kind -> (the tag that looks past it, its text)
+SIDECARS = {
+    "good": ("sidecar", 'format = "flac"\ntwo_stems = "bass"\n'),
+    "misspelt": ("sidecar", 'modle = "htdemucs_6s"\n'),
+    "model by URL": ("sidecar-model", 'model = "hf://evil/x"\n'),
+    "segment of an hour": ("sidecar-bounds", "segment = 3600\n"),
+    "7000 speeds": (
+        "sidecar-bounds",
+        "practice = true\npractice_speeds = [" + ", ".join(["0.5"] * 7000) + "]\n",
+    ),
+    "nested 3000 deep": ("sidecar-bounds", "x = " + "[" * 3000 + "]" * 3000 + "\n"),
+}
+INBOX_PLANT = f"inbox/{UPLOAD_PRESET}"  # plant_link's one place in the inbox
+# families of rules that swarm testing switches on and off per example (dropping, deleting,
+# replacing, taking a folder away and waiting are always on)
+FAMILIES = frozenset({"links", "api", "life", "disk", "plant", "sidecar", "upload", "sigstop"})
+POLL = 0.05  # seconds between looks while the test waits on the service
+# a cancel is answered at once; a loaded CI machine gets room past the service's 2 s
+CANCEL_BOUND = 5.0
+CUT_OFF_WAIT = 20.0  # seconds a stop's first cut-off is waited for while the worker is held
+ETA_PER_SONG = 20.0  # seconds: the most a quiet queue may estimate for one of its songs
 _numbers = itertools.count()
 
 
@@ -118,6 +150,11 @@ class SeamsMachine(RuleBasedStateMachine):
         self.service: ServiceProcess | None = None
         self.disk: SmallDisk | None = None
         self.dropped: list[int] = []  # the songs dropped, in order
+        # where the service's log was when the test filled the disk (a decision to prepare
+        # a song ahead taken a moment before is logged within microseconds of it)
+        self.full_since: int | None = None
+        self.frozen: list[int] = []  # the processes the test holds stopped (SIGSTOP)
+        self.swarm: frozenset[str] = FAMILIES  # the families of rules this example draws
 
     # ------------------------------------------------------------ setup and teardown
 
@@ -125,13 +162,22 @@ class SeamsMachine(RuleBasedStateMachine):
         small=st.booleans(),
         first=st.lists(st.integers(0, SONGS - 1), max_size=2),
         compiled=st.sampled_from(["cached", "cached", "building"]),
+        swarm=st.frozensets(st.sampled_from(sorted(FAMILIES))),
     )
     @guarded
-    def begin(self, small: bool, first: list[int], compiled: str) -> None:
+    def begin(
+        self, small: bool, first: list[int], compiled: str, swarm: frozenset[str] = FAMILIES
+    ) -> None:
         """A service on fresh folders (the outbox on a small disk, where one can be had),
         with up to two songs dropped at once (the same one twice, at times). The worker runs
         the compiled model: found in the cache (loaded before the first song), or not built
-        yet (built in the background while the example runs, and stopped with it)."""
+        yet (built in the background while the example runs, and stopped with it).
+
+        Swarm testing: each example switches on some families of rules (`swarm`) and never
+        draws the others, so that a few steps go deep into what they have on (many API
+        calls, or many kills) instead of a little of everything."""
+        self.swarm = swarm
+        self.world.tally[f"families on: {len(swarm)}"] += 1
         self.root = root = Path(tempfile.mkdtemp(prefix="ex-", dir=self.world.tmp)).resolve()
         for name in ("inbox", "processed", "failed", "state", "trash", "away"):
             (root / name).mkdir()
@@ -157,6 +203,7 @@ class SeamsMachine(RuleBasedStateMachine):
         try:
             self.finish()
         finally:
+            self.thaw()
             if self.service is not None:
                 self.service.force()
             if self.disk is not None:
@@ -172,9 +219,11 @@ class SeamsMachine(RuleBasedStateMachine):
         must finish, every invariant hold, and the service stop cleanly."""
         if self.service is None:
             return
+        self.thaw()
         if self.disk is not None:
             self.disk.free()
             self.model.disk_tight = False
+            self.full_since = None
         if self.model.paused:
             self.post("/api/queue/start")
             self.model.paused = False
@@ -230,6 +279,24 @@ class SeamsMachine(RuleBasedStateMachine):
                 dup = job.error is not None and job.error.startswith("already separated")
                 self.world.tally[f"{job.kind} {job.state}{' (a duplicate)' if dup else ''}"] += 1
         self.check(self.model.check_step(view) + self.model.check_quiet(view))
+        self.check(self.idle_eta())
+
+    def idle_eta(self) -> list[str]:
+        """[eta] the estimate of an idle queue is never larger than the work it holds: each
+        song here is 1.2 s of audio, which the tiny model separates in about a second (a
+        wait, a failed attempt or an outage is no work)."""
+        assert self.service is not None
+        status, reply = self.service.api("GET", "/api/queue")
+        eta = reply.get("eta") if status == 200 else None
+        if not eta or eta.get("seconds") is None:
+            return []
+        bound = ETA_PER_SONG * eta["songs"]
+        if eta["seconds"] > bound:
+            return [
+                f"[eta] the idle queue's estimate is {eta['seconds']:.0f} s for "
+                f"{eta['songs']} song(s) of 1.2 s (at most {bound:.0f} s): {eta}"
+            ]
+        return []
 
     def check(self, problems: list[str]) -> None:
         problems = outstanding(problems)
@@ -238,6 +305,73 @@ class SeamsMachine(RuleBasedStateMachine):
             raise AssertionError(
                 "\n".join(problems) + f"\nthe service's log ends:\n{self.service.tail(40)}"
             )
+
+    @contextlib.contextmanager
+    def frozen_worker(self) -> Iterator[None]:
+        """The separation worker held stopped (SIGSTOP) for a moment: the song it separates
+        stays separating while the test acts around it (well within the stall limit)."""
+        self.hold_worker()
+        try:
+            yield
+        finally:
+            self.thaw()
+
+    def thaw_once_cut_off(self) -> None:
+        """During a stop with the worker and its zygote held: let them go on once the song
+        publishing was cut off (so the one at the worker is cut off after it), or after a
+        moment."""
+        assert self.service is not None
+        deadline = time.monotonic() + CUT_OFF_WAIT
+        while "cut off by shutdown" not in self.service.output():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(POLL)
+        self.thaw()
+
+    def hold_worker(self) -> None:
+        assert self.service is not None
+        pid = self.service.worker_pid()
+        if pid is not None and pid not in self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                self.frozen.append(pid)
+
+    def thaw(self) -> None:
+        for pid in self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.frozen = []
+
+    def prepared(self, job_id: str, limit: float = 5.0) -> None:
+        """Wait until the work prepared ahead for `job_id` is there (its scratch folder
+        holds files that stopped growing), or `limit` s."""
+        scratch = self.model.scratch / job_id
+        deadline = time.monotonic() + limit
+        last = -1
+        while time.monotonic() < deadline:
+            size = sum(p.stat().st_size for p in listing(scratch) if p.is_file())
+            if size and size == last:
+                return
+            last = size
+            time.sleep(POLL * 6)
+
+    def until_separating(self, limit: float = 180.0) -> bool:
+        """Wait until a song is at the worker (separating, not only decoding: the worker may
+        still be starting), or `limit` s; whether one is."""
+        deadline = time.monotonic() + limit
+        while not any(j.state == "separating" for j in self.view().jobs.values()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL)
+        return True
+
+    def until_queued(self, count: int, limit: float = 30.0) -> None:
+        """Wait until `count` jobs are queued (a script's songs, dropped while paused)."""
+        deadline = time.monotonic() + limit
+        while len(self.view().order) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{count} jobs were not queued within {limit:.0f} s")
+            time.sleep(POLL)
 
     # ------------------------------------------------------------ the inbox and the outbox
 
@@ -273,6 +407,7 @@ class SeamsMachine(RuleBasedStateMachine):
         self.model.touching(self.view(), slot)
         self.hands.remove(slot, how)
 
+    @precondition(lambda self: "links" in self.swarm)
     @rule(song=st.integers(0, SONGS - 1), how=st.sampled_from(["atomic", "inplace"]))
     @guarded
     def link(self, song: int, how: str) -> None:
@@ -281,23 +416,31 @@ class SeamsMachine(RuleBasedStateMachine):
 
     @rule(
         song=st.integers(0, SONGS - 1),
-        how=st.sampled_from(["stamp", "inplace", "atomic"]),
-        after=st.sampled_from([0.3, 0.0]),
+        how=st.sampled_from(["stamp", "inplace", "atomic", "cp -p onto"]),
+        after=st.sampled_from([0.3, 0.0, "prepared"]),
     )
     @guarded
-    def replace_next(self, song: int, how: str, after: float) -> None:
+    def replace_next(self, song: int, how: str, after: float | str) -> None:
         """The next song in the queue replaced `after` s into the separation of the one
-        before it (its decode or download prepared ahead by then): by another song, a link by
-        another URL."""
+        before it (its decode or download prepared ahead by then), or once its work ahead
+        is there ("prepared": the worker held stopped meanwhile, so the song before it is
+        still separating): by another song, a link by another URL."""
         job_id = self.pick("next", 0)
         if job_id is not None:
-            time.sleep(after)
-            rel = self.view().jobs[job_id].rel_path
-            if rel == LINK_SLOT:
-                self._link(song, "inplace" if how == "inplace" else "atomic")
-            elif rel in SLOTS:
-                self._put(rel, song, how)
-            self.world.tally["next song replaced"] += 1
+            with self.frozen_worker() if after == "prepared" else contextlib.nullcontext():
+                if after == "prepared":
+                    self.prepared(job_id)
+                else:
+                    time.sleep(float(after))
+                self._replace(job_id, song, how)
+
+    def _replace(self, job_id: str, song: int, how: str) -> None:
+        rel = self.view().jobs[job_id].rel_path
+        if rel == LINK_SLOT:
+            self._link(song, "inplace" if how == "inplace" else "atomic")
+        elif rel in SLOTS:
+            self._put(rel, song, how)
+        self.world.tally["next song replaced"] += 1
 
     def _link(self, song: int, how: str) -> None:
         self.model.touching(self.view(), LINK_SLOT)
@@ -319,31 +462,31 @@ class SeamsMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ the API
 
+    @precondition(lambda self: "api" in self.swarm)
     @rule(
         phase=st.sampled_from(["queued", "separating", "publishing", "any"]), pick=st.integers(0, 7)
     )
     @guarded
     def cancel(self, phase: str, pick: int) -> None:
+        """A cancel through the API: one answered "cancelled" (200) must end cancelled and
+        never be published (a song whose stems are already going out is refused with a
+        409), and it is answered within CANCEL_BOUND."""
         job_id = self.pick(phase, pick)
         if job_id is None:
             return
+        before = self.view().jobs.get(job_id)
+        asked = time.monotonic()
         status, _ = self.post(f"/api/jobs/{job_id}/cancel")
+        took = time.monotonic() - asked
+        if took > CANCEL_BOUND:
+            self.check([f"[slow-cancel] the cancel of {job_id} took {took:.1f} s"])
         if status != 200:
             return
-        job = self.view().jobs.get(job_id)
-        staging = self.model.outbox / STAGING / job_id
-        if job is not None and job.state in ("queued", "downloading", "decoding", "separating"):
-            self.model.must_cancel[job_id] = f"{job.state} when the cancel was answered"
-            self.world.tally[f"cancel in time ({job.state})"] += 1
-        elif (
-            job is not None
-            and job.state == "publishing"
-            and staging.is_dir()
-            and not (staging / MANIFEST).exists()
-        ):
-            self.model.must_cancel[job_id] = "its stems were still being written"
-            self.world.tally["cancel in time (publishing)"] += 1
+        state = before.state if before is not None else "unknown"
+        self.model.must_cancel[job_id] = f"answered cancelled while it was {state}"
+        self.world.tally[f"cancel answered ({state})"] += 1
 
+    @precondition(lambda self: "api" in self.swarm)
     @rule(pick=st.integers(0, 7), other=st.integers(0, 7), first=st.booleans())
     @guarded
     def move(self, pick: int, other: int, first: bool) -> None:
@@ -353,6 +496,7 @@ class SeamsMachine(RuleBasedStateMachine):
             body = {"first": True} if first or after == job_id else {"after": after}
             self.post(f"/api/jobs/{job_id}/move", body)
 
+    @precondition(lambda self: "api" in self.swarm)
     @rule(pick=st.integers(0, 7))
     @guarded
     def retry(self, pick: int) -> None:
@@ -363,6 +507,7 @@ class SeamsMachine(RuleBasedStateMachine):
         if jobs:
             self.post(f"/api/jobs/{jobs[pick % len(jobs)].id}/retry")
 
+    @precondition(lambda self: "api" in self.swarm)
     @rule(pick=st.integers(0, 7))
     @guarded
     def remove(self, pick: int) -> None:
@@ -375,6 +520,7 @@ class SeamsMachine(RuleBasedStateMachine):
             if status == 200:
                 self.model.removed_job(job.id, job.output)
 
+    @precondition(lambda self: "api" in self.swarm)
     @rule(pause=st.booleans())
     @guarded
     def pause_or_start(self, pause: bool) -> None:
@@ -383,27 +529,53 @@ class SeamsMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ the service's life
 
-    @rule(how=st.sampled_from(["not now", "clean", "kill"]))
+    @precondition(lambda self: "life" in self.swarm)
+    @rule(
+        how=st.sampled_from(
+            ["not now", "clean", "kill", "clean while publishing", "clean while held"]
+        )
+    )
     @guarded
     def restart(self, how: str) -> None:
         """Stop the service cleanly, or SIGKILL it, and start it again on the same folders
-        ("not now" keeps these slow steps rarer, and the simplest example cheap)."""
+        ("not now" keeps these slow steps rarer, and the simplest example cheap); "clean
+        while publishing" waits for a song written out behind the next one, and stops the
+        service then (both are cut off, and must come back in their order); "clean while
+        held" holds the worker and its zygote stopped meanwhile, until the one publishing was
+        cut off, so that the song at the worker is cut off after it."""
         assert self.service is not None
         if how == "not now":
             return
+        between: Callable[[], None] | None = None
+        if how in ("clean while publishing", "clean while held"):
+            if self.pick("publishing", 0) is not None and how == "clean while held":
+                self.hold_worker()
+                zygote = self.service.zygote_pid()
+                if zygote is not None and self.frozen:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(zygote, signal.SIGSTOP)
+                        self.frozen.append(zygote)
+                between = self.thaw_once_cut_off
+            how = "clean"
+        else:
+            self.thaw()
         before = self.view()
         self.world.tally[f"restart ({how})"] += 1
         if how == "kill":
             self.service.kill()
         else:
-            self.service.stop()
+            self.service.stop(between)
+        self.frozen = []  # what was held stopped ended with its service
         self.service.start()
+        if self.full_since is not None:
+            self.full_since = 0  # a new life, a new log
         self.check(
             order_kept(
                 before, self.view(), "clean restart" if how == "clean" else "SIGKILL and restart"
             )
         )
 
+    @precondition(lambda self: "life" in self.swarm)
     @rule(when=st.sampled_from(["not now", "not now", "mid-song"]))
     @guarded
     def kill_worker(self, when: str) -> None:
@@ -419,6 +591,7 @@ class SeamsMachine(RuleBasedStateMachine):
                 os.kill(pid, signal.SIGKILL)
             self.world.tally["worker killed mid-song"] += 1
 
+    @precondition(lambda self: "life" in self.swarm)
     @rule(when=st.sampled_from(["not now", "now"]))
     @guarded
     def kill_zygote(self, when: str) -> None:
@@ -434,7 +607,7 @@ class SeamsMachine(RuleBasedStateMachine):
                 os.kill(pid, signal.SIGKILL)
             self.world.tally[f"zygote killed {'mid-song' if busy else 'between songs'}"] += 1
 
-    @precondition(lambda self: self.disk is not None)
+    @precondition(lambda self: self.disk is not None and "disk" in self.swarm)
     @rule(fill=st.booleans())
     @guarded
     def fill_disk(self, fill: bool) -> None:
@@ -443,25 +616,115 @@ class SeamsMachine(RuleBasedStateMachine):
         if fill:
             self.disk.fill()
             self.world.tally["disk filled"] += 1
+            if self.full_since is None:
+                assert self.service is not None
+                self.full_since = len(self.service.output())
         else:
             self.disk.free()
+            self.full_since = None
         self.model.disk_tight = fill
 
-    @rule(where=st.sampled_from(PLANTED))
+    @precondition(lambda self: "plant" in self.swarm)
+    @rule(where=st.sampled_from(PLANTED + (INBOX_PLANT,)))
     @guarded
     def plant_link(self, where: str) -> None:
         """A peer who can write the shared outbox plants a link where the service makes a
         folder, while nothing is there: at its hidden staging folder (the next song written
         removes it) or at the preset's folder of songs (its next song goes to `duo (2)`, past
-        it); songs are published as ever, and nothing lands where the link points."""
+        it), or at a guessable temporary name of STATUS.txt, pointing at a file of the
+        user's; songs are published as ever, and nothing changes where the link points."""
         assert self.root is not None
-        folder = self.model.outbox / where
-        (self.root / "elsewhere").mkdir(exist_ok=True)
-        if os.path.lexists(folder):
+        if where == INBOX_PLANT:
+            self.plant_in_inbox()
+            return
+        place = self.model.outbox / where
+        elsewhere = self.root / "elsewhere"
+        elsewhere.mkdir(exist_ok=True)
+        (elsewhere / "victim.txt").write_bytes(VICTIM)
+        if os.path.lexists(place):
             return  # a song is being written there, or the folder is made already
         with contextlib.suppress(FileExistsError):  # the service made it meanwhile
-            folder.symlink_to(self.root / "elsewhere")
+            place.symlink_to(elsewhere / "victim.txt" if where == STATUS_TEMP else elsewhere)
             self.world.tally[f"link planted at {where}"] += 1
+
+    # ------------------------------------------------------------ what a drop may choose
+
+    @precondition(lambda self: "sidecar" in self.swarm)
+    @rule(
+        slot=st.sampled_from(SLOTS),
+        song=st.integers(0, SONGS - 1),
+        kind=st.sampled_from(sorted(SIDECARS)),
+        late=st.sampled_from([False, False, True]),
+    )
+    @guarded
+    def sidecar(self, slot: str, song: int, kind: str, late: bool) -> None:
+        """A sidecar with a song's own choices (good, a misspelt key, or a hostile value: a
+        model named by URL, a segment of an hour, 7,000 practice speeds, TOML nested 3,000
+        deep), written with its song, or late: after the song in that slot was taken. A
+        kind whose tag is in STEMDECK_MODEL_KNOWN is written as a good one."""
+        tag, text = SIDECARS[kind]
+        if tag in KNOWN:
+            kind, (tag, text) = "good", SIDECARS["good"]
+        name = slot + SIDECAR_SUFFIX
+        if late:
+            job = self.view().latest_for(str(self.model.inbox / slot))
+            if job is None or job.state in FINAL or "late" in KNOWN:
+                return
+            self.hands.place(name, text.encode(), "atomic")
+            self.model.late_sidecar(slot, text.encode())
+            self.world.tally[f"late sidecar ({job.state})"] += 1
+            return
+        self.hands.place(name, text.encode(), "atomic")
+        self._put(slot, song, "atomic")
+        self.model.sidecar_with(slot, kind)
+        self.world.tally[f"sidecar {kind}"] += 1
+
+    @precondition(lambda self: "upload" in self.swarm)
+    @rule(song=st.integers(0, SONGS - 1), preset=st.sampled_from(["", PRESET, UPLOAD_PRESET]))
+    @guarded
+    def upload(self, song: int, preset: str) -> None:
+        """A song added through the API (the page's drop), into the inbox or a preset's
+        folder (UPLOAD_PRESET's may be a link a peer planted: nothing lands where it
+        points)."""
+        assert self.service is not None
+        data = self.world.songs[song]
+        query = "name=up.wav" + (f"&preset={preset}" if preset else "")
+        status, reply = self.service.api("POST", f"/api/uploads?{query}", upload=data)
+        self.world.tally[f"upload {status}"] += 1
+        if status == 200:
+            self.dropped.append(song)
+            self.model.placed_version(str(reply["file"]), data)
+        elif (status >= 500 and status != 507) or status in (400, 401):
+            raise AssertionError(f"upload {query} → {status} {reply}\n{self.service.tail()}")
+
+    # ------------------------------------------------------------ a stuck machine
+
+    @precondition(lambda self: "sigstop" in self.swarm)
+    @rule(which=st.sampled_from(["worker", "zygote"]), then=st.sampled_from(["cancel", "drop"]))
+    @guarded
+    def hold_stopped(self, which: str, then: str) -> None:
+        """The worker or the zygote it was forked from held stopped (SIGSTOP: a debugger, a
+        machine swapping) while the test cancels the song in flight, or drops a song; then
+        it goes on (SIGCONT). A cancel is answered within its bound, the service stays
+        responsive, and nothing is lost (tag: sigstop)."""
+        assert self.service is not None
+        if "sigstop" in KNOWN:
+            return
+        pid = self.service.worker_pid() if which == "worker" else self.service.zygote_pid()
+        if pid is None or self.frozen:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+            self.frozen.append(pid)
+            self.world.tally[f"{which} held stopped"] += 1
+        try:
+            if then == "cancel":
+                self.cancel("separating", 0)
+            else:
+                song = len(self.dropped) % SONGS
+                self._put(SLOTS[len(self.dropped) % len(SLOTS)], song, "atomic")
+        finally:
+            self.thaw()
 
     @rule(until=st.sampled_from(["quiet", "0.3 s", "1 s", "2.5 s"]))
     @guarded
@@ -482,9 +745,70 @@ class SeamsMachine(RuleBasedStateMachine):
             self.check(self.model.check_step(self.view()))
             assert self.root is not None
             self.check(whole_compiles(self.root / "state" / "compiled"))
-            elsewhere = self.root / "elsewhere"
-            if elsewhere.is_dir() and any(elsewhere.iterdir()):
-                self.check([f"[link] the service wrote through a planted link: {elsewhere}"])
+            self.check(self.written_elsewhere() + self.outside_folders())
+            self.check(self.model.check_jobs(self.view()))
+            self.check(self.ahead_on_a_full_disk())
+
+    def plant_in_inbox(self) -> None:
+        """A link planted in the inbox where the uploads' preset folder goes: an upload to
+        that preset never lands where it points (tag: upload-link)."""
+        assert self.root is not None
+        place = self.model.inbox / UPLOAD_PRESET
+        if "upload-link" in KNOWN or os.path.lexists(place):
+            return
+        (self.root / "elsewhere-inbox").mkdir(exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            place.symlink_to(self.root / "elsewhere-inbox")
+            self.world.tally["link planted at the inbox's preset folder"] += 1
+
+    def written_elsewhere(self) -> list[str]:
+        """[link] where the test's planted links point, only what the test put there."""
+        assert self.root is not None
+        elsewhere = self.root / "elsewhere"
+        found = {p.name for p in listing(elsewhere)}
+        victim = elsewhere / "victim.txt"
+        if found - {"victim.txt"} or (victim.exists() and victim.read_bytes() != VICTIM):
+            return [f"[link] the service wrote through a planted link: {sorted(found)}"]
+        if listing(self.root / "elsewhere-inbox"):
+            return ["[upload-link] an upload went through a link planted in the inbox"]
+        status = self.model.outbox / STATUS_FILE
+        if status.is_symlink():
+            return [f"[link] {STATUS_FILE} is a link the service renamed into place"]
+        return []
+
+    def outside_folders(self) -> list[str]:
+        """[outside] nothing the service writes lies outside its folders: the example's
+        folder holds what the test made, and the service's own folders."""
+        assert self.root is not None
+        known = {"inbox", "processed", "failed", "state", "trash", "away", "outbox", "vol"}
+        known |= {"logs", "elsewhere", "elsewhere-inbox", "taken", "stemdeck.toml"}
+        return [
+            f"[outside] {p} is outside every folder"
+            for p in listing(self.root)
+            if p.name not in known
+        ]
+
+    def ahead_on_a_full_disk(self) -> list[str]:
+        """[ahead] no song is prepared ahead once the disk has no room for it (the test
+        filled it below the disk check's margin: nothing fits beside the song in flight)."""
+        assert self.service is not None
+        if self.full_since is None:
+            return []
+        return [
+            f"[ahead] the disk is full, yet {line.split('INFO', 1)[-1].strip()}"
+            for line in self.service.output()[self.full_since :].splitlines()
+            if " ahead while " in line
+        ]
+
+    def looked_ahead(self, limit: float = 5.0) -> None:
+        """Wait until the service decided whether to prepare the next song ahead since the
+        disk was filled (it says so either way), or `limit` s."""
+        deadline = time.monotonic() + limit
+        offset = self.full_since or 0
+        while time.monotonic() < deadline:
+            if " ahead" in self.service.output()[offset:]:
+                return
+            time.sleep(POLL)
 
 
 # ---------------------------------------------------------------- running it
@@ -494,7 +818,7 @@ def whole_compiles(root: Path) -> list[str]:
     """[compiled] every compiled model in the cache is whole: what the build wrote is what
     its entry lists (a kill, a restart, a worker loading it never leave half of one)."""
     problems = []
-    for folder in root.iterdir() if root.is_dir() else []:
+    for folder in listing(root):  # a build renamed into place meanwhile is seen next step
         if not folder.is_dir() or folder.name.startswith(BUILD_PREFIX):
             continue
         try:
@@ -513,7 +837,7 @@ def whole_compiles(root: Path) -> list[str]:
 
 @pytest.fixture
 def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iterator[World]:
-    with make_world(tmp_path, model_repo, SONGS, compiled_tiny) as made:
+    with make_world(tmp_path, model_repo, SONGS + EXTRA, compiled_tiny) as made:
         yield made
 
 
@@ -521,4 +845,13 @@ def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iter
 def test_the_seams_hold_whatever_people_do(world: World) -> None:
     if world.small_disk:
         print(f"the disk rules are left out: {world.small_disk}")
+    # the written sequences first (seams_scripts.py): STEMDECK_MODEL_SCRIPTS=0 leaves them
+    # out, =NAME,NAME runs those alone; a replay of a seed or blob leaves them out
+    chosen = os.environ.get("STEMDECK_MODEL_SCRIPTS")
+    replay = os.environ.get("STEMDECK_MODEL_SEED") or os.environ.get("STEMDECK_MODEL_BLOB")
+    if chosen and chosen != "0":
+        run_scripts(lambda: SeamsMachine(world), chosen.replace("_", " ").split(","))
+        return
+    if chosen is None and not replay:
+        run_scripts(lambda: SeamsMachine(world))
     run_profiles(lambda: SeamsMachine(world), SOAK, SOAK_SECONDS, world.tally)

@@ -90,11 +90,16 @@ def built_once(model_repo: Path, factory: pytest.TempPathFactory) -> BuiltCompil
     """`build_tiny` once for all the processes of a pytest-xdist session: the first to take the
     lock builds and writes down what it built; the others wait for it (a minute of idle
     waiting instead of a second build beside the first) and read that. The key is a
-    digest of the model's weights, which every process saves alike, so one cache fits all."""
+    digest of the model's weights, which every process saves alike, so one cache fits all.
+    STEMDECK_TEST_COMPILED=DIR keeps it in DIR for later sessions too: `make mutants` runs
+    the seams test once per mutant and builds it once."""
     import fcntl
 
     base = factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    if os.environ.get("STEMDECK_TEST_COMPILED"):  # kept across sessions (`make mutants`)
+        shared = Path(os.environ["STEMDECK_TEST_COMPILED"])
+        shared.mkdir(parents=True, exist_ok=True)
     record = shared / "compiled-tiny.json"
     with open(shared / "compiled-tiny.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
