@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("stemdeck_watch.engine.scheduler")
 
 CANCELLED_BY_USER = "cancelled by you; change the file or drop it again to queue it again"
-CANCEL_RECORDED_WAIT = 10.0  # seconds a cancel's answer waits for a job in flight to end
+# seconds a cancel's answer waits for a job in flight to end: its steps check for a cancel
+# at least every second or so, and a cancel is answered within 2 s
+CANCEL_RECORDED_WAIT = 1.5
 
 
 class Requests:
@@ -88,8 +90,11 @@ class Requests:
         nor a restart queues it again (changing the file or dropping it again does).
 
         A job in flight is answered once its dispatcher has ended it on record (its step is
-        stopped at once, so that takes a moment): "cancelled" then holds even if the
-        service is killed right after, instead of the restore running the song again."""
+        stopped at its next cancel check, so that takes a moment): "cancelled" then holds
+        even if the service is killed right after, instead of the restore running the song
+        again. A job not ended on record within CANCEL_RECORDED_WAIT is answered as it
+        stands (still running or publishing, and stopping) and logged: it ends cancelled
+        when its step reaches its check, and a kill before that restores it."""
         job = self._cancel_job(job_id)
         if job.state.is_final:
             return job
@@ -97,7 +102,7 @@ class Requests:
         while any(c.job_id == job.id for c in self.queue.in_flight()):
             if time.monotonic() > deadline:
                 log.warning(
-                    "%s was cancelled but has not ended within %.0f s",
+                    "%s was cancelled but has not ended within %.1f s; answered as it stands",
                     job.name,
                     CANCEL_RECORDED_WAIT,
                 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -123,11 +124,12 @@ def song_gain(
     block_frames: int,
     rescale: bool,
     source: Path | None,
+    check: Callable[[], None] = lambda: None,
 ) -> tuple[float, Residual | None]:
     """The one factor every output is divided by — 1 unless `rescale` must bring the loudest
     output's peak (each output: the stems summed into it) below full scale — and the
     residual of the stems' sum against `source` (the decoded input), both from one pass that
-    reads every stem once, block by block."""
+    reads every stem once, block by block (`check`, which raises to cancel, before each)."""
     input_reader = AudioReader(source) if source is not None else None
     if input_reader is not None and input_reader.channels != next(iter(readers.values())).channels:
         input_reader = None  # not the input these stems were separated from
@@ -136,6 +138,7 @@ def song_gain(
     residual = Residual() if input_reader is not None else None
     peak = 0.0
     for start in range(0, frames, block_frames):
+        check()
         stop = min(frames, start + block_frames)
         blocks = {
             stem: reader.read(start, stop, interleaved=True) for stem, reader in readers.items()

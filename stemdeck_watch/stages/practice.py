@@ -38,7 +38,10 @@ BITRATE = 128  # kbit/s: small files for a phone
 BEATS_PER_BAR = 4  # librosa marks beats, not bars: a 4/4 count-in and accent
 MUSIC_LEVEL, CLICK_LEVEL = 0.8, 0.35  # the click sits on top of the song without clipping
 CLICK_SECONDS = 0.03
-CHUNK_SECONDS = 30.0  # time-stretched at a time
+# time-stretched at a time: one call of Rubber Band cannot be interrupted, so a chunk (with
+# its context) is what a cancel waits for at most; short, at the cost of stretching the
+# context more often
+CHUNK_SECONDS = 6.0
 CONTEXT_SECONDS = 2.0  # on each side of a chunk, so its edges are stretched as in the song
 FADE_SECONDS = 0.1  # crossfade at a seam
 SEAM_SLIP = 0.01  # seconds a seam may shift the audio to meet in phase (and in all)
@@ -274,6 +277,7 @@ def write_practice(
                 samplerate,
                 mp3,
                 sync=False,
+                check=check,
             )
         except OSError as exc:
             raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc

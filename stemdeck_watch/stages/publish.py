@@ -21,7 +21,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -119,6 +119,7 @@ def write_song(
     also: list[list[str]] | None = None,
     threads: int = PUBLISH_THREADS,
     own: tuple[Mapping[str, str], Mapping[str, str]] | None = None,
+    check: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
     """Write every stem and mix into `staging`; returns the manifest's file entries, each
     with its integrated loudness (LUFS, None for silence).
@@ -133,7 +134,8 @@ def write_song(
     `levels` the song's gain and the residual (see stages/levels.py). `also` names sums of
     stems written elsewhere with the same gain (the stem file's): their peaks count too.
     Up to `threads` outputs are written at once. `own`: the other files and folders the
-    song folder will hold (name → what it is), which no output may be named like."""
+    song folder will hold (name → what it is), which no output may be named like. `check`
+    raises to cancel; it is called before every block an output writes."""
     info = info or SongInfo(name)
     for level in (staging.parent, staging):
         _real_folder(level)
@@ -152,6 +154,7 @@ def write_song(
         block_frames,
         rescale,
         info.source,
+        check,
     )
     if levels is not None:
         levels.update(
@@ -194,6 +197,7 @@ def write_song(
             gain,
             peaks.get(output) if peaks is not None else None,
             tagging.stem_tags(info.tags, info.name, output) if tagged else None,
+            check,
         )
 
     # every output reads, sums, resamples, meters and writes on its own, mostly outside the
@@ -230,6 +234,7 @@ def _write_output(
     gain: float,
     collector: Peaks | None,
     stem_tags: dict[str, str] | None,
+    check: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, Any], float, float]:
     """One stem or mix written into `staging` (tagged with `stem_tags` unless None): its
     manifest entry, and the seconds spent resampling and tagging it."""
@@ -246,7 +251,7 @@ def _write_output(
         meter,
     )
     try:  # a stem about to be tagged is flushed to disk once, after its tags
-        _write_audio(path, blocks, channels, span.rate, out, sync=stem_tags is None)
+        _write_audio(path, blocks, channels, span.rate, out, sync=stem_tags is None, check=check)
     except OSError as exc:
         raise PublishError(str(FilesystemError("write", path, reason=exc))) from exc
     if stem_tags is not None:
@@ -266,6 +271,18 @@ def _write_output(
         "loudness": meter.integrated(),
     }
     return entry, resampling.seconds, tagging_time.seconds
+
+
+def _checked(blocks: Iterable[np.ndarray], check: Callable[[], None]) -> Iterator[np.ndarray]:
+    """The blocks, `check` called before each is made."""
+    iterator = iter(blocks)
+    while True:
+        check()
+        try:
+            block = next(iterator)
+        except StopIteration:
+            return
+        yield block
 
 
 def _metered(blocks: Iterable[np.ndarray], meter: LoudnessMeter) -> Iterator[np.ndarray]:
@@ -338,9 +355,12 @@ def _write_audio(
     samplerate: int,
     out: OutputSettings,
     sync: bool = True,
+    check: Callable[[], None] = lambda: None,
 ) -> None:
     """Write (channels, n) float blocks to `path` in the configured format, as they come;
-    `sync` flushes the file to disk."""
+    `sync` flushes the file to disk. `check` (raises to cancel) is called before every
+    block: every writer of a song folder stops within a block, whatever makes the blocks."""
+    blocks = _checked(blocks, check)
     if out.format == "mp3":
         import lameenc
 

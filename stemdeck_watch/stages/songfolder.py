@@ -120,8 +120,9 @@ def make_song_folder(
     check: Callable[[], None] = lambda: None,
 ) -> SongFolder:
     """Write the stems, mixes, beat grid and preview of one song into `staging`. `check`
-    raises to cancel; it is called between steps and inside the beat grid (an hour of audio
-    takes it tens of seconds)."""
+    raises to cancel; it is called between steps, before every block a file is written in
+    and inside the beat grid (an hour of audio takes it tens of seconds), so a cancel ends
+    the writing within a block, whatever is being written."""
     timings: dict[str, float] = {}
     peaks: dict[str, Peaks] | None = {} if out.preview else None
     levels: dict[str, Any] = {}
@@ -144,6 +145,7 @@ def make_song_folder(
             levels=levels,
             also=[list(stems), *slots.values()] if slots else None,
             own=own_files(info.name, out),
+            check=check,
         )
         timings["write"] = round(time.perf_counter() - started, 3)
         manifest: dict[str, Any] = {"tags": dict(info.tags), "levels": levels}

@@ -230,3 +230,63 @@ def test_a_song_publishing_behind_is_shown_beside_the_one_separating(
     separating.open()
     jobs.wait_final(2, timeout=HOLD)
     assert [j["id"] for j in service.scheduler.snapshot()["active"]] == []
+
+
+@pytest.mark.slow
+def test_a_cancel_while_the_song_folder_is_written_is_answered_within_2_s(
+    make_settings, service_factory, monkeypatch, tmp_path
+) -> None:
+    """A song long enough that its stem file and practice tracks (Rubber Band stretching it
+    to half speed) take seconds to write, cancelled once its slowed track is being written:
+    every writer checks for the cancel within a block, so the API answers within 2 s with
+    the song ended cancelled, nothing published and nothing left in staging.
+
+    The tiny model's low sample rate makes Rubber Band quick here; it is made as slow as
+    it is at 44.1 kHz on a busy machine (0.1 s per second of audio, one call that cannot
+    be interrupted), the real stretch still done."""
+    import time
+
+    import pedalboard
+
+    real_stretch = pedalboard.time_stretch
+    stretching = threading.Event()
+
+    def busy_stretch(audio: Any, samplerate: float, **kwargs: Any) -> Any:
+        stretching.set()
+        out = real_stretch(audio, samplerate, **kwargs)
+        time.sleep(0.1 * audio.shape[-1] / samplerate)
+        return out
+
+    monkeypatch.setattr(pedalboard, "time_stretch", busy_stretch)
+
+    settings = make_settings(
+        output={
+            "stem_file": True,
+            "practice": True,
+            "practice_speeds": [50],
+            "preview": False,
+        }
+    )
+    service, jobs = service_factory(settings)
+    made = write_song(tmp_path / "made" / "long.wav", 30.0)
+    made.replace(settings.paths.inbox / "long.wav")
+    staging = settings.paths.staging
+    wait_for(stretching.is_set, 60, "the slowed practice track to be written")
+    (job,) = [j for j in jobs.latest.values() if not j.state.is_final]
+    started = time.monotonic()
+    status, reply = api_cancel(service, job.id)
+    answered = time.monotonic() - started
+    assert status == 200, reply
+    assert answered < 2.0, f"the cancel took {answered:.1f} s to answer"
+    # ended on record by then, or within a block more on a machine as busy as this one
+    wait_for(lambda: jobs.latest[job.id].state.is_final, 2, "the cancelled song to end")
+    assert jobs.latest[job.id].state is JobState.CANCELLED, jobs.latest[job.id]
+    ended = time.monotonic() - started
+    assert ended < 3.0, f"the cancelled song took {ended:.1f} s to end"
+    assert outbox_entries(settings.paths.outbox) == set()
+    assert not (settings.paths.processed / "long.wav").exists()
+    wait_for(
+        lambda: not staging.is_dir() or not any(staging.iterdir()),
+        10,
+        "the staging folder to be cleared",
+    )
