@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stemdeck_watch.stages.manifest import MANIFEST
-from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
+from stemdeck_watch.workers.compiled.cache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
 from seams_folders import (
     LINK_SLOT,
