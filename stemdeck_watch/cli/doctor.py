@@ -170,7 +170,7 @@ def check_models(settings: Settings) -> list[Finding]:
         repo = settings.resolve_model_repo(sep)
         # a preset's own precision is checked too: float16, say, loads on a GPU alone
         wanted.setdefault((sep.model, str(repo) if repo else None, sep.precision), preset)
-    from stemdeck_watch.workers.compilecache import CompileSettings
+    from stemdeck_watch.workers.compiled.cache import CompileSettings
 
     findings = []
     sep = settings.separation

@@ -278,7 +278,7 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
             )
         from stemdeck_watch.workers.local import WorkerClient
 
-        from stemdeck_watch.workers.compilecache import CompileSettings
+        from stemdeck_watch.workers.compiled.cache import CompileSettings
 
         compiling = CompileSettings(
             sep.compile, settings.paths.state / "compiled", sep.compile_cache_mb

@@ -5,7 +5,7 @@ numbers (one contiguous copy of every source's spectrogram), and `_ispec`, which
 copy twice (one frequency bin at the top, two frames at each end: two more allocations,
 each filled with zeros and written again) before the inverse STFT. On a full-size model that
 is 0.1 GB moved three times per segment, done the same way eager and compiled (the network's
-own forward stays eager, compiledgraph.py). Here `_mask` writes its layout straight into the
+own forward stays eager, compiled/graph.py). Here `_mask` writes its layout straight into the
 zero-padded buffer `_ispec` wants, and `_ispec` takes that buffer as it is: the same numbers
 in the same places, so the inverse STFT and the stems are exactly those of demucs's own code
 (tests/workers/test_inverse.py), about 40 ms sooner per 7.8 s segment of a full-size model.

@@ -34,8 +34,8 @@ from stemdeck_watch.core.errors import (
     WorkerStalled,
 )
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers.compilebuild import CompileBuilder
-from stemdeck_watch.workers.compilecache import CompileSettings
+from stemdeck_watch.workers.compiled.build import CompileBuilder
+from stemdeck_watch.workers.compiled.cache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers import zygote
 from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
@@ -238,7 +238,7 @@ class WorkerClient:
         self._decided: dict[tuple[str, str | None, str, str], dict[str, Any]] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # separation.compile: the worker adopts a compiled model that a background process
-        # builds (workers/compilebuild.py)
+        # builds (workers/compiled/build.py)
         self.compiling = compiling if compiling and compiling.setting != "off" else None
         # `builds`: start the build the worker asks for (not where only reporting, as doctor)
         self.builder = (

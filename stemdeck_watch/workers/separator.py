@@ -28,7 +28,7 @@ class ModelInfo:
     sources: tuple[str, ...]
     # precision.py's Choice as a dict: the precision in use, why, measured figures
     precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    # compiled.py's CompiledSlot as a dict: whether the compiled model is used, why, figures
+    # compiled/model.py's CompiledSlot as a dict: whether the compiled model is used, why, figures
     compiled: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     @property

@@ -45,7 +45,7 @@ After loading a model the worker chooses its precision (workers/precision.py): w
 machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 `precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
 COMPILED is `compiled.CompiledSlot.to_dict()`: whether the compiled model is used, why, and
-its figures; "building" asks the service to build it in the background (compilebuild.py), and
+its figures; "building" asks the service to build it in the background (compiled/build.py), and
 a later load request adopts it once built. "compiled" in a separate reply: whether this song
 ran the compiled code.
 `--threads N` sets torch's thread count (0: one per physical core).
@@ -69,8 +69,8 @@ from typing import Any, Callable, Iterator, TextIO
 
 from stemdeck_watch.util.validators import MODEL_NAME
 from stemdeck_watch.workers import heap, inverse
-from stemdeck_watch.workers.compilecache import CompileCache
-from stemdeck_watch.workers.compiled import CompiledSlot, members, using
+from stemdeck_watch.workers.compiled.cache import CompileCache
+from stemdeck_watch.workers.compiled.model import CompiledSlot, members, using
 from stemdeck_watch.workers.precision import Choice, autocast, choose, run_once, threads_for
 
 PROGRESS_PREFIX = "@@progress "
@@ -297,7 +297,7 @@ class Worker:
             self._models.clear()  # one model resident at a time: memory matters more
             self._choices.clear()  # a fresh load is measured afresh
             if self._compiled:
-                from stemdeck_watch.workers.compiledgraph import release
+                from stemdeck_watch.workers.compiled.graph import release
 
                 release()  # the routed modules of the model let go
             self._compiled.clear()
@@ -358,7 +358,7 @@ class Worker:
         if not any(other.active for other in self._compiled.values()):
             # loading a compiled model routes the model's position embedding, for every
             # precision alike: the eager model gets its own methods back once none is in use
-            from stemdeck_watch.workers.compiledgraph import release
+            from stemdeck_watch.workers.compiled.graph import release
 
             release()
         return slot

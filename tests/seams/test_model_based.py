@@ -48,7 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from stemdeck_watch.core.choices import SIDECAR_SUFFIX
 from stemdeck_watch.ui.folder import STATUS_FILE
-from stemdeck_watch.workers.compilecache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
+from stemdeck_watch.workers.compiled.cache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
 from seams_folders import (
     LINK_SLOT,

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from stemdeck_watch.workers.compilecache import CompileKey, CompileSettings
-from stemdeck_watch.workers.compiled import cxx_compiler
+from stemdeck_watch.workers.compiled.cache import CompileKey, CompileSettings
+from stemdeck_watch.workers.compiled.model import cxx_compiler
 from stemdeck_watch.workers.local import WorkerClient
 
 from support.helpers import wait_for

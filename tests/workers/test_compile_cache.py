@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stemdeck_watch.workers.compilecache import (
+from stemdeck_watch.workers.compiled.cache import (
     ENTRY,
     INDUCTOR,
     CompileCache,
@@ -20,7 +20,7 @@ from stemdeck_watch.workers.compilecache import (
     Verdict,
     cpu_identity,
 )
-from stemdeck_watch.workers.compiled import MIN_SPEEDUP, Measured, decide
+from stemdeck_watch.workers.compiled.model import MIN_SPEEDUP, Measured, decide
 
 KEY = CompileKey("tiny", "f" * 24, "bfloat16", "cpu", "2.13.0", "CPython-3.11", "c" * 16)
 
@@ -180,7 +180,7 @@ def test_a_stem_that_is_not_finite_never_passes_the_accuracy_rule() -> None:
 def test_a_verdict_on_stems_that_were_not_finite_is_refused_again_under_any_setting(
     tmp_path: Path, setting: str
 ) -> None:
-    from stemdeck_watch.workers.compiled import remeasured
+    from stemdeck_watch.workers.compiled.model import remeasured
 
     cache = CompileCache(tmp_path)
     k = KEY

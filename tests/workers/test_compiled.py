@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers.compilebuild import proc_stat
-from stemdeck_watch.workers.compilecache import (
+from stemdeck_watch.workers.compiled.build import proc_stat
+from stemdeck_watch.workers.compiled.cache import (
     PART_SUFFIX,
     CompileCache,
     CompileSettings,
@@ -214,8 +214,8 @@ def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
     tqdm = pytest.importorskip("tqdm")
     # in this process, not a worker's: tqdm's monitor thread (Inductor's progress) stays off
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
-    from stemdeck_watch.workers.compiled import open_compiled, using
-    from stemdeck_watch.workers.compiledgraph import modes, segment_input
+    from stemdeck_watch.workers.compiled.model import open_compiled, using
+    from stemdeck_watch.workers.compiled.graph import modes, segment_input
     from stemdeck_watch.workers.worker import load_model
 
     cache = compiled_tiny.copy_to(tmp_path)
@@ -238,7 +238,7 @@ def test_a_call_its_guards_refuse_runs_eager_and_is_counted(
 
 def test_routing_a_second_model_gives_the_first_its_own_methods_back(model_repo: Path) -> None:
     torch = pytest.importorskip("torch")
-    from stemdeck_watch.workers.compiledgraph import ROUTED, modes, prepare, release, segment_input
+    from stemdeck_watch.workers.compiled.graph import ROUTED, modes, prepare, release, segment_input
     from stemdeck_watch.workers.worker import load_model
 
     first, second = load_model("tiny", str(model_repo)), load_model("tiny6", str(model_repo))
@@ -282,7 +282,7 @@ def test_a_compiled_model_that_cannot_be_loaded_is_not_tried_again_and_says_what
     pytest.importorskip("torch")
     tqdm = pytest.importorskip("tqdm")
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # as in the guards test above
-    from stemdeck_watch.workers import compiled
+    from stemdeck_watch.workers.compiled import model as compiled
     from stemdeck_watch.workers.worker import load_model
 
     cache = compiled_tiny.copy_to(tmp_path)
@@ -322,8 +322,8 @@ def test_a_compiled_model_not_adopted_leaves_the_eager_model_its_own_methods(
     pytest.importorskip("torch")
     tqdm = pytest.importorskip("tqdm")
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # as in the guards test above
-    from stemdeck_watch.workers import compiled
-    from stemdeck_watch.workers.compiledgraph import ROUTED
+    from stemdeck_watch.workers.compiled import model as compiled
+    from stemdeck_watch.workers.compiled.graph import ROUTED
     from stemdeck_watch.workers.worker import Worker
 
     def measured(*_args: object) -> compiled.Measured:
@@ -369,7 +369,7 @@ def test_a_model_other_than_htdemucs_is_not_compiled_and_says_why(tmp_path: Path
 def test_reaping_a_build_left_behind_spares_a_process_that_got_its_pid(tmp_path: Path) -> None:
     """The pid file of a build an earlier service could not end names a process group and
     its leader's start time: a process that got the same pid later is not that build."""
-    from stemdeck_watch.workers.compilebuild import PID_FILE, reap, started_at
+    from stemdeck_watch.workers.compiled.build import PID_FILE, reap, started_at
 
     # a stand-in with what reap looks for in a command line ("torch"), in a group of its own,
     # looked at once it runs (it says so); it lives until its stdin closes
@@ -419,7 +419,7 @@ def test_a_build_whose_service_died_before_it_started_watching_ends_at_once(
         [
             sys.executable,
             "-m",
-            "stemdeck_watch.workers.compilebuild",
+            "stemdeck_watch.workers.compiled.build",
             "--model",
             "tiny",
             "--repo",
@@ -440,7 +440,7 @@ def test_a_build_whose_service_died_before_it_started_watching_ends_at_once(
 def test_a_build_is_stopped_for_a_song_only_once_it_dies_with_the_service(tmp_path: Path) -> None:
     """A build stopped before it asked to be killed with the service would outlive a service
     killed meanwhile, stopped for ever: until it says so, a song does not stop it."""
-    from stemdeck_watch.workers.compilebuild import CompileBuilder
+    from stemdeck_watch.workers.compiled.build import CompileBuilder
 
     builder = CompileBuilder(tmp_path, 100.0, dict(os.environ))
     proc = subprocess.Popen(

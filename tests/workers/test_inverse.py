@@ -19,7 +19,7 @@ def mix(seconds: float = 4.0) -> torch.Tensor:
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("six", [False, True])
 def test_the_routed_last_step_gives_demucs_own_stems_exactly(precision: str, six: bool) -> None:
-    from stemdeck_watch.workers.compiledgraph import modes
+    from stemdeck_watch.workers.compiled.graph import modes
 
     torch.manual_seed(0)
     model = tiny_htdemucs(six).eval()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stemdeck_watch.cli.doctor import compiled_finding
-from stemdeck_watch.workers.compilecache import CompileCache
+from stemdeck_watch.workers.compiled.cache import CompileCache
 
 from support.compiled import BuiltCompile, entry_key
 
@@ -36,9 +36,9 @@ def no_tqdm_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_transformer_is_converted_for_openvino_and_every_part_runs_compiled(
     compiled_tiny: BuiltCompile, model_repo: Path, tmp_path: Path
 ) -> None:
-    from stemdeck_watch.workers.compiled import open_compiled, using
-    from stemdeck_watch.workers.compiledgraph import modes, segment_input
-    from stemdeck_watch.workers.openvinograph import version
+    from stemdeck_watch.workers.compiled.model import open_compiled, using
+    from stemdeck_watch.workers.compiled.graph import modes, segment_input
+    from stemdeck_watch.workers.compiled.openvinograph import version
     from stemdeck_watch.workers.precision import snr_db
     from stemdeck_watch.workers.worker import load_model
 
@@ -71,8 +71,8 @@ def test_a_call_the_converted_part_was_not_made_for_runs_eager_and_says_why(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from stemdeck_watch.workers.compiled import open_compiled, using
-    from stemdeck_watch.workers.compiledgraph import GUARDS_REFUSED, modes, part_inputs
+    from stemdeck_watch.workers.compiled.model import open_compiled, using
+    from stemdeck_watch.workers.compiled.graph import GUARDS_REFUSED, modes, part_inputs
     from stemdeck_watch.workers.worker import load_model
 
     cache = compiled_tiny.copy_to(tmp_path)
@@ -109,8 +109,8 @@ def test_a_converted_part_the_build_did_not_name_makes_the_entry_unusable(
 
 
 def test_what_is_converted_for_openvino(model_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stemdeck_watch.workers import openvinograph
-    from stemdeck_watch.workers.compiledgraph import part_inputs
+    from stemdeck_watch.workers.compiled import openvinograph
+    from stemdeck_watch.workers.compiled.graph import part_inputs
     from stemdeck_watch.workers.worker import load_model
 
     model = load_model("tiny", str(model_repo))
@@ -134,7 +134,7 @@ def test_the_runtime_is_imported_without_its_telemetry() -> None:
     loaded: the test can fail without anything leaving the machine."""
     code = (
         "import sys, threading\n"
-        "from stemdeck_watch.workers.openvinograph import runtime\n"
+        "from stemdeck_watch.workers.compiled.openvinograph import runtime\n"
         "runtime().Core()\n"
         "assert sys.modules['openvino_telemetry'] is None, 'telemetry loaded'\n"
         "print(threading.active_count())\n"

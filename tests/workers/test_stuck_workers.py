@@ -1,6 +1,6 @@
 """A stuck process never holds the service: workers, zygotes, loads and builds that hang, are
 stopped (SIGSTOP) or lost are ended by signal within their deadlines, a cancel answers at once,
-and nothing of them is left behind (workers/lifetime.py, zygote.py, local.py, compilebuild.py).
+and nothing of them is left behind (workers/lifetime.py, zygote.py, local.py, compiled/build.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from stemdeck_watch.core.errors import Cancelled, WorkerDied, WorkerStalled
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers import local, zygote
-from stemdeck_watch.workers.compilebuild import CompileBuilder
+from stemdeck_watch.workers.compiled.build import CompileBuilder
 from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.local import WorkerClient
 
@@ -306,7 +306,7 @@ def test_closing_a_stopped_build_ends_it_and_its_compilers(tmp_path: Path, fault
 SERVICE = """
 import os, sys, threading
 from pathlib import Path
-from stemdeck_watch.workers.compilebuild import CompileBuilder
+from stemdeck_watch.workers.compiled.build import CompileBuilder
 builder = CompileBuilder(Path(sys.argv[1]), 100.0, dict(os.environ))
 builder.request("key", "tiny", sys.argv[2], "float32", "cpu")
 if not builder._armed.wait(60):

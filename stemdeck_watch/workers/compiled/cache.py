@@ -2,9 +2,9 @@
 
 A `torch.compile` of a full-size model costs minutes of CPU, so it is built once per machine
 and model and kept: `<state>/compiled/<key>/` holds the compiled parts of one (model,
-precision, device, torch, OpenVINO, Python, CPU) (`network-<i>.<part>.bin`, compiledgraph.py;
+precision, device, torch, OpenVINO, Python, CPU) (`network-<i>.<part>.bin`, compiled/graph.py;
 a transformer converted for OpenVINO: `network-<i>.<part>.openvino.xml` and `.bin`,
-openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that
+compiled/openvinograph.py), the code Inductor generated for them, and `entry.json`, which names that
 key and every file with its size and SHA-256. A build happens in a folder with a random name
 and becomes an entry by one rename after `entry.json` is written and read back, so a cancel, a
 restart or a killed build never leaves a half entry that looks whole. An entry whose
@@ -40,10 +40,12 @@ ENTRY = "entry.json"
 INDUCTOR = "inductor"  # TORCHINDUCTOR_CACHE_DIR of an entry
 BUILD_PREFIX = ".build-"
 VERDICT_SUFFIX = ".verdict.json"
-PART_SUFFIX = ".bin"  # a compiled part, saved by compiledgraph.py
-CONVERTED_SUFFIX = ".xml"  # a part converted for OpenVINO, openvinograph.py (weights: .bin)
+PART_SUFFIX = ".bin"  # a compiled part, saved by compiled/graph.py
+CONVERTED_SUFFIX = (
+    ".xml"  # a part converted for OpenVINO, compiled/openvinograph.py (weights: .bin)
+)
 JSON_LIMIT = 16 << 20  # bytes: an entry's list of files is a few hundred lines
-# how the model is prepared for the compiler (workers/compiledgraph.py): a change of it makes
+# how the model is prepared for the compiler (workers/compiled/graph.py): a change of it makes
 # every entry foreign
 RECIPE = 4
 

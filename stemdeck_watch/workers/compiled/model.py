@@ -3,11 +3,11 @@
 `torch.compile` (Inductor) makes a full-size HTDemucs 1.2–1.3× faster on a CPU in float32 (less
 where the CPU runs bfloat16 natively), but building it costs minutes, so it never happens in
 the worker: a background process at idle priority builds it into the compiled-model cache
-(compilebuild.py, compilecache.py) while the worker goes on separating with the eager model.
+(compiled/build.py, compiled/cache.py) while the worker goes on separating with the eager model.
 Each part of each network (its encoder and decoder layers, its transformer) is compiled ahead
-of time as one graph and saved with its guards (compiledgraph.py), so loading it traces nothing
+of time as one graph and saved with its guards (compiled/graph.py), so loading it traces nothing
 and takes seconds; where OpenVINO is installed the transformer is converted for it instead
-(openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
+(compiled/openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
 build is there the worker loads it between two songs, measures it once on the built-in
 synthetic song exactly as the precision choice measures (precision.py), and uses it only if
 it is at least MIN_SPEEDUP× faster than the eager model in the same precision and every stem
@@ -16,7 +16,7 @@ later worker loads a compile that paid without measuring it again (before its fi
 never tries one that did not until torch, the model or the CPU changes.
 
 The network's own forward around the parts (its STFTs) and the transformer's position
-embedding stay eager: why, and why parts rather than whole networks, in compiledgraph.py.
+embedding stay eager: why, and why parts rather than whole networks, in compiled/graph.py.
 
 The compiled code shares the eager model's weights (no second copy in memory) and is used
 only for the input shapes and modes it was built for: a request with its own segment, or one
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from stemdeck_watch.workers.compilecache import (
+from stemdeck_watch.workers.compiled.cache import (
     INDUCTOR,
     CompileCache,
     CompileKey,
@@ -92,7 +92,7 @@ def fingerprint(model: Any) -> str:
 def key_for(model: Any, name: str, precision: str, device: str) -> CompileKey:
     import torch
 
-    from stemdeck_watch.workers.openvinograph import version as openvino_version
+    from stemdeck_watch.workers.compiled.openvinograph import version as openvino_version
 
     return CompileKey(
         model=name,
@@ -155,7 +155,7 @@ class Calls:
             try:
                 out = compiled(*args, **kwargs)
             except RuntimeError as exc:
-                from stemdeck_watch.workers.compiledgraph import GUARDS_REFUSED
+                from stemdeck_watch.workers.compiled.graph import GUARDS_REFUSED
 
                 if GUARDS_REFUSED not in str(exc):
                     raise
@@ -181,7 +181,7 @@ def refusal(message: str) -> str:
 def open_compiled(model: Any, folder: Path, device: str, precision: str) -> list[tuple[Any, Any]]:
     """The compiled parts saved in `folder` (an entry, or a build), loaded: (part, compiled
     call) pairs for `using`. Inductor's code is read from the entry's own cache."""
-    from stemdeck_watch.workers.compiledgraph import load
+    from stemdeck_watch.workers.compiled.graph import load
 
     use_inductor_cache(folder / INDUCTOR)
     return load(members(model), folder, device, precision)
@@ -193,7 +193,7 @@ def warm(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) 
     Whether every output was finite."""
     import torch
 
-    from stemdeck_watch.workers.compiledgraph import modes, segment_input
+    from stemdeck_watch.workers.compiled.graph import modes, segment_input
 
     finite = True
     for network in members(model):
@@ -304,7 +304,7 @@ class CompiledSlot:
         if not self.device.startswith("cpu"):
             self.state, self.reason = "unavailable", f"compiling is for the CPU, not {self.device}"
             return self.to_dict()
-        from stemdeck_watch.workers.compiledgraph import available, unsupported
+        from stemdeck_watch.workers.compiled.graph import available, unsupported
 
         unavailable = unsupported(members(model)) or available()
         if unavailable is not None:
@@ -355,9 +355,9 @@ class CompiledSlot:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
         whether it pays. The worker calls this between two songs, so nothing else runs on the
         model meanwhile and the measure has the machine to itself. Loading routes the
-        model's position embedding (compiledgraph.prepare), which every slot of the model
+        model's position embedding (graph.py: prepare), which every slot of the model
         shares: the worker lets go of it once no slot is in use."""
-        from stemdeck_watch.workers.openvinograph import runs_here
+        from stemdeck_watch.workers.compiled.openvinograph import runs_here
 
         assert self.cache is not None and self.key is not None
         started = time.monotonic()

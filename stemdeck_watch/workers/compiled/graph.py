@@ -15,7 +15,7 @@ the parts. Inductor has no kernels for complex numbers, and the inverse STFT's o
 traced through, becomes one C++ kernel of thousands of loops that takes the compiler longer
 than the rest of the model together (with it a full-size build took 751 s here). Where
 OpenVINO is installed the transformer is converted for it rather than compiled
-(openvinograph.py): `build` and `load` take each part to the one or the other. Compiled as
+(compiled/openvinograph.py): `build` and `load` take each part to the one or the other. Compiled as
 one whole graph with the STFT as an opaque operator, a full-size HTDemucs under bfloat16
 autocast came out NaN (torch 2.13), while each part compiled on its own matched eager
 bfloat16 to 50 dB or more.
@@ -32,7 +32,7 @@ A part's inputs in a separation are what one segment of silence gives it in the 
 graph is built from a real forward pass (hooks record what each part is called with). A saved
 function checks its guards on every call: the input's shape, dtype and the modes it runs under
 (inference mode, autocast), as they were when it was loaded, which is why loading happens
-under the separation's modes. A call they refuse raises, and compiled.py runs that part eager.
+under the separation's modes. A call they refuse raises, and model.py runs that part eager.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from stemdeck_watch.workers import openvinograph
-from stemdeck_watch.workers.compilecache import PART_SUFFIX
+from stemdeck_watch.workers.compiled import openvinograph
+from stemdeck_watch.workers.compiled.cache import PART_SUFFIX
 from stemdeck_watch.workers.precision import autocast
 
 GUARDS_REFUSED = "GuardManager check failed"  # in the error a saved function's refusal raises
@@ -210,7 +210,7 @@ def _bound(compiled: Callable[..., Any], part: Any, name: str) -> Callable[..., 
 def build(networks: list[Any], folder: Path, device: str, precision: str) -> None:
     """Compile each part of each network and save it into `folder` (Inductor writes its code
     into its cache folder, which the caller sets): the transformer converted for OpenVINO
-    where it takes it (openvinograph.py), every other part through Inductor."""
+    where it takes it (compiled/openvinograph.py), every other part through Inductor."""
     release()  # OpenVINO converts the model's own position embedding
     called = [part_inputs(network, device, precision) for network in networks]
     for index, inputs in enumerate(called):

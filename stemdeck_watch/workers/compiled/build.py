@@ -1,6 +1,6 @@
-"""The background compile: `python -m stemdeck_watch.workers.compilebuild`, and its keeper.
+"""The background compile: `python -m stemdeck_watch.workers.compiled.build`, and its keeper.
 
-Building a compiled model costs minutes of CPU (workers/compiled.py says why it is worth it),
+Building a compiled model costs minutes of CPU (workers/compiled/model.py says why it is worth it),
 so it runs in its own process group at idle priority (SCHED_IDLE on Linux, else nice 19),
 never holding the worker's GIL or the service's threads, and the queue goes on with the eager
 model meanwhile. Idle priority is not enough on its own: torch's threads leave the cores idle
@@ -24,12 +24,12 @@ waiting for the keeper. Elsewhere (no pidfds) the build is one process that dies
 service, and a stopped one's compilers are reaped by the next service (`reap`).
 
 It loads the model as the worker does, compiles each part of each network ahead of time into a
-build folder with a random name in the compiled-model cache (compiledgraph.py: the saved parts,
+build folder with a random name in the compiled-model cache (compiled/graph.py: the saved parts,
 and Inductor's code in the folder's own cache), loads them back and calls them once as the
-worker will, and makes the build an entry (compilecache.py: manifest written and read back,
+worker will, and makes the build an entry (compiled/cache.py: manifest written and read back,
 one rename). The worker adopts the entry between two songs.
 
-    python -m stemdeck_watch.workers.compilebuild --model NAME [--repo DIR] --precision P
+    python -m stemdeck_watch.workers.compiled.build --model NAME [--repo DIR] --precision P
         --device cpu --cache DIR [--cap-mb N] [--threads N] [--parent PID]
 
 stdout: one JSON line at the end, {"ok": true, "key": K, "compile_seconds": F, "bytes": N} or
@@ -110,7 +110,7 @@ def reap(cache: Path) -> None:
             member = int(fields[3]) == group and int(fields[19]) >= start
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not a process's stat
-        ours = b"compilebuild" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
+        ours = b"compiled.build" in cmdline or b"torch" in cmdline or b"cc1plus" in cmdline
         if member and ours:
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 try:
@@ -126,15 +126,15 @@ def build(args: Any) -> dict[str, Any]:
     building()  # faults on purpose, where tests ask for them
     import torch
 
-    from stemdeck_watch.workers.compilecache import INDUCTOR, CompileCache, folder_bytes
-    from stemdeck_watch.workers.compiled import (
+    from stemdeck_watch.workers.compiled.cache import INDUCTOR, CompileCache, folder_bytes
+    from stemdeck_watch.workers.compiled.model import (
         key_for,
         members,
         open_compiled,
         use_inductor_cache,
         warm,
     )
-    from stemdeck_watch.workers.compiledgraph import build as build_graphs
+    from stemdeck_watch.workers.compiled.graph import build as build_graphs
     from stemdeck_watch.workers.precision import threads_for
     from stemdeck_watch.workers.worker import set_backends, load_model
 
@@ -176,7 +176,7 @@ def build(args: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compilebuild")
+    parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compiled.build")
     parser.add_argument("--model", required=True)
     parser.add_argument("--repo", default=None)
     parser.add_argument("--precision", default="float32")
@@ -325,7 +325,7 @@ class CompileBuilder:
             command = [
                 sys.executable,
                 "-m",
-                "stemdeck_watch.workers.compilebuild",
+                "stemdeck_watch.workers.compiled.build",
                 "--model",
                 model,
                 "--precision",

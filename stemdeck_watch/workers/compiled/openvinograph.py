@@ -7,13 +7,13 @@ oneDNN kernels compiled as eager. OpenVINO's CPU plugin runs the same transforme
 as fast in bfloat16 (its own fused attention), and its stems stay as close to float32 as
 torch's. Its convolutions, though, were slower than torch's, and every switch between the two
 runtimes costs a little, so only the transformer is converted; the encoder and decoder layers
-stay with Inductor (compiledgraph.py), the STFT eager.
+stay with Inductor (compiled/graph.py), the STFT eager.
 
 A converted part takes fixed shapes, one segment's: a call with any other shape is refused
 the way a saved graph's guards refuse it (the error carries `GUARDS_REFUSED`), and the part
 runs eager. It computes in the precision it is loaded for (`INFERENCE_PRECISION_HINT`, the
 cache key's), and a call under another autocast is refused too. It is converted
-without its position embedding routed (compiledgraph.prepare): OpenVINO reads the embedding
+without its position embedding routed (graph.py: prepare): OpenVINO reads the embedding
 as the constants it is when the random shift is off, which is why a transformer that draws one
 (`sin_random_shift` > 0) is left to Inductor.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from stemdeck_watch.workers.compilecache import CONVERTED_SUFFIX
+from stemdeck_watch.workers.compiled.cache import CONVERTED_SUFFIX
 
 STEM = ".openvino"  # ends the name of a converted part's files, and of its call
 SUFFIX = f"{STEM}{CONVERTED_SUFFIX}"  # its weights beside it: .openvino.bin
@@ -134,7 +134,7 @@ def load(path: Path, precision: str, name: str) -> Callable[..., Any]:
         elif asked != precision:
             problem = f"loaded to compute in {precision}, called under {asked}"
         if problem:
-            from stemdeck_watch.workers.compiledgraph import GUARDS_REFUSED
+            from stemdeck_watch.workers.compiled.graph import GUARDS_REFUSED
 
             raise RuntimeError(f"{GUARDS_REFUSED}: {name} was {problem}")
         arrays = [arg.detach().float().contiguous().numpy() for arg in args]
