@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO, TypeVar
 
 from stemdeck_watch.core.config import Settings
 from stemdeck_watch.util.redact import redact_url
@@ -20,6 +20,8 @@ from stemdeck_watch.util.safetext import escape_controls
 from stemdeck_watch.core.recipes import RECIPES
 from stemdeck_watch.workers.catalogue import CATALOGUE
 from stemdeck_watch.workers.roformer import catalogue as roformer_catalogue
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # imported when the command runs: the parser is built for every command
     from stemdeck_watch.workers.models import ModelState, ModelStore
@@ -261,6 +263,27 @@ def _list_roformers(store: RoformerStore, settings: Settings, out: TextIO) -> No
     )
 
 
+def _with_progress(name: str, pull: Callable[[Callable[..., None]], T], err: TextIO) -> T | None:
+    """`pull(progress)` under a progress bar on `err`. A download cut off or interrupted
+    keeps what it has: None, and the command that resumes it said."""
+    from stemdeck_watch.workers import download
+
+    bar = ProgressBar(name, err)
+    try:
+        try:
+            return pull(bar.update)
+        finally:
+            bar.close()  # what follows on a line of its own
+    except (download.Interrupted, KeyboardInterrupt) as exc:
+        what = escape_controls(exc) if str(exc) else f"interrupted at {bar.words()}"
+        print(
+            f"stemdeck-watch: {what}; run `stemdeck-watch models pull "
+            f"{escape_controls(name)}` again to resume",
+            file=err,
+        )
+        return None
+
+
 def _pull_roformer(
     store: RoformerStore, settings: Settings, name: str, out: TextIO, err: TextIO
 ) -> int:
@@ -270,23 +293,11 @@ def _pull_roformer(
             f"from {escape_controls(settings.separation.model_repo)}, not from this cache",
             file=err,
         )
-    from stemdeck_watch.workers import download
-
-    bar = ProgressBar(name, err)
     started = time.monotonic()
-    try:
-        try:
-            paths, notes = store.pull(name, bar.update)
-        finally:
-            bar.close()
-    except (download.Interrupted, KeyboardInterrupt) as exc:
-        what = escape_controls(exc) if str(exc) else f"interrupted at {bar.words()}"
-        print(
-            f"stemdeck-watch: {what}; run `stemdeck-watch models pull "
-            f"{escape_controls(name)}` again to resume",
-            file=err,
-        )
+    pulled = _with_progress(name, lambda progress: store.pull(name, progress), err)
+    if pulled is None:
         return EXIT_FAILED
+    paths, notes = pulled
     size = sum(path.stat().st_size for path in paths)
     checked = "unchecked" if notes else "verified"
     print(
@@ -324,28 +335,9 @@ def _pull(store: ModelStore, settings: Settings, name: str, out: TextIO, err: Te
             f"{escape_controls(settings.separation.model_repo)}, not from this cache",
             file=err,
         )
-    from stemdeck_watch.workers import download
-
-    bar = ProgressBar(name, err)
     started = time.monotonic()
-    try:
-        try:
-            paths = store.pull(name, bar.update)
-        finally:
-            bar.close()  # what follows on a line of its own
-    except download.Interrupted as exc:
-        print(
-            f"stemdeck-watch: {escape_controls(exc)}; run `stemdeck-watch models pull "
-            f"{escape_controls(name)}` again to resume",
-            file=err,
-        )
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(
-            f"stemdeck-watch: interrupted at {bar.words()}; run `stemdeck-watch models pull "
-            f"{escape_controls(name)}` again to resume",
-            file=err,
-        )
+    paths = _with_progress(name, lambda progress: store.pull(name, progress), err)
+    if paths is None:
         return EXIT_FAILED
     size = sum(path.stat().st_size for path in paths)
     print(
