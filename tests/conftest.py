@@ -20,6 +20,7 @@ import pytest
 from stemdeck_watch.core.config import Settings, default_toml, settings_from_dict
 from stemdeck_watch.core.events import EventBus
 from stemdeck_watch.workers import zygote
+from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.worker import ONEDNN_ENV
 from stemdeck_watch.service import Service
 
@@ -161,3 +162,12 @@ def settings(tmp_path: Path) -> Settings:
     for folder in ("inbox", "outbox", "processed", "failed", "state"):
         getattr(settings.paths, folder).mkdir()
     return settings
+
+
+@pytest.fixture
+def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fault seam's folder, handed to every worker the test's services start."""
+    folder = tmp_path / "faults"
+    folder.mkdir()
+    monkeypatch.setenv(FAULTS_ENV, str(folder))
+    return folder

@@ -17,7 +17,6 @@ import pytest
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.util.synth import write_song
 from stemdeck_watch.workers import zygote
-from stemdeck_watch.workers.faultseam import FAULTS_ENV
 
 from support.helpers import processes, wait_for
 from support.processes import freeze, gone_or_zombie, kill
@@ -29,14 +28,6 @@ pytestmark = [
 
 STALL = 4.0  # separation.stall_seconds here
 SHUTDOWN_LIMIT = 20.0  # seconds a shutdown may take with everything stuck
-
-
-@pytest.fixture
-def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "faults"
-    folder.mkdir()
-    monkeypatch.setenv(FAULTS_ENV, str(folder))
-    return folder
 
 
 @pytest.fixture

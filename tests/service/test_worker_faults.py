@@ -17,21 +17,11 @@ from stemdeck_watch.cli.status import render
 from stemdeck_watch.core.jobs import JobState
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
-from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.worker import WINDOW_ENV
 
 from support.helpers import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The fault seam's folder, handed to every worker the test's services start."""
-    folder = tmp_path / "faults"
-    folder.mkdir()
-    monkeypatch.setenv(FAULTS_ENV, str(folder))
-    return folder
 
 
 def arm(folder: Path, *kinds: str, segment: int = 2) -> None:

@@ -19,7 +19,6 @@ from stemdeck_watch.core.errors import Cancelled, WorkerDied, WorkerStalled
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers import local, zygote
 from stemdeck_watch.workers.compiled.build import CompileBuilder
-from stemdeck_watch.workers.faultseam import FAULTS_ENV
 from stemdeck_watch.workers.local import WorkerClient
 
 from support.helpers import noise_mix, processes, wait_for
@@ -40,14 +39,6 @@ pytestmark = [
 
 CANCEL_ANSWER = 2.0  # seconds a cancel may take to answer
 STALL = 3.0  # separation.stall_seconds in these tests
-
-
-@pytest.fixture
-def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "faults"
-    folder.mkdir()
-    monkeypatch.setenv(FAULTS_ENV, str(folder))
-    return folder
 
 
 @pytest.fixture
