@@ -390,7 +390,12 @@ def test_a_drop_may_choose_only_models_demucs_defines_or_the_owner_configured(
         ("stall_seconds = 1e9\n", r"stall_seconds cannot be chosen by a file in the inbox"),
         ("threads = 1024\n", r"threads cannot be chosen by a file in the inbox"),
         ("x = " + "[" * 3000 + "]" * 3000 + "\n", r"could not parse Song.wav.stemdeck.toml: it"),
-        ("mixes." + ".".join(["a"] * 3000) + " = 1\n", r"mixes is nested deeper than"),
+        # Python 3.11's tomllib reads it and the gate refuses its depth; 3.10's tomli gives up
+        # parsing it: either way a clear error naming the sidecar
+        (
+            "mixes." + ".".join(["a"] * 3000) + " = 1\n",
+            r"mixes is nested deeper than|Song.wav.stemdeck.toml: it nests tables or arrays",
+        ),
     ],
 )
 def test_a_sidecar_past_the_drops_bounds_fails_the_song_naming_the_sidecar(
