@@ -34,9 +34,9 @@ PROVES = (
     "on disk, not a file made to match (the checksum is short, and where it came with the "
     "files their maker made it too)"
 )
-# ...and for a file the catalogue holds no sha256 for (no RoFormer checkpoint has one published)
+# ...and for a file the catalogue holds no sha256 for (an entry nobody has pinned yet)
 PROVES_NOTHING = (
-    "no sha256 is published for it, so neither damage nor a different file can be found: "
+    "no sha256 is pinned for it, so neither damage nor a different file can be found: "
     "compare the sha256 shown with a copy you trust"
 )
 BAR = 30  # characters of the progress bar
@@ -241,7 +241,7 @@ def _list_roformers(store: RoformerStore, settings: Settings, out: TextIO) -> No
         print(
             f"  {entry.name}  {entry.architecture}, by {entry.trained_by}, ≈{entry.megabytes} MB, "
             f"licence: {entry.licence or 'not published'}, sha256: "
-            f"{'pinned' if state.pinned else 'not published'}, cached: {cached}",
+            f"{'pinned' if state.pinned else 'not pinned'}, cached: {cached}",
             file=out,
         )
         for score in entry.scores:

@@ -33,6 +33,7 @@ from torch import nn
 
 from stemdeck_watch.core.errors import ModelError
 from stemdeck_watch.workers.precision import snr_db
+from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.workers.roformer.catalogue import CATALOGUE, KNOWN, MULTISONG
 from stemdeck_watch.workers.roformer.checkpoint import (
     LoadedRoformer,
@@ -547,4 +548,10 @@ def test_every_catalogued_score_names_its_test_set() -> None:
     for entry in CATALOGUE:
         assert entry.scores and all(s.test_set and s.source for s in entry.scores)
         assert entry.score("vocals", MULTISONG) is not None
-        assert entry.licence is None and entry.checkpoint_sha256 is None  # none published
+        assert entry.licence is None  # none published
+        assert entry.checkpoint_sha256 and entry.config_sha256 and entry.checkpoint_bytes
+        # the pinned size fits the architecture: its parameters as float32, and a pickle's
+        # few hundred kilobytes of names around them
+        assert 0 < entry.checkpoint_bytes - entry.parameters * 4 < 1_000_000
+        # the tests' copies of the configurations are the pinned files
+        assert sha256_of(DATA / entry.config_file) == entry.config_sha256

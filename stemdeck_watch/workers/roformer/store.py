@@ -8,13 +8,14 @@ addresses the catalogue gives, or, where the owner set `separation.model_hub` to
 from `<hub>roformer/<file name>`; resumed where a download stopped, never more than the
 catalogue's size and a margin (workers/download.py).
 
-Checksums come from the catalogue only, never from the hub or an imported folder. Where the
-catalogue holds a file's sha256 (`Checkpoint.checkpoint_sha256`, `config_sha256`), every
-byte is checked against it: that finds damage, and a file other than the one pinned. None is
-published for the catalogued checkpoints yet, so for them nothing is checked: `pull`,
-`verify` and `import` say so, with the sha256 of what is there, which a person can compare
-with a copy they trust and pin in the catalogue. Loading is safe either way (weights only,
-workers/roformer/checkpoint.py); an unpinned file may still be a different model.
+Checksums come from the catalogue only, never from the hub or an imported folder. Every
+byte of a file the catalogue pins (`Checkpoint.checkpoint_sha256`, `config_sha256`) is
+checked against its pin: that finds damage, and a file other than the one pinned, which is
+refused. A checkpoint the catalogue knows the size of is never downloaded past it. Where an
+entry holds no pin (one added before anybody recorded a sum), nothing is checked: `pull`,
+`verify` and `import` say so, with the sha256 of what is there, to compare with a copy one
+trusts. Loading is safe either way (weights only, workers/roformer/checkpoint.py); an
+unpinned file may still be a different model.
 
 No torch here: `stemdeck-watch models` answers at once.
 """
@@ -35,10 +36,10 @@ from stemdeck_watch.workers.roformer.catalogue import KNOWN, Checkpoint
 
 FOLDER = "roformer"  # in the model cache
 CONFIG_LIMIT = 1 << 20  # bytes: a configuration is a few kilobytes
-MARGIN = 0.5  # a checkpoint may exceed its catalogued size by this much of it
+MARGIN = 0.5  # an unpinned checkpoint may exceed its estimated size by this much of it
 DEFAULT_HUB = "https://dl.fbaipublicfiles.com/demucs/"  # models.DEFAULT_HUB (no torch there)
 UNPINNED = (
-    "no sha256 is published for it, so it was not checked against one: its sha256 is {sha}; "
+    "no sha256 is pinned for it, so it was not checked against one: its sha256 is {sha}; "
     "compare it with a copy you trust"
 )
 
@@ -75,7 +76,7 @@ def files_of(entry: Checkpoint, hub: str | None = None) -> tuple[File, File]:
             entry.checkpoint_file,
             url(entry.checkpoint_file, entry.checkpoint_url),
             entry.checkpoint_sha256,
-            int(entry.megabytes * (1 + MARGIN) * 1_000_000),
+            entry.checkpoint_bytes or int(entry.megabytes * (1 + MARGIN) * 1_000_000),
         ),
     )
 
