@@ -53,7 +53,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # has songs no earlier one separated (a duplicate is not separated: no work ahead, nothing
 # written out behind)
 FIRST = 4
-EXTRA = 8  # songs FIRST .. FIRST + EXTRA - 1
+EXTRA = 11  # songs FIRST .. FIRST + EXTRA - 1
 HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
@@ -84,12 +84,16 @@ def duplicates(machine: Any) -> None:
 
 def ahead(machine: Any) -> None:
     """A song overwritten by a copy with its size and time (`cp -p` onto it) once it was
-    decoded ahead; a link edited once its download was prepared ahead."""
+    decoded ahead; a link edited once its download was prepared ahead, in place and then
+    keeping its size and time (a URL of the same length: only the URL tells)."""
     queued_in_order(machine, [("a.wav", FIRST + 2), ("b.wav", FIRST + 3)])
     step(machine, "replace_next", song=FIRST + 4, how="cp -p onto", after="prepared")
     step(machine, "wait", until="quiet")
     queued_in_order(machine, [("a.wav", FIRST + 5), ("l.url", FIRST + 6)])
     step(machine, "replace_next", song=FIRST + 7, how="inplace", after="prepared")
+    step(machine, "wait", until="quiet")
+    queued_in_order(machine, [("a.wav", FIRST + 8), ("l.url", FIRST + 9)])
+    step(machine, "replace_next", song=FIRST + 10, how="cp -p onto", after="prepared")
     step(machine, "wait", until="quiet")
 
 

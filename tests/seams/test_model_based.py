@@ -417,27 +417,34 @@ class SeamsMachine(RuleBasedStateMachine):
     @rule(
         song=st.integers(0, SONGS - 1),
         how=st.sampled_from(["stamp", "inplace", "atomic", "cp -p onto"]),
-        after=st.sampled_from([0.3, 0.0, "prepared"]),
+        after=st.sampled_from([0.3, 0.0, "prepared", "taken"]),
     )
     @guarded
     def replace_next(self, song: int, how: str, after: float | str) -> None:
         """The next song in the queue replaced `after` s into the separation of the one
         before it (its decode or download prepared ahead by then), or once its work ahead
         is there ("prepared": the worker held stopped meanwhile, so the song before it is
-        still separating): by another song, a link by another URL."""
+        still separating), or as it is taken ("taken": then the song before it cancelled at
+        once, so the dispatcher takes the next job before the intake could see the change):
+        by another song, a link by another URL."""
         job_id = self.pick("next", 0)
         if job_id is not None:
-            with self.frozen_worker() if after == "prepared" else contextlib.nullcontext():
-                if after == "prepared":
+            held = after in ("prepared", "taken")
+            with self.frozen_worker() if held else contextlib.nullcontext():
+                if held:
                     self.prepared(job_id)
                 else:
                     time.sleep(float(after))
                 self._replace(job_id, song, how)
+                if after == "taken":
+                    self.cancel(phase="separating", pick=0)
 
     def _replace(self, job_id: str, song: int, how: str) -> None:
         rel = self.view().jobs[job_id].rel_path
         if rel == LINK_SLOT:
-            self._link(song, "inplace" if how == "inplace" else "atomic")
+            # "cp -p onto": the link's size and time kept (a URL of the same length), so
+            # only the URL in it tells that it changed
+            self._link(song, how if how in ("inplace", "cp -p onto") else "atomic")
         elif rel in SLOTS:
             self._put(rel, song, how)
         self.world.tally["next song replaced"] += 1
