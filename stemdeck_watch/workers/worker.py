@@ -310,6 +310,7 @@ class Worker:
             inverse.route(members(model))
             self.beat()
             _warm_up(model, self.device)
+            heap.give_back()  # the warm-up's tensors: an idle worker holds the model, no more
             self.beat()
             self._models[key] = model
         return self._models[key]

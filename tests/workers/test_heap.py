@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,50 @@ def test_a_worker_reuses_what_a_segment_freed_and_gives_it_back_after_the_song()
     # what it kept goes back to the system once the song is done
     assert worker["kept"] - worker["given_back"] > 32 * 2**20, worker
     assert worker["held"] is True and plain["held"] is False
+
+
+# A worker loading a model, and the resident anonymous memory it gained by that: the model
+# and what torch sets up once, not the warm-up's freed tensors (`drop_give_back`: the heap's
+# give_back made a no-op, as a control).
+LOAD = textwrap.dedent(
+    """
+    import io, json, sys
+    import torch
+    from stemdeck_watch.workers import heap
+    from stemdeck_watch.workers.worker import Worker
+
+    if sys.argv[2] == "drop_give_back":
+        heap.give_back = lambda: None
+
+    def anonymous():
+        with open("/proc/self/status") as status:
+            line = next(l for l in status if l.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+
+    worker = Worker("cpu", io.StringIO())
+    before = anonymous()
+    worker.model("tiny", sys.argv[1])
+    print(json.dumps({"gained": anonymous() - before}))
+    """
+)
+
+
+def load_gain(model_repo: Path, mode: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, str(model_repo), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["gained"])
+
+
+def test_an_idle_worker_holds_its_model_not_the_warm_ups_tensors(model_repo: Path) -> None:
+    # the heap keeps what is freed for the next segment (see above); a load's warm-up frees
+    # its tensors too, and an idle worker, forked from the zygote, would hold them until
+    # its first song: ~150 MB for the tiny model here (12 MB with it given back), more than the model and the zygote's
+    # whole import of torch
+    kept, given = load_gain(model_repo, "drop_give_back"), load_gain(model_repo, "plain")
+    assert given < 48 * 2**20, (given, kept)
+    assert kept - given > 32 * 2**20, (given, kept)
