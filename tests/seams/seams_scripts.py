@@ -1,7 +1,7 @@
 """Sequences the seams test (tests/seams/test_model_based.py) runs as written, before its
 random examples: each walks the machine's own rules to a seam where a defect was found
 before (a duplicate, a removal, work prepared ahead, a song written out behind the next
-one, a planted link, a full disk), with every invariant checked after every step as in a
+one, a planted link, a full disk, a share away), with every invariant checked after every step as in a
 random example. Random sequences reach these seams too, but rarely in the few examples CI
 has time for; written out, they are reached in every run, in about the time of one random
 example each (`make mutants` measures what they catch).
@@ -53,7 +53,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # has songs no earlier one separated (a duplicate is not separated: no work ahead, nothing
 # written out behind)
 FIRST = 4
-EXTRA = 11  # songs FIRST .. FIRST + EXTRA - 1
+EXTRA = 13  # songs FIRST .. FIRST + EXTRA - 1
 HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
@@ -129,12 +129,28 @@ def behind(machine: Any) -> None:
     step(machine, "wait", until="quiet")
 
 
+def shares(machine: Any) -> None:
+    """The inbox's share away while a song separates and the next one waits (held stopped
+    for that moment: the inbox missing, then left an empty folder), then the outbox's while
+    the next one separates: the queue pauses for each and goes on, and both songs are
+    published once the shares answer."""
+    queued_in_order(machine, [("a.wav", FIRST + 11), ("b.wav", FIRST + 12)])
+    if machine.until_separating():
+        with machine.frozen_worker():
+            step(machine, "share_away", role="inbox", how="missing", seconds=2.0)
+            step(machine, "share_away", role="inbox", how="emptied", seconds=2.0)
+    if machine.until_separating():
+        step(machine, "share_away", role="outbox", how="missing", seconds=2.0)
+    step(machine, "wait", until="quiet")
+
+
 # in this order, on one service (its first song pays the worker's start, the rest do not)
 SECTIONS: dict[str, Script] = {
     "duplicates": duplicates,
     "ahead": ahead,
     "full disk": full_disk,
     "behind": behind,
+    "shares": shares,
 }
 
 

@@ -47,6 +47,7 @@ from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stemdeck_watch.core.choices import SIDECAR_SUFFIX
+from stemdeck_watch.engine.shares import MARKER as OWNERSHIP_MARKER
 from stemdeck_watch.ui.folder import STATUS_FILE
 from stemdeck_watch.workers.compiled.cache import BUILD_PREFIX, ENTRY, CompileCache, CompileKey
 
@@ -105,10 +106,15 @@ SIDECARS = {
 INBOX_PLANT = f"inbox/{UPLOAD_PRESET}"  # plant_link's one place in the inbox
 # families of rules that swarm testing switches on and off per example (dropping, deleting,
 # replacing, taking a folder away and waiting are always on)
-FAMILIES = frozenset({"links", "api", "life", "disk", "plant", "sidecar", "upload", "sigstop"})
+FAMILIES = frozenset(
+    {"links", "api", "life", "disk", "plant", "sidecar", "upload", "sigstop", "share"}
+)
 POLL = 0.05  # seconds between looks while the test waits on the service
 # a cancel is answered at once; a loaded CI machine gets room past the service's 2 s
 CANCEL_BOUND = 5.0
+# the share watch looks every second; a loaded CI machine gets room past it
+SHARE_BOUND = 10.0
+UNMOUNTED = "-unmounted"  # where share_away puts a folder while its share is away
 CUT_OFF_WAIT = 20.0  # seconds a stop's first cut-off is waited for while the worker is held
 ETA_PER_SONG = 20.0  # seconds: the most a quiet queue may estimate for one of its songs
 _numbers = itertools.count()
@@ -534,6 +540,80 @@ class SeamsMachine(RuleBasedStateMachine):
         self.post(f"/api/queue/{'pause' if pause else 'start'}")
         self.model.paused = pause
 
+    # ------------------------------------------------------------ shares that come and go
+
+    @precondition(lambda self: "share" in self.swarm)
+    @rule(
+        role=st.sampled_from(["inbox", "outbox"]),
+        how=st.sampled_from(["missing", "emptied"]),
+        seconds=st.sampled_from([0.0, 2.0]),
+    )
+    @guarded
+    def share_away(self, role: str, how: str, seconds: float) -> None:
+        """The share under the inbox or the outbox goes away and answers again `seconds`
+        after the service saw it: its folder is missing (the mount below it dropped), or,
+        for the inbox, an empty local folder (the mount point without its mount: every
+        entry leaves at once, the service's `.stemdeck` marker first). The queue pauses for
+        it within SHARE_BOUND (a pause the person chose stays theirs), no job ends because
+        its input seemed deleted (a watcher that reports every file gone is not believed),
+        and once it is back the queue is no longer paused for it. What was in flight waits
+        and goes on (checked at the next quiet point: nothing lost, nothing left in
+        scratch)."""
+        folder = self.model.inbox if role == "inbox" else self.model.outbox
+        aside = folder.with_name(f"{role}{UNMOUNTED}")  # on the folder's own filesystem
+        emptied = how == "emptied" and role == "inbox"
+        running = {j.id for j in self.view().jobs.values() if j.state not in FINAL}
+        theirs = "user" if self.model.paused else None
+        if emptied:
+            aside.mkdir()
+            entries = sorted(os.listdir(folder), key=lambda name: name != OWNERSHIP_MARKER)
+            for name in entries:
+                os.rename(folder / name, aside / name)
+        else:
+            os.rename(folder, aside)
+        try:
+            if not self.until_paused_for(lambda reason: reason == (theirs or role)):
+                self.check(
+                    [
+                        f"[share] the queue was not paused for {theirs or role} within "
+                        f"{SHARE_BOUND:.0f} s while the {role}'s share was away"
+                    ]
+                )
+            time.sleep(seconds)
+        finally:
+            if emptied:
+                for name in entries[::-1]:  # the marker last: the share answers whole
+                    os.rename(aside / name, folder / name)
+                aside.rmdir()
+            else:
+                os.rename(aside, folder)
+        if not self.until_paused_for(lambda reason: reason == theirs if theirs else reason != role):
+            self.check(
+                [
+                    f"[share] the queue's pause was not back to {theirs or 'none'} within "
+                    f"{SHARE_BOUND:.0f} s after the {role}'s share answered again"
+                ]
+            )
+        ended = [
+            f"[share] {j.rel_path} ({j.id}) ended while the {role}'s share was away: {j.error}"
+            for j in self.view().jobs.values()
+            if j.id in running and j.state in FINAL[1:] and "removed" in (j.error or "")
+        ]
+        self.check(ended)
+        self.world.tally[f"{role} share away and back ({how if emptied else 'missing'})"] += 1
+
+    def until_paused_for(self, wanted: Callable[[str | None], bool]) -> bool:
+        """Wait until the queue's pause reason is `wanted` (None: not paused), or
+        SHARE_BOUND s; whether it got there."""
+        assert self.service is not None
+        deadline = time.monotonic() + SHARE_BOUND
+        while time.monotonic() < deadline:
+            status, reply = self.service.api("GET", "/api/queue")
+            if status == 200 and wanted(reply.get("pause_reason") if reply.get("paused") else None):
+                return True
+            time.sleep(POLL * 4)
+        return False
+
     # ------------------------------------------------------------ the service's life
 
     @precondition(lambda self: "life" in self.swarm)
@@ -789,6 +869,7 @@ class SeamsMachine(RuleBasedStateMachine):
         assert self.root is not None
         known = {"inbox", "processed", "failed", "state", "trash", "away", "outbox", "vol"}
         known |= {"logs", "elsewhere", "elsewhere-inbox", "taken", "stemdeck.toml"}
+        known |= {f"{role}{UNMOUNTED}" for role in ("inbox", "outbox")}
         return [
             f"[outside] {p} is outside every folder"
             for p in listing(self.root)
