@@ -64,13 +64,15 @@ def load_lead(name: str, repo: str | None, device: str) -> Any:
     missing = [path.name for path in (config, checkpoint) if not path.is_file()]
     if missing:
         place = (
-            f"separation.model_repo ({repo})"
+            f"separation.model_repo ({repo}): copy the published files there "
+            f"(`stemdeck-watch models list` says where they come from)"
             if repo
             else f"the model cache ({config.parent}): run `stemdeck-watch models pull {name}` "
             f"or `stemdeck-watch models import FOLDER`"
         )
         raise LeadUnavailable(
-            f"could not load the RoFormer {name!r}: {', '.join(missing)} is not in {place}"
+            f"could not load the RoFormer {name!r}: {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not in {place}"
         )
     try:
         loaded = load_roformer(config, checkpoint, entry.architecture)

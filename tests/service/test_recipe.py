@@ -6,6 +6,7 @@ The RoFormer is a tiny one with random weights saved as the published checkpoint
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -178,3 +179,26 @@ def test_the_roformers_batch_is_its_own_on_a_gpu_one_on_a_cpu_and_halved_per_shr
     from stemdeck_watch.workers.recipe import lead_batch
 
     assert lead_batch(asked, 4, device, {"shrink": shrink}) == batch
+
+
+def test_a_song_under_a_recipe_whose_checkpoint_is_missing_fails_saying_what_to_do(
+    model_repo: Path, service_factory, tmp_path: Path
+) -> None:
+    """The service never downloads a RoFormer by itself: a song under a recipe whose
+    checkpoint is not on disk fails at once, naming the files and where they go, as a
+    fault of its settings (no retry), and the next song goes on."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copy(model_repo / "tiny.th", repo / "tiny.th")
+    (repo / "htdemucs_ft.yaml").write_text("models: ['tiny']\n")
+    settings = recipe_settings(tmp_path, repo, separation={"model": "tiny"})
+    service, jobs = service_factory(settings)
+    write_song(settings.paths.inbox / "Song [best].wav", 1.0)
+    [job] = jobs.wait_final(1)
+    assert job.state is JobState.FAILED
+    error = job.error or ""
+    assert "model_bs_roformer_ep_317_sdr_12.9755.ckpt" in error, error
+    assert f"separation.model_repo ({repo})" in error and "models list" in error, error
+    assert job.faults == (), job.faults  # not a fault of the machine: not tried again
+    write_song(settings.paths.inbox / "Plain.wav", 1.0)
+    assert jobs.wait_final(2)[-1].state is JobState.DONE

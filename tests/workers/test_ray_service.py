@@ -9,6 +9,7 @@ service killed in the restore test is a child process that joins the same cluste
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
+import soundfile
 
 if os.environ.get("CI") == "true":  # .ci/run installs the extra: nothing may skip there
     import ray
@@ -29,6 +32,7 @@ from stemdeck_watch.core.config import settings_from_dict  # noqa: E402
 from stemdeck_watch.core.events import JobChanged  # noqa: E402
 from stemdeck_watch.core.jobs import JobState  # noqa: E402
 from stemdeck_watch.cli.status import collect  # noqa: E402
+from stemdeck_watch.stages.manifest import read_manifest  # noqa: E402
 from stemdeck_watch.util.synth import write_song  # noqa: E402
 
 from support.helpers import REPO, config_data, wait_for, write_config  # noqa: E402
@@ -222,3 +226,53 @@ def test_restore_after_a_service_kill_with_the_cluster_still_up(
     scheduler.start()
     done = jobs.wait_final(1, 240)[0]
     assert done.state is JobState.DONE and (settings.paths.outbox / "cut").is_dir()
+
+
+def test_a_song_tagged_best_on_a_ray_worker_gets_roformer_vocals_and_stems_that_add_up(
+    cluster: Any, recipe_repo: Path, tmp_path: Path, service_factory: Any
+) -> None:
+    """A recipe on the Ray executor: the actor's worker runs the RoFormer on the mix and
+    Demucs on what it left, as the local worker does; the manifest names both models and
+    the stems add up to the mix. The checkpoint is read where the actor runs (here: both
+    nodes are this machine; on a cluster, `models pull` on each worker machine)."""
+    data = config_data(tmp_path, recipe_repo, executor={"kind": "ray", "address": "auto"})
+    data["output"].update(format="wav", bit_depth=32)
+    settings = settings_from_dict(data, source=tmp_path / "stemdeck.toml")
+    service, jobs = service_factory(settings)
+    drop(settings, "Song [best].wav", 2.0)
+    [job] = jobs.wait_final(1, 240)
+    assert job.state is JobState.DONE, job.error
+    folder = Path(job.output or "")
+    manifest = read_manifest(folder)
+    roformer = "bs_roformer_viperx_1297"
+    assert manifest["recipe"] == {"name": "best", "vocals": roformer, "rest": "htdemucs_ft"}
+    made_by = manifest["model"]["made_by"]
+    assert made_by == {
+        "vocals": roformer,
+        "drums": "htdemucs_ft",
+        "bass": "htdemucs_ft",
+        "other": "htdemucs_ft",
+    }
+    assert manifest["levels"]["residual_db"] < -100
+    stems = [soundfile.read(folder / f"{s}.wav", dtype="float64")[0] for s in made_by]
+    mix, _ = soundfile.read(settings.paths.processed / "Song [best].wav", dtype="float64")
+    assert np.max(np.abs(sum(stems) / manifest["levels"]["gain"] - mix)) < 1e-5
+
+
+def test_a_recipe_whose_checkpoint_a_ray_worker_lacks_fails_the_song_saying_what_to_do(
+    cluster: Any, model_repo: Path, tmp_path: Path, service_factory: Any
+) -> None:
+    """A worker machine without the recipe's RoFormer: the song fails naming the files and
+    where they go, as on the local worker, and is not taken for a fault of the machine."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copy(model_repo / "tiny.th", repo / "tiny.th")
+    (repo / "htdemucs_ft.yaml").write_text("models: ['tiny']\n")
+    data = config_data(tmp_path, repo, executor={"kind": "ray", "address": "auto"})
+    service, jobs = service_factory(settings_from_dict(data, source=tmp_path / "stemdeck.toml"))
+    drop(service.settings, "Song [best].wav", 1.0)
+    [job] = jobs.wait_final(1, 240)
+    assert job.state is JobState.FAILED
+    assert "model_bs_roformer_ep_317_sdr_12.9755.ckpt" in (job.error or ""), job.error
+    assert f"separation.model_repo ({repo})" in (job.error or ""), job.error
+    assert job.faults == (), job.faults
