@@ -131,14 +131,16 @@ def behind(machine: Any) -> None:
 
 def shares(machine: Any) -> None:
     """The inbox's share away while a song separates and the next one waits (held stopped
-    for that moment: the inbox missing, then left an empty folder), then the outbox's while
+    for that moment: the inbox left an empty folder, then missing), then the outbox's while
     the next one separates: the queue pauses for each and goes on, and both songs are
     published once the shares answer."""
     queued_in_order(machine, [("a.wav", FIRST + 11), ("b.wav", FIRST + 12)])
     if machine.until_separating():
         with machine.frozen_worker():
-            step(machine, "share_away", role="inbox", how="missing", seconds=2.0)
+            # left empty first, while the watcher is sure to be looking (once the inbox was
+            # missing, the watcher starts looking again a moment after it is back)
             step(machine, "share_away", role="inbox", how="emptied", seconds=2.0)
+            step(machine, "share_away", role="inbox", how="missing", seconds=2.0)
     if machine.until_separating():
         step(machine, "share_away", role="outbox", how="missing", seconds=2.0)
     step(machine, "wait", until="quiet")
