@@ -24,9 +24,15 @@ from support.helpers import config_data, outbox_entries
 
 PRESET = "duo"
 UPLOAD_PRESET = "solo"  # songs come only through the API; a peer may plant a link there
-# where songs are dropped: a preset folder too, and a song named like that folder (its stems
-# folder and the preset's folder of songs meet in the outbox: one is never put in the other)
-SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav")
+# a song whose name tag chooses the recipe `best`: a tiny RoFormer with random weights saved
+# as the published checkpoint makes its vocals, `htdemucs_ft` (a bag of the tiny model) the
+# rest (the world's model folder holds both: recipe_repo in tests/conftest.py)
+RECIPE_SLOT = "r [best].wav"
+RECIPE_VOCALS = "bs_roformer_viperx_1297"
+# where songs are dropped: a preset folder too, a song named like that folder (its stems
+# folder and the preset's folder of songs meet in the outbox: one is never put in the
+# other), and a song separated by recipe (two models, and the worker switching between them)
+SLOTS = ("a.wav", "b.wav", f"{PRESET}/a.wav", f"{PRESET}.wav", RECIPE_SLOT)
 LINK_SLOT = "l.url"
 STAGING = Folders(*[Path("/")] * 5).staging.name
 # where the test plants links in the outbox: folders the service makes, and the name a

@@ -20,7 +20,7 @@ from stemdeck_watch.core.choices import SIDECAR_SUFFIX
 from stemdeck_watch.core.jobs import settings_key_of
 from stemdeck_watch.stages.manifest import MANIFEST, read_manifest
 
-from seams_folders import Hashes, listing, scan_outbox, sha_of, url_in
+from seams_folders import RECIPE_SLOT, RECIPE_VOCALS, Hashes, listing, scan_outbox, sha_of, url_in
 from seams_service import JobRow, RegistryView, ServiceProcess, read_registry
 
 # kinds of problem (the tag each message starts with) to look past: defects known and not fixed
@@ -30,6 +30,9 @@ STALL = 90.0  # seconds without any change before a queue that should finish cou
 DISK_STALL = 15.0
 RETRIES = 2  # queue.worker_retries: a song whose worker died this often is not failed
 FINAL = ("done", "failed", "cancelled")
+# the most a recipe's stems may miss their mix by (the manifest's residual): float rounding
+# and the stems' 16-bit samples, far below a stem left out or made twice
+RESIDUAL_DB = -60.0
 
 
 class Model:
@@ -355,6 +358,16 @@ class Model:
                 )
         return problems
 
+    def _by_recipe(self, job: JobRow, rel: str, manifest: dict[str, Any]) -> list[str]:
+        """[recipe] a song whose name chose the recipe is published with it: the vocals
+        the RoFormer's, the rest the Demucs model's, stems that add up to the mix."""
+        if manifest.get("job_id") != job.id or Path(job.rel_path).name != RECIPE_SLOT:
+            return []
+        return [
+            f"[recipe] {job.rel_path} ({job.id}) in outbox/{rel}: {wrong}"
+            for wrong in _stems_of_recipe(manifest)
+        ]
+
     def _done_job(self, job: JobRow) -> list[str]:
         """A done job's stems folder holds the stems of the input it took (unless the test
         moved that folder away, or removed the job that published it, since)."""
@@ -372,7 +385,7 @@ class Model:
                 f"{'is incomplete' if os.path.isdir(output) else 'does not exist'} (the "
                 f"test never moved it)"
             ]
-        problems = []
+        problems = self._by_recipe(job, rel, manifest)
         if manifest.get("preset") != job.preset:
             problems.append(
                 f"[wrong] {job.rel_path} ({job.id}, preset {job.preset}) points at "
@@ -411,6 +424,24 @@ class Model:
                 f"{urlsplit(manifest['link']['url']).path}"
             )
         return problems
+
+
+def _stems_of_recipe(manifest: dict[str, Any]) -> list[str]:
+    """What is wrong with a recipe song's manifest: not the recipe, a stem by a model the
+    recipe does not name, the vocals not the RoFormer's, stems that do not add up."""
+    recipe = manifest.get("recipe") or {}
+    made_by = (manifest.get("model") or {}).get("made_by") or {}
+    wrong = []
+    if recipe.get("name") != "best":
+        wrong.append(f"its recipe is {recipe or None}")
+    if set(made_by.values()) - {RECIPE_VOCALS, "htdemucs_ft"}:
+        wrong.append(f"its stems are made by {made_by}")
+    if "vocals" in made_by and made_by["vocals"] != RECIPE_VOCALS:
+        wrong.append(f"its vocals are made by {made_by['vocals']}")
+    residual = (manifest.get("levels") or {}).get("residual_db")
+    if residual is not None and residual > RESIDUAL_DB:
+        wrong.append(f"its stems miss the mix by {residual:.1f} dB")
+    return wrong
 
 
 def order_kept(before: RegistryView, after: RegistryView, how: str) -> list[str]:

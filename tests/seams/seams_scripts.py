@@ -1,7 +1,7 @@
 """Sequences the seams test (tests/seams/test_model_based.py) runs as written, before its
 random examples: each walks the machine's own rules to a seam where a defect was found
 before (a duplicate, a removal, work prepared ahead, a song written out behind the next
-one, a planted link, a full disk, a share away), with every invariant checked after every step as in a
+one, a planted link, a full disk, a share away, a recipe), with every invariant checked after every step as in a
 random example. Random sequences reach these seams too, but rarely in the few examples CI
 has time for; written out, they are reached in every run, in about the time of one random
 example each (`make mutants` measures what they catch).
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from stemdeck_watch.core.choices import SIDECAR_SUFFIX
 
-from seams_folders import STATUS_TEMP
+from seams_folders import RECIPE_SLOT, STATUS_TEMP
 
 Script = Callable[[Any], None]
 VERBOSE = bool(os.environ.get("STEMDECK_MODEL_VERBOSE"))
@@ -53,7 +53,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # has songs no earlier one separated (a duplicate is not separated: no work ahead, nothing
 # written out behind)
 FIRST = 4
-EXTRA = 13  # songs FIRST .. FIRST + EXTRA - 1
+EXTRA = 14  # songs FIRST .. FIRST + EXTRA - 1
 HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
@@ -146,6 +146,18 @@ def shares(machine: Any) -> None:
     step(machine, "wait", until="quiet")
 
 
+def recipe(machine: Any) -> None:
+    """One song under the recipe (RoFormer vocals, Demucs for the rest) and as itself, back
+    to back: two separations with different settings, the worker switching models between
+    them; then the recipe's song cancelled while it separates."""
+    song = FIRST + 13
+    queued_in_order(machine, [(RECIPE_SLOT, song), ("a.wav", song)])
+    step(machine, "wait", until="quiet")
+    queued_in_order(machine, [(RECIPE_SLOT, FIRST + 12)])
+    step(machine, "cancel", phase="separating", pick=0)
+    step(machine, "wait", until="quiet")
+
+
 # in this order, on one service (its first song pays the worker's start, the rest do not)
 SECTIONS: dict[str, Script] = {
     "duplicates": duplicates,
@@ -153,6 +165,7 @@ SECTIONS: dict[str, Script] = {
     "full disk": full_disk,
     "behind": behind,
     "shares": shares,
+    "recipe": recipe,
 }
 
 

@@ -924,8 +924,9 @@ def whole_compiles(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def world(tmp_path: Path, model_repo: Path, compiled_tiny: BuiltCompile) -> Iterator[World]:
-    with make_world(tmp_path, model_repo, SONGS + EXTRA, compiled_tiny) as made:
+def world(tmp_path: Path, recipe_repo: Path, compiled_tiny: BuiltCompile) -> Iterator[World]:
+    # the tiny model, and what the recipe `best` needs (a tiny RoFormer, htdemucs_ft)
+    with make_world(tmp_path, recipe_repo, SONGS + EXTRA, compiled_tiny) as made:
         yield made
 
 
