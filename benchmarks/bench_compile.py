@@ -58,7 +58,7 @@ def in_process(repo: Path, clips: list[Path], precision: str, out: Path) -> None
     from demucs.apply import apply_model
     from demucs.pretrained import get_model
 
-    from stemdeck_watch.workers.precision import autocast
+    from stemdeck_watch.workers.demucs.precision import autocast
 
     model = get_model(MODEL, repo=repo)
     model.eval()

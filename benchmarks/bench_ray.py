@@ -138,7 +138,7 @@ def measure(
 
 
 def ray_clients(count: int, spread: bool) -> list[Any]:
-    from stemdeck_watch.workers.ray_client import RayWorkerClient
+    from stemdeck_watch.workers.ray.client import RayWorkerClient
 
     return [
         RayWorkerClient("cpu", precision="float32", cpus=1, index=i, spread=spread)

@@ -173,7 +173,7 @@ def child_limit(repo: str, out: str, threads: int, clips: list[str]) -> None:
     from demucs.pretrained import get_model
 
     from stemdeck_watch.stages.decode import decode_to_file
-    from stemdeck_watch.workers.precision import threads_for
+    from stemdeck_watch.workers.demucs.precision import threads_for
 
     torch.set_num_threads(threads_for(threads))
     model = get_model("tiny", repo=Path(repo)).to("cpu")

@@ -198,8 +198,8 @@ def fetch_model(settings: Settings, out: TextIO, err: TextIO) -> bool:
     if settings.separation.model_repo:
         return True
     from stemdeck_watch.cli.models import run as models
-    from stemdeck_watch.workers.catalogue import CATALOGUE
-    from stemdeck_watch.workers.models import ModelStore
+    from stemdeck_watch.workers.demucs.catalogue import CATALOGUE
+    from stemdeck_watch.workers.demucs.models import ModelStore
 
     name = settings.separation.model
     if name not in {entry.name for entry in CATALOGUE}:

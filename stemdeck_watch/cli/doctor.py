@@ -217,7 +217,7 @@ def check_recipes(settings: Settings) -> list[Finding]:
     """Whether each recipe the config or a preset names has its RoFormer's two files where
     the worker looks for them: the service does not download a RoFormer by itself."""
     from stemdeck_watch.core.recipes import KNOWN as RECIPES
-    from stemdeck_watch.workers.models import ModelStore
+    from stemdeck_watch.workers.demucs.models import ModelStore
     from stemdeck_watch.workers.roformer.store import where
 
     cache = ModelStore(settings.separation.model_hub).cache
@@ -257,7 +257,7 @@ def not_downloaded(settings: Settings, model: str) -> str | None:
     """What to say of a pretrained model not in the cache yet (None: it is there, or not one
     of the hub's, which loading reports)."""
     from stemdeck_watch.util.redact import redact_url
-    from stemdeck_watch.workers.models import ModelStore, ModelStoreError
+    from stemdeck_watch.workers.demucs.models import ModelStore, ModelStoreError
 
     store = ModelStore(settings.separation.model_hub)
     try:
@@ -275,7 +275,7 @@ def not_downloaded(settings: Settings, model: str) -> str | None:
 
 def precision_finding(title: str, choice: dict, worker: dict) -> Finding:
     """The precision the worker chose for a model, with the figures that decided it."""
-    from stemdeck_watch.workers.precision import cpu_bf16_flags
+    from stemdeck_watch.workers.demucs.precision import cpu_bf16_flags
 
     figures = ""
     if choice.get("probed"):

@@ -18,13 +18,13 @@ from stemdeck_watch.core.config import Settings
 from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safetext import escape_controls
 from stemdeck_watch.core.recipes import RECIPES
-from stemdeck_watch.workers.catalogue import CATALOGUE
+from stemdeck_watch.workers.demucs.catalogue import CATALOGUE
 from stemdeck_watch.workers.roformer import catalogue as roformer_catalogue
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:  # imported when the command runs: the parser is built for every command
-    from stemdeck_watch.workers.models import ModelState, ModelStore
+    from stemdeck_watch.workers.demucs.models import ModelState, ModelStore
     from stemdeck_watch.workers.roformer.store import RoformerStore
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -92,7 +92,7 @@ def run(
     # caller, a test's capture, may have replaced and closed those since)
     out, err = out or sys.stdout, err or sys.stderr
     from stemdeck_watch.workers import download
-    from stemdeck_watch.workers.models import ModelStore, ModelStoreError
+    from stemdeck_watch.workers.demucs.models import ModelStore, ModelStoreError
 
     from stemdeck_watch.workers.roformer.store import RoformerStore, RoformerStoreError
 

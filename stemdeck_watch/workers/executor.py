@@ -93,7 +93,7 @@ class Executor:
                 client.on_download = functools.partial(self._downloaded, slot)
         if self.kind != "ray":
             return
-        from stemdeck_watch.workers.cluster import ClusterWatch, probe
+        from stemdeck_watch.workers.ray.cluster import ClusterWatch, probe
 
         endpoint = self.connection.endpoint if self.connection is not None else None
         self.watch = ClusterWatch(scheduler, check=lambda: probe(endpoint))
@@ -116,7 +116,7 @@ class Executor:
         """`workers = "auto"`: start the workers the live `machines` (node id → resources)
         hold and have none yet, let go of those of machines no longer there; returns
         (joined, left), after telling `on_change`."""
-        from stemdeck_watch.workers.cluster import workers_for
+        from stemdeck_watch.workers.ray.cluster import workers_for
 
         assert self._make is not None
         joined: list[Separator] = []
@@ -257,7 +257,7 @@ class _Pool(Ticker):
         self.executor = executor
 
     def tick(self) -> None:
-        from stemdeck_watch.workers.cluster import machines
+        from stemdeck_watch.workers.ray.cluster import machines
 
         watch = self.executor.watch
         if watch is not None and watch.problem is not None:
@@ -296,13 +296,13 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
                 )
             ],
         )
-    from stemdeck_watch.workers.cluster import connect
+    from stemdeck_watch.workers.ray.cluster import connect
 
     connection = connect(ex.address)
-    from stemdeck_watch.workers.ray_client import RayWorkerClient
+    from stemdeck_watch.workers.ray.client import RayWorkerClient
 
     if ex.workers == "auto":
-        from stemdeck_watch.workers.cluster import machines
+        from stemdeck_watch.workers.ray.cluster import machines
 
         def make(index: int, node: str, gpus: float) -> Separator:
             return RayWorkerClient(
@@ -357,7 +357,7 @@ def build(settings: Settings, worker_env: dict[str, str] | None = None) -> Execu
 def worker_env_for(settings: Settings) -> dict[str, str]:
     """What a worker needs from the configuration in its environment: the model hub it
     downloads missing models from, where it is not demucs's own (the worker's default)."""
-    from stemdeck_watch.workers.models import DEFAULT_HUB, HUB_ENV
+    from stemdeck_watch.workers.demucs.models import DEFAULT_HUB, HUB_ENV
 
     hub = settings.separation.model_hub
     return {} if hub == DEFAULT_HUB else {HUB_ENV: hub}

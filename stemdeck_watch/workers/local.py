@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator, NoReturn
 
 from stemdeck_watch.core.errors import (
     SHUTDOWN,
@@ -39,7 +39,8 @@ from stemdeck_watch.workers.compiled.cache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers import zygote
 from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
-from stemdeck_watch.workers.precision import physical_cores, threads_for
+from stemdeck_watch.workers.waiting import next_message
+from stemdeck_watch.workers.demucs.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, LOAD_BEAT, PROGRESS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -647,48 +648,63 @@ class WorkerClient:
         WorkerStalled). A cancel only signals the worker, from its own thread; this thread
         (the worker's owner) reaps it."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def poll(wait: float) -> dict[str, Any] | None:
+            try:
+                return proc.replies.get(timeout=wait)
+            except queue.Empty:
+                return None
+
+        def cancel() -> None:
+            proc.stop()
+            assert control is not None
+            control.check()
+
+        def stalled() -> NoReturn:
+            assert watch is not None
+            proc.stop()
+            if control is not None:
+                control.check()  # a cancel that came meanwhile wins
+            log.warning(
+                "worker %d reported no progress for %.0f s; stopped it", proc.pid, watch.silent()
+            )
+            raise WorkerStalled(
+                f"the separation worker reported no progress for "
+                f"{watch.silent():.0f} s{' ' + doing if doing else ''} "
+                f"(the stall limit is {watch.limit:.0f} s, "
+                f"separation.stall_seconds) and was stopped",
+                details=proc.stderr_tail(),
+                worker=_name(proc),
+            ) from None
+
+        def late() -> NoReturn:
+            proc.stop()
+            raise WorkerDied(
+                f"the separation worker did not start within {timeout:.0f} s",
+                details=proc.stderr_tail(),
+                worker=_name(proc),
+            ) from None
+
         with contextlib.ExitStack() as stack:
             if control is not None:  # a cancel from any thread ends the worker at once
                 stack.enter_context(control.registered(proc.end))
             while True:
-                if control is not None and control.cancelled:
-                    proc.stop()
-                    control.check()
-                try:
-                    message = proc.replies.get(timeout=0.1)
-                except queue.Empty:
-                    if not proc.alive() and proc.replies.empty():
-                        self._raise_died(proc, control)
-                    if watch is not None and watch.stalled():
-                        proc.stop()
-                        if control is not None:
-                            control.check()  # a cancel that came meanwhile wins
-                        log.warning(
-                            "worker %d reported no progress for %.0f s; stopped it",
-                            proc.pid,
-                            watch.silent(),
-                        )
-                        raise WorkerStalled(
-                            f"the separation worker reported no progress for "
-                            f"{watch.silent():.0f} s{' ' + doing if doing else ''} "
-                            f"(the stall limit is {watch.limit:.0f} s, "
-                            f"separation.stall_seconds) and was stopped",
-                            details=proc.stderr_tail(),
-                            worker=_name(proc),
-                        ) from None
-                    if deadline is not None and time.monotonic() > deadline:
-                        proc.stop()
-                        raise WorkerDied(
-                            f"the separation worker did not start within {timeout:.0f} s",
-                            details=proc.stderr_tail(),
-                            worker=_name(proc),
-                        ) from None
-                    continue
+                message = next_message(
+                    poll,
+                    control,
+                    on_cancel=cancel,
+                    alive=lambda: proc.alive() or not proc.replies.empty(),
+                    on_death=lambda: self._raise_died(proc, control),
+                    watch=watch,
+                    on_stall=stalled,
+                    deadline=deadline,
+                    on_late=late,
+                )
                 if match(message):
                     return message
                 log.warning("unexpected message from worker %d: %s", proc.pid, message)
 
-    def _raise_died(self, proc: _Process, control: JobControl | None) -> None:
+    def _raise_died(self, proc: _Process, control: JobControl | None) -> NoReturn:
         proc.stop()
         if control is not None:
             control.check()  # we killed it for a cancel: that is not a failure

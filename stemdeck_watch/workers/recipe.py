@@ -52,7 +52,7 @@ class LeadUnavailable(Exception):
 def load_lead(name: str, repo: str | None, device: str) -> Any:
     """The catalogued RoFormer `name`, from the owner's model_repo folder or the model cache,
     loaded weights-only and strictly (a key that does not fit is named)."""
-    from stemdeck_watch.workers.models import cache_dir
+    from stemdeck_watch.workers.demucs.models import cache_dir
     from stemdeck_watch.workers.roformer.checkpoint import load_roformer
     from stemdeck_watch.workers.roformer.store import RoformerStoreError, entry_of, where
 

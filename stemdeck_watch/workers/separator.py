@@ -2,9 +2,11 @@
 
 The pipeline, the dispatcher and the executor speak only `Separator`: the local
 `WorkerClient` (local.py: one resident subprocess on this machine) and the `RayWorkerClient`
-(ray_client.py: one resident actor on a Ray cluster) both implement it, so neither the
+(ray/client.py: one resident actor on a Ray cluster) both implement it, so neither the
 pipeline nor the queue can tell them apart. A client serves one request at a time; the job's `JobControl` reaches a
-request in flight, so a cancel stops the worker at once.
+request in flight, so a cancel stops the worker at once. Both wait on their worker in the
+same loop (waiting.py), so a cancel, a death, a stall and a start that takes too long are
+told apart by the same rules wherever the worker runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class ModelInfo:
     samplerate: int
     audio_channels: int
     sources: tuple[str, ...]
-    # precision.py's Choice as a dict: the precision in use, why, measured figures
+    # demucs/precision.py's Choice as a dict: the precision in use, why, measured figures
     precision: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     # compiled/model.py's CompiledSlot as a dict: whether the compiled model is used, why, figures
     compiled: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)

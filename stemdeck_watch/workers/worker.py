@@ -29,9 +29,9 @@ service's watch on a load hears them as it hears a song's), `@@download {"model"
 
 A pretrained model (no "repo") comes from the cache (torch.hub's checkpoints folder); one not
 there yet is downloaded from $STEMDECK_MODEL_HUB (separation.model_hub) first: see
-workers/models.py and workers/download.py.
+workers/demucs/models.py and workers/download.py.
 
-A song is separated window by window (workers/chunked.py: `window` seconds of output at a
+A song is separated window by window (workers/demucs/chunked.py: `window` seconds of output at a
 time; default 30, or $STEMDECK_WINDOW_SECONDS), read from the input file and appended to one
 `<stem>.npy` per stem in "output", so memory does not grow with the song; the samples are
 those of one whole-song `apply_model`. "mean"/"std" are demucs's normalisation statistics of
@@ -40,7 +40,7 @@ streamed pass. A song of at most one window is read whole and normalised exactly
 "shrink": N (after the memory ran out under the song) halves the window and the segment N
 times (the model's own segment when none is given).
 
-After loading a model the worker chooses its precision (workers/precision.py): with
+After loading a model the worker chooses its precision (workers/demucs/precision.py): with
 "auto" it calibrates once per model load, unless the client passes "decided" (a choice this
 machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 `precision.Choice.to_dict()`: the precision in use, why, and the measured figures.
@@ -68,10 +68,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from stemdeck_watch.util.validators import MODEL_NAME
-from stemdeck_watch.workers import heap, inverse
+from stemdeck_watch.workers import heap
+from stemdeck_watch.workers.demucs import inverse
 from stemdeck_watch.workers.compiled.cache import CompileCache
 from stemdeck_watch.workers.compiled.model import CompiledSlot, members, using
-from stemdeck_watch.workers.precision import Choice, autocast, choose, run_once, threads_for
+from stemdeck_watch.workers.demucs.precision import Choice, autocast, choose, run_once, threads_for
 
 PROGRESS_PREFIX = "@@progress "
 LOAD_BEAT = "@load"  # the "id" of the progress a load reports
@@ -193,7 +194,7 @@ def _from_cache(name: str) -> Any:
     not there (verified, resumable; progress on stderr)."""
     from stemdeck_watch.util.redact import redact_url
     from stemdeck_watch.workers.download import DownloadError
-    from stemdeck_watch.workers.models import (
+    from stemdeck_watch.workers.demucs.models import (
         DEFAULT_HUB,
         ModelStore,
         ModelStoreError,
@@ -450,7 +451,7 @@ class Worker:
         asks (model, shifts, overlap, segment, precision, window, shrink, the input's
         statistics; a recipe's "lead" model first: workers/recipe.py): the one reading of a
         request, for this process's pipe and for a Ray actor."""
-        from stemdeck_watch.workers.chunked import separate_to_files
+        from stemdeck_watch.workers.demucs.chunked import separate_to_files
         from stemdeck_watch.workers.faultseam import armed
 
         if arm:
@@ -574,7 +575,7 @@ def memory_error(exc: BaseException) -> str | None:
 def window_seconds(request: dict[str, Any]) -> float:
     """Seconds of output a separate request is worked through at a time: the request's, the
     environment's (tests), or the default."""
-    from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+    from stemdeck_watch.workers.demucs.chunked import WINDOW_SECONDS
 
     return float(request.get("window") or os.environ.get(WINDOW_ENV) or WINDOW_SECONDS)
 

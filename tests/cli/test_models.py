@@ -23,9 +23,9 @@ from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import Job, JobKind, JobState
 from stemdeck_watch.core import choices
-from stemdeck_watch.workers import catalogue
+from stemdeck_watch.workers.demucs import catalogue
 
-from stemdeck_watch.workers.models import ModelStore, ModelStoreError
+from stemdeck_watch.workers.demucs.models import ModelStore, ModelStoreError
 
 from support.helpers import config_data, wait_for, write_config
 from support.modelhub import ModelHub, build_mirror

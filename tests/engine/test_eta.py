@@ -402,6 +402,6 @@ def test_an_idle_queue_is_never_said_to_take_longer_than_the_work_it_holds(lane:
 def test_the_pauses_that_hold_a_running_song_are_the_services_own() -> None:
     from stemdeck_watch.engine.eta import HOLDING
     from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX
-    from stemdeck_watch.workers.cluster import PAUSE_CLUSTER
+    from stemdeck_watch.workers.ray.cluster import PAUSE_CLUSTER
 
     assert HOLDING == {PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_CLUSTER}

@@ -8,7 +8,7 @@ import pytest
 from stemdeck_watch.core.config import SeparationSettings
 from stemdeck_watch.core.jobs import Fault
 from stemdeck_watch.engine.faults import plan_for
-from stemdeck_watch.workers.precision import choose
+from stemdeck_watch.workers.demucs.precision import choose
 
 
 def gpu_memory(times: int) -> tuple[Fault, ...]:

@@ -192,7 +192,7 @@ def test_work_beside_the_worker_where_it_pays(make_settings) -> None:
     "off" decide alone."""
     from stemdeck_watch.core.events import EventBus
     from stemdeck_watch.core.jobs import Job, JobKind
-    from stemdeck_watch.workers.precision import physical_cores
+    from stemdeck_watch.workers.demucs.precision import physical_cores
     from stemdeck_watch.engine.pipeline import Pipeline
     from stemdeck_watch.workers.local import WorkerClient
 

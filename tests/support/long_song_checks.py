@@ -43,7 +43,7 @@ import demucs.transformer
 from demucs.apply import BagOfModels, apply_model
 from demucs.pretrained import get_model
 
-from stemdeck_watch.workers.chunked import separate_to_files
+from stemdeck_watch.workers.demucs.chunked import separate_to_files
 from stemdeck_watch.stages.decode import DecodedAudio, decode_to_file
 from stemdeck_watch.workers.tinymodel import save_tiny_model
 from stemdeck_watch.util.synth import song

@@ -35,7 +35,7 @@ from typing import Any
 def main() -> int:
     import torch
 
-    from stemdeck_watch.workers import precision
+    from stemdeck_watch.workers.demucs import precision
     from stemdeck_watch.workers.worker import load_model
 
     model = load_model("tiny", str(Path(sys.argv[1])))

@@ -167,7 +167,7 @@ def test_the_rule_that_decides_whether_the_compiled_model_is_used(
 
 def test_a_stem_that_is_not_finite_never_passes_the_accuracy_rule() -> None:
     torch = pytest.importorskip("torch")
-    from stemdeck_watch.workers.precision import snr_db
+    from stemdeck_watch.workers.demucs.precision import snr_db
 
     reference = torch.ones(4, 2, 100)
     broken = reference.clone()

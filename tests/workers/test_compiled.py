@@ -28,7 +28,7 @@ from stemdeck_watch.workers.compiled.cache import (
     Verdict,
 )
 from stemdeck_watch.workers.local import WorkerClient
-from stemdeck_watch.workers.precision import CALIBRATE_ENV
+from stemdeck_watch.workers.demucs.precision import CALIBRATE_ENV
 
 from support.compiled import BuiltCompile, entry_key, require_compiler
 from support.helpers import wait_for

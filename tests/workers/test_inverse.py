@@ -1,4 +1,4 @@
-"""HTDemucs's last step through workers/inverse.py: the same stems as demucs's own code."""
+"""HTDemucs's last step through workers/demucs/inverse.py: the same stems as demucs's own code."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from stemdeck_watch.workers import inverse
+from stemdeck_watch.workers.demucs import inverse
 from stemdeck_watch.workers.tinymodel import save_tiny_model, tiny_htdemucs
 
 torch = pytest.importorskip("torch")

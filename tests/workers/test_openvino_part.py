@@ -39,7 +39,7 @@ def test_the_transformer_is_converted_for_openvino_and_every_part_runs_compiled(
     from stemdeck_watch.workers.compiled.model import open_compiled, using
     from stemdeck_watch.workers.compiled.graph import modes, segment_input
     from stemdeck_watch.workers.compiled.openvinograph import version
-    from stemdeck_watch.workers.precision import snr_db
+    from stemdeck_watch.workers.demucs.precision import snr_db
     from stemdeck_watch.workers.worker import load_model
 
     cache = compiled_tiny.copy_to(tmp_path)

@@ -20,7 +20,7 @@ from stemdeck_watch.cli.doctor import precision_finding
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.core.errors import ConfigError
 from stemdeck_watch.core.jobs import JobState
-from stemdeck_watch.workers.precision import (
+from stemdeck_watch.workers.demucs.precision import (
     CALIBRATE_ENV,
     MIN_SNR_DB,
     MIN_SPEEDUP,
@@ -30,7 +30,7 @@ from stemdeck_watch.workers.precision import (
     physical_cores,
     threads_for,
 )
-from stemdeck_watch.workers import precision
+from stemdeck_watch.workers.demucs import precision
 from stemdeck_watch.workers.worker import ONEDNN_ENV, Worker
 from stemdeck_watch.util.synth import write_song
 

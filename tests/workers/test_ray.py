@@ -22,9 +22,9 @@ else:
     )
 
 from stemdeck_watch.core.errors import Cancelled, WorkerDied  # noqa: E402
-from stemdeck_watch.workers.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
-from stemdeck_watch.workers.ray_actor import ALIVE  # noqa: E402
-from stemdeck_watch.workers.ray_client import RayWorkerClient  # noqa: E402
+from stemdeck_watch.workers.ray.cluster import PAUSE_CLUSTER, ClusterWatch, probe  # noqa: E402
+from stemdeck_watch.workers.ray.actor import ALIVE  # noqa: E402
+from stemdeck_watch.workers.ray.client import RayWorkerClient  # noqa: E402
 from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
 from stemdeck_watch.workers.worker import ONEDNN_ENV  # noqa: E402

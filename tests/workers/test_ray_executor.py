@@ -88,7 +88,7 @@ def test_several_local_workers_are_refused(workers: Any) -> None:
 )
 def test_auto_workers_per_machine(resources: dict[str, float], expected: tuple[int, float]) -> None:
     """`workers = "auto"`: what each machine of the cluster holds (2 cores a worker here)."""
-    from stemdeck_watch.workers.cluster import workers_for
+    from stemdeck_watch.workers.ray.cluster import workers_for
 
     assert workers_for(resources, 0.0, 2.0) == expected
 
@@ -218,7 +218,7 @@ def test_connecting_a_private_cluster_and_a_dead_address() -> None:
         "import json, os\n"
         "os.environ['RAY_AUTH_MODE'] = 'disabled'\n"
         "from stemdeck_watch.core.errors import ConfigError\n"
-        "from stemdeck_watch.workers.cluster import connect, nodes, probe\n"
+        "from stemdeck_watch.workers.ray.cluster import connect, nodes, probe\n"
         "out = {}\n"
         "try:\n"
         "    connect('127.0.0.1:1')\n"
@@ -247,7 +247,7 @@ def test_windows_of_a_song_arriving_out_of_order_are_stored_in_order(tmp_path: P
     pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
     import numpy as np
 
-    from stemdeck_watch.workers.ray_actor import _Upload
+    from stemdeck_watch.workers.ray.actor import _Upload
     from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 
     song = np.arange(2 * 30, dtype=np.float32).reshape(2, 30)

@@ -29,7 +29,7 @@ from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
 from stemdeck_watch.util.synth import write_song  # noqa: E402
 from stemdeck_watch.workers.faultseam import FAULTS_ENV  # noqa: E402
 from stemdeck_watch.workers.pace import GRACE_UNMEASURED  # noqa: E402
-from stemdeck_watch.workers.ray_client import RayWorkerClient  # noqa: E402
+from stemdeck_watch.workers.ray.client import RayWorkerClient  # noqa: E402
 from stemdeck_watch.workers.worker import ONEDNN_ENV  # noqa: E402
 
 from support.helpers import wait_for  # noqa: E402

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemdeck_watch.core.errors import ModelError
-from stemdeck_watch.workers.precision import snr_db
+from stemdeck_watch.workers.demucs.precision import snr_db
 from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.workers.roformer.catalogue import CATALOGUE, KNOWN, MULTISONG
 from stemdeck_watch.workers.roformer.checkpoint import (

@@ -135,7 +135,7 @@ def build(args: Any) -> dict[str, Any]:
         warm,
     )
     from stemdeck_watch.workers.compiled.graph import build as build_graphs
-    from stemdeck_watch.workers.precision import threads_for
+    from stemdeck_watch.workers.demucs.precision import threads_for
     from stemdeck_watch.workers.worker import set_backends, load_model
 
     set_backends()

@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from stemdeck_watch.workers.compiled import openvinograph
 from stemdeck_watch.workers.compiled.cache import PART_SUFFIX
-from stemdeck_watch.workers.precision import autocast
+from stemdeck_watch.workers.demucs.precision import autocast
 
 GUARDS_REFUSED = "GuardManager check failed"  # in the error a saved function's refusal raises
 

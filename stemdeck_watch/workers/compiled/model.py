@@ -9,7 +9,7 @@ of time as one graph and saved with its guards (compiled/graph.py), so loading i
 and takes seconds; where OpenVINO is installed the transformer is converted for it instead
 (compiled/openvinograph.py), which on a CPU with bfloat16 in hardware is where the gain is. Once a
 build is there the worker loads it between two songs, measures it once on the built-in
-synthetic song exactly as the precision choice measures (precision.py), and uses it only if
+synthetic song exactly as the precision choice measures (demucs/precision.py), and uses it only if
 it is at least MIN_SPEEDUP× faster than the eager model in the same precision and every stem
 matches float32 to MIN_SNR_DB. The verdict is kept in the cache, so a
 later worker loads a compile that paid without measuring it again (before its first song), and
@@ -47,7 +47,7 @@ from stemdeck_watch.workers.compiled.cache import (
     Verdict,
     cpu_identity,
 )
-from stemdeck_watch.workers.precision import (
+from stemdeck_watch.workers.demucs.precision import (
     CALIBRATE_ENV,
     MIN_SNR_DB,
     SMALL_MODEL_PARAMETERS,

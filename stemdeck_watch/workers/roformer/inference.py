@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
-from stemdeck_watch.workers.precision import autocast
+from stemdeck_watch.workers.demucs.precision import autocast
 from stemdeck_watch.workers.roformer.layers import Transformer
 
 Read = Callable[[int, int], np.ndarray]  # song frames [start, stop) as (channels, n) float32

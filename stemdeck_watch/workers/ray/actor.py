@@ -5,7 +5,7 @@ model with the same code (`Worker.model`, `Worker.precision`), so a job gives th
 stems on either. What differs is how data moves: no worker machine has the inbox or the
 outbox, so the service uploads the decoded song window by window (`begin`, `upload`: each
 window one object in Ray's object store, never the whole song in one), the actor stages it
-on its own scratch disk, separates it window by window (workers/chunked.py) and streams
+on its own scratch disk, separates it window by window (workers/demucs/chunked.py) and streams
 progress and then the stems back, again one window per object (`separate` is a streaming
 generator with backpressure, so stems waiting to be fetched stay bounded).
 
@@ -86,7 +86,7 @@ class _Upload:
 
 
 class SeparationActor:
-    """Wrapped with `ray.remote` by the client (ray_client.py), which sets its resources."""
+    """Wrapped with `ray.remote` by the client (client.py), which sets its resources."""
 
     def __init__(self, device: str = "auto", threads: int = 0):
         # before the slow imports: clear what dead actors left here, and make this one's folder
@@ -94,7 +94,7 @@ class SeparationActor:
         import demucs
         import torch
 
-        from stemdeck_watch.workers.precision import threads_for
+        from stemdeck_watch.workers.demucs.precision import threads_for
         from stemdeck_watch.workers.worker import Worker, resolve_device
 
         # 0 = the CPUs Ray gave this actor (two actors on one machine must not both take

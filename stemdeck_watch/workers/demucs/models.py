@@ -39,7 +39,7 @@ from stemdeck_watch.util.redact import redact_url
 from stemdeck_watch.util.safefile import discard, open_new, temp_name, write_replacing
 from stemdeck_watch.util.validators import MODEL_STEMS
 from stemdeck_watch.workers import download
-from stemdeck_watch.workers.catalogue import CATALOGUE, KNOWN, size_cap
+from stemdeck_watch.workers.demucs.catalogue import CATALOGUE, KNOWN, size_cap
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The pipeline calls `ensure_model`, `separate`, `stop`, `shutdown`, `close`, `stderr_tail`,
 `versions`, `model_info` and `info` exactly as on the local client and cannot tell the two
-apart. Underneath, each client owns one actor (ray_actor.py) that Ray restarts whenever it
+apart. Underneath, each client owns one actor (actor.py) that Ray restarts whenever it
 dies (`max_restarts=-1`); a restarted actor has to load its model again, which the client
 notices by the actor's process id changing.
 
@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import ray
 from ray.exceptions import (
@@ -50,13 +50,14 @@ from stemdeck_watch.core.errors import (
     WorkerDied,
     WorkerStalled,
 )
-from stemdeck_watch.workers.ray_actor import SeparationActor
+from stemdeck_watch.workers.ray.actor import SeparationActor
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers.chunked import WINDOW_SECONDS
+from stemdeck_watch.workers.demucs.chunked import WINDOW_SECONDS
 from stemdeck_watch.workers.pace import Pace, Watch
-from stemdeck_watch.workers.precision import physical_cores
+from stemdeck_watch.workers.demucs.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
 from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
+from stemdeck_watch.workers.waiting import next_message
 from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 
 log = logging.getLogger(__name__)
@@ -391,26 +392,34 @@ class RayWorkerClient:
         cancelled_at: float | None = None
         done: dict[str, Any] = {}
         held = True  # the actor may still be running the job
+
+        def cancel() -> None:
+            """The actor was told (its flag, from the cancelling thread) and is given the
+            cancel grace to stop by itself; past it, it is killed (and restarted)."""
+            nonlocal cancelled_at, held
+            cancelled_at = cancelled_at or time.monotonic()
+            grace = self.pace().cancel_grace()
+            if time.monotonic() - cancelled_at > grace:
+                log.info(
+                    "ray worker %d did not stop %s within %.1f s; killing it",
+                    self.index,
+                    job_id,
+                    grace,
+                )
+                self._kill(actor, restart=True)
+                held = False
+                control.check()
+
         try:
             while True:
-                if control.cancelled:
-                    cancelled_at = cancelled_at or time.monotonic()
-                    grace = self.pace().cancel_grace()
-                    if time.monotonic() - cancelled_at > grace:
-                        log.info(
-                            "ray worker %d did not stop %s within %.1f s; killing it",
-                            self.index,
-                            job_id,
-                            grace,
-                        )
-                        self._kill(actor, restart=True)
-                        held = False
-                        control.check()
-                ready, _ = ray.wait([stream], timeout=POLL)
-                if not ready:
-                    if watch.stalled() and cancelled_at is None:
-                        self._stalled(actor, watch)
-                    continue
+                next_message(
+                    lambda wait: ray.wait([stream], timeout=wait)[0] or None,
+                    control,
+                    on_cancel=cancel,
+                    watch=watch,
+                    on_stall=lambda: self._stalled(actor, watch),
+                    interval=POLL,
+                )
                 try:
                     item = self._value(next(stream))
                 except StopIteration:
@@ -441,7 +450,7 @@ class RayWorkerClient:
             raise
         return {name: output_dir / f"{name}.npy" for name in writers}, done
 
-    def _stalled(self, actor: Any, watch: Watch) -> None:
+    def _stalled(self, actor: Any, watch: Watch) -> NoReturn:
         """The actor has reported nothing for longer than the stall limit: kill it (Ray
         starts it again) and end the request as a machine fault."""
         log.warning(
@@ -501,25 +510,26 @@ class RayWorkerClient:
         starting: bool = False,
     ) -> Any:
         """ray.get that a cancel interrupts and that turns Ray's errors into ours."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if control is not None:
-                control.check()
+
+        def ready(wait: float) -> list[Any] | None:
             if self._shut and starting:
                 raise Cancelled(SHUTDOWN)
-            ready, _ = ray.wait([ref], timeout=POLL)
-            if ready:
-                return self._value(ref, quiet=starting)
-            if deadline is not None and time.monotonic() > deadline:
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref)
-                raise WorkerDied(
-                    f"the ray worker {self.index} did not start within "
-                    f"{timeout:.0f} s: the cluster may lack free resources "
-                    f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
-                    details=self.stderr_tail(),
-                    worker=self.name(),
-                )
+            return ray.wait([ref], timeout=wait)[0] or None
+
+        def late() -> NoReturn:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            raise WorkerDied(
+                f"the ray worker {self.index} did not start within "
+                f"{timeout:.0f} s: the cluster may lack free resources "
+                f"({self._cpus:g} CPU, {self._gpus:g} GPU per worker)",
+                details=self.stderr_tail(),
+                worker=self.name(),
+            )
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_message(ready, control, deadline=deadline, on_late=late, interval=POLL)
+        return self._value(ref, quiet=starting)
 
     def _value(self, ref: Any, quiet: bool = False) -> Any:
         try:
