@@ -68,7 +68,8 @@ class Lead:
     engine: str = "roformer"
     batch_size: int | None = None  # None: the configuration's own on a GPU, one on a CPU
     num_overlap: int | None = None  # None: the checkpoint configuration's own
-    precision: str = "float32"  # bfloat16 was measured far slower on a CPU (benchmarks)
+    # "auto": float16 on a CUDA GPU, float32 elsewhere, as measured (recipe.lead_precision)
+    precision: str = "auto"
 
     def to_request(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -181,6 +181,27 @@ def test_the_roformers_batch_is_its_own_on_a_gpu_one_on_a_cpu_and_halved_per_shr
     assert lead_batch(asked, 4, device, {"shrink": shrink}) == batch
 
 
+@pytest.mark.parametrize(
+    "asked, device, precision",
+    [
+        (None, "cpu", "float32"),
+        ("auto", "cpu", "float32"),
+        ("auto", "cuda", "float16"),
+        ("auto", "mps", "float32"),
+        ("bfloat16", "cuda", "bfloat16"),
+        ("float32", "cuda", "float32"),
+    ],
+)
+def test_the_roformer_runs_in_float16_on_a_gpu_and_float32_elsewhere_unless_asked(
+    asked, device, precision
+) -> None:
+    from stemdeck_watch.workers.recipe import lead_precision
+    from stemdeck_watch.workers.separator import Lead
+
+    assert lead_precision(asked, device) == precision
+    assert Lead("bs_roformer_viperx_1297").to_request()["precision"] == "auto"
+
+
 def test_a_song_under_a_recipe_whose_checkpoint_is_missing_fails_saying_what_to_do(
     model_repo: Path, service_factory, tmp_path: Path
 ) -> None:
