@@ -669,10 +669,7 @@ class WorkerClient:
                 "worker %d reported no progress for %.0f s; stopped it", proc.pid, watch.silent()
             )
             raise WorkerStalled(
-                f"the separation worker reported no progress for "
-                f"{watch.silent():.0f} s{' ' + doing if doing else ''} "
-                f"(the stall limit is {watch.limit:.0f} s, "
-                f"separation.stall_seconds) and was stopped",
+                watch.stalled_reason(doing=doing),
                 details=proc.stderr_tail(),
                 worker=_name(proc),
             ) from None

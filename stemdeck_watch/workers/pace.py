@@ -88,6 +88,14 @@ class Watch:
     def stalled(self) -> bool:
         return self.silent() > self.limit
 
+    def stalled_reason(self, where: str = "", doing: str = "") -> str:
+        """What a stalled worker's fault says, wherever it ran (`where`: " on HOST")."""
+        return (
+            f"the separation worker{where} reported no progress for {self.silent():.0f} s"
+            f"{' ' + doing if doing else ''} (the stall limit is {self.limit:.0f} s, "
+            f"separation.stall_seconds) and was stopped"
+        )
+
     def done(self) -> None:
         """The separation ended well: its slowest segment counts toward the pace."""
         if self._reports > 1:

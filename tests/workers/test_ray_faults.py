@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -22,7 +23,7 @@ else:
         "ray", reason="the ray extra is not installed (pip install 'stemdeck-watch[ray]')"
     )
 
-from stemdeck_watch.core.errors import Cancelled  # noqa: E402
+from stemdeck_watch.core.errors import Cancelled, WorkerStalled  # noqa: E402
 from stemdeck_watch.core.jobs import JobState  # noqa: E402
 from stemdeck_watch.stages.scratch import AudioWriter  # noqa: E402
 from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
@@ -176,3 +177,47 @@ def test_auto_workers_follow_machines_joining_and_leaving(
 def drop(settings: Any, name: str, seconds: float, seed: int = 0) -> Path:
     staged = write_song(settings.paths.inbox.parent / "staging" / name, seconds, seed=seed)
     return staged.rename(settings.paths.inbox / name)
+
+
+def test_a_stalled_ray_worker_is_killed_at_the_stall_limit_and_its_actor_restarted(
+    cluster: Any, model_repo: Path, tmp_path: Path
+) -> None:
+    """An actor that stops reporting progress mid-song (a stuck driver) is killed once it
+    has been silent for the stall limit: the request ends as a machine fault naming the
+    machine and the limit, and the next song gets the restarted actor."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "1-stall").write_text("1")
+    worker = RayWorkerClient("cpu", index=8, env={FAULTS_ENV: str(faults), ONEDNN_ENV: "0"})
+    try:
+        worker.ensure_model("tiny", str(model_repo), precision="float32")
+
+        def run(job: str) -> Any:
+            return worker.separate(
+                job,
+                "tiny",
+                str(model_repo),
+                noise(tmp_path / f"{job}.npy", 6.0),
+                tmp_path / job,
+                shifts=1,
+                overlap=0.25,
+                segment=None,
+                control=JobControl(job),
+                on_progress=lambda _v: None,
+                window=4.0,
+                precision="float32",
+                stall_seconds=3.0,
+            )
+
+        began = time.monotonic()
+        with pytest.raises(WorkerStalled) as stalled:
+            run("stuck")
+        assert time.monotonic() - began < 60
+        reason = str(stalled.value)
+        assert " on " in reason and "reported no progress for" in reason, reason
+        assert "the stall limit is 3 s" in reason, reason
+        assert not list(faults.iterdir())  # the fault fired
+        worker.ensure_model("tiny", str(model_repo), precision="float32")
+        assert run("next").stems  # the restarted actor separates the next song
+    finally:
+        worker.close()

@@ -461,9 +461,7 @@ class RayWorkerClient:
         )
         self._kill(actor, restart=True)
         raise WorkerStalled(
-            f"the separation worker on {self._host()} reported no progress "
-            f"for {watch.silent():.0f} s (the stall limit is "
-            f"{watch.limit:.0f} s, separation.stall_seconds) and was stopped",
+            watch.stalled_reason(where=f" on {self._host()}"),
             details=self.stderr_tail(),
             worker=self.name(),
         )
