@@ -303,7 +303,10 @@ class Model:
                     f"({why}), yet it is {job.state}"
                 )
         for job in view.jobs.values():
-            if job.state == "failed" and 0 < job.faults <= RETRIES:
+            # an attempt after a fault reads the song's choices afresh: one the test wrote
+            # meanwhile may fail it, naming itself (its sidecar's own check above)
+            own = SIDECAR_SUFFIX in (job.error or "")
+            if job.state == "failed" and 0 < job.faults <= RETRIES and not own:
                 problems.append(
                     f"[machine] {job.rel_path} ({job.id}) failed after the "
                     f"machine cut off only {job.faults} attempt(s) (the worker "

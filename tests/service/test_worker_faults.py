@@ -192,3 +192,30 @@ def test_a_real_memory_limit_on_the_worker_is_met_with_a_smaller_window(
     manifest = read_manifest(Path(job.output or ""))
     assert manifest is not None
     assert manifest["memory_plan"]["window"] == 60.0 / 2 ** len(job.faults)
+
+
+def test_an_attempt_after_a_fault_reads_a_sidecar_dropped_while_the_first_one_ran(
+    make_settings: Any, service_factory: Any, faults: Path
+) -> None:
+    """A sidecar written while the first attempt runs is not that attempt's; when the
+    machine cuts the attempt off (here a stall), the song starts over and takes the sidecar
+    there then: the manifest names it and its choice holds, and it moves with the song."""
+    settings = make_settings(separation={"stall_seconds": 8.0})
+    service, jobs = service_factory(settings)
+    arm(faults, "stall")
+    drop(settings, "song.wav")
+    wait_for(
+        lambda: any(j.state is JobState.SEPARATING for j in service.scheduler.registry.jobs()),
+        60,
+        "the first attempt to separate",
+    )
+    sidecar = settings.paths.inbox / "song.wav.stemdeck.toml"
+    sidecar.write_text('format = "flac"\n')
+    [job] = jobs.wait_final(1, 120)
+    assert job.state is JobState.DONE, job.error
+    assert [f.kind for f in job.faults] == ["stalled"]
+    folder = Path(job.output or "")
+    manifest = read_manifest(folder)
+    assert manifest["sidecar"]["file"] == sidecar.name, manifest["sidecar"]
+    assert sorted(p.suffix for p in folder.iterdir() if p.stem == "vocals") == [".flac"]
+    assert (settings.paths.processed / sidecar.name).is_file() and not sidecar.exists()
