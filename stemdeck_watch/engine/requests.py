@@ -223,9 +223,12 @@ class Requests:
                 signature = FileSignature.of(os.stat(job.source))
             except OSError:
                 signature = job.signature
-            tombstones: list[tuple[str, str, FileSignature | None]] = [
-                (job.source, "input", signature)
-            ]
+            # the input is kept out unless a later job (a retry, the song dropped again)
+            # owns the file now: a tombstone would then stand over that job's version
+            latest = self.registry.latest_for_source(job.source)
+            tombstones: list[tuple[str, str, FileSignature | None]] = (
+                [(job.source, "input", signature)] if latest is None or latest.id == job.id else []
+            )
             if job.output and (Path(job.output) in own or not os.path.lexists(job.output)):
                 tombstones.append((job.output, "output", None))
             elif job.output:

@@ -145,3 +145,24 @@ def test_a_state_folder_on_a_network_filesystem_is_refused(make_settings, monkey
     monkeypatch.setattr(service_module, "filesystem_type", lambda path: "cifs")
     with pytest.raises(ConfigError, match="network filesystem .cifs.*choose a local folder"):
         Service(settings).start()
+
+
+def test_removing_a_job_a_retry_replaced_leaves_no_tombstone_over_the_retry(
+    make_settings, service_factory
+):
+    """A cancelled song retried (a new job for the same file), and then the old row
+    removed from the list: the file belongs to the retry, so no tombstone is left over its
+    version (one would keep the song out once the retry's row went too); the retry runs."""
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    service.scheduler.pause("user")
+    song = write_song(settings.paths.inbox / "again.wav", 1.5)
+    old = wait_for(lambda: service.queue.order(), 30, "queued")[0]
+    service.scheduler.cancel_job(old)
+    new = service.scheduler.retry(old)
+    assert new is not None and service.queue.order() == [new.id]
+    service.scheduler.remove(old)
+    assert service.registry.tombstone(str(song), "input") is False
+    service.scheduler.start()
+    done = wait_for(lambda: [j for j in jobs.final() if j.id == new.id], 60, "the retry")
+    assert done[0].state is JobState.DONE, done[0].error
