@@ -1,8 +1,8 @@
 """Sequences the seams test (tests/seams/test_model_based.py) runs as written, before its
 random examples: each walks the machine's own rules to a seam where a defect was found
 before (a duplicate, a removal, work prepared ahead, a song written out behind the next
-one, a planted link, a full disk, a share away, a recipe), with every invariant checked after every step as in a
-random example. Random sequences reach these seams too, but rarely in the few examples CI
+one, a planted link, a full disk, a share away, a recipe, a retry), with every invariant
+checked after every step as in a random example. Random sequences reach these seams too, but rarely in the few examples CI
 has time for; written out, they are reached in every run, in about the time of one random
 example each (`make mutants` measures what they catch).
 
@@ -53,7 +53,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # has songs no earlier one separated (a duplicate is not separated: no work ahead, nothing
 # written out behind)
 FIRST = 4
-EXTRA = 14  # songs FIRST .. FIRST + EXTRA - 1
+EXTRA = 15  # songs FIRST .. FIRST + EXTRA - 1
 HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
@@ -158,6 +158,20 @@ def recipe(machine: Any) -> None:
     step(machine, "wait", until="quiet")
 
 
+def retried(machine: Any) -> None:
+    """A song cancelled while queued, retried, and the row the retry replaced removed: no
+    tombstone may stand over the retry's version, and the retry runs."""
+    step(machine, "pause_or_start", pause=True)
+    step(machine, "drop", slot="b.wav", song=FIRST + 14, how="atomic")
+    if machine.failure is None:
+        machine.until_queued(1)
+    step(machine, "cancel", phase="queued", pick=0)
+    step(machine, "retry", pick=0)
+    step(machine, "remove", pick=0)
+    step(machine, "pause_or_start", pause=False)
+    step(machine, "wait", until="quiet")
+
+
 # in this order, on one service (its first song pays the worker's start, the rest do not)
 SECTIONS: dict[str, Script] = {
     "duplicates": duplicates,
@@ -166,6 +180,7 @@ SECTIONS: dict[str, Script] = {
     "behind": behind,
     "shares": shares,
     "recipe": recipe,
+    "retried": retried,
 }
 
 
