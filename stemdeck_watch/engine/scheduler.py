@@ -640,6 +640,12 @@ class Scheduler(Requests):
         with self._lock:
             return list(self._waiting)
 
+    def sources_in_flight(self) -> list[str]:
+        """The inputs of the jobs not ended yet, and of the files waiting for the lane: what
+        the intake checks is still there after a time it could not see deletions."""
+        jobs = self.registry.jobs(ACTIVE_STATES)
+        return list(dict.fromkeys([job.source for job in jobs] + self.waiting()))
+
     # ------------------------------------------------------------ persistence
 
     def _save_order(self) -> None:

@@ -301,6 +301,7 @@ class InboxWatcher:
                     self._rescan.clear()
                     next_rescan = self._clock() + self.settings.rescan_seconds
                     self.scan(self.inbox)
+                    self._reconcile()
                 with self._lock:
                     folders, self._scan_dirs = self._scan_dirs, []
                 for folder in folders:
@@ -311,6 +312,16 @@ class InboxWatcher:
                 # more: a rescan soon offers it again, without hammering a failing disk
                 log.exception("the intake loop failed; rescanning in %.0f s", RETRY_SECONDS)
                 retry_at = retry_at or self._clock() + RETRY_SECONDS
+
+    def _reconcile(self) -> None:
+        """After a full rescan: the inputs of jobs and waiting files that left the inbox
+        while nothing could be believed (the share was away and its observer's reports were
+        thrown away) or heard (an event lost) are gone for good now, as if seen to go."""
+        for source in self.scheduler.sources_in_flight():
+            path = Path(source)
+            if self._inside(path) and not os.path.lexists(path) and self._there():
+                log.info("%s left the inbox while it was not watched", path)
+                self._gone(path)
 
     def _restart_observer(self) -> None:
         observer, self._observer = self._observer, None

@@ -413,3 +413,29 @@ def test_a_service_started_before_its_share_is_mounted_waits_for_it(
     service.scheduler.start()
     jobs.wait_final(2)
     assert_nothing_lost(service, jobs, names, inbox, outbox, processed)
+
+
+def test_a_song_deleted_while_the_inbox_was_away_ends_its_job_once_the_share_answers(
+    make_settings: Any, service_factory: Any
+) -> None:
+    """What the observer reports while the inbox is away is not believed, so a song
+    deleted then (a peer cleaned up on the NAS meanwhile) goes unheard; once the share
+    answers, the rescan finds its input gone and ends its job as a deletion seen, and the
+    queue does not wait on it (for disk, or for good)."""
+    settings = make_settings()
+    service, _jobs = service_factory(settings)
+    service.scheduler.pause("user")
+    inbox = settings.paths.inbox
+    for name in ("gone.wav", "kept.wav"):
+        write_song(inbox.parent / name, 1.0).rename(inbox / name)
+    wait_for(lambda: sorted(queued_names(service)) == ["gone", "kept"], 30, "both queued")
+    aside = inbox.with_name("inbox-away")
+    inbox.rename(aside)  # the mount below the inbox dropped
+    wait_for(lambda: service.shares.away("inbox"), 30, "the inbox seen away")
+    (aside / "gone.wav").unlink()
+    aside.rename(inbox)
+    wait_for(lambda: not service.shares.away("inbox"), 30, "the inbox seen back")
+    registry = service.scheduler.registry
+    wait_for(lambda: queued_names(service) == ["kept"], 30, "the deleted song's job to end")
+    [ended] = [j for j in registry.jobs() if j.name == "gone"]
+    assert ended.state is JobState.CANCELLED and "removed from the inbox" in (ended.error or "")
