@@ -53,7 +53,7 @@ def queued_in_order(machine: Any, drops: list[tuple[str, int]]) -> None:
 # has songs no earlier one separated (a duplicate is not separated: no work ahead, nothing
 # written out behind)
 FIRST = 4
-EXTRA = 15  # songs FIRST .. FIRST + EXTRA - 1
+EXTRA = 16  # songs FIRST .. FIRST + EXTRA - 1
 HEAVY = b"practice = true\nstem_file = true\n"  # a sidecar: its song takes long to write out
 
 
@@ -133,7 +133,7 @@ def shares(machine: Any) -> None:
     """The inbox's share away while a song separates and the next one waits (held stopped
     for that moment: the inbox left an empty folder, then missing), then the outbox's while
     the next one separates: the queue pauses for each and goes on, and both songs are
-    published once the shares answer."""
+    published once the shares answer; then a queued song deleted while the inbox is away."""
     queued_in_order(machine, [("a.wav", FIRST + 11), ("b.wav", FIRST + 12)])
     if machine.until_separating():
         with machine.frozen_worker():
@@ -143,6 +143,15 @@ def shares(machine: Any) -> None:
             step(machine, "share_away", role="inbox", how="missing", seconds=2.0)
     if machine.until_separating():
         step(machine, "share_away", role="outbox", how="missing", seconds=2.0)
+    step(machine, "wait", until="quiet")
+    # a queued song deleted while the inbox is away, unheard: its job must end once it is
+    # back (the queue paused meanwhile, so nothing else would end it)
+    step(machine, "pause_or_start", pause=True)
+    step(machine, "drop", slot="a.wav", song=FIRST + 15, how="atomic")
+    if machine.failure is None:
+        machine.until_queued(1)
+    step(machine, "share_away", role="inbox", how="missing", seconds=0.0, deleted=True)
+    step(machine, "pause_or_start", pause=False)
     step(machine, "wait", until="quiet")
 
 

@@ -547,9 +547,10 @@ class SeamsMachine(RuleBasedStateMachine):
         role=st.sampled_from(["inbox", "outbox"]),
         how=st.sampled_from(["missing", "emptied"]),
         seconds=st.sampled_from([0.0, 2.0]),
+        deleted=st.booleans(),
     )
     @guarded
-    def share_away(self, role: str, how: str, seconds: float) -> None:
+    def share_away(self, role: str, how: str, seconds: float, deleted: bool = False) -> None:
         """The share under the inbox or the outbox goes away and answers again `seconds`
         after the service saw it: its folder is missing (the mount below it dropped), or,
         for the inbox, an empty local folder (the mount point without its mount: every
@@ -558,12 +559,17 @@ class SeamsMachine(RuleBasedStateMachine):
         its input seemed deleted (a watcher that reports every file gone is not believed),
         and once it is back the queue is no longer paused for it. What was in flight waits
         and goes on (checked at the next quiet point: nothing lost, nothing left in
-        scratch)."""
+        scratch). `deleted`: a song of the inbox is deleted meanwhile (a peer cleaning up
+        on the NAS), unheard: once the share answers its job must not stay queued."""
         folder = self.model.inbox if role == "inbox" else self.model.outbox
         aside = folder.with_name(f"{role}{UNMOUNTED}")  # on the folder's own filesystem
         emptied = how == "emptied" and role == "inbox"
         running = {j.id for j in self.view().jobs.values() if j.state not in FINAL}
         theirs = "user" if self.model.paused else None
+        removed: str | None = None
+        assert self.service is not None
+        said = f"the {role} is away"
+        before = self.service.output().count(said)
         if emptied:
             aside.mkdir()
             entries = sorted(os.listdir(folder), key=lambda name: name != OWNERSHIP_MARKER)
@@ -572,6 +578,11 @@ class SeamsMachine(RuleBasedStateMachine):
         else:
             os.rename(folder, aside)
         try:
+            deadline = time.monotonic() + SHARE_BOUND
+            while self.service.output().count(said) <= before:
+                if time.monotonic() > deadline:
+                    self.check([f"[share] the {role}'s share was away {SHARE_BOUND:.0f} s unseen"])
+                time.sleep(POLL)
             if not self.until_paused_for(lambda reason: reason == (theirs or role)):
                 self.check(
                     [
@@ -579,11 +590,13 @@ class SeamsMachine(RuleBasedStateMachine):
                         f"{SHARE_BOUND:.0f} s while the {role}'s share was away"
                     ]
                 )
+            removed = self.delete_while_away(aside) if deleted and role == "inbox" else None
             time.sleep(seconds)
         finally:
             if emptied:
                 for name in entries[::-1]:  # the marker last: the share answers whole
-                    os.rename(aside / name, folder / name)
+                    with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                        os.rename(aside / name, folder / name)
                 aside.rmdir()
             else:
                 os.rename(aside, folder)
@@ -597,10 +610,38 @@ class SeamsMachine(RuleBasedStateMachine):
         ended = [
             f"[share] {j.rel_path} ({j.id}) ended while the {role}'s share was away: {j.error}"
             for j in self.view().jobs.values()
-            if j.id in running and j.state in FINAL[1:] and "removed" in (j.error or "")
+            if j.id in running
+            and j.rel_path != removed
+            and j.state in FINAL[1:]
+            and "removed" in (j.error or "")
         ]
         self.check(ended)
+        if removed is not None:
+            deadline = time.monotonic() + SHARE_BOUND
+            while stuck := [
+                j for j in self.view().order if self.view().jobs[j].rel_path == removed
+            ]:
+                if time.monotonic() > deadline:
+                    self.check(
+                        [
+                            f"[share] {removed} was deleted while the inbox was away, and its "
+                            f"job {stuck[0]} is still queued {SHARE_BOUND:.0f} s after the "
+                            f"share answered"
+                        ]
+                    )
+                    break
+                time.sleep(POLL * 4)
         self.world.tally[f"{role} share away and back ({how if emptied else 'missing'})"] += 1
+
+    def delete_while_away(self, aside: Path) -> str | None:
+        """Delete the first song there is in the inbox's share while it is away (its bytes
+        kept in trash/, as every delete of the test's); its slot, or None."""
+        gone = Hands(aside, self.hands.trash, self.hands.away)
+        for slot in SLOTS:
+            if gone.remove(slot, "unlink"):
+                self.world.tally["song deleted while the inbox was away"] += 1
+                return slot
+        return None
 
     def until_paused_for(self, wanted: Callable[[str | None], bool]) -> bool:
         """Wait until the queue's pause reason is `wanted` (None: not paused), or
