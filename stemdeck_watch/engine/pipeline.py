@@ -431,6 +431,8 @@ class Pipeline:
         job = run.job
         while True:
             shares = self.shares
+            if shares is not None:
+                shares.keep(run.staging)
             if shares is not None and not shares.check("outbox"):
                 self._wait_for_outbox(run, shares)
             existing = find_published(self.settings.paths.outbox, job)
@@ -701,7 +703,11 @@ class Pipeline:
 
     def _clean(self, run: JobRun) -> None:
         publish.remove_tree(run.scratch)
+        shares = self.shares
+        away = shares is not None and not shares.check("outbox")
         publish.remove_tree(run.staging)
+        if shares is not None and (away or not shares.check("outbox")):
+            shares.remove_when_back(run.staging)  # what the outbox brings back is removed
         publish.remove_if_empty(self.settings.paths.staging)
 
     def _duplicate_of(self, job: Job, digest: str, key: str, control: JobControl) -> Path | None:

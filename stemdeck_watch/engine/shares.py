@@ -44,6 +44,7 @@ from stemdeck_watch.core.paths import (
 )
 from stemdeck_watch.engine.scheduler import PAUSE_INBOX, PAUSE_OUTBOX, PAUSE_USER, Scheduler
 from stemdeck_watch.stages.manifest import recorded_sidecar
+from stemdeck_watch.stages.publish import remove_tree
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.store.registry import REGISTRY_FILE, PendingMove, Registry
 from stemdeck_watch.util.ticker import Ticker
@@ -216,6 +217,9 @@ class ShareWatch(Ticker):
             if known and known.get("path") == str(probe.folder) and known.get("mount"):
                 probe.mount = Path(known["mount"])
         self._closing = threading.Event()  # the service is stopping: nobody waits for a share
+        # staging folders of jobs that ended while the outbox was away: removed once it answers
+        self._leftovers: set[Path] = set()
+        self._leftovers_lock = threading.Lock()
 
     # ------------------------------------------------------------ what others ask
 
@@ -287,6 +291,25 @@ class ShareWatch(Ticker):
         )
         self._moves_due = True
 
+    def remove_when_back(self, folder: Path) -> None:
+        """`folder` (a job's staging folder, in the outbox) is no longer wanted, but the
+        outbox was away when it was removed: it is removed when the outbox answers (a share
+        that comes back brings back what the job had half-written)."""
+        with self._leftovers_lock:
+            self._leftovers.add(folder)
+
+    def keep(self, folder: Path) -> None:
+        """`folder` is written again (the same job's next attempt): not a leftover. Waits
+        for a removal under way, so the attempt starts on a folder nobody removes."""
+        with self._leftovers_lock:
+            self._leftovers.discard(folder)
+
+    def _remove_leftovers(self) -> None:
+        with self._leftovers_lock:
+            for folder in sorted(self._leftovers):
+                remove_tree(folder)
+            self._leftovers.clear()
+
     # ------------------------------------------------------------ the thread
 
     def tick(self) -> None:
@@ -356,6 +379,8 @@ class ShareWatch(Ticker):
                 self._release()
         if not went and back is None:
             return
+        if role == "outbox" and not went:
+            self._remove_leftovers()
         if announced:
             self.scheduler.bus.publish(ShareBack(role, str(self.folders[role]), back or 0.0))
         for listener in list(self._listeners):

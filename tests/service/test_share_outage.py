@@ -439,3 +439,35 @@ def test_a_song_deleted_while_the_inbox_was_away_ends_its_job_once_the_share_ans
     wait_for(lambda: queued_names(service) == ["kept"], 30, "the deleted song's job to end")
     [ended] = [j for j in registry.jobs() if j.name == "gone"]
     assert ended.state is JobState.CANCELLED and "removed from the inbox" in (ended.error or "")
+
+
+def test_a_song_cancelled_while_its_outbox_is_away_leaves_no_staging_behind_once_it_answers(
+    make_settings: Any, service_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A song whose stems were half out when the outbox went away, then cancelled while it
+    waited for it: its staging folder could not be removed then, and the share brings it
+    back; it is removed once the outbox answers, not left in the outbox for good."""
+    settings = make_settings()
+    outbox, inbox = settings.paths.outbox, settings.paths.inbox
+    aside = outbox.with_name("outbox-away")
+    staging = settings.paths.staging.name
+    real = songfolder.make_song_folder
+
+    def written_then_away(*args: Any, **kwargs: Any) -> Any:
+        made = real(*args, **kwargs)  # the song folder is in staging, not yet published
+        if not aside.exists():
+            outbox.rename(aside)  # the mount below the outbox dropped
+        return made
+
+    monkeypatch.setattr(songfolder, "make_song_folder", written_then_away)
+    service, jobs = service_factory(settings)
+    write_song(inbox.parent / "song.wav", 1.0).rename(inbox / "song.wav")
+    wait_pause(service, "outbox")
+    [job] = service.scheduler.registry.jobs()
+    assert (aside / staging / job.id).is_dir()  # half out, where the share took it
+    (inbox / "song.wav").unlink()  # cancelled while it waits for the outbox
+    wait_for(lambda: jobs.final(), 30, "the song's job to end")
+    aside.rename(outbox)
+    wait_for(lambda: not service.shares.away("outbox"), 30, "the outbox seen back")
+    wait_for(lambda: not (outbox / staging / job.id).exists(), 10, "its staging removed")
+    assert not list((outbox / staging).glob("*")) and outbox_entries(outbox) <= {staging}
