@@ -62,7 +62,7 @@ from stemdeck_watch.stages.manifest import read_manifest, recorded_sidecar, writ
 from stemdeck_watch.util.safefile import sha256_of
 from stemdeck_watch.stages.decode import decode_to_file
 from stemdeck_watch.store.jobqueue import JobControl
-from stemdeck_watch.workers.separator import Lead, Separator
+from stemdeck_watch.workers.separator import DemucsSettings, Lead, Separator
 
 if TYPE_CHECKING:
     from stemdeck_watch.engine.diskguard import DiskGuard
@@ -286,11 +286,8 @@ class Pipeline:
             run.repo,
             decoded.path,
             run.scratch / "stems",
-            shifts=sep.shifts,
-            overlap=sep.overlap,
-            segment=sep.segment or None,
             control=control,
-            stats=decoded.stats,
+            demucs=DemucsSettings(sep.shifts, sep.overlap, sep.segment or None, decoded.stats),
             precision=model.dtype,
             stall_seconds=sep.stall_seconds,
             shrink=run.plan.shrink,

@@ -59,7 +59,7 @@ class DecodedAudio:
 
     @property
     def stats(self) -> tuple[float, float] | None:
-        """(mean, std) for the worker (`WorkerClient.separate(stats=...)`), or None."""
+        """(mean, std) for the worker (`DemucsSettings.stats`), or None."""
         if self.mean is None or self.std is None:
             return None
         return self.mean, self.std

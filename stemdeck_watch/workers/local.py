@@ -38,7 +38,14 @@ from stemdeck_watch.workers.compiled.build import CompileBuilder
 from stemdeck_watch.workers.compiled.cache import CompileSettings
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers import zygote
-from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
+from stemdeck_watch.workers.separator import (
+    DEMUCS_DEFAULTS,
+    DemucsSettings,
+    Lead,
+    ModelInfo,
+    Separation,
+    separate_request,
+)
 from stemdeck_watch.workers.waiting import next_message
 from stemdeck_watch.workers.demucs.precision import physical_cores, threads_for
 from stemdeck_watch.workers.worker import DOWNLOAD_PREFIX, LOAD_BEAT, PROGRESS_PREFIX
@@ -446,47 +453,33 @@ class WorkerClient:
         input_path: Path,
         output_dir: Path,
         *,
-        shifts: int,
-        overlap: float,
-        segment: float | None,
         control: JobControl,
         on_progress: Callable[[float], None],
-        stats: tuple[float, float] | None = None,
+        demucs: DemucsSettings = DEMUCS_DEFAULTS,
+        lead: Lead | None = None,
         window: float | None = None,
         precision: str = "float32",
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
-        lead: Lead | None = None,
     ) -> Separation:
-        """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
-
-        `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
-        accumulated them (`DecodedAudio.stats`); without them the worker makes one extra
-        streamed pass over the input. `window`: seconds of output the worker separates at a
-        time (default: the worker's, 30 s); memory grows with it, never with the song.
-        `precision`: the one to run in (`ModelInfo.dtype`, as chosen by `ensure_model`).
-        `stall_seconds`, `shrink`, `device`: see Separator.separate."""
-        request: dict[str, Any] = {
+        """Separate the decoded song at `input_path` into `output_dir/<stem>.npy` in the
+        worker process (see Separator.separate); `window` None: the worker's, 30 s."""
+        request = {
             "op": "separate",
             "id": job_id,
-            "model": model,
-            "repo": repo,
             "input": str(input_path),
             "output": str(output_dir),
-            "shifts": shifts,
-            "overlap": overlap,
-            "segment": segment,
-            "precision": precision,
+            **separate_request(
+                model,
+                repo,
+                demucs=demucs,
+                lead=lead,
+                precision=precision,
+                window=window,
+                shrink=shrink,
+            ),
         }
-        if stats is not None:
-            request["mean"], request["std"] = float(stats[0]), float(stats[1])
-        if window is not None:
-            request["window"] = float(window)
-        if shrink:
-            request["shrink"] = int(shrink)
-        if lead is not None:
-            request["lead"] = lead.to_request()
         with self._lock:
             proc = self._ensure_process(control, device)
             watch = self.pace().watch(self.pace().stall_limit(stall_seconds))

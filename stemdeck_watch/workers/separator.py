@@ -58,6 +58,33 @@ class ModelInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class DemucsSettings:
+    """The Demucs model's own settings for one song (`separation.shifts`, `overlap`,
+    `segment`) and the mix's statistics it normalises by; a recipe's lead model has its own
+    (`Lead`). The worker-wide ones (precision, window, device) are `separate`'s."""
+
+    shifts: int = 1
+    overlap: float = 0.25
+    segment: float | None = None  # seconds; None: the model's own
+    # the mean and std of the mono mix, as decode accumulated them (DecodedAudio.stats);
+    # without them the worker makes one extra streamed pass over the input
+    stats: tuple[float, float] | None = None
+
+    def to_request(self) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "shifts": self.shifts,
+            "overlap": self.overlap,
+            "segment": self.segment,
+        }
+        if self.stats is not None:
+            request["mean"], request["std"] = float(self.stats[0]), float(self.stats[1])
+        return request
+
+
+DEMUCS_DEFAULTS = DemucsSettings()
+
+
+@dataclasses.dataclass(frozen=True)
 class Lead:
     """A model a recipe runs on the mix before the Demucs model (workers/recipe.py): which
     engine, which checkpoint, and that engine's own settings (a RoFormer's: chunks per batch,
@@ -104,6 +131,29 @@ class Separation:
             "compiled": bool(reply.get("compiled")),
             "made_by": {str(k): str(v) for k, v in (reply.get("made_by") or {}).items()},
         }
+
+
+def separate_request(
+    model: str,
+    repo: str | None,
+    *,
+    demucs: DemucsSettings,
+    lead: Lead | None,
+    precision: str,
+    window: float | None,
+    shrink: int,
+) -> dict[str, Any]:
+    """A separate request's settings as every worker reads them (worker.py's protocol; the
+    Ray actor reads the same)."""
+    request: dict[str, Any] = {"model": model, "repo": repo, "precision": precision}
+    request.update(demucs.to_request())
+    if window is not None:
+        request["window"] = float(window)
+    if shrink:
+        request["shrink"] = int(shrink)
+    if lead is not None:
+        request["lead"] = lead.to_request()
+    return request
 
 
 class Separator(Protocol):
@@ -160,27 +210,22 @@ class Separator(Protocol):
         input_path: Path,
         output_dir: Path,
         *,
-        shifts: int,
-        overlap: float,
-        segment: float | None,
         control: JobControl,
         on_progress: Callable[[float], None],
-        stats: tuple[float, float] | None = None,
+        demucs: DemucsSettings = DEMUCS_DEFAULTS,
+        lead: Lead | None = None,
         window: float | None = None,
         precision: str = "float32",
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
-        lead: Lead | None = None,
     ) -> Separation:
         """Separate the decoded song at `input_path` into `output_dir/<stem>.npy`.
 
-        `shifts`, `overlap`, `segment` and `stats` are the Demucs model's settings; `lead`:
-        a recipe's model run on the mix first, with its own (`Lead`), whose stems replace
-        the Demucs model's (`Separation.made_by` says which model made which).
+        Each engine's settings are its own: `demucs` the Demucs model's (`DemucsSettings`),
+        `lead` a recipe's model run on the mix first (`Lead`), whose stems replace the Demucs
+        model's (`Separation.made_by` says which model made which); the rest hold for both.
 
-        `stats`: demucs's normalisation statistics (mean, std of the mono mix), as decode
-        accumulated them; without them the worker makes one extra pass over the input.
         `window`: seconds of output separated at a time (memory grows with it, never with
         the song). `precision`: the one to run in (`ModelInfo.dtype`). `stall_seconds`:
         a worker silent this long is stopped (`WorkerStalled`); 0 = derived from the time

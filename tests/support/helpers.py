@@ -241,9 +241,6 @@ def separate_tiny(
         str(model_repo),
         source,
         out,
-        shifts=1,
-        overlap=0.25,
-        segment=None,
         control=control,
         on_progress=(progress.append if progress is not None else lambda v: None),
     )

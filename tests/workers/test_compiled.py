@@ -28,6 +28,7 @@ from stemdeck_watch.workers.compiled.cache import (
     Verdict,
 )
 from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.workers.separator import DemucsSettings
 from stemdeck_watch.workers.demucs.precision import CALIBRATE_ENV
 
 from support.compiled import BuiltCompile, entry_key, require_compiler
@@ -59,9 +60,7 @@ def separate(client: WorkerClient, repo: Path, source: Path, out: Path, segment=
         str(repo),
         source,
         out,
-        shifts=0,
-        overlap=0.25,
-        segment=segment,
+        demucs=DemucsSettings(shifts=0, segment=segment),
         control=JobControl("job"),
         on_progress=lambda v: None,
         precision="float32",

@@ -26,6 +26,7 @@ from stemdeck_watch.workers.ray.cluster import PAUSE_CLUSTER, ClusterWatch, prob
 from stemdeck_watch.workers.ray.actor import ALIVE  # noqa: E402
 from stemdeck_watch.workers.ray.client import RayWorkerClient  # noqa: E402
 from stemdeck_watch.store.jobqueue import JobControl  # noqa: E402
+from stemdeck_watch.workers.separator import DemucsSettings  # noqa: E402
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter  # noqa: E402
 from stemdeck_watch.workers.worker import ONEDNN_ENV  # noqa: E402
 from stemdeck_watch.engine.scheduler import PAUSE_USER  # noqa: E402
@@ -82,9 +83,7 @@ def run(
         str(model_repo),
         source,
         out,
-        shifts=shifts,
-        overlap=0.25,
-        segment=None,
+        demucs=DemucsSettings(shifts=shifts),
         control=control or JobControl(job),
         on_progress=on_progress or (lambda _v: None),
         window=4.0,
@@ -222,12 +221,9 @@ def test_stems_equal_the_local_workers(
 
     source = song(tmp_path / "in.npy", 9.0, seed=3)
     options: dict[str, Any] = dict(
-        shifts=0,
-        overlap=0.25,
-        segment=None,
+        demucs=DemucsSettings(shifts=0, stats=stats_of(source)),
         window=4.0,
         precision="float32",
-        stats=stats_of(source),
         on_progress=lambda _v: None,
     )
     remote = workers[0].separate(

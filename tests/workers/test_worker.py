@@ -15,6 +15,7 @@ import pytest
 from stemdeck_watch.core.errors import Cancelled, ModelError, OutOfMemory
 from stemdeck_watch.store.jobqueue import JobControl
 from stemdeck_watch.workers.local import WorkerClient
+from stemdeck_watch.workers.separator import DemucsSettings
 
 from support.helpers import noise_mix, separate_tiny, wait_for
 
@@ -139,7 +140,6 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
 
     client.ensure_model("tiny", str(model_repo))
     source = noise_mix(tmp_path, 12.0)
-    kwargs = dict(shifts=0, overlap=0.25, segment=None)  # no random shifts: comparable runs
     whole = client.separate(
         "job",
         "tiny",
@@ -148,7 +148,7 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
         tmp_path / "whole",
         control=JobControl("job"),
         on_progress=lambda v: None,
-        **kwargs,
+        demucs=DemucsSettings(shifts=0),  # no random shifts: comparable runs
     )
     progress: list[float] = []
     windows = client.separate(
@@ -159,9 +159,8 @@ def test_a_song_longer_than_a_window_is_separated_window_by_window(client, model
         tmp_path / "win",
         control=JobControl("job"),
         on_progress=progress.append,
-        stats=stats_of(source),
+        demucs=DemucsSettings(shifts=0, stats=stats_of(source)),
         window=2.5,
-        **kwargs,
     )  # 5 windows
     assert len(progress) >= 4 and progress == sorted(progress)  # one per 4 s segment
     assert progress[-1] == pytest.approx(1.0)

@@ -56,7 +56,14 @@ from stemdeck_watch.workers.demucs.chunked import WINDOW_SECONDS
 from stemdeck_watch.workers.pace import Pace, Watch
 from stemdeck_watch.workers.demucs.precision import physical_cores
 from stemdeck_watch.stages.scratch import AudioReader, AudioWriter
-from stemdeck_watch.workers.separator import Lead, ModelInfo, Separation
+from stemdeck_watch.workers.separator import (
+    DEMUCS_DEFAULTS,
+    DemucsSettings,
+    Lead,
+    ModelInfo,
+    Separation,
+    separate_request,
+)
 from stemdeck_watch.workers.waiting import next_message
 from stemdeck_watch.workers.worker import ModelUnavailable, memory_error
 
@@ -200,35 +207,27 @@ class RayWorkerClient:
         input_path: Path,
         output_dir: Path,
         *,
-        shifts: int,
-        overlap: float,
-        segment: float | None,
         control: JobControl,
         on_progress: Callable[[float], None],
-        stats: tuple[float, float] | None = None,
+        demucs: DemucsSettings = DEMUCS_DEFAULTS,
+        lead: Lead | None = None,
         window: float | None = None,
         precision: str = "float32",
         stall_seconds: float = 0.0,
         shrink: int = 0,
         device: str | None = None,
-        lead: Lead | None = None,
     ) -> Separation:
         """Upload the decoded song, separate it on the actor, write the stems it streams
         back into `output_dir/<stem>.npy` (see Separator.separate)."""
-        request: dict[str, Any] = {
-            "model": model,
-            "repo": repo,
-            "shifts": shifts,
-            "overlap": overlap,
-            "segment": segment,
-            "precision": precision,
-            "window": window,
-            "shrink": shrink,
-        }
-        if stats is not None:
-            request["mean"], request["std"] = float(stats[0]), float(stats[1])
-        if lead is not None:
-            request["lead"] = lead.to_request()
+        request = separate_request(
+            model,
+            repo,
+            demucs=demucs,
+            lead=lead,
+            precision=precision,
+            window=window,
+            shrink=shrink,
+        )
         with self._lock:
             actor = self._ensure_actor(control, device)
             started = time.monotonic()
