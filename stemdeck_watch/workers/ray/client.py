@@ -104,6 +104,8 @@ class RayWorkerClient:
         self._actor: Any = None
         self._actor_device = device  # the device the actor was started for
         self._where: dict[str, Any] | None = None  # the actor's ready() answer
+        # the process a kill with restart ended: until it is gone it may still answer
+        self._killed: tuple[Any, Any] | None = None  # (node id, pid)
         self._model: ModelInfo | None = None
         self._shut = False
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -342,11 +344,24 @@ class RayWorkerClient:
         while True:
             ref = self._actor.ready.remote()
             try:
-                return self._get(ref, control, deadline - time.monotonic(), starting=True)
+                where: dict[str, Any] = self._get(
+                    ref, control, deadline - time.monotonic(), starting=True
+                )
+                if (where.get("node_id"), where.get("pid")) != self._killed:
+                    self._killed = None
+                    return where
+                if time.monotonic() > deadline:
+                    raise WorkerDied(
+                        f"the ray worker {self.index} killed on {self._host()} did not "
+                        f"end within {START_TIMEOUT:.0f} s",
+                        details=self.stderr_tail(),
+                        worker=self.name(),
+                    )
             except WorkerDied:
                 if time.monotonic() > deadline:
                     raise
-            # restarting: Ray answers "unavailable" until the new process is up
+            # restarting: Ray answers "unavailable" until the new process is up, and the
+            # killed one (its other threads) may still answer before it is gone
             if control is not None:
                 control.check()
             time.sleep(POLL * 4)
@@ -593,6 +608,8 @@ class RayWorkerClient:
             return True  # cannot tell: say what the error says
 
     def _kill(self, actor: Any, restart: bool) -> None:
+        if restart and self._where is not None:
+            self._killed = (self._where.get("node_id"), self._where.get("pid"))
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=not restart)
         self._model = None
