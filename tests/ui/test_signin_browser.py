@@ -83,8 +83,15 @@ def foreign_page(address: str, target: str) -> Iterator[str]:
 
 
 def page_shows(driver: Any, selector: str) -> str:
+    """The text of `selector`, or "" while it is not there, or was replaced as it was read
+    (the page redraws it: the caller looks again)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     found = driver.find_elements("css selector", selector)
-    return found[0].text if found else ""
+    try:
+        return found[0].text if found else ""
+    except StaleElementReferenceException:
+        return ""
 
 
 def sign_in(driver: Any, password: str) -> None:
