@@ -14,6 +14,10 @@ song's padded ends make its own figure higher), the peak memory, and the SNR of 
 against float32's (random weights: a measure of rounding, not of quality).
 
     python benchmarks/bench_roformer.py [--seconds 30] [--device cpu] [--models NAME ...]
+        [--precisions P ...] [--compile]
+
+`--compile` runs each precision compiled too (torch.compile, its warm-up timed apart) and
+says how much faster than eager it separated.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from harness import ROOT, machine, parser as bench_parser, wait_quiet, write_res
 CONFIGS = ROOT / "tests" / "workers" / "data" / "roformer"
 
 
-def child(name: str, precision: str, device: str, seconds: float, stems_out: Path) -> None:
-    """In a child process: build, warm up, separate; print one JSON line of figures."""
+def child(
+    name: str, precision: str, device: str, seconds: float, stems_out: Path, compiled: bool
+) -> None:
+    """In a child process: build, warm up (compiling first if `compiled`: torch.compile's
+    default inductor backend), separate; print one JSON line of figures."""
     import numpy as np
     import torch
 
@@ -47,10 +54,13 @@ def child(name: str, precision: str, device: str, seconds: float, stems_out: Pat
     config = read_config(CONFIGS / entry.config_file, entry.architecture)
     torch.manual_seed(0)
     started = time.perf_counter()
-    model = LoadedRoformer(build_model(config, device).eval(), config)
+    module = build_model(config, device).eval()
+    model = LoadedRoformer(torch.compile(module) if compiled else module, config)
     built = time.perf_counter() - started
     mix = np.ascontiguousarray(song(seconds, config.sample_rate, seed=3).T)
+    started = time.perf_counter()
     separate_array(model, mix[:, : config.chunk_size // 2], precision=precision)  # warm-up
+    warm_up = time.perf_counter() - started
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -75,10 +85,12 @@ def child(name: str, precision: str, device: str, seconds: float, stems_out: Pat
             {
                 "model": name,
                 "precision": precision,
+                "compiled": compiled,
                 "device": device,
                 "threads": torch.get_num_threads(),
                 "parameters": sum(p.numel() for p in model.module.parameters()),
                 "build_seconds": round(built, 2),
+                "warm_up_seconds": round(warm_up, 2),  # a compile included
                 "seconds": round(took, 2),
                 "seconds_per_minute": round(took * 60 / seconds, 1),
                 "chunks": chunks,
@@ -98,6 +110,27 @@ def snr(reference: Path, estimate: Path) -> float:
     return float("inf") if noise == 0 else 10 * np.log10(float((ref**2).sum()) / noise)
 
 
+def run_child(
+    args: Any, name: str, precision: str, compiled: bool, scratch: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    """One (model, precision, eager or compiled) in a process of its own; its row."""
+    load = wait_quiet(args.quiet, args.patience)
+    out = scratch / f"{name}-{precision}{'-compiled' if compiled else ''}.npy"
+    command = [sys.executable, __file__, "--seconds", str(args.seconds)]
+    command += ["--compile"] if compiled else []
+    command += ["--child", name, precision, args.device, str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        print(name, precision, "failed:", done.stderr[-500:], file=sys.stderr)
+        return {"model": name, "precision": precision, "error": done.stderr[-2000:]}
+    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    row["other_cores_before"] = load
+    reference = scratch / f"{name}-float32.npy"
+    if out != reference and reference.exists():
+        row["snr_vs_float32_db"] = round(snr(reference, out), 1)
+    return row
+
+
 def main() -> None:
     from stemdeck_watch.workers.roformer.catalogue import CATALOGUE
 
@@ -106,11 +139,16 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--models", nargs="*", default=[e.name for e in CATALOGUE])
     p.add_argument("--precisions", nargs="*", default=None, help="default: all the device has")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each precision compiled too (torch.compile) and compare with eager",
+    )
     p.add_argument("--child", nargs=4, metavar=("MODEL", "PRECISION", "DEVICE", "OUT"))
     args = p.parse_args()
     if args.child:
         name, precision, device, out = args.child
-        child(name, precision, device, args.seconds, Path(out))
+        child(name, precision, device, args.seconds, Path(out), args.compile)
         return
     precisions = args.precisions or (
         ["float32", "bfloat16", "float16"]
@@ -123,36 +161,24 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for name in args.models:
         for precision in precisions:
-            load = wait_quiet(args.quiet, args.patience)
-            out = scratch / f"{name}-{precision}.npy"
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--seconds",
-                    str(args.seconds),
-                    "--child",
-                    name,
-                    precision,
-                    args.device,
-                    str(out),
-                ],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=3600,
-            )
-            if done.returncode != 0:
-                rows.append({"model": name, "precision": precision, "error": done.stderr[-2000:]})
-                print(name, precision, "failed:", done.stderr[-500:], file=sys.stderr)
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            row["other_cores_before"] = load
-            reference = scratch / f"{name}-float32.npy"
-            if precision != "float32" and reference.exists():
-                row["snr_vs_float32_db"] = round(snr(reference, out), 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for compiled in (False, True) if args.compile else (False,):
+                row = run_child(args, name, precision, compiled, scratch, env)
+                rows.append(row)
+                if "error" in row:
+                    continue
+                eager = next(
+                    (
+                        r
+                        for r in rows
+                        if r.get("model") == name
+                        and r.get("precision") == precision
+                        and r.get("compiled") is False
+                    ),
+                    None,
+                )
+                if compiled and eager is not None:
+                    row["speedup_vs_eager"] = round(eager["seconds"] / row["seconds"], 2)
+                print(json.dumps(row), flush=True)
     try:
         host = machine()
     except Exception as exc:  # a machine without demucs (a GPU box): say so, keep the rows
@@ -164,7 +190,8 @@ def main() -> None:
     for row in rows:
         if "error" not in row:
             print(
-                f"| {row['model']} | {row['precision']} | {row['device']} ({row['threads']} threads) "
+                f"| {row['model']} | {row['precision']}{' compiled' if row['compiled'] else ''} "
+                f"| {row['device']} ({row['threads']} threads) "
                 f"| {row['long_song_seconds_per_minute']} | {row['peak_mib']} "
                 f"| {row.get('snr_vs_float32_db', '')} |"
             )
