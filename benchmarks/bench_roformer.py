@@ -161,22 +161,15 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for name in args.models:
         for precision in precisions:
+            eager: dict[str, Any] = {}
             for compiled in (False, True) if args.compile else (False,):
                 row = run_child(args, name, precision, compiled, scratch, env)
                 rows.append(row)
                 if "error" in row:
                     continue
-                eager = next(
-                    (
-                        r
-                        for r in rows
-                        if r.get("model") == name
-                        and r.get("precision") == precision
-                        and r.get("compiled") is False
-                    ),
-                    None,
-                )
-                if compiled and eager is not None:
+                if not compiled:
+                    eager = row
+                elif eager:
                     row["speedup_vs_eager"] = round(eager["seconds"] / row["seconds"], 2)
                 print(json.dumps(row), flush=True)
     try:

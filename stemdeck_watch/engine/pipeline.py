@@ -430,8 +430,8 @@ class Pipeline:
             shares = self.shares
             if shares is not None:
                 shares.keep(run.staging)
-            if shares is not None and not shares.check("outbox"):
-                self._wait_for_outbox(run, shares)
+                if not shares.check("outbox"):
+                    self._wait_for_outbox(run, shares)
             existing = find_published(self.settings.paths.outbox, job)
             if existing is not None:  # an attempt before the outbox went away got through
                 log.info("%s was published to %s before the outbox went away", job.name, existing)
@@ -700,11 +700,16 @@ class Pipeline:
 
     def _clean(self, run: JobRun) -> None:
         publish.remove_tree(run.scratch)
-        shares = self.shares
-        away = shares is not None and not shares.check("outbox")
         publish.remove_tree(run.staging)
-        if shares is not None and (away or not shares.check("outbox")):
-            shares.remove_when_back(run.staging)  # what the outbox brings back is removed
+        shares = self.shares
+        # a song that did not publish may have left its staging on a share that is away
+        # (and comes back with it): the outbox is looked at for those alone
+        if (
+            run.output is None
+            and shares is not None
+            and (shares.away("outbox") or not shares.check("outbox"))
+        ):
+            shares.remove_when_back(run.staging)
         publish.remove_if_empty(self.settings.paths.staging)
 
     def _duplicate_of(self, job: Job, digest: str, key: str, control: JobControl) -> Path | None:

@@ -347,6 +347,10 @@ class RayWorkerClient:
                 where: dict[str, Any] = self._get(
                     ref, control, deadline - time.monotonic(), starting=True
                 )
+            except WorkerDied:
+                if time.monotonic() > deadline:
+                    raise
+            else:
                 if (where.get("node_id"), where.get("pid")) != self._killed:
                     self._killed = None
                     return where
@@ -357,9 +361,6 @@ class RayWorkerClient:
                         details=self.stderr_tail(),
                         worker=self.name(),
                     )
-            except WorkerDied:
-                if time.monotonic() > deadline:
-                    raise
             # restarting: Ray answers "unavailable" until the new process is up, and the
             # killed one (its other threads) may still answer before it is gone
             if control is not None:
