@@ -82,6 +82,7 @@ def test_ctrl_c_mid_job_leaves_no_partial_song_and_the_job_resumes(config: Path,
     service = RunningService(config)
     try:
         long_song = write_song(tmp_path / "long.wav", 60.0)
+        wait_for(inbox.is_dir, 60, "the service to make its inbox")
         os.replace(long_song, inbox / "long.wav")
         job = wait_for(lambda: separating(config), 90, "the job to start separating")
         worker = service.worker_pids()[-1]
