@@ -270,6 +270,8 @@ class WorkerClient:
         self._load_watch: Watch | None = None  # the load's watch: a download report beats it
         self._download_lock = threading.Lock()
         self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
+        # the latest recipe's RoFormer: its compiled model's state (status --json)
+        self.lead_compiled: dict[str, Any] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -409,16 +411,18 @@ class WorkerClient:
             "threads": ready.get("threads"),
             "model": model.name if model else None,
             "precision": dict(model.precision) if model else None,
-            "compiled": self._compiled_info(model),
+            "compiled": self._with_build(model.compiled if model else None),
+            "lead_compiled": self._with_build(self.lead_compiled),
             "download": dict(self.download) if self.download else None,
         }
 
-    def _compiled_info(self, model: ModelInfo | None) -> dict[str, Any] | None:
-        """The compiled model's state for `status --json` (worker.compiled), with the build
-        in progress."""
-        if model is None or not model.compiled:
+    def _with_build(self, compiled: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A compiled model's state for `status --json` (worker.compiled, and
+        worker.lead_compiled for a recipe's RoFormer), with its build if one is in
+        progress."""
+        if not compiled:
             return None
-        info = dict(model.compiled)
+        info = dict(compiled)
         building = self.builder.info() if self.builder else None
         if building and building.get("key") == info.get("key"):
             info["build"] = {"pid": building["pid"], "started": building["started"]}
@@ -480,6 +484,8 @@ class WorkerClient:
                 shrink=shrink,
             ),
         }
+        if lead is not None and self.compiling:
+            request["compile"] = self.compiling.request()  # the lead's compiled model
         with self._lock:
             proc = self._ensure_process(control, device)
             watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
@@ -499,12 +505,34 @@ class WorkerClient:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
             watch.done()
+            fields = Separation.from_reply(reply)
+            if lead is not None:
+                device = str((proc.ready or {}).get("device") or "cpu")
+                fields["lead_compiled"] = self._lead_compile(lead, repo, reply, device)
             return Separation(
                 {k: Path(v) for k, v in reply["stems"].items()},
                 proc.pid,
                 float(reply["seconds"]),
-                **Separation.from_reply(reply),
+                **fields,
             )
+
+    def _lead_compile(
+        self, lead: Lead, repo: str | None, reply: dict[str, Any], device: str
+    ) -> dict[str, Any] | None:
+        """Where the compiled model of a recipe's RoFormer stands after a song: the build the
+        worker asked for ("building") started, one that failed in this service's life said
+        so (the next song with that lead adopts one that was built)."""
+        state = dict(reply.get("lead_compiled") or {}) or None
+        key = state.get("key") if state else None
+        if state is not None and key and state.get("state") == "building" and self.builder:
+            ended = self.builder.result(key)
+            if ended is None:
+                precision = str(state.get("precision") or "float32")
+                self.builder.request(key, lead.model, repo, precision, device, "roformer")
+            elif not ended.get("ok"):
+                state.update(state="failed", reason=f"the build failed: {ended.get('error')}")
+        self.lead_compiled = state
+        return state
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""

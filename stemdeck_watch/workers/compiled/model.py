@@ -18,6 +18,10 @@ never tries one that did not until torch, the model or the CPU changes.
 The network's own forward around the parts (its STFTs) and the transformer's position
 embedding stay eager: why, and why parts rather than whole networks, in compiled/graph.py.
 
+A recipe's RoFormer is compiled the same way, as a model of its own (the worker keeps a slot
+for it beside the Demucs model's): its parts are its transformers, band split and mask
+estimators, built for one chunk, and it is measured on one chunk of the synthetic song.
+
 The compiled code shares the eager model's weights (no second copy in memory) and is used
 only for the input shapes and modes it was built for: a request with its own segment, or one
 shrunk after the memory ran out, runs the eager model (worker.py), and a call the parts' guards
@@ -120,15 +124,17 @@ def use_inductor_cache(folder: Path) -> None:
 def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
     """While inside, the networks run their compiled code, and the calls are counted. A call
     its guards refuse (another shape, another mode than it was built for) runs eager, counted
-    as such, and the first is logged with the reason."""
+    as such, and the first is logged with the reason. The compiled code stands in for each
+    part's `forward`, so the part's hooks still run around it (a RoFormer's progress and
+    cancel within a chunk are hooks on its transformers: workers/roformer/inference.py)."""
     calls = Calls()
     for member, compiled in pairs:
-        member._compiled_call_impl = calls.guarded(member, compiled)
+        member.forward = calls.guarded(member, compiled)
     try:
         yield calls
     finally:
         for member, _ in pairs:
-            member._compiled_call_impl = None
+            vars(member).pop("forward", None)
 
 
 class Calls:
@@ -164,7 +170,7 @@ class Calls:
                     self.refused = f"{part}: {refusal(str(exc))}"
                     log.warning("a part ran eager: %s", self.refused)
                 self.eager += 1
-                return member._call_impl(*args, **kwargs)
+                return type(member).forward(member, *args, **kwargs)
             self.compiled += 1
             return out
 
@@ -212,20 +218,59 @@ class Measured:
     seconds_compiled: float
 
 
-def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Measured:
+Pass = Callable[[str], tuple[float, Any]]  # precision → seconds and stems of one pass
+
+
+def one_pass(model: Any, device: str) -> Pass:
+    """One pass of the built-in synthetic song through `model` in a precision, timed, as
+    separation runs it: the Demucs model's song split into its segments, a RoFormer's one
+    chunk (of a full-size one, tens of seconds on a CPU)."""
+    chunk = getattr(model, "chunk_size", None)
+    if chunk is None:
+        signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+        return lambda precision: run_once(model, device, precision, signal)
+    from stemdeck_watch.workers.compiled.graph import modes
+
+    seconds = chunk / int(model.samplerate) + 1.0
+    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels), seconds)
+    signal = signal[..., :chunk].contiguous().to(device)
+
+    def run(precision: str) -> tuple[float, Any]:
+        started = time.perf_counter()
+        with modes(device, precision):
+            out = model(signal)
+        return time.perf_counter() - started, out[0].float().cpu()
+
+    return run
+
+
+def measure(
+    model: Any,
+    pairs: list[tuple[Any, Any]],
+    device: str,
+    precision: str,
+    beat: Callable[[], None] = lambda: None,
+) -> Measured:
     """The compiled model against the eager one in `precision` on the synthetic song, and its
     stems against float32. Eager and compiled runs alternate (twice each, the faster of each
-    kept), so a burst of other work on the machine hits both alike."""
-    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+    kept), so a burst of other work on the machine hits both alike. `beat` after each call of
+    a part, eager or compiled: a watch on the worker hears it is alive (a full-size
+    RoFormer's pass takes tens of seconds on a CPU, more than a stall allows on a slow one)."""
+    run = one_pass(model, device)
     eager, compiled = [], []
-    out = None
-    for _ in range(2):
-        eager.append(run_once(model, device, precision, signal)[0])
-        with using(pairs) as calls:
-            seconds, out = run_once(model, device, precision, signal)
-        calls.require_all("the song")
-        compiled.append(seconds)
-    _, reference = run_once(model, device, "float32", signal)
+    out = reference = None
+    with contextlib.ExitStack() as hooks:
+        for part, _ in pairs:
+            hooks.callback(part.register_forward_hook(lambda *_: beat()).remove)
+        for _ in range(2):
+            seconds, reference = run(precision)
+            eager.append(seconds)
+            with using(pairs) as calls:
+                seconds, out = run(precision)
+            calls.require_all("the song")
+            compiled.append(seconds)
+        if precision != "float32":
+            _, reference = run("float32")
     return Measured(
         min(eager) / max(min(compiled), 1e-9), snr_db(reference, out), min(eager), min(compiled)
     )
@@ -295,8 +340,11 @@ class CompiledSlot:
             **self.figures,
         }
 
-    def refresh(self, model: Any, name: str, precision: str) -> dict[str, Any]:
-        """Where the compiled model stands now; adopts a build that has appeared since."""
+    def refresh(
+        self, model: Any, name: str, precision: str, beat: Callable[[], None] = lambda: None
+    ) -> dict[str, Any]:
+        """Where the compiled model stands now; adopts a build that has appeared since
+        (`beat`: after each step of measuring it)."""
         if self.setting == "off" or self.cache is None:
             return self.to_dict()
         if self.state in ("used", "unavailable", "failed", "not used"):
@@ -346,11 +394,16 @@ class CompiledSlot:
             self.state = "building"
             self.reason = "being built in the background; separating with the eager model"
             return self.to_dict()
-        self._adopt(model, precision, entry, verdict)
+        self._adopt(model, precision, entry, verdict, beat)
         return self.to_dict()
 
     def _adopt(
-        self, model: Any, precision: str, entry: dict[str, Any], verdict: Verdict | None
+        self,
+        model: Any,
+        precision: str,
+        entry: dict[str, Any],
+        verdict: Verdict | None,
+        beat: Callable[[], None],
     ) -> None:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
         whether it pays. The worker calls this between two songs, so nothing else runs on the
@@ -368,7 +421,8 @@ class CompiledSlot:
                     raise ValueError("the compiled model's output is not finite")
             load_seconds = time.monotonic() - started
             if verdict is None:
-                verdict = decide(self.setting, measure(model, pairs, self.device, precision))
+                measured = measure(model, pairs, self.device, precision, beat)
+                verdict = decide(self.setting, measured)
                 self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
             log.exception("compiled model could not be loaded; separating with the eager model")
