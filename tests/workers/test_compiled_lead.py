@@ -116,6 +116,16 @@ def test_the_lead_is_built_in_the_background_then_adopted_and_runs_as_eager_does
         assert len(inside) >= len([v for v in eager["reports"] if 0 < v < 0.5]) > 0
     finally:
         client.close()
+    # a restarted worker runs it from its first song: the verdict is kept, so it is only
+    # warmed up (one pass, beating the watch), not measured again
+    client = WorkerClient("cpu", precision="float32", compiling=CompileSettings("on", cache))
+    try:
+        third, again = separate(client, hybrid_recipe_repo, source, tmp_path / "third")
+        assert third.lead_compiled is not None and third.lead_compiled["used"] is True
+        assert again["reports"][:5] == [0.0] * 5 and again["reports"][5] != 0.0, again["reports"]
+        np.testing.assert_allclose(again["stems"]["vocals"], compiled["stems"]["vocals"])
+    finally:
+        client.close()
 
 
 def test_the_service_names_the_compiled_lead_in_the_manifest_and_status(

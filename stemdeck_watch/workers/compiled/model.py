@@ -244,33 +244,34 @@ def one_pass(model: Any, device: str) -> Pass:
     return run
 
 
-def measure(
-    model: Any,
-    pairs: list[tuple[Any, Any]],
-    device: str,
-    precision: str,
-    beat: Callable[[], None] = lambda: None,
-) -> Measured:
-    """The compiled model against the eager one in `precision` on the synthetic song, and its
-    stems against float32. Eager and compiled runs alternate (twice each, the faster of each
-    kept), so a burst of other work on the machine hits both alike. `beat` after each call of
-    a part, eager or compiled: a watch on the worker hears it is alive (a full-size
-    RoFormer's pass takes tens of seconds on a CPU, more than a stall allows on a slow one)."""
-    run = one_pass(model, device)
-    eager, compiled = [], []
-    out = reference = None
+@contextlib.contextmanager
+def beating(pairs: list[tuple[Any, Any]], beat: Callable[[], None]) -> Iterator[None]:
+    """While inside, `beat` after each call of a compiled part's module, eager or compiled:
+    a watch on the worker hears it is alive while a compiled model is warmed up or measured
+    (a pass of a full-size RoFormer takes tens of seconds on a CPU, more than a stall allows
+    on a slow one)."""
     with contextlib.ExitStack() as hooks:
         for part, _ in pairs:
             hooks.callback(part.register_forward_hook(lambda *_: beat()).remove)
-        for _ in range(2):
-            seconds, reference = run(precision)
-            eager.append(seconds)
-            with using(pairs) as calls:
-                seconds, out = run(precision)
-            calls.require_all("the song")
-            compiled.append(seconds)
-        if precision != "float32":
-            _, reference = run("float32")
+        yield
+
+
+def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Measured:
+    """The compiled model against the eager one in `precision` on the synthetic song, and its
+    stems against float32. Eager and compiled runs alternate (twice each, the faster of each
+    kept), so a burst of other work on the machine hits both alike."""
+    run = one_pass(model, device)
+    eager, compiled = [], []
+    out = reference = None
+    for _ in range(2):
+        seconds, reference = run(precision)
+        eager.append(seconds)
+        with using(pairs) as calls:
+            seconds, out = run(precision)
+        calls.require_all("the song")
+        compiled.append(seconds)
+    if precision != "float32":
+        _, reference = run("float32")
     return Measured(
         min(eager) / max(min(compiled), 1e-9), snr_db(reference, out), min(eager), min(compiled)
     )
@@ -344,7 +345,7 @@ class CompiledSlot:
         self, model: Any, name: str, precision: str, beat: Callable[[], None] = lambda: None
     ) -> dict[str, Any]:
         """Where the compiled model stands now; adopts a build that has appeared since
-        (`beat`: after each step of measuring it)."""
+        (`beat`: while it warms it up or measures it, see `beating`)."""
         if self.setting == "off" or self.cache is None:
             return self.to_dict()
         if self.state in ("used", "unavailable", "failed", "not used"):
@@ -416,14 +417,14 @@ class CompiledSlot:
         started = time.monotonic()
         try:
             pairs = open_compiled(model, self.cache.entry_dir(self.key), self.device, precision)
-            if verdict is not None and verdict.use:
-                if not warm(model, pairs, self.device, precision):
-                    raise ValueError("the compiled model's output is not finite")
-            load_seconds = time.monotonic() - started
-            if verdict is None:
-                measured = measure(model, pairs, self.device, precision, beat)
-                verdict = decide(self.setting, measured)
-                self.cache.record_verdict(self.key, verdict)
+            with beating(pairs, beat):
+                if verdict is not None and verdict.use:
+                    if not warm(model, pairs, self.device, precision):
+                        raise ValueError("the compiled model's output is not finite")
+                load_seconds = time.monotonic() - started
+                if verdict is None:
+                    verdict = decide(self.setting, measure(model, pairs, self.device, precision))
+                    self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
             log.exception("compiled model could not be loaded; separating with the eager model")
             self.state, self.pairs = "failed", []
