@@ -114,6 +114,8 @@ class _Process:
         self.on_download: Callable[[dict[str, Any]], None] | None = None
         self.ready: dict[str, Any] | None = None
         self.model: ModelInfo | None = None
+        # the compiled model of the latest recipe's RoFormer, as the latest song found it
+        self.lead_compiled: dict[str, Any] | None = None
         self._reading = threading.Event()  # set: the readers stop, whether the pipes ended
         self._threads = [
             threading.Thread(target=self._read_stdout, name=f"worker-{self.pid}-out", daemon=True),
@@ -270,8 +272,6 @@ class WorkerClient:
         self._load_watch: Watch | None = None  # the load's watch: a download report beats it
         self._download_lock = threading.Lock()
         self._paces: dict[str, Pace] = {}  # the time per segment measured, by device
-        # the latest recipe's RoFormer: its compiled model's state (status --json)
-        self.lead_compiled: dict[str, Any] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -311,8 +311,8 @@ class WorkerClient:
             proc = self._ensure_process(control, device)
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
-                if not self._compile_news(model):
-                    return model
+                if not self._build_for(model.compiled, name, repo, model.dtype, proc):
+                    return model  # no news of its compiled model: a build ended well
             # a load is watched as a separation is: the worker reports each step of it (and
             # a download's progress); one silent past the stall limit is stopped
             watch = self.pace().watch(self.pace().stall_limit(self.stall_seconds))
@@ -341,7 +341,7 @@ class WorkerClient:
                 proc.on_progress = None
                 self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
-            self._compile(proc.model, str((proc.ready or {}).get("device") or "cpu"))
+            self._build_for(proc.model.compiled, name, repo, proc.model.dtype, proc)
             choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
                 log.info(
@@ -361,31 +361,31 @@ class WorkerClient:
             )
             return proc.model
 
-    def _compile(self, model: ModelInfo, device: str) -> None:
-        """Start the background build the worker asked for ("building"); one that failed in
-        this service's life is reported, not tried again."""
-        if self.builder is None:
-            return
-        if self._build_ended(model) is None and model.compiled.get("state") == "building":
-            key = model.compiled["key"]
-            self.builder.request(key, model.name, model.repo, model.dtype, device)
-
-    def _compile_news(self, model: ModelInfo) -> bool:
-        """Whether the worker may have news of its compiled model: the build it waited for has
-        ended well (then the next load request adopts it)."""
-        ended = self._build_ended(model)
-        return bool(ended and ended.get("ok"))
-
-    def _build_ended(self, model: ModelInfo) -> dict[str, Any] | None:
-        """How the build the worker waits for ended (None: it has not, or none is awaited);
-        a failed one is written into the model's compiled state."""
-        state, key = model.compiled.get("state"), model.compiled.get("key")
-        if self.builder is None or state != "building" or not key:
-            return None
+    def _build_for(
+        self,
+        compiled: dict[str, Any],
+        name: str,
+        repo: str | None,
+        precision: str,
+        proc: _Process,
+        engine: str = "demucs",
+    ) -> bool:
+        """For a compiled model the worker waits for (`compiled`: its state, "building"):
+        start its background build, unless it ended in this service's life. Asked at every
+        song, as the builder takes one build at a time and ignores a request while another
+        runs. A failed build is written into `compiled`, never tried again. Whether it ended
+        well: then the worker has news (its next load, or the lead's next song, adopts it)."""
+        key = compiled.get("key")
+        if self.builder is None or compiled.get("state") != "building" or not key:
+            return False
         ended = self.builder.result(key)
-        if ended is not None and not ended.get("ok"):
-            model.compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
-        return ended
+        if ended is None:
+            device = str((proc.ready or {}).get("device") or "cpu")
+            self.builder.request(key, name, repo, precision, device, engine)
+            return False
+        if not ended.get("ok"):
+            compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
+        return bool(ended.get("ok"))
 
     def leaves_room(self) -> bool:
         """Whether other work can run beside a separation without slowing it: the worker
@@ -412,7 +412,7 @@ class WorkerClient:
             "model": model.name if model else None,
             "precision": dict(model.precision) if model else None,
             "compiled": self._with_build(model.compiled if model else None),
-            "lead_compiled": self._with_build(self.lead_compiled),
+            "lead_compiled": self._with_build(proc.lead_compiled if alive and proc else None),
             "download": dict(self.download) if self.download else None,
         }
 
@@ -506,33 +506,17 @@ class WorkerClient:
                 self.busy.append((started, time.monotonic()))
             watch.done()
             fields = Separation.from_reply(reply)
-            if lead is not None:
-                device = str((proc.ready or {}).get("device") or "cpu")
-                fields["lead_compiled"] = self._lead_compile(lead, repo, reply, device)
+            lead_compiled = fields["lead_compiled"]
+            if lead is not None and lead_compiled is not None:
+                precision = str(lead_compiled.get("precision") or "float32")
+                self._build_for(lead_compiled, lead.model, repo, precision, proc, "roformer")
+            proc.lead_compiled = lead_compiled
             return Separation(
                 {k: Path(v) for k, v in reply["stems"].items()},
                 proc.pid,
                 float(reply["seconds"]),
                 **fields,
             )
-
-    def _lead_compile(
-        self, lead: Lead, repo: str | None, reply: dict[str, Any], device: str
-    ) -> dict[str, Any] | None:
-        """Where the compiled model of a recipe's RoFormer stands after a song: the build the
-        worker asked for ("building") started, one that failed in this service's life said
-        so (the next song with that lead adopts one that was built)."""
-        state = dict(reply.get("lead_compiled") or {}) or None
-        key = state.get("key") if state else None
-        if state is not None and key and state.get("state") == "building" and self.builder:
-            ended = self.builder.result(key)
-            if ended is None:
-                precision = str(state.get("precision") or "float32")
-                self.builder.request(key, lead.model, repo, precision, device, "roformer")
-            elif not ended.get("ok"):
-                state.update(state="failed", reason=f"the build failed: {ended.get('error')}")
-        self.lead_compiled = state
-        return state
 
     def pace(self) -> Pace:
         """The time per segment measured on this worker's device."""

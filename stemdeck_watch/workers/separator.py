@@ -124,8 +124,8 @@ class Separation:
 
     @staticmethod
     def from_reply(reply: dict[str, Any]) -> dict[str, Any]:
-        """The window, segment, device, compiled and made-by fields of a worker's (local or
-        Ray) answer."""
+        """The window, segment, device, compiled, made-by and lead's compiled fields of a
+        worker's (local or Ray) answer."""
         return {
             "window": reply.get("window"),
             "segment": reply.get("segment"),

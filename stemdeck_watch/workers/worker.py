@@ -20,7 +20,7 @@ stdout, replies (nothing else is ever written to stdout):
      "sources": [...], "precision": CHOICE, "compiled": COMPILED}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
      "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL,
-     "made_by": {STEM: MODEL}, "lead_compiled": COMPILED + {"used": BOOL}|null}
+     "made_by": {STEM: MODEL}, "lead_compiled": COMPILED + {"precision": P, "used": BOOL}|null}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines (with "id": "@load" after each step of a
@@ -487,13 +487,16 @@ class Worker:
         from stemdeck_watch.workers.demucs.chunked import separate_to_files
         from stemdeck_watch.workers.faultseam import armed
 
+        beat = on_progress  # alive, no progress: not a point where a fault is due
         if arm:
             on_progress = armed(on_progress)  # faults on purpose, where tests ask for them
         model = self.model(request["model"], request.get("repo"))
         self.made_by = {str(stem): request["model"] for stem in model.sources}
         self.lead_ran = None
         if request.get("lead"):
-            return self._separate_led(request, model, input_path, output_dir, on_progress)
+            return self._separate_led(
+                request, model, input_path, output_dir, on_progress, lambda: beat(0.0)
+            )
         stats = None
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
@@ -527,10 +530,12 @@ class Worker:
         input_path: Path,
         output_dir: Path,
         on_progress: Callable[[float], None],
+        beat: Callable[[], None],
     ) -> dict[str, Path]:
         """A recipe's song (workers/recipe.py): its RoFormer, compiled where a compiled
-        model was built and pays, then the request's Demucs model on what it leaves."""
-        from stemdeck_watch.workers.recipe import lead_precision, separate_led
+        model was built and pays, then the request's Demucs model on what it leaves.
+        `beat`: while the compiled RoFormer is adopted, before the song starts."""
+        from stemdeck_watch.workers.recipe import lead_batch, lead_precision, separate_led
 
         step = request["lead"]
         lead = self.lead(str(step["model"]), request.get("repo"))
@@ -546,10 +551,11 @@ class Worker:
             request.get("repo"),
             precision,
             request.get("compile"),
-            lambda: on_progress(0.0),
+            beat,
         )
-        # shrunk after the memory ran out: another batch than the compiled one's
-        compiled = slot.active and not request.get("shrink")
+        # built for one chunk at a time (a CPU's batch): another batch runs it eager
+        one = lead_batch(step.get("batch_size"), lead.config.batch_size, self.device, request)
+        compiled = slot.active and one == 1
         with using(slot.pairs) if compiled else contextlib.nullcontext() as calls:
             paths, self.made_by = separate_led(
                 lead,

@@ -136,7 +136,7 @@ def unsupported(networks: list[Any]) -> str | None:
 def parts(network: Any, prefix: str = "") -> dict[str, Any]:
     """The parts of a network by name: its direct children, a list of layers opened into its
     layers (`encoder.0`, `encoder.1`, …), and a list of lists into theirs (a RoFormer's
-    blocks: `layers.0.1`, its first block's time transformer)."""
+    blocks: `layers.0.0`, its first block's first transformer)."""
     found: dict[str, Any] = {}
     for name, child in network.named_children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):

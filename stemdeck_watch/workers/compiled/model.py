@@ -314,9 +314,11 @@ def remeasured(verdict: Verdict) -> Measured:
 
 
 class CompiledSlot:
-    """The compiled model for the model a worker holds, in one precision: its state (off,
-    unavailable, building, used, not used, failed), why, and its figures, as the
-    load reply reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
+    """The compiled model for the model a worker holds (or its recipe's RoFormer), in one
+    precision: its state (off, unavailable, building, used, not used, failed), why, and its
+    figures, as the load reply reports them (`status --json`'s worker.compiled, doctor, every
+    manifest; a RoFormer's in the separate reply: worker.lead_compiled, the manifest's
+    recipe)."""
 
     def __init__(self, setting: str, cache: CompileCache | None, device: str):
         self.setting = setting
@@ -407,7 +409,8 @@ class CompiledSlot:
         beat: Callable[[], None],
     ) -> None:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
-        whether it pays. The worker calls this between two songs, so nothing else runs on the
+        whether it pays. The worker calls this between two songs (a recipe's RoFormer: as the
+        next song with it starts, before the song's own work), so nothing else runs on the
         model meanwhile and the measure has the machine to itself. Loading routes the
         model's position embedding (graph.py: prepare), which every slot of the model
         shares: the worker lets go of it once no slot is in use."""
@@ -415,9 +418,18 @@ class CompiledSlot:
 
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
+        interrupted: list[BaseException] = []
+
+        def heard() -> None:
+            try:
+                beat()
+            except BaseException as exc:  # a cancel said through it: not the compile's fault
+                interrupted.append(exc)
+                raise
+
         try:
             pairs = open_compiled(model, self.cache.entry_dir(self.key), self.device, precision)
-            with beating(pairs, beat):
+            with beating(pairs, heard):
                 if verdict is not None and verdict.use:
                     if not warm(model, pairs, self.device, precision):
                         raise ValueError("the compiled model's output is not finite")
@@ -426,6 +438,8 @@ class CompiledSlot:
                     verdict = decide(self.setting, measure(model, pairs, self.device, precision))
                     self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
+            if interrupted:
+                raise
             log.exception("compiled model could not be loaded; separating with the eager model")
             self.state, self.pairs = "failed", []
             self.reason = (
