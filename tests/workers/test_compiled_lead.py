@@ -98,6 +98,7 @@ def test_the_lead_is_built_in_the_background_then_adopted_and_runs_as_eager_does
             lambda: client.builder.result(lead["key"]), BUILD_TIMEOUT, "the RoFormer's compile"
         )
         assert ended["ok"], ended
+        cancel_while_measured_is_not_a_verdict(hybrid_recipe_repo, cache)
 
         second, compiled = separate(client, hybrid_recipe_repo, source, tmp_path / "second")
         lead = second.lead_compiled
@@ -159,3 +160,36 @@ def test_the_service_names_the_compiled_lead_in_the_manifest_and_status(
     snapshot = service.scheduler.snapshot()
     assert snapshot["worker"]["lead_compiled"]["state"] == "used"
     assert "compiled lead: used — compiled: " in render(snapshot)
+
+
+class Cancelled(Exception):
+    pass
+
+
+def cancel_while_measured_is_not_a_verdict(repo: Path, cache: Path) -> None:
+    """A cancel said through the watch's beat while the build is measured (as a Ray worker's
+    progress says one) is the song's: it goes up, and no verdict is kept for the build."""
+    torch = pytest.importorskip("torch")
+    import tqdm
+
+    from stemdeck_watch.workers.compiled.cache import CompileCache
+    from stemdeck_watch.workers.compiled.model import CompiledSlot
+    from stemdeck_watch.workers.demucs.precision import threads_for
+    from stemdeck_watch.workers.recipe import load_lead
+
+    def cancel() -> None:
+        raise Cancelled
+
+    threads, monitor = torch.get_num_threads(), tqdm.tqdm.monitor_interval
+    torch.set_num_threads(threads_for(0))  # the worker's: the build's key holds it
+    tqdm.tqdm.monitor_interval = 0  # no thread of tqdm's left behind by the compiled code
+    try:
+        lead = load_lead(ROFORMER, str(repo), "cpu")
+        slot = CompiledSlot("on", CompileCache(cache), "cpu")
+        with pytest.raises(Cancelled):
+            slot.refresh(lead.module, ROFORMER, "float32", cancel)
+    finally:
+        torch.set_num_threads(threads)
+        tqdm.tqdm.monitor_interval = monitor
+    assert slot.state not in ("used", "not used", "failed"), slot.to_dict()
+    assert not list(cache.glob("*.verdict.json"))
