@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="run each precision compiled too (torch.compile) and compare with eager",
+        help="run each precision compiled too, as the service compiles it, and compare with eager",
     )
     p.add_argument("--child", nargs=4, metavar=("MODEL", "PRECISION", "DEVICE", "OUT"))
     args = p.parse_args()
