@@ -167,6 +167,9 @@ def render(status: dict[str, Any], recent: int = 10) -> str:
     compiled = worker.get("compiled") or {}
     if compiled.get("state") not in (None, "off"):
         lines.append(f"compiled: {compiled['state']} — {compiled.get('reason')}")
+    lead = worker.get("lead_compiled") or {}  # a recipe's RoFormer
+    if lead.get("state") not in (None, "off"):
+        lines.append(f"compiled lead: {lead['state']} — {lead.get('reason')}")
     for each in status.get("workers") or []:
         if each.get("executor") == "ray":  # where each Ray worker runs
             lines.append(

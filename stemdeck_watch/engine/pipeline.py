@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from stemdeck_watch.core import choices
 from stemdeck_watch.core.config import MACHINE_KEYS, SERVICE_ONLY, Settings
@@ -357,7 +357,7 @@ class Pipeline:
                 },
                 # the recipe (separation.recipe): its vocal model and the Demucs model for
                 # the rest; null: the model alone
-                "recipe": _recipe_manifest(run.sep.recipe),
+                "recipe": _recipe_manifest(run.sep.recipe, result.lead_compiled),
                 "preset": job.preset,
                 **({"link": run.link.manifest()} if run.link else {}),
                 "settings": run.settings,
@@ -767,11 +767,13 @@ class Publishing:
         return self.pipeline.finish(self.run)
 
 
-def _recipe_manifest(name: str) -> dict[str, str] | None:
+def _recipe_manifest(name: str, compiled: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The recipe's models, and whether its RoFormer ran compiled and where that stands."""
     recipe = RECIPES.get(name)
     if recipe is None:
         return None
-    return {"name": recipe.name, "vocals": recipe.vocals, "rest": recipe.rest}
+    found: dict[str, Any] = {"name": recipe.name, "vocals": recipe.vocals, "rest": recipe.rest}
+    return {**found, "compiled": compiled} if compiled else found
 
 
 def _made_by(recipe: str, model: str, sources: tuple[str, ...]) -> dict[str, str]:

@@ -8,8 +8,8 @@ configuration asks for.
 
 The worker serves two engines, each in a room of its own: `demucs/` (the Demucs models, their
 catalogue and cache, bounded-memory inference, the precision choice, the last step of
-HTDemucs) and `roformer/` (a recipe's vocals); `compiled/` holds the Demucs model's compiled
-form. What every engine shares stays here: the worker process and its zygote, the interface,
+HTDemucs) and `roformer/` (a recipe's vocals); `compiled/` holds the compiled form of
+either. What every engine shares stays here: the worker process and its zygote, the interface,
 downloads, the pace and stall watch, the C heap, the processes' lifetime.
 
 Nothing in this package's `__init__` imports Ray: with `kind = "local"` Ray is never imported,

@@ -114,6 +114,8 @@ class _Process:
         self.on_download: Callable[[dict[str, Any]], None] | None = None
         self.ready: dict[str, Any] | None = None
         self.model: ModelInfo | None = None
+        # the compiled model of the latest recipe's RoFormer, as the latest song found it
+        self.lead_compiled: dict[str, Any] | None = None
         self._reading = threading.Event()  # set: the readers stop, whether the pipes ended
         self._threads = [
             threading.Thread(target=self._read_stdout, name=f"worker-{self.pid}-out", daemon=True),
@@ -309,8 +311,8 @@ class WorkerClient:
             proc = self._ensure_process(control, device)
             model = proc.model
             if model is not None and model.serves(name, repo, setting):
-                if not self._compile_news(model):
-                    return model
+                if not self._build_for(model.compiled, name, repo, model.dtype, proc):
+                    return model  # no news of its compiled model: a build ended well
             # a load is watched as a separation is: the worker reports each step of it (and
             # a download's progress); one silent past the stall limit is stopped
             watch = self.pace().watch(self.pace().stall_limit(self.stall_seconds))
@@ -339,7 +341,7 @@ class WorkerClient:
                 proc.on_progress = None
                 self._downloading(None, ended=True)
             proc.model = ModelInfo.loaded(name, repo, reply)
-            self._compile(proc.model, str((proc.ready or {}).get("device") or "cpu"))
+            self._build_for(proc.model.compiled, name, repo, proc.model.dtype, proc)
             choice = proc.model.precision
             if key not in self._decided and choice.get("speedup") is not None:
                 log.info(
@@ -359,31 +361,31 @@ class WorkerClient:
             )
             return proc.model
 
-    def _compile(self, model: ModelInfo, device: str) -> None:
-        """Start the background build the worker asked for ("building"); one that failed in
-        this service's life is reported, not tried again."""
-        if self.builder is None:
-            return
-        if self._build_ended(model) is None and model.compiled.get("state") == "building":
-            key = model.compiled["key"]
-            self.builder.request(key, model.name, model.repo, model.dtype, device)
-
-    def _compile_news(self, model: ModelInfo) -> bool:
-        """Whether the worker may have news of its compiled model: the build it waited for has
-        ended well (then the next load request adopts it)."""
-        ended = self._build_ended(model)
-        return bool(ended and ended.get("ok"))
-
-    def _build_ended(self, model: ModelInfo) -> dict[str, Any] | None:
-        """How the build the worker waits for ended (None: it has not, or none is awaited);
-        a failed one is written into the model's compiled state."""
-        state, key = model.compiled.get("state"), model.compiled.get("key")
-        if self.builder is None or state != "building" or not key:
-            return None
+    def _build_for(
+        self,
+        compiled: dict[str, Any],
+        name: str,
+        repo: str | None,
+        precision: str,
+        proc: _Process,
+        engine: str = "demucs",
+    ) -> bool:
+        """For a compiled model the worker waits for (`compiled`: its state, "building"):
+        start its background build, unless it ended in this service's life. Asked at every
+        song, as the builder takes one build at a time and ignores a request while another
+        runs. A failed build is written into `compiled`, never tried again. Whether it ended
+        well: then the worker has news (its next load, or the lead's next song, adopts it)."""
+        key = compiled.get("key")
+        if self.builder is None or compiled.get("state") != "building" or not key:
+            return False
         ended = self.builder.result(key)
-        if ended is not None and not ended.get("ok"):
-            model.compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
-        return ended
+        if ended is None:
+            device = str((proc.ready or {}).get("device") or "cpu")
+            self.builder.request(key, name, repo, precision, device, engine)
+            return False
+        if not ended.get("ok"):
+            compiled.update(state="failed", reason=f"the build failed: {ended.get('error')}")
+        return bool(ended.get("ok"))
 
     def leaves_room(self) -> bool:
         """Whether other work can run beside a separation without slowing it: the worker
@@ -409,16 +411,18 @@ class WorkerClient:
             "threads": ready.get("threads"),
             "model": model.name if model else None,
             "precision": dict(model.precision) if model else None,
-            "compiled": self._compiled_info(model),
+            "compiled": self._with_build(model.compiled if model else None),
+            "lead_compiled": self._with_build(proc.lead_compiled if alive and proc else None),
             "download": dict(self.download) if self.download else None,
         }
 
-    def _compiled_info(self, model: ModelInfo | None) -> dict[str, Any] | None:
-        """The compiled model's state for `status --json` (worker.compiled), with the build
-        in progress."""
-        if model is None or not model.compiled:
+    def _with_build(self, compiled: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A compiled model's state for `status --json` (worker.compiled, and
+        worker.lead_compiled for a recipe's RoFormer), with its build if one is in
+        progress."""
+        if not compiled:
             return None
-        info = dict(model.compiled)
+        info = dict(compiled)
         building = self.builder.info() if self.builder else None
         if building and building.get("key") == info.get("key"):
             info["build"] = {"pid": building["pid"], "started": building["started"]}
@@ -480,6 +484,8 @@ class WorkerClient:
                 shrink=shrink,
             ),
         }
+        if lead is not None and self.compiling:
+            request["compile"] = self.compiling.request()  # the lead's compiled model
         with self._lock:
             proc = self._ensure_process(control, device)
             watch = self.pace().watch(self.pace().stall_limit(stall_seconds))
@@ -499,11 +505,17 @@ class WorkerClient:
                 proc.on_progress = None
                 self.busy.append((started, time.monotonic()))
             watch.done()
+            fields = Separation.from_reply(reply)
+            lead_compiled = fields["lead_compiled"]
+            if lead is not None and lead_compiled is not None:
+                precision = str(lead_compiled.get("precision") or "float32")
+                self._build_for(lead_compiled, lead.model, repo, precision, proc, "roformer")
+            proc.lead_compiled = lead_compiled
             return Separation(
                 {k: Path(v) for k, v in reply["stems"].items()},
                 proc.pid,
                 float(reply["seconds"]),
-                **Separation.from_reply(reply),
+                **fields,
             )
 
     def pace(self) -> Pace:

@@ -115,6 +115,8 @@ class Separation:
     device: str | None = None
     compiled: bool = False  # the compiled model separated it
     made_by: dict[str, str] = dataclasses.field(default_factory=dict)  # stem → model
+    # a recipe's lead: where its compiled model stands, and whether it ran ("used")
+    lead_compiled: dict[str, Any] | None = None
 
     def sizes(self) -> dict[str, Any]:
         """The window, segment and device, for the manifest."""
@@ -122,14 +124,15 @@ class Separation:
 
     @staticmethod
     def from_reply(reply: dict[str, Any]) -> dict[str, Any]:
-        """The window, segment, device and compiled fields of a worker's (local or Ray)
-        answer."""
+        """The window, segment, device, compiled, made-by and lead's compiled fields of a
+        worker's (local or Ray) answer."""
         return {
             "window": reply.get("window"),
             "segment": reply.get("segment"),
             "device": reply.get("device"),
             "compiled": bool(reply.get("compiled")),
             "made_by": {str(k): str(v) for k, v in (reply.get("made_by") or {}).items()},
+            "lead_compiled": dict(reply["lead_compiled"]) if reply.get("lead_compiled") else None,
         }
 
 

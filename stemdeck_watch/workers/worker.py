@@ -11,15 +11,16 @@ stdin, requests (each may carry "req": N, which its reply echoes):
      "output": DIR, "shifts": N, "overlap": F, "segment": F|null,
      "precision": P, "mean": F, "std": F, "window": F, "shrink": N,
      "lead": {"engine": "roformer", "model": NAME, "batch_size": N|null,
-              "num_overlap": N|null, "precision": P}}  (the last six optional;
-     "lead": a recipe's model first, workers/recipe.py)
+              "num_overlap": N|null, "precision": P},
+     "compile": {...}|null}  (the last seven optional; "lead": a recipe's model first,
+     workers/recipe.py; "compile", with a lead, as in a load: for the lead's compiled model)
 stdout, replies (nothing else is ever written to stdout):
     {"event": "ready", "pid": N, "device": D, "threads": N, "versions": {...}}   once, at start
     {"op": "load", "ok": true, "model": NAME, "samplerate": N, "audio_channels": N,
      "sources": [...], "precision": CHOICE, "compiled": COMPILED}
     {"op": "separate", "id": JOB, "ok": true, "stems": {STEM: NPY}, "seconds": F,
      "window": F, "segment": F|null, "device": D, "shrink": N, "compiled": BOOL,
-     "made_by": {STEM: MODEL}}
+     "made_by": {STEM: MODEL}, "lead_compiled": COMPILED + {"precision": P, "used": BOOL}|null}
     {"op": ..., "ok": false, "kind": "model"|"memory"|"error", "error": TEXT,
      "traceback": TEXT, "device": "cuda"|"mps"|"cpu"|null}   ("memory": whose ran out)
 stderr: `@@progress {"id": JOB, "value": F}` lines (with "id": "@load" after each step of a
@@ -47,7 +48,9 @@ machine measured before, e.g. for a worker restarted after a cancel). CHOICE is
 COMPILED is `compiled.CompiledSlot.to_dict()`: whether the compiled model is used, why, and
 its figures; "building" asks the service to build it in the background (compiled/build.py), and
 a later load request adopts it once built. "compiled" in a separate reply: whether this song
-ran the compiled code.
+ran the compiled code. A recipe's RoFormer has a compiled model of its own, asked for by the
+separate request's "compile" and reported in its reply ("lead_compiled": "building" asks for
+the build, the next song with that lead adopts it before it starts; "used": this song ran it).
 `--threads N` sets torch's thread count (0: one per physical core).
 
 The worker exits when stdin closes or its parent dies, so a killed service never leaves a
@@ -277,7 +280,10 @@ class Worker:
         self._compiled: dict[tuple[str, str | None, str], CompiledSlot] = {}
         self.ran_compiled = False  # the latest separation ran the compiled model throughout
         self._leads: dict[tuple[str, str | None], Any] = {}  # a recipe's RoFormer (one)
+        self._lead_compiled: dict[tuple[str, str | None, str], CompiledSlot] = {}  # its compiled
         self.made_by: dict[str, str] = {}  # the latest separation's stem → model
+        # the latest separation's lead: its compiled model's state, and whether it ran
+        self.lead_ran: dict[str, Any] | None = None
 
     def lead(self, name: str, repo: str | None) -> Any:
         """A recipe's RoFormer, loaded on its first song and kept (one at a time)."""
@@ -286,6 +292,7 @@ class Worker:
         key = (name, repo)
         if key not in self._leads:
             self._leads.clear()
+            self._lead_compiled.clear()
             try:
                 self._leads[key] = load_lead(name, repo, self.device)
             except LeadUnavailable as exc:
@@ -348,21 +355,46 @@ class Worker:
         """The compiled model for the loaded model in `precision`, as `wanted` (the load
         request's "compile") asks: adopted from the cache once it is built there."""
         model = self.model(name, repo)
-        key = (name, repo, precision)
-        slot = self._compiled.get(key)
-        setting = str((wanted or {}).get("setting") or "off")
-        if slot is None or slot.setting != setting:
-            cache = None
-            if wanted and wanted.get("cache"):
-                cache = CompileCache(Path(wanted["cache"]), float(wanted.get("cap_mb") or 2048))
-            slot = self._compiled[key] = CompiledSlot(setting, cache, self.device)
-        slot.refresh(model, name, precision)
+        slot = self._slot(self._compiled, (name, repo, precision), wanted)
+        slot.refresh(model, name, precision, self.beat)
         if not any(other.active for other in self._compiled.values()):
             # loading a compiled model routes the model's position embedding, for every
             # precision alike: the eager model gets its own methods back once none is in use
             from stemdeck_watch.workers.compiled.graph import release
 
             release()
+        return slot
+
+    def lead_compiled(
+        self,
+        name: str,
+        repo: str | None,
+        precision: str,
+        wanted: dict[str, Any] | None,
+        beat: Callable[[], None],
+    ) -> CompiledSlot:
+        """The compiled model for a recipe's RoFormer in `precision`, as `wanted` (the
+        separate request's "compile") asks: adopted from the cache once it is built there,
+        before the song, which the measure of a new one delays (a watch hears each pass)."""
+        lead = self.lead(name, repo)
+        slot = self._slot(self._lead_compiled, (name, repo, precision), wanted)
+        slot.refresh(lead.module, name, precision, beat)
+        return slot
+
+    def _slot(
+        self,
+        slots: dict[tuple[str, str | None, str], CompiledSlot],
+        key: tuple[str, str | None, str],
+        wanted: dict[str, Any] | None,
+    ) -> CompiledSlot:
+        """The slot for `key` in `slots`, made anew when the setting changed."""
+        slot = slots.get(key)
+        setting = str((wanted or {}).get("setting") or "off")
+        if slot is None or slot.setting != setting:
+            cache = None
+            if wanted and wanted.get("cache"):
+                cache = CompileCache(Path(wanted["cache"]), float(wanted.get("cap_mb") or 2048))
+            slot = slots[key] = CompiledSlot(setting, cache, self.device)
         return slot
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -415,6 +447,7 @@ class Worker:
             "precision": request.get("precision") or "float32",
             **self.sizes(request, model),
             "made_by": self.made_by,
+            "lead_compiled": self.lead_ran,
         }
 
     def _compiled_for(self, request: dict[str, Any]) -> CompiledSlot | None:
@@ -454,31 +487,16 @@ class Worker:
         from stemdeck_watch.workers.demucs.chunked import separate_to_files
         from stemdeck_watch.workers.faultseam import armed
 
+        beat = on_progress  # alive, no progress: not a point where a fault is due
         if arm:
             on_progress = armed(on_progress)  # faults on purpose, where tests ask for them
         model = self.model(request["model"], request.get("repo"))
         self.made_by = {str(stem): request["model"] for stem in model.sources}
+        self.lead_ran = None
         if request.get("lead"):
-            from stemdeck_watch.workers.recipe import separate_led
-
-            lead = self.lead(str(request["lead"]["model"]), request.get("repo"))
-            if (lead.samplerate, lead.channels) != (model.samplerate, model.audio_channels):
-                raise ModelUnavailable(
-                    f"the RoFormer {request['lead']['model']!r} takes {lead.channels} "
-                    f"channel(s) at {lead.samplerate} Hz, the model {request['model']!r} "
-                    f"{model.audio_channels} at {model.samplerate} Hz: a recipe needs both alike"
-                )
-            paths, self.made_by = separate_led(
-                lead,
-                request,
-                input_path,
-                output_dir,
-                on_progress,
-                lambda rest, source, into, report: self.separate_files(
-                    rest, source, into, report, arm=False
-                ),
+            return self._separate_led(
+                request, model, input_path, output_dir, on_progress, lambda: beat(0.0)
             )
-            return paths
         stats = None
         if request.get("mean") is not None and request.get("std") is not None:
             stats = (float(request["mean"]), float(request["std"]))
@@ -503,6 +521,55 @@ class Worker:
                 on_progress=on_progress,
             )
         self.ran_compiled = calls is not None and calls.all_compiled
+        return paths
+
+    def _separate_led(
+        self,
+        request: dict[str, Any],
+        model: Any,
+        input_path: Path,
+        output_dir: Path,
+        on_progress: Callable[[float], None],
+        beat: Callable[[], None],
+    ) -> dict[str, Path]:
+        """A recipe's song (workers/recipe.py): its RoFormer, compiled where a compiled
+        model was built and pays, then the request's Demucs model on what it leaves.
+        `beat`: while the compiled RoFormer is adopted, before the song starts."""
+        from stemdeck_watch.workers.recipe import lead_batch, lead_precision, separate_led
+
+        step = request["lead"]
+        lead = self.lead(str(step["model"]), request.get("repo"))
+        if (lead.samplerate, lead.channels) != (model.samplerate, model.audio_channels):
+            raise ModelUnavailable(
+                f"the RoFormer {step['model']!r} takes {lead.channels} "
+                f"channel(s) at {lead.samplerate} Hz, the model {request['model']!r} "
+                f"{model.audio_channels} at {model.samplerate} Hz: a recipe needs both alike"
+            )
+        precision = lead_precision(step.get("precision"), self.device)
+        slot = self.lead_compiled(
+            str(step["model"]),
+            request.get("repo"),
+            precision,
+            request.get("compile"),
+            beat,
+        )
+        # built for one chunk at a time (a CPU's batch): another batch runs it eager
+        one = lead_batch(step.get("batch_size"), lead.config.batch_size, self.device, request)
+        compiled = slot.active and one == 1
+        with using(slot.pairs) if compiled else contextlib.nullcontext() as calls:
+            paths, self.made_by = separate_led(
+                lead,
+                request,
+                input_path,
+                output_dir,
+                on_progress,
+                lambda rest, source, into, report: self.separate_files(
+                    rest, source, into, report, arm=False
+                ),
+            )
+        if slot.setting != "off":
+            ran = bool(calls and calls.all_compiled)
+            self.lead_ran = {**slot.to_dict(), "precision": precision, "used": ran}
         return paths
 
 

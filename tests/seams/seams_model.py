@@ -431,7 +431,8 @@ class Model:
 
 def _stems_of_recipe(manifest: dict[str, Any]) -> list[str]:
     """What is wrong with a recipe song's manifest: not the recipe, a stem by a model the
-    recipe does not name, the vocals not the RoFormer's, stems that do not add up."""
+    recipe does not name, the vocals not the RoFormer's, stems that do not add up (whether
+    its RoFormer ran compiled or not), a compiled RoFormer run that was not in use."""
     recipe = manifest.get("recipe") or {}
     made_by = (manifest.get("model") or {}).get("made_by") or {}
     wrong = []
@@ -444,6 +445,9 @@ def _stems_of_recipe(manifest: dict[str, Any]) -> list[str]:
     residual = (manifest.get("levels") or {}).get("residual_db")
     if residual is not None and residual > RESIDUAL_DB:
         wrong.append(f"its stems miss the mix by {residual:.1f} dB")
+    compiled = recipe.get("compiled") or {}  # the RoFormer's compiled model ("on" here)
+    if compiled.get("used") and compiled.get("state") != "used":
+        wrong.append(f"its RoFormer ran a compiled model that is {compiled.get('state')}")
     return wrong
 
 

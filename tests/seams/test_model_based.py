@@ -35,6 +35,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -569,7 +570,9 @@ class SeamsMachine(RuleBasedStateMachine):
         removed: str | None = None
         assert self.service is not None
         said = f"the {role} is away"
+        answered = re.compile(rf"the {role} .* answers again after")
         before = self.service.output().count(said)
+        back_before = len(answered.findall(self.service.output()))
         if emptied:
             aside.mkdir()
             entries = sorted(os.listdir(folder), key=lambda name: name != OWNERSHIP_MARKER)
@@ -600,6 +603,15 @@ class SeamsMachine(RuleBasedStateMachine):
                 aside.rmdir()
             else:
                 os.rename(aside, folder)
+        # the service sees it back (a pause the person chose hides that from the queue's
+        # pause reason, and a share taken away again unseen would never be seen away again)
+        deadline = time.monotonic() + SHARE_BOUND
+        while len(answered.findall(self.service.output())) <= back_before:
+            if time.monotonic() > deadline:
+                self.check(
+                    [f"[share] the {role}'s share answered again {SHARE_BOUND:.0f} s unseen"]
+                )
+            time.sleep(POLL)
         if not self.until_paused_for(lambda reason: reason == theirs if theirs else reason != role):
             self.check(
                 [

@@ -19,6 +19,7 @@ from stemdeck_watch.core.jobs import JobState, made_by_words
 from stemdeck_watch.core.config import settings_from_dict
 from stemdeck_watch.stages.manifest import read_manifest
 from stemdeck_watch.util.synth import write_song
+from stemdeck_watch.workers.compiled.model import cxx_compiler
 from stemdeck_watch.workers.faultseam import FAULTS_ENV
 
 from support.helpers import config_data, outbox_entries, wait_for
@@ -43,7 +44,17 @@ def test_a_song_tagged_best_gets_roformer_vocals_and_demucs_stems_that_add_up(
     assert job.state is JobState.DONE, job.error
     folder = Path(job.output or "")
     manifest = read_manifest(folder)
-    assert manifest["recipe"] == {"name": "best", "vocals": ROFORMER, "rest": "htdemucs_ft"}
+    recipe = manifest["recipe"]
+    assert {k: recipe[k] for k in ("name", "vocals", "rest")} == {
+        "name": "best",
+        "vocals": ROFORMER,
+        "rest": "htdemucs_ft",
+    }
+    # compile "auto": a RoFormer this small never pays for a compile, and the manifest says so
+    if cxx_compiler() is not None:
+        assert recipe["compiled"]["state"] == "not used", recipe
+        assert "small model" in recipe["compiled"]["reason"]
+    assert recipe["compiled"]["used"] is False
     assert manifest["model"]["name"] == "htdemucs_ft"
     assert manifest["model"]["made_by"] == {
         "vocals": ROFORMER,

@@ -197,6 +197,27 @@ def test_a_build_killed_midway_leaves_no_entry_and_says_it_failed(
     assert sorted(p.name[:7] for p in cache.iterdir()) == [".build-"]
 
 
+def test_a_build_the_builder_was_too_busy_to_start_is_asked_for_again_at_the_next_song(
+    model_repo: Path, tmp_path: Path
+) -> None:
+    """One build runs at a time (a recipe's RoFormer may be building when a model loads):
+    the load's request is dropped then, and the next song's asks again."""
+    require_compiler()
+    client = client_for(tmp_path / "compiled")
+    try:
+        assert client.builder is not None
+        busy = {"key": "another model's", "model": "x", "pid": 0, "started": 0.0}
+        client.builder._building = busy  # another build runs
+        assert client.ensure_model("tiny", str(model_repo)).compiled["state"] == "building"
+        assert client.builder.info() == busy, "dropped while the other ran"
+        client.builder._building = None  # it ended
+        model = client.ensure_model("tiny", str(model_repo))  # the next song
+        info = client.builder.info()
+        assert info is not None and info["key"] == model.compiled["key"], info
+    finally:
+        client.close()
+
+
 def process_state(pid: int) -> str:
     """The state letter of process `pid` (T: stopped)."""
     return proc_stat(pid)[0]

@@ -23,13 +23,15 @@ and exits. The service stops the build's group itself with SIGKILL when it close
 waiting for the keeper. Elsewhere (no pidfds) the build is one process that dies with the
 service, and a stopped one's compilers are reaped by the next service (`reap`).
 
-It loads the model as the worker does, compiles each part of each network ahead of time into a
-build folder with a random name in the compiled-model cache (compiled/graph.py: the saved parts,
-and Inductor's code in the folder's own cache), loads them back and calls them once as the
-worker will, and makes the build an entry (compiled/cache.py: manifest written and read back,
-one rename). The worker adopts the entry between two songs.
+It loads the model as the worker does (a RoFormer, `--engine roformer`, as a recipe's lead
+is loaded), compiles each part of each network ahead of time into a build folder with a
+random name in the compiled-model cache (compiled/graph.py: the saved parts, and Inductor's
+code in the folder's own cache), loads them back and calls them once as the worker will, and
+makes the build an entry (compiled/cache.py: manifest written and read back, one rename). The
+worker adopts the entry between two songs.
 
-    python -m stemdeck_watch.workers.compiled.build --model NAME [--repo DIR] --precision P
+    python -m stemdeck_watch.workers.compiled.build --model NAME [--engine demucs|roformer]
+        [--repo DIR] --precision P
         --device cpu --cache DIR [--cap-mb N] [--threads N] [--parent PID]
 
 stdout: one JSON line at the end, {"ok": true, "key": K, "compile_seconds": F, "bytes": N} or
@@ -140,8 +142,13 @@ def build(args: Any) -> dict[str, Any]:
 
     set_backends()
     torch.set_num_threads(threads_for(args.threads))
-    model = load_model(args.model, args.repo)
-    model.to(args.device)
+    if args.engine == "roformer":  # a recipe's lead, loaded as the worker loads it
+        from stemdeck_watch.workers.recipe import load_lead
+
+        model = load_lead(args.model, args.repo, args.device).module
+    else:
+        model = load_model(args.model, args.repo)
+        model.to(args.device)
     key = key_for(model, args.model, args.precision, args.device)
     cache = CompileCache(Path(args.cache), args.cap_mb)
     if cache.entry(key) is not None:
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="stemdeck_watch.workers.compiled.build")
     parser.add_argument("--model", required=True)
+    parser.add_argument("--engine", choices=("demucs", "roformer"), default="demucs")
     parser.add_argument("--repo", default=None)
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--device", default="cpu")
@@ -315,8 +323,17 @@ class CompileBuilder:
         self._ended: dict[str, dict[str, Any]] = {}  # key → the build's result
         self._closed = False
 
-    def request(self, key: str, model: str, repo: str | None, precision: str, device: str) -> None:
-        """Build `key` unless it is being built, was built, or failed in this service's life."""
+    def request(
+        self,
+        key: str,
+        model: str,
+        repo: str | None,
+        precision: str,
+        device: str,
+        engine: str = "demucs",
+    ) -> None:
+        """Build `key` unless it is being built, was built, or failed in this service's life
+        (`engine`: "roformer" for a recipe's lead)."""
         with self._lock:
             if self._closed or self._building is not None or key in self._ended:
                 return
@@ -328,6 +345,8 @@ class CompileBuilder:
                 "stemdeck_watch.workers.compiled.build",
                 "--model",
                 model,
+                "--engine",
+                engine,
                 "--precision",
                 precision,
                 "--device",

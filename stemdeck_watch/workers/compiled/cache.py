@@ -176,7 +176,8 @@ class CompileSettings:
     cap_mb: float = 2048.0
 
     def request(self) -> dict[str, Any]:
-        """The "compile" field of a worker's load request."""
+        """The "compile" field of a worker's load request (and of a separate request with a
+        recipe's RoFormer, for its own compiled model)."""
         return {"setting": self.setting, "cache": str(self.cache), "cap_mb": self.cap_mb}
 
 

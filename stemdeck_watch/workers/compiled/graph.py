@@ -103,45 +103,58 @@ def release() -> None:
 def prepare(networks: list[Any]) -> None:
     """Route each network's position embedding through the operator. Eager separation gives
     the same stems through it; the compiled graphs need it, with the same owners. Modules an
-    earlier call routed go back to their own methods: their owner numbers are reused."""
+    earlier call routed go back to their own methods: their owner numbers are reused.
+    Networks with nothing to route (a RoFormer) leave another model's routing as it is."""
+    routed = [m for n in networks for m in n.modules() if callable(getattr(type(m), ROUTED, None))]
+    if not routed:
+        return
     release()
-    for network in networks:
-        for module in network.modules():
-            if callable(getattr(type(module), ROUTED, None)):
-                _OWNERS.append(module)
-                setattr(module, ROUTED, _pos_embedding_for(len(_OWNERS) - 1))
+    for module in routed:
+        _OWNERS.append(module)
+        setattr(module, ROUTED, _pos_embedding_for(len(_OWNERS) - 1))
 
 
 def unsupported(networks: list[Any]) -> str | None:
-    """Why these networks are not compiled, or None: only HTDemucs is. The others (HDemucs
-    of `hdemucs_mmi` and `mdx*`, Demucs v2) hold LSTMs, which a whole-part graph refuses, and
-    pad their last segment to another length than the rest, which the guards refuse."""
+    """Why these networks are not compiled, or None: HTDemucs and the RoFormers are. The
+    others (HDemucs of `hdemucs_mmi` and `mdx*`, Demucs v2) hold LSTMs, which a whole-part
+    graph refuses, and pad their last segment to another length than the rest, which the
+    guards refuse. (A RoFormer pads every chunk to its full length: workers/roformer.)"""
     from demucs.htdemucs import HTDemucs
 
-    other = sorted({type(n).__name__ for n in networks if not isinstance(n, HTDemucs)})
+    from stemdeck_watch.workers.roformer.architectures import ARCHITECTURES
+
+    compiled = (HTDemucs, *ARCHITECTURES.values())
+    other = sorted({type(n).__name__ for n in networks if not isinstance(n, compiled)})
     if other:
-        return f"compiling is for HTDemucs models (htdemucs, htdemucs_ft, htdemucs_6s), not {', '.join(other)}"
+        return (
+            f"compiling is for HTDemucs models (htdemucs, htdemucs_ft, htdemucs_6s) and the "
+            f"RoFormers, not {', '.join(other)}"
+        )
     return None
 
 
-def parts(network: Any) -> dict[str, Any]:
+def parts(network: Any, prefix: str = "") -> dict[str, Any]:
     """The parts of a network by name: its direct children, a list of layers opened into its
-    layers (`encoder.0`, `encoder.1`, …)."""
+    layers (`encoder.0`, `encoder.1`, …), and a list of lists into theirs (a RoFormer's
+    blocks: `layers.0.0`, its first block's first transformer)."""
     found: dict[str, Any] = {}
     for name, child in network.named_children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            found.update({f"{name}.{key}": layer for key, layer in child.named_children()})
+            found.update(parts(child, f"{prefix}{name}."))
         else:
-            found[name] = child
+            found[f"{prefix}{name}"] = child
     return found
 
 
 def segment_input(network: Any, device: str) -> torch.Tensor:
-    """Silence of the shape separation hands the network (one segment, batch of one), made
-    as separation makes it (an inference tensor): what the compiled parts are built for."""
-    frames = int(float(network.segment) * int(network.samplerate))
-    if hasattr(network, "valid_length"):
-        frames = int(network.valid_length(frames))
+    """Silence of the shape separation hands the network (one segment, or a RoFormer's
+    chunk, batch of one), made as separation makes it (an inference tensor): what the
+    compiled parts are built for."""
+    frames = getattr(network, "chunk_size", None)  # a RoFormer: workers/roformer/inference.py
+    if frames is None:
+        frames = int(float(network.segment) * int(network.samplerate))
+        if hasattr(network, "valid_length"):
+            frames = int(network.valid_length(frames))
     with torch.inference_mode():
         return torch.zeros(1, int(network.audio_channels), frames, device=device)
 

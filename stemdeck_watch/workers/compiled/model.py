@@ -18,6 +18,10 @@ never tries one that did not until torch, the model or the CPU changes.
 The network's own forward around the parts (its STFTs) and the transformer's position
 embedding stay eager: why, and why parts rather than whole networks, in compiled/graph.py.
 
+A recipe's RoFormer is compiled the same way, as a model of its own (the worker keeps a slot
+for it beside the Demucs model's): its parts are its transformers, band split and mask
+estimators, built for one chunk, and it is measured on one chunk of the synthetic song.
+
 The compiled code shares the eager model's weights (no second copy in memory) and is used
 only for the input shapes and modes it was built for: a request with its own segment, or one
 shrunk after the memory ran out, runs the eager model (worker.py), and a call the parts' guards
@@ -120,15 +124,17 @@ def use_inductor_cache(folder: Path) -> None:
 def using(pairs: list[tuple[Any, Any]]) -> Iterator[Calls]:
     """While inside, the networks run their compiled code, and the calls are counted. A call
     its guards refuse (another shape, another mode than it was built for) runs eager, counted
-    as such, and the first is logged with the reason."""
+    as such, and the first is logged with the reason. The compiled code stands in for each
+    part's `forward`, so the part's hooks still run around it (a RoFormer's progress and
+    cancel within a chunk are hooks on its transformers: workers/roformer/inference.py)."""
     calls = Calls()
     for member, compiled in pairs:
-        member._compiled_call_impl = calls.guarded(member, compiled)
+        member.forward = calls.guarded(member, compiled)
     try:
         yield calls
     finally:
         for member, _ in pairs:
-            member._compiled_call_impl = None
+            vars(member).pop("forward", None)
 
 
 class Calls:
@@ -164,7 +170,7 @@ class Calls:
                     self.refused = f"{part}: {refusal(str(exc))}"
                     log.warning("a part ran eager: %s", self.refused)
                 self.eager += 1
-                return member._call_impl(*args, **kwargs)
+                return type(member).forward(member, *args, **kwargs)
             self.compiled += 1
             return out
 
@@ -212,20 +218,60 @@ class Measured:
     seconds_compiled: float
 
 
+Pass = Callable[[str], tuple[float, Any]]  # precision → seconds and stems of one pass
+
+
+def one_pass(model: Any, device: str) -> Pass:
+    """One pass of the built-in synthetic song through `model` in a precision, timed, as
+    separation runs it: the Demucs model's song split into its segments, a RoFormer's one
+    chunk (of a full-size one, tens of seconds on a CPU)."""
+    chunk = getattr(model, "chunk_size", None)
+    if chunk is None:
+        signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+        return lambda precision: run_once(model, device, precision, signal)
+    from stemdeck_watch.workers.compiled.graph import modes
+
+    seconds = chunk / int(model.samplerate) + 1.0
+    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels), seconds)
+    signal = signal[..., :chunk].contiguous().to(device)
+
+    def run(precision: str) -> tuple[float, Any]:
+        started = time.perf_counter()
+        with modes(device, precision):
+            out = model(signal)
+        return time.perf_counter() - started, out[0].float().cpu()
+
+    return run
+
+
+@contextlib.contextmanager
+def beating(pairs: list[tuple[Any, Any]], beat: Callable[[], None]) -> Iterator[None]:
+    """While inside, `beat` after each call of a compiled part's module, eager or compiled:
+    a watch on the worker hears it is alive while a compiled model is warmed up or measured
+    (a pass of a full-size RoFormer takes tens of seconds on a CPU, more than a stall allows
+    on a slow one)."""
+    with contextlib.ExitStack() as hooks:
+        for part, _ in pairs:
+            hooks.callback(part.register_forward_hook(lambda *_: beat()).remove)
+        yield
+
+
 def measure(model: Any, pairs: list[tuple[Any, Any]], device: str, precision: str) -> Measured:
     """The compiled model against the eager one in `precision` on the synthetic song, and its
     stems against float32. Eager and compiled runs alternate (twice each, the faster of each
     kept), so a burst of other work on the machine hits both alike."""
-    signal = synthetic_signal(int(model.samplerate), int(model.audio_channels))
+    run = one_pass(model, device)
     eager, compiled = [], []
-    out = None
+    out = reference = None
     for _ in range(2):
-        eager.append(run_once(model, device, precision, signal)[0])
+        seconds, reference = run(precision)
+        eager.append(seconds)
         with using(pairs) as calls:
-            seconds, out = run_once(model, device, precision, signal)
+            seconds, out = run(precision)
         calls.require_all("the song")
         compiled.append(seconds)
-    _, reference = run_once(model, device, "float32", signal)
+    if precision != "float32":
+        _, reference = run("float32")
     return Measured(
         min(eager) / max(min(compiled), 1e-9), snr_db(reference, out), min(eager), min(compiled)
     )
@@ -268,9 +314,11 @@ def remeasured(verdict: Verdict) -> Measured:
 
 
 class CompiledSlot:
-    """The compiled model for the model a worker holds, in one precision: its state (off,
-    unavailable, building, used, not used, failed), why, and its figures, as the
-    load reply reports them (`status --json`'s worker.compiled, doctor, every manifest)."""
+    """The compiled model for the model a worker holds (or its recipe's RoFormer), in one
+    precision: its state (off, unavailable, building, used, not used, failed), why, and its
+    figures, as the load reply reports them (`status --json`'s worker.compiled, doctor, every
+    manifest; a RoFormer's in the separate reply: worker.lead_compiled, the manifest's
+    recipe)."""
 
     def __init__(self, setting: str, cache: CompileCache | None, device: str):
         self.setting = setting
@@ -295,8 +343,11 @@ class CompiledSlot:
             **self.figures,
         }
 
-    def refresh(self, model: Any, name: str, precision: str) -> dict[str, Any]:
-        """Where the compiled model stands now; adopts a build that has appeared since."""
+    def refresh(
+        self, model: Any, name: str, precision: str, beat: Callable[[], None] = lambda: None
+    ) -> dict[str, Any]:
+        """Where the compiled model stands now; adopts a build that has appeared since
+        (`beat`: while it warms it up or measures it, see `beating`)."""
         if self.setting == "off" or self.cache is None:
             return self.to_dict()
         if self.state in ("used", "unavailable", "failed", "not used"):
@@ -346,14 +397,20 @@ class CompiledSlot:
             self.state = "building"
             self.reason = "being built in the background; separating with the eager model"
             return self.to_dict()
-        self._adopt(model, precision, entry, verdict)
+        self._adopt(model, precision, entry, verdict, beat)
         return self.to_dict()
 
     def _adopt(
-        self, model: Any, precision: str, entry: dict[str, Any], verdict: Verdict | None
+        self,
+        model: Any,
+        precision: str,
+        entry: dict[str, Any],
+        verdict: Verdict | None,
+        beat: Callable[[], None],
     ) -> None:
         """Load the compiled model from its entry (seconds); measure it unless a verdict says
-        whether it pays. The worker calls this between two songs, so nothing else runs on the
+        whether it pays. The worker calls this between two songs (a recipe's RoFormer: as the
+        next song with it starts, before the song's own work), so nothing else runs on the
         model meanwhile and the measure has the machine to itself. Loading routes the
         model's position embedding (graph.py: prepare), which every slot of the model
         shares: the worker lets go of it once no slot is in use."""
@@ -361,16 +418,28 @@ class CompiledSlot:
 
         assert self.cache is not None and self.key is not None
         started = time.monotonic()
+        interrupted: list[BaseException] = []
+
+        def heard() -> None:
+            try:
+                beat()
+            except BaseException as exc:  # a cancel said through it: not the compile's fault
+                interrupted.append(exc)
+                raise
+
         try:
             pairs = open_compiled(model, self.cache.entry_dir(self.key), self.device, precision)
-            if verdict is not None and verdict.use:
-                if not warm(model, pairs, self.device, precision):
-                    raise ValueError("the compiled model's output is not finite")
-            load_seconds = time.monotonic() - started
-            if verdict is None:
-                verdict = decide(self.setting, measure(model, pairs, self.device, precision))
-                self.cache.record_verdict(self.key, verdict)
+            with beating(pairs, heard):
+                if verdict is not None and verdict.use:
+                    if not warm(model, pairs, self.device, precision):
+                        raise ValueError("the compiled model's output is not finite")
+                load_seconds = time.monotonic() - started
+                if verdict is None:
+                    verdict = decide(self.setting, measure(model, pairs, self.device, precision))
+                    self.cache.record_verdict(self.key, verdict)
         except Exception as exc:  # a compile that fails is never worth a failed song
+            if interrupted:
+                raise
             log.exception("compiled model could not be loaded; separating with the eager model")
             self.state, self.pairs = "failed", []
             self.reason = (

@@ -69,6 +69,11 @@ class _Spectral(nn.Module):
         self.hop_length = stft_hop_length
         self.win_length = stft_win_length
         self.normalized = stft_normalized
+        # the chunk separation runs it on, in samples, and their rate (the configuration's
+        # audio section, set by whoever builds it from one): what a compiled model is built
+        # and measured for (compiled/graph.py, compiled/model.py)
+        self.chunk_size: int | None = None
+        self.samplerate: int | None = None
         self.layers = build_blocks(
             dim=dim,
             depth=depth,

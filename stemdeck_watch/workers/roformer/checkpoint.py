@@ -67,9 +67,11 @@ def build_model(config: RoformerConfig, device: str | torch.device | None = None
     cls = ARCHITECTURES[config.architecture]
     try:
         with torch.device(device or "cpu"):
-            return cls(**config.model)
+            model = cls(**config.model)
     except ValueError as exc:
         raise ModelError(f"the model configuration {config.path}: {exc}") from exc
+    model.chunk_size, model.samplerate = config.chunk_size, config.sample_rate
+    return model
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
