@@ -730,7 +730,7 @@ class Pipeline:
             while not ahead[1].wait(0.1):
                 control.check()
         for folder in map(Path, self._published(digest, key)):
-            manifest = read_manifest(folder) or {}
+            manifest = self._published_manifest(folder, control)
             source = manifest.get("input")
             if (
                 isinstance(source, dict)
@@ -740,6 +740,17 @@ class Pipeline:
                 self._songs.release(job.id)
                 return folder
         return None
+
+    def _published_manifest(self, folder: Path, control: JobControl) -> dict[str, Any]:
+        """The manifest of a folder published in the outbox. While the outbox's share is away
+        it is waited for (a cancel, or the service stopping, raises meanwhile): an outbox
+        that cannot be read says nothing about whether this song was separated before."""
+        manifest = read_manifest(folder)
+        shares = self.shares
+        while manifest is None and shares is not None and not shares.check("outbox"):
+            shares.wait_back("outbox", control)
+            manifest = read_manifest(folder)
+        return manifest or {}
 
 
 class Publishing:

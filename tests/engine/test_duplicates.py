@@ -241,3 +241,39 @@ def test_a_song_whose_twin_in_flight_fails_is_separated_itself(
     assert manifest_of(second.output)["input"]["sha256"] == sha256_of(song)
     assert outbox_entries(settings.paths.outbox) == {"song copy"}
     assert (settings.paths.failed / "song.wav").is_file()
+
+
+def test_a_song_checked_while_the_outbox_is_away_waits_for_it_and_is_still_a_duplicate(
+    make_settings, service_factory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The outbox's share drops just as the same song, dropped again, is checked against
+    the folder its first copy was published to: an outbox that cannot be read is no answer,
+    the check waits for it, and the song is not separated a second time."""
+    from stemdeck_watch.engine import pipeline
+
+    settings = make_settings()
+    service, jobs = service_factory(settings)
+    song = write_song(tmp_path / "song.wav", 1.5, seed=5)
+    drop(song, settings.paths.inbox, "song.wav")
+    (first,) = done(jobs, 1)
+    assert first.state is JobState.DONE and first.output, first
+    outbox, aside = settings.paths.outbox, tmp_path / "outbox away"
+    real = pipeline.read_manifest
+    dropped: list[threading.Timer] = []
+
+    def share_drops(folder: Path) -> Any:
+        if Path(folder) == Path(first.output or "") and not dropped:
+            outbox.rename(aside)  # the mount under the outbox drops, for two seconds
+            dropped.append(threading.Timer(2.0, aside.rename, (outbox,)))
+            dropped[0].start()
+        return real(folder)
+
+    monkeypatch.setattr(pipeline, "read_manifest", share_drops)
+    drop(song, settings.paths.inbox, "song again.wav")
+    second = done(jobs, 2)[1]
+    assert dropped, "the check never looked at the first copy's folder"
+    dropped[0].join()
+    assert second.state is JobState.DONE and second.output == first.output, second
+    assert "already separated" in (second.error or "")
+    assert outbox_entries(outbox) == {"song"}
+    assert len(service.client.busy) == 1  # the worker separated it once
