@@ -28,7 +28,8 @@ is loaded), compiles each part of each network ahead of time into a build folder
 random name in the compiled-model cache (compiled/graph.py: the saved parts, and Inductor's
 code in the folder's own cache), loads them back and calls them once as the worker will, and
 makes the build an entry (compiled/cache.py: manifest written and read back, one rename). The
-worker adopts the entry between two songs.
+worker adopts the entry between two songs (a recipe's RoFormer: as the next song with it
+starts).
 
     python -m stemdeck_watch.workers.compiled.build --model NAME [--engine demucs|roformer]
         [--repo DIR] --precision P
